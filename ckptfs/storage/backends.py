@@ -25,6 +25,11 @@ class BackendSpec:
     read_options: Mapping[str, Any] = field(default_factory=dict)
     #: The weaker guarantee, stated when exclusive create is not enforced across processes.
     caveat: str = ""
+    #: A file being written is visible (half-written) under its name at once, so an aborted
+    #: write must delete it (fsspec's memory filesystem).
+    partial_visible: bool = False
+    #: Reads return one shared file object per path (memory): read through ``cat_file``.
+    shared_read_handles: bool = False
 
 
 _LOCAL = BackendSpec(
@@ -36,6 +41,8 @@ _MEMORY = BackendSpec(
     Capabilities("memory", exclusive_create="process_lock", atomic_rename=False, fsync=False,
                  empty_create_safe=True, real_directories=False, shared=False),
     package=None,
+    partial_visible=True,
+    shared_read_handles=True,
     caveat="memory:// is private to this process: exclusive create is enforced by a lock in "
     "this process only",
 )

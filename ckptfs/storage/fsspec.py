@@ -10,12 +10,13 @@ backend's :class:`~ckptfs.storage.base.Capabilities` say.
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, BinaryIO, cast
 
 import fsspec
@@ -134,7 +135,10 @@ class FsspecStorage:
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
         with self._errors("read", path):
-            f = self.fs.open(self.full(path), "rb", **self.spec.read_options)
+            if self.spec.shared_read_handles:
+                f = io.BytesIO(self.fs.cat_file(self.full(path)))
+            else:
+                f = self.fs.open(self.full(path), "rb", **self.spec.read_options)
         try:
             yield _Translating(f, self, path)
         finally:
@@ -194,6 +198,9 @@ class FsspecStorage:
             yield _Translating(f, self, path)
         except BaseException:
             _discard(f)
+            if self.spec.partial_visible:
+                with suppress(Exception):
+                    self.fs.rm_file(full)
             raise
         with self._errors("write", path):
             f.close()
@@ -239,6 +246,7 @@ class FsspecStorage:
         an empty or partial file under the final name (``O_EXCL`` + write could)."""
         full = self.full(path)
         parent = os.path.dirname(full)
+        os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:

@@ -1,0 +1,369 @@
+"""The conformance suite every backend passes: base test classes, one per concern.
+
+A backend's test module provides one fixture, ``backend``, returning a fresh
+:class:`~ckptfs.testing.backend.Backend` per test, and subclasses these classes::
+
+    class TestS3Commit(S3Fixtures, CommitConformance): ...
+
+A known gap of an emulator is marked at that backend's subclass (override the test and mark it
+``xfail`` with the reason), never by skipping the backend.  Users can run the suite against
+their own bucket the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidStepError,
+    StorageNotFoundError,
+    UnsupportedValueError,
+)
+from ..layout import MANIFEST_NAME, MARKER_NAME, StepPaths, step_dir_name
+from ..manifest import Manifest, Marker
+from .backend import Backend
+
+
+def small_state(seed: int = 0, step: int = 0) -> dict[str, Any]:
+    """A small but realistic state: a model, an optimizer after a step, trainer scalars."""
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 8, generator=g)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "trainer": {"step": step, "seed": seed, "loss": 0.5 + seed}}
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
+    """Structural, bit-exact equality (tensors by dtype, shape and bytes; NaN == NaN)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(_raw_bytes(a), _raw_bytes(b)), path
+        return
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (path, a, b)
+    if isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_state_equal(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_state_equal(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, (path, a, b)
+
+
+def committed_attempt(backend: Backend, step: int) -> str:
+    marker = json.loads(backend.raw_read(StepPaths(step).marker))
+    return str(marker["attempt"])
+
+
+class StorageConformance:
+    """The storage primitives the protocol relies on, through ckptfs's adapter."""
+
+    def test_write_read_list(self, backend: Backend) -> None:
+        st = backend.open().storage
+        st.write_bytes("a/b/one.bin", b"1" * 10)
+        with st.open_write("a/two.bin") as f:
+            f.write(b"2" * 5)
+            f.write(memoryview(b"3" * 5))
+        assert st.read_bytes("a/b/one.bin") == b"1" * 10
+        names = {e.name: e.size for e in st.list_tree("a")}
+        assert names == {"a/b/one.bin": 10, "a/two.bin": 10}
+        top = {e.basename: e.is_dir for e in st.list_dir("a")}
+        assert top == {"b": True, "two.bin": False}
+        assert backend.raw_read("a/two.bin") == b"2" * 5 + b"3" * 5
+
+    def test_missing_is_typed(self, backend: Backend) -> None:
+        st = backend.open().storage
+        with pytest.raises(StorageNotFoundError) as ei:
+            st.read_bytes("nope/x")
+        assert backend.url in str(ei.value)
+        assert st.list_dir("nope") == []
+        assert st.list_tree("nope") == []
+        assert not st.exists("nope/x")
+        st.delete("nope/x")
+        st.delete_tree("nope")
+
+    def test_create_exclusive(self, backend: Backend) -> None:
+        st = backend.open().storage
+        st.create_exclusive("m/COMPLETE", b"first")
+        with pytest.raises(CheckpointExistsError):
+            st.create_exclusive("m/COMPLETE", b"second")
+        assert backend.raw_read("m/COMPLETE") == b"first"
+
+    def test_create_exclusive_race(self, backend: Backend) -> None:
+        if not backend.open().capabilities.exclusive_create != "none":
+            pytest.skip("backend declares no exclusive create")  # pragma: no cover
+        st = backend.open().storage
+        wins: list[int] = []
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(8)
+
+        def racer(i: int) -> None:
+            barrier.wait()
+            try:
+                st.create_exclusive("race/COMPLETE", f"writer-{i}".encode())
+                wins.append(i)
+            except CheckpointExistsError:
+                pass
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert len(wins) == 1, wins
+        assert backend.raw_read("race/COMPLETE") == f"writer-{wins[0]}".encode()
+
+    def test_aborted_write_leaves_nothing(self, backend: Backend) -> None:
+        st = backend.open().storage
+        with pytest.raises(RuntimeError), st.open_write("ab/file.bin") as f:
+            f.write(b"x" * 1024)
+            raise RuntimeError("writer killed")
+        if not st.capabilities.real_directories:
+            assert not backend.raw_exists("ab/file.bin")
+
+    def test_listing_sees_other_client_at_once(self, backend: Backend) -> None:
+        st = backend.open().storage
+        assert st.list_tree("vis") == []
+        backend.raw_write("vis/x.bin", b"abc")
+        assert [e.name for e in st.list_tree("vis")] == ["vis/x.bin"]
+        assert [e.basename for e in st.list_dir("vis")] == ["x.bin"]
+        backend.raw_delete("vis/x.bin")
+        assert st.list_tree("vis") == []
+
+
+class CommitConformance:
+    """Save/load round trip and the commit protocol's on-storage effects."""
+
+    def test_roundtrip(self, backend: Backend) -> None:
+        store = backend.open()
+        state = small_state(1, step=10)
+        info = store.save(10, state)
+        assert info.step == 10
+        assert store.steps() == [10]
+        assert_state_equal(backend.open().load(), state)
+        assert_state_equal(backend.open().load(10), state)
+        assert backend.open().verify(10).ok
+        assert backend.open().verify(10, quick=True).ok
+
+    def test_layout_and_marker_bind_manifest(self, backend: Backend) -> None:
+        store = backend.open()
+        store.save(7, small_state())
+        paths = StepPaths(7)
+        files = backend.raw_files("checkpoints")
+        assert f"{paths.dir}/{MARKER_NAME}" in files
+        marker = Marker.from_bytes(backend.raw_read(paths.marker))
+        mbytes = backend.raw_read(paths.manifest(marker.attempt))
+        marker.check_manifest(mbytes, where="test")
+        manifest = Manifest.from_bytes(mbytes)
+        for entry in manifest.files:
+            assert files[f"{paths.attempt_dir(marker.attempt)}/{entry.path}"] == entry.size
+        assert not any(".tmp-" in name for name in files)
+        assert files[f"{paths.dir}/{MARKER_NAME}"] > 0
+
+    def test_committed_step_is_never_overwritten(self, backend: Backend) -> None:
+        store = backend.open()
+        store.save(3, small_state(1))
+        before = backend.raw_files("checkpoints")
+        with pytest.raises(CheckpointExistsError) as ei:
+            store.save(3, small_state(2))
+        assert "step 3" in str(ei.value)
+        assert backend.raw_files("checkpoints") == before
+        assert_state_equal(store.load(3), small_state(1))
+
+    def test_crashed_attempt_then_next_save(self, backend: Backend) -> None:
+        store = backend.open()
+        store.save(1, small_state(1))
+        # A writer that died after writing data but before the marker.
+        paths = StepPaths(2)
+        backend.raw_write(f"{paths.dir}/a-20200101T000000Z-deadbeefdeadbeef/state.msgpack",
+                          b"partial")
+        assert store.latest().step == 1  # type: ignore[union-attr]
+        assert store.steps() == [1]
+        info = store.save(2, small_state(2))
+        assert info.attempt != "a-20200101T000000Z-deadbeefdeadbeef"
+        assert_state_equal(backend.open().load(), small_state(2))
+
+    def test_unsupported_value_writes_nothing(self, backend: Backend) -> None:
+        store = backend.open()
+        with pytest.raises(UnsupportedValueError) as ei:
+            store.save(1, {"trainer": {"cb": lambda: 0}})
+        assert "trainer/cb" in str(ei.value)
+        assert backend.raw_files("checkpoints") == {}
+
+    @pytest.mark.parametrize("bad", [-1, 1.5, "10", True, None])
+    def test_bad_step(self, backend: Backend, bad: Any) -> None:
+        with pytest.raises(InvalidStepError):
+            backend.open().save(bad, small_state())
+
+    def test_load_missing_lists_existing(self, backend: Backend) -> None:
+        store = backend.open()
+        store.save(5, small_state())
+        with pytest.raises(CheckpointNotFoundError) as ei:
+            store.load(6)
+        assert "5" in str(ei.value)
+
+    def test_delete_removes_marker_first(self, backend: Backend) -> None:
+        store = backend.open()
+        store.save(1, small_state(1))
+        store.save(2, small_state(2))
+        store.delete(2)
+        assert store.steps() == [1]
+        assert store.latest().step == 1  # type: ignore[union-attr]
+        assert not any(k.startswith(StepPaths(2).dir) for k in backend.raw_files("checkpoints"))
+
+
+class LatestConformance:
+    """Resolution of "latest" by listing."""
+
+    def test_empty(self, backend: Backend) -> None:
+        store = backend.open()
+        assert store.latest() is None
+        assert store.steps() == []
+        with pytest.raises(CheckpointNotFoundError):
+            store.load()
+
+    def test_integer_order_not_string(self, backend: Backend) -> None:
+        store = backend.open()
+        for step in (9, 10, 100, 2):
+            store.save(step, small_state(step))
+        assert store.steps() == [2, 9, 10, 100]
+        assert backend.open().latest().step == 100  # type: ignore[union-attr]
+        # A longer-than-padded name still orders by value.
+        store.save(10**12 - 1, small_state(0))
+        assert backend.open().latest().step == 10**12 - 1  # type: ignore[union-attr]
+
+    def test_unparseable_names_ignored(self, backend: Backend) -> None:
+        store = backend.open()
+        store.save(4, small_state())
+        backend.raw_write("checkpoints/step-latest/COMPLETE", b"{}")
+        backend.raw_write("checkpoints/notes.txt", b"hello")
+        backend.raw_write("checkpoints/step-12/COMPLETE", b"{}")
+        assert backend.open().latest().step == 4  # type: ignore[union-attr]
+        assert backend.open().steps() == [4]
+
+    def test_incomplete_newest_skipped(self, backend: Backend) -> None:
+        store = backend.open()
+        store.save(1, small_state(1))
+        backend.raw_write(f"{StepPaths(5).dir}/a-20200101T000000Z-0123456789abcdef/"
+                          f"{MANIFEST_NAME}", b"{}")
+        assert backend.open().latest().step == 1  # type: ignore[union-attr]
+        assert_state_equal(backend.open().load(), small_state(1))
+
+    def test_corrupt_newest_raises_unless_rollback(self, backend: Backend) -> None:
+        store = backend.open()
+        store.save(1, small_state(1))
+        store.save(2, small_state(2))
+        attempt = committed_attempt(backend, 2)
+        mpath = StepPaths(2).manifest(attempt)
+        backend.raw_write(mpath, backend.raw_read(mpath).replace(b'"step": 2', b'"step": 3'))
+        with pytest.raises(CorruptCheckpointError) as ei:
+            backend.open().latest()
+        assert "step 2" in str(ei.value)
+        with pytest.raises(CorruptCheckpointError):
+            backend.open().load()
+        assert backend.open().latest(allow_rollback=True).step == 1  # type: ignore[union-attr]
+        assert_state_equal(backend.open().load(allow_rollback=True), small_state(1))
+
+    def test_corrupt_data_detected_on_load(self, backend: Backend) -> None:
+        store = backend.open()
+        store.save(1, small_state(1))
+        store.save(2, small_state(2))
+        attempt = committed_attempt(backend, 2)
+        path = StepPaths(2).file(attempt, "tensors-00000.safetensors")
+        data = bytearray(backend.raw_read(path))
+        data[-1] ^= 0x01
+        backend.raw_write(path, bytes(data))
+        with pytest.raises(CorruptCheckpointError) as ei:
+            backend.open().load()
+        assert "tensors-00000.safetensors" in str(ei.value)
+        assert backend.open().verify(2, quick=True).ok  # same size: only full verify sees it
+        with pytest.raises(CorruptCheckpointError):
+            backend.open().verify(2)
+        assert_state_equal(backend.open().load(allow_rollback=True), small_state(1))
+
+    def test_second_client_sees_commit_at_once(self, backend: Backend) -> None:
+        reader = backend.open()
+        assert reader.latest() is None
+        writer = backend.open()
+        writer.save(1, small_state(1))
+        assert reader.latest().step == 1  # type: ignore[union-attr]
+        writer.save(2, small_state(2))
+        assert reader.steps() == [1, 2]
+        writer.delete(2)
+        assert reader.latest().step == 1  # type: ignore[union-attr]
+
+    def test_step_dir_names(self, backend: Backend) -> None:
+        backend.open().save(1000, small_state())
+        assert f"checkpoints/{step_dir_name(1000)}/{MARKER_NAME}" in backend.raw_files()
+
+
+class RaceConformance:
+    """Writers racing on the same step (a zombie job and its replacement)."""
+
+    writers = 8
+
+    def _race(self, backend: Backend, target: Callable[[int], None]) -> tuple[list[int], list[
+            BaseException], list[BaseException]]:
+        wins: list[int] = []
+        lost: list[BaseException] = []
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(self.writers)
+
+        def run(i: int) -> None:
+            barrier.wait()
+            try:
+                target(i)
+                wins.append(i)
+            except CheckpointExistsError as exc:
+                lost.append(exc)
+            except BaseException as exc:  # pragma: no cover - reported by the assertion
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(self.writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return wins, lost, errors
+
+    def test_threads_same_step_one_winner(self, backend: Backend) -> None:
+        stores = [backend.open() for _ in range(self.writers)]
+        wins, lost, errors = self._race(
+            backend, lambda i: stores[i].save(50, small_state(i, step=50)))
+        assert not errors, errors
+        assert len(wins) == 1, f"winners: {wins}"
+        assert len(lost) == self.writers - 1
+        reader = backend.open()
+        assert reader.steps() == [50]
+        assert reader.verify(50).ok
+        assert_state_equal(reader.load(50), small_state(wins[0], step=50))
+        # Losers removed their attempts: only the winner's remains.
+        attempts = {k.split("/")[2] for k in backend.raw_files(StepPaths(50).dir)
+                    if k.count("/") >= 3}
+        assert attempts == {committed_attempt(backend, 50)}
