@@ -35,3 +35,76 @@ def local_backend(tmp_path) -> Backend:  # type: ignore[no-untyped-def]
 @pytest.fixture
 def memory_backend() -> Backend:
     return Backend("memory", f"memory://{unique_name()}")
+
+
+# -- storage servers ---------------------------------------------------------------------------
+# One server per session on a free loopback port (fixed ports collide between parallel runs),
+# reset before each test that uses it, stopped in the context manager's ``finally``.  A server
+# that cannot start fails the tests that need it (never a silent skip): the README's set-up
+# installs all of them.
+
+from collections.abc import Iterator  # noqa: E402
+
+from ckptfs.testing import servers  # noqa: E402
+
+
+def _server(name: str) -> Iterator[servers.ServerInfo]:
+    reason = servers.available(name)
+    if reason is not None:
+        pytest.fail(f"storage server {name!r} unavailable: {reason}; run scripts/setup.sh")
+    with servers.SERVERS[name]() as info:
+        yield info
+
+
+@pytest.fixture(scope="session")
+def moto() -> Iterator[servers.ServerInfo]:
+    yield from _server("moto")
+
+
+@pytest.fixture(scope="session")
+def ministack() -> Iterator[servers.ServerInfo]:
+    yield from _server("ministack")
+
+
+@pytest.fixture(scope="session")
+def fake_gcs() -> Iterator[servers.ServerInfo]:
+    yield from _server("gcs")
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[servers.ServerInfo]:
+    yield from _server("azurite")
+
+
+def server_backend(name: str, info: servers.ServerInfo) -> Backend:
+    info.reset()
+    return Backend(name, info.url(unique_name()), dict(info.storage_options), env=dict(info.env))
+
+
+@pytest.fixture
+def s3_backend(moto: servers.ServerInfo) -> Backend:
+    return server_backend("s3-moto", moto)
+
+
+@pytest.fixture
+def ministack_backend(ministack: servers.ServerInfo) -> Backend:
+    return server_backend("s3-ministack", ministack)
+
+
+@pytest.fixture
+def gcs_backend(fake_gcs: servers.ServerInfo) -> Backend:
+    return server_backend("gcs-fake", fake_gcs)
+
+
+@pytest.fixture
+def azure_backend(azurite: servers.ServerInfo) -> Backend:
+    return server_backend("azure-azurite", azurite)
+
+
+ALL_BACKENDS = ["local", "memory", "s3", "ministack", "gcs", "azure"]
+
+
+@pytest.fixture(params=ALL_BACKENDS)
+def any_backend(request: pytest.FixtureRequest) -> Backend:
+    """Every backend, for tests that are not conformance classes (e.g. crash sweeps)."""
+    return request.getfixturevalue(f"{request.param}_backend")  # type: ignore[no-any-return]

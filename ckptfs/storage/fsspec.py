@@ -41,14 +41,35 @@ _MEMORY_LOCK = threading.Lock()
 
 def _is_precondition_failure(exc: BaseException) -> bool:
     """A create-only write refused because the object exists, whatever class the library used:
-    s3fs raises FileExistsError only when the 412 names ``If-None-Match``, else OSError(EINVAL);
-    gcsfs and adlfs have their own; all carry 412 / PreconditionFailed / ConditionNotMet."""
-    if isinstance(exc, FileExistsError):
-        return True
-    text = f"{type(exc).__name__} {exc}"
-    markers = ("412", "PreconditionFailed", "Precondition Failed", "ConditionNotMet",
-               "BlobAlreadyExists", "conditionNotMet")
-    return any(m in text for m in markers)
+    s3fs raises FileExistsError only when the 412 names ``If-None-Match``, else OSError(EINVAL)
+    (ministack); gcsfs and adlfs have their own.  The exception chain is searched for an HTTP
+    412 status or a precondition error code."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, FileExistsError):
+            return True
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            meta = response.get("ResponseMetadata", {})
+            code = response.get("Error", {}).get("Code", "")
+            if meta.get("HTTPStatusCode") == 412 or code in _PRECONDITION_CODES:
+                return True
+        status = getattr(cur, "status_code", None) or getattr(cur, "code", None)
+        if status == 412 or getattr(cur, "error_code", None) in _PRECONDITION_CODES:
+            return True
+        text = str(cur)
+        if any(m in text for m in _PRECONDITION_TEXT):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+_PRECONDITION_CODES = {"PreconditionFailed", "ConditionNotMet", "BlobAlreadyExists",
+                       "conditionNotMet"}
+_PRECONDITION_TEXT = ("PreconditionFailed", "Precondition Failed", "ConditionNotMet",
+                      "pre-conditions you specified did not hold", "BlobAlreadyExists")
 
 
 class FsspecStorage:

@@ -1,0 +1,35 @@
+"""The conformance suite on S3 through s3fs against ministack (its 412 has no Condition element, so s3fs raises OSError(EINVAL), not FileExistsError)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptfs.testing.backend import Backend
+from ckptfs.testing.conformance import (
+    CommitConformance,
+    LatestConformance,
+    RaceConformance,
+    StorageConformance,
+)
+
+
+class MinistackFixtures:
+    @pytest.fixture
+    def backend(self, ministack_backend: Backend) -> Backend:
+        return ministack_backend
+
+
+class TestMinistackStorage(MinistackFixtures, StorageConformance):
+    pass
+
+
+class TestMinistackCommit(MinistackFixtures, CommitConformance):
+    pass
+
+
+class TestMinistackLatest(MinistackFixtures, LatestConformance):
+    pass
+
+
+class TestMinistackRace(MinistackFixtures, RaceConformance):
+    pass
