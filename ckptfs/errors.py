@@ -71,3 +71,27 @@ class BackendUnavailableError(CkptfsError, ImportError):
 
 class HashAlgorithmUnavailableError(CkptfsError, ImportError):
     """The requested hash algorithm needs a package that is not installed."""
+
+
+class RngStateError(CkptfsError, ValueError):
+    """An RNG state that cannot be restored: malformed, or missing for this rank when the caller
+    asked for an exact restore."""
+
+
+class ArtifactConflictError(CkptfsError, FileExistsError):
+    """A write-once run artifact already exists under this name with a different descriptor."""
+
+
+class ArtifactMismatchError(CorruptCheckpointError):
+    """A run artifact whose content or descriptor does not match what was recorded or asked."""
+
+
+class ProvenanceMismatchError(CkptfsError, ValueError):
+    """Resuming under a run config or provenance that differs from the checkpoint's.
+    ``differences`` lists ``(key, expected, actual)`` for every differing key."""
+
+    def __init__(self, message: str, *, differences: list[tuple[str, object, object]],
+                 diagnostic: str | None = None) -> None:
+        super().__init__(message)
+        self.differences = differences
+        self.diagnostic = diagnostic

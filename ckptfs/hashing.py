@@ -50,16 +50,18 @@ def _xxh3_128() -> Hasher:
 
 
 class _Crc32c:
-    """google-crc32c's incremental API returns the running value; wrap it as a hasher."""
+    """The ``crc32c`` package's function returns the running value; wrap it as a hasher.  (It
+    takes any buffer, memoryviews included, and releases the GIL; google-crc32c rejects
+    writable memoryviews.)"""
 
     def __init__(self) -> None:
-        import google_crc32c
+        import crc32c
 
         self._value = 0
-        self._extend = google_crc32c.extend
+        self._fn = crc32c.crc32c
 
     def update(self, data: bytes | bytearray | memoryview, /) -> None:
-        self._value = self._extend(self._value, data)
+        self._value = self._fn(data, self._value)
 
     def hexdigest(self) -> str:
         return f"{self._value:08x}"
@@ -69,7 +71,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "sha256": Algorithm("sha256", None, True, _sha256),
     "blake3": Algorithm("blake3", "blake3", True, _blake3),
     "xxh3-128": Algorithm("xxh3-128", "xxhash", False, _xxh3_128),
-    "crc32c": Algorithm("crc32c", "google-crc32c", False, _Crc32c),
+    "crc32c": Algorithm("crc32c", "crc32c", False, _Crc32c),
 }
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    FormatVersionError,
     StorageNotFoundError,
 )
 from .layout import CHECKPOINTS_DIR, MARKER_NAME, StepPaths, parse_step_dir
@@ -127,6 +128,8 @@ def resolve_latest(storage: Storage, *, allow_rollback: bool = False) -> Checkpo
         except CheckpointNotFoundError:
             log.debug("step %d at %s is incomplete; skipped", step, storage.url)
             continue
+        except FormatVersionError:
+            raise  # written by a newer ckptfs: never skipped, never rolled back over
         except CorruptCheckpointError as exc:
             if not allow_rollback:
                 raise CorruptCheckpointError(

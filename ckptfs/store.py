@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .commit import default_threads, save_checkpoint
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from .hashing import DEFAULT_ALGORITHM, new_hasher
 from .layout import StepPaths, check_step
 from .reader import MapLocation, VerifyReport, load_checkpoint, verify_checkpoint
@@ -118,6 +118,8 @@ class CheckpointStore:
                                        map_location=map_location, threads=self.threads)
             except CheckpointNotFoundError:
                 continue
+            except FormatVersionError:
+                raise
             except CorruptCheckpointError as exc:
                 if not allow_rollback:
                     raise CorruptCheckpointError(

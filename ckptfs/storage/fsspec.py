@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, cast
 
 import fsspec
 import fsspec.core
-import fsspec.registry
+from fsspec.registry import known_implementations
 
 from ..errors import (
     BackendUnavailableError,
@@ -83,7 +83,7 @@ class FsspecStorage:
         try:
             fs, root = fsspec.core.url_to_fs(url, **options)
         except ImportError as exc:
-            known = fsspec.registry.known_implementations.get(protocol, {})
+            known = known_implementations.get(protocol, {})
             hint = known.get("err") or f"install the fsspec implementation of {protocol!r}"
             raise BackendUnavailableError(f"cannot open {url}: {hint}") from exc
         except ValueError as exc:

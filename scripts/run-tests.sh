@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole test suite, from nothing: set-up (idempotent), then pytest.  Storage servers (moto,
+# ministack, fake-gcs-server, azurite) are started by the tests themselves on free loopback ports.
+# Extra arguments go to pytest (e.g. -k s3, --runslow).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest "$@"
