@@ -173,7 +173,8 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
     key path of the first value the format cannot hold, before any byte is written."""
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(
-            f"state must be a dict (e.g. {{'model': model.state_dict()}}), got {type(state).__name__}"
+            "state must be a dict (e.g. {'model': model.state_dict()}), got "
+            f"{type(state).__name__}"
         )
     flat = _Flattener()
     tree = flat.encode(state, ())
@@ -242,11 +243,14 @@ def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
-    """The bytes of a CPU contiguous tensor, without a copy.  The caller keeps ``t`` alive."""
+    """The bytes of a CPU contiguous tensor, without a copy.  The view (and every slice of it)
+    keeps ``t`` alive, so a chunk still queued for writing or hashing never outlives a
+    temporary copy made for a GPU or non-contiguous tensor."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return memoryview(b"")
     buf = (ctypes.c_ubyte * nbytes).from_address(t.data_ptr())
+    buf._ckptfs_owner = t  # type: ignore[attr-defined]
     return memoryview(buf).cast("B")
 
 
@@ -297,7 +301,8 @@ def decode_state_doc(data: bytes, *, where: str) -> tuple[Any, list[TensorSlot]]
     if not isinstance(doc, dict) or doc.get("schema") != STATE_SCHEMA:
         raise CorruptCheckpointError(f"{where}: not a ckptfs state document")
     if doc.get("format_version") != 1:
-        raise CorruptCheckpointError(f"{where}: unsupported state format {doc.get('format_version')!r}")
+        raise CorruptCheckpointError(
+            f"{where}: unsupported state format {doc.get('format_version')!r}")
     raw_slots = doc.get("tensors")
     if not isinstance(raw_slots, list):
         raise CorruptCheckpointError(f"{where}: 'tensors' is not a list")

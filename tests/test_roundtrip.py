@@ -103,7 +103,8 @@ def test_value_types_exact(backend: Backend) -> None:
     state = {
         "trainer": OrderedDict([("step", 1000), ("epoch", 3), ("loss", 0.42)]),
         "ints": {0: "zero", 1: "one", -5: "neg", 2**40: "big"},
-        "mixed_keys": {1: "int", "1": "str", True: "bool-key-collides-with-1?"},
+        "mixed_keys": {1: "int", "1": "str", 1.5: "float", None: "none", b"k": "bytes",
+                       (1, "a"): "tuple"},
         "tuple": (1, (2, 3), [4, (5,)]),
         "none": None, "bools": [True, False], "bytes": b"\x00\xff" * 10, "str": "héllo ✓",
         "bigint": 2**100, "negbig": -(2**80), "u64max": 2**64 - 1,

@@ -113,8 +113,6 @@ class StorageConformance:
         assert backend.raw_read("m/COMPLETE") == b"first"
 
     def test_create_exclusive_race(self, backend: Backend) -> None:
-        if not backend.open().capabilities.exclusive_create != "none":
-            pytest.skip("backend declares no exclusive create")  # pragma: no cover
         st = backend.open().storage
         wins: list[int] = []
         errors: list[BaseException] = []
