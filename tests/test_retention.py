@@ -1,0 +1,232 @@
+"""Retention (keep_last, keep_every, best, protected), pruning and the running-best tracker
+(local and memory)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.errors import CheckpointExistsError
+from ckptfs.layout import StepPaths
+from ckptfs.records import RecordLog
+from ckptfs.retention import (
+    Best,
+    BestTracker,
+    RetentionPolicy,
+    plan_retention,
+    prune,
+    read_best,
+)
+from ckptfs.testing.backend import Backend
+from ckptfs.testing.lifecycle import CrashingStorage, InjectedCrash
+
+
+@pytest.fixture(params=["local", "memory"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return request.getfixturevalue(f"{request.param}_backend")  # type: ignore[no-any-return]
+
+
+def fill(backend: Backend, steps: list[int]) -> ckptfs.CheckpointStore:
+    store = backend.open()
+    for s in steps:
+        store.save(s, {"x": torch.full((2,), float(s))})
+    return store
+
+
+# -- the pure plan ---------------------------------------------------------------------------
+
+
+def test_plan_rules() -> None:
+    plan = plan_retention(range(0, 110, 10), RetentionPolicy(keep_last=2, keep_every=50),
+                          best=[30], protected=[20, 999])
+    assert sorted(plan.keep) == [0, 20, 30, 50, 90, 100]
+    assert plan.keep[100] == ["newest", "last-2", "every-50"]
+    assert plan.keep[30] == ["best"] and plan.keep[20] == ["protected"]
+    assert plan.delete == [10, 40, 60, 70, 80]
+
+
+def test_plan_never_deletes_newest_and_none_keeps_all() -> None:
+    assert plan_retention([1, 2, 3], RetentionPolicy(keep_last=1)).delete == [1, 2]
+    assert plan_retention([1, 2, 3], RetentionPolicy()).delete == []
+    assert plan_retention([], RetentionPolicy(keep_last=1)).delete == []
+    with pytest.raises(ValueError):
+        RetentionPolicy(keep_last=0)
+    with pytest.raises(ValueError):
+        Best("m", "up")  # type: ignore[arg-type]
+
+
+# -- pruning on storage ----------------------------------------------------------------------
+
+
+def test_prune_and_dry_run(backend: Backend) -> None:
+    store = fill(backend, [10, 20, 30, 40, 50])
+    dry = prune(store, RetentionPolicy(keep_last=2), protected=[10], dry_run=True)
+    assert dry.plan.delete == [20, 30] and dry.deleted == []
+    assert store.steps() == [10, 20, 30, 40, 50]
+    real = prune(store, RetentionPolicy(keep_last=2), protected=[10])
+    assert real.deleted == [20, 30]
+    assert store.steps() == [10, 40, 50]
+    assert backend.raw_files(StepPaths(20).dir) == {}
+
+
+def test_prune_crash_leaves_step_uncommitted_not_half_committed(backend: Backend) -> None:
+    store = fill(backend, [1, 2, 3])
+    store.storage = CrashingStorage(store.storage, "delete_tree", "step-000000000001")
+    report = prune(store, RetentionPolicy(keep_last=1))
+    assert 1 in report.errors and report.deleted == [2]
+    fresh = backend.open()
+    assert fresh.steps() == [3]  # step 1 lost its marker first: it reads as incomplete
+    assert 1 in fresh.all_steps()
+    assert not backend.raw_exists(StepPaths(1).marker)
+
+
+def test_manager_prunes_only_after_commit(backend: Backend) -> None:
+    store = backend.open()
+    mgr = ckptfs.CheckpointManager(store, keep_last=1)
+    mgr.save(1)
+    mgr.save(2)
+    assert backend.open().steps() == [2]
+    store.storage = CrashingStorage(store.storage, "create_exclusive",
+                                    "step-000000000003/COMPLETE")
+    with pytest.raises(InjectedCrash):
+        mgr.save(3)
+    assert backend.open().steps() == [2]  # the failed save pruned nothing
+
+
+def test_resumed_from_is_protected(backend: Backend) -> None:
+    mgr = ckptfs.CheckpointManager(backend.open(), keep_last=1)
+    for s in (1, 2, 3):
+        mgr.save(s)
+    resumed = ckptfs.CheckpointManager(backend.open(), keep_last=1)
+    resumed.restore_latest()
+    for s in (4, 5):
+        resumed.save(s)
+    assert backend.open().steps() == [3, 5]
+    user = ckptfs.CheckpointManager(backend.open(), keep_last=1, protect=[3])
+    user.save(6)
+    assert backend.open().steps() == [3, 6]
+
+
+# -- running best ----------------------------------------------------------------------------
+
+
+def test_tracker_strict_improvement_none_nan() -> None:
+    t = BestTracker(Best("loss", "min", keep=3))
+    assert t.observe(1, {"loss": 2.0}) == (True, [])
+    assert t.observe(2, {"loss": 2.0}) == (False, [])  # equal is not an improvement
+    assert t.observe(3, {"loss": None}) == (False, [])
+    assert t.observe(4, {"loss": float("nan")}) == (False, [])
+    assert t.observe(5, {}) == (False, [])
+    assert t.observe(6, {"loss": True}) == (False, [])
+    assert t.observe(7, {"loss": 1.5}) == (True, [])
+    assert t.observe(8, {"loss": 1.0}) == (True, [])
+    assert t.observe(9, {"loss": 0.5}) == (True, [1])
+    assert t.steps == [7, 8, 9] and t.best == {"step": 9, "value": 0.5}
+    m = BestTracker(Best("acc", "max", keep=1))
+    m.observe(1, {"acc": 0.5})
+    assert m.observe(2, {"acc": 0.4}) == (False, [])
+    assert m.observe(3, {"acc": 0.6}) == (True, [1])
+
+
+def test_eviction_deletes_only_best_only(backend: Backend) -> None:
+    mgr = ckptfs.CheckpointManager(backend.open(), keep_last=1, keep_every=20,
+                                   best=Best("loss", "min", keep=1))
+    mgr.save(10, metrics={"loss": 3.0})  # best
+    mgr.save(20, metrics={"loss": 2.0})  # best, and a keep_every milestone
+    mgr.save(25, metrics={"loss": 1.0})  # best: evicts 20, which stays as a milestone
+    mgr.save(30, metrics={"loss": 0.5})  # best: evicts 25, which is best-only: deleted
+    assert backend.open().steps() == [20, 30]
+    result = mgr.save(35, metrics={"loss": 0.9})
+    assert not result.best_improved
+    assert backend.open().steps() == [20, 30, 35]
+
+
+def test_best_record_is_atomic_generations(backend: Backend) -> None:
+    mgr = ckptfs.CheckpointManager(backend.open(), best=Best("loss", "min", keep=2))
+    for s, v in ((1, 3.0), (2, 2.0), (3, 1.0)):
+        mgr.save(s, metrics={"loss": v})
+    log = RecordLog(backend.open().storage, "best")
+    rec = log.read()
+    assert rec is not None and rec.doc["pool"] == [{"step": 2, "value": 2.0},
+                                                   {"step": 3, "value": 1.0}]
+    with pytest.raises(CheckpointExistsError):
+        log.write({"x": 1}, expect_generation=rec.generation - 1)  # a stale writer loses
+    assert log.read() == rec
+    files = backend.raw_files("lifecycle/best")
+    assert len(files) <= 3 and all(k.endswith(".json") for k in files)
+
+
+def test_record_concurrent_updates_serialize(backend: Backend) -> None:
+    log = RecordLog(backend.open().storage, "counter")
+    errors: list[BaseException] = []
+
+    def bump() -> None:
+        try:
+            for _ in range(5):
+                RecordLog(backend.open().storage, "counter").update(
+                    lambda d: {"n": (d or {"n": 0})["n"] + 1}, retries=100)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=bump) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    rec = log.read()
+    assert rec is not None and rec.doc == {"n": 15} and rec.generation == 15
+
+
+def test_resume_drops_missing_entries_and_replays(backend: Backend) -> None:
+    mgr = ckptfs.CheckpointManager(backend.open(), best=Best("loss", "min", keep=3))
+    for s, v in ((1, 3.0), (2, 2.0), (3, 1.0)):
+        mgr.save(s, metrics={"loss": v})
+    backend.open().delete(2)
+    # A checkpoint committed without the record being updated (crash in between):
+    backend.open().save(4, {"x": 1}, metadata={"metrics": {"loss": 0.5}})
+    healed = ckptfs.CheckpointManager(backend.open(), best=Best("loss", "min", keep=3))
+    healed.restore_latest()
+    assert healed.best_steps() == [1, 3, 4]
+    assert read_best(backend.open())["pool"][-1] == {"step": 4, "value": 0.5}  # type: ignore
+
+
+def test_flipped_mode_discards_high_water_keeps_pool(backend: Backend,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    mgr = ckptfs.CheckpointManager(backend.open(), best=Best("m", "min", keep=2))
+    mgr.save(1, metrics={"m": 1.0})
+    mgr.save(2, metrics={"m": 0.5})
+    with caplog.at_level(logging.WARNING, logger="ckptfs"):
+        flipped = ckptfs.CheckpointManager(backend.open(), best=Best("m", "max", keep=2))
+        assert flipped.best_steps() == [1, 2]
+    assert "high-water mark" in caplog.text and "discarded" in caplog.text
+    assert flipped.tracker is not None and flipped.tracker.high_water is None
+    result = flipped.save(3, metrics={"m": 0.1})  # any value improves on a discarded mark
+    assert result.best_improved and result.evicted_from_best == [1]
+    assert read_best(backend.open())["mode"] == "max"  # type: ignore[index]
+
+
+def test_manager_without_best_keeps_persisted_pool(backend: Backend) -> None:
+    mgr = ckptfs.CheckpointManager(backend.open(), best=Best("loss", "min", keep=1))
+    mgr.save(1, metrics={"loss": 0.1})
+    mgr.save(2, metrics={"loss": 0.5})
+    plain = ckptfs.CheckpointManager(backend.open(), keep_last=1)
+    plain.save(3)
+    assert backend.open().steps() == [1, 3]
+
+
+def test_record_unparseable_generation_falls_back(backend: Backend,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    log = RecordLog(backend.open().storage, "best")
+    log.write({"v": 1}, expect_generation=None)
+    backend.raw_write("lifecycle/best/gen-000000000002.json", b"{torn")
+    with caplog.at_level(logging.WARNING, logger="ckptfs"):
+        rec = log.read()
+    assert rec is not None and rec.generation == 1 and rec.doc == {"v": 1}
+    assert "does not parse" in caplog.text
+    with pytest.raises(ValueError):
+        RecordLog(backend.open().storage, "../escape")
