@@ -9,6 +9,8 @@ The on-storage format is specified in docs/protocol.md.
 """
 
 from .errors import (
+    ArtifactConflictError,
+    ArtifactMismatchError,
     BackendUnavailableError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -17,6 +19,8 @@ from .errors import (
     FormatVersionError,
     HashAlgorithmUnavailableError,
     InvalidStepError,
+    ProvenanceMismatchError,
+    RngStateError,
     StorageAccessError,
     StorageError,
     StorageNotFoundError,
@@ -25,8 +29,11 @@ from .errors import (
 )
 from .hashing import ALGORITHMS, DEFAULT_ALGORITHM, available_algorithms
 from .layout import FORMAT_VERSION
+from .manager import CheckpointManager, SaveResult, TrainerState
+from .provenance import Provenance
 from .reader import VerifyReport
 from .resolve import CheckpointInfo
+from .retention import Best, RetentionPolicy
 from .storage.base import Capabilities
 from .store import CheckpointStore, open
 
@@ -36,10 +43,14 @@ __all__ = [
     "ALGORITHMS",
     "DEFAULT_ALGORITHM",
     "FORMAT_VERSION",
+    "ArtifactConflictError",
+    "ArtifactMismatchError",
     "BackendUnavailableError",
+    "Best",
     "Capabilities",
     "CheckpointExistsError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointStore",
     "CkptfsError",
@@ -47,9 +58,15 @@ __all__ = [
     "FormatVersionError",
     "HashAlgorithmUnavailableError",
     "InvalidStepError",
+    "Provenance",
+    "ProvenanceMismatchError",
+    "RetentionPolicy",
+    "RngStateError",
+    "SaveResult",
     "StorageAccessError",
     "StorageError",
     "StorageNotFoundError",
+    "TrainerState",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "VerifyReport",
