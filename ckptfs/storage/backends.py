@@ -1,8 +1,20 @@
-"""Per-backend facts as data: capabilities, the package that implements the protocol, and the
-storage options ckptfs sets by default (listing caches off, instance cache off).
+"""Per-backend facts as data: capabilities, the package that implements the protocol, the storage
+options ckptfs sets by default, and how each guarantee is obtained.
 
 Looked up once, by the fsspec filesystem's own protocol names, when a store is opened; the rest
 of ckptfs reads the resulting :class:`~ckptfs.storage.base.Capabilities` and never inspects URLs.
+:func:`capability_table` renders this table for docs/backends.md (a test keeps the two in step)
+and ``ckptfs doctor`` checks a live store against it.
+
+Default options are merged *under* the user's (the user's win; dict-valued options such as
+s3fs's ``config_kwargs`` are merged one level deep).  They exist for three reasons:
+
+- listing caches off (``use_listings_cache=False``) and fsspec's instance cache off
+  (``skip_instance_cache=True``): a commit by another process must be visible at once, and a
+  store must never reuse a client bound to credentials or an endpoint it was not given;
+- bounded retries and timeouts where the library lets us set them (botocore's), so a dead
+  endpoint fails in seconds;
+- nothing else: every other default is the library's own.
 """
 
 from __future__ import annotations
@@ -13,16 +25,27 @@ from typing import Any
 
 from .base import Capabilities
 
+#: botocore: fail a refused/blackholed connection in seconds, keep AWS's standard retry mode
+#: (3 attempts, with backoff, for throttling and 5xx).  botocore's legacy default is 5 attempts
+#: and a 60 s connect timeout: about 12 s for a closed port, minutes for a blackholed one.
+S3_CONFIG: Mapping[str, Any] = {
+    "connect_timeout": 10,
+    "read_timeout": 60,
+    "retries": {"max_attempts": 3, "mode": "standard"},
+}
+
 
 @dataclass(frozen=True)
 class BackendSpec:
     capabilities: Capabilities
     package: str | None
     #: Options merged under the user's (the user's win): keep listings fresh, so that a commit by
-    #: another process is seen at once.
+    #: another process is seen at once, and bound retries.
     default_options: Mapping[str, Any] = field(default_factory=dict)
     #: Options for streaming reads (``open(path, "rb", **read_options)``).
     read_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Options for whole-object reads (``cat_file(path, **cat_options)``).
+    cat_options: Mapping[str, Any] = field(default_factory=dict)
     #: The weaker guarantee, stated when exclusive create is not enforced across processes.
     caveat: str = ""
     #: A file being written is visible (half-written) under its name at once, so an aborted
@@ -30,42 +53,104 @@ class BackendSpec:
     partial_visible: bool = False
     #: Reads return one shared file object per path (memory): read through ``cat_file``.
     shared_read_handles: bool = False
+    #: How ``create_exclusive`` is done on this backend, in words (docs, doctor).
+    exclusive_how: str = "not available"
+    #: Which empty-create behaviour of the library the ``empty_create_safe`` flag records.
+    empty_create_note: str = ""
+    #: How listings are kept fresh (docs, doctor).
+    listing_cache: str = ""
+    #: What an aborted streaming write leaves behind, and how ckptfs cleans it up.
+    abort: str = ""
+    #: Check the bucket/container on open (one cheap request, bounded in time), so a missing
+    #: bucket, bad credentials or a dead endpoint fail at ``ckptfs.open`` before anything is
+    #: written.  Off for local disk and memory (nothing to reach).
+    probe_on_open: bool = False
+    #: The smallest block size the library accepts for a streaming write split into several
+    #: requests (S3 multipart parts, GCS resumable chunks, Azure blocks); ``None`` where a
+    #: streaming write is one stream (local, memory).  The doctor writes objects larger than it.
+    min_block_size: int | None = None
 
 
 _LOCAL = BackendSpec(
     Capabilities("file", exclusive_create="os_excl", atomic_rename=True, fsync=True,
-                 empty_create_safe=True, real_directories=True, shared=True),
+                 empty_create_safe=True, real_directories=True, shared=True,
+                 exclusive_multipart=True),
     package=None,
+    exclusive_how="write + fsync a private temporary file, then link(2) it to the name "
+    "(EEXIST if taken): atomic, and never a partial marker",
+    empty_create_note='open("xb") is O_EXCL whatever the size',
+    listing_cache="none (os.scandir)",
+    abort="the partial file stays inside the hidden .tmp- attempt directory, removed with it",
 )
 _MEMORY = BackendSpec(
     Capabilities("memory", exclusive_create="process_lock", atomic_rename=False, fsync=False,
-                 empty_create_safe=True, real_directories=False, shared=False),
+                 empty_create_safe=True, real_directories=False, shared=False,
+                 exclusive_multipart=True),
     package=None,
     partial_visible=True,
     shared_read_handles=True,
     caveat="memory:// is private to this process: exclusive create is enforced by a lock in "
     "this process only",
+    exclusive_how="exists-check + write under a lock held by this process",
+    empty_create_note='open("xb") checks existence first',
+    listing_cache="none (one dict per process)",
+    abort="a file opened for writing is visible at once: ckptfs deletes it on abort",
 )
 _S3 = BackendSpec(
     Capabilities("s3", exclusive_create="server_precondition", atomic_rename=False, fsync=False,
-                 empty_create_safe=False, real_directories=False, shared=True),
+                 empty_create_safe=False, real_directories=False, shared=True,
+                 exclusive_multipart=True),
     package="s3fs",
-    default_options={"use_listings_cache": False, "skip_instance_cache": True},
+    default_options={"use_listings_cache": False, "skip_instance_cache": True,
+                     "config_kwargs": S3_CONFIG},
     read_options={"cache_type": "none"},
+    # s3fs's cat_file otherwise sends a HEAD before each GET (to decide on a concurrent
+    # download): resolving latest would take 5 requests instead of 3.
+    cat_options={"max_concurrency": 1},
+    exclusive_how="PutObject with If-None-Match: * (s3fs pipe_file(mode='create')); 412 "
+    "PreconditionFailed in any exception class means taken",
+    empty_create_note='s3fs open("xb") closed with zero bytes calls touch(), an unconditional '
+    "PutObject that truncates an existing object",
+    listing_cache="use_listings_cache=False, skip_instance_cache=True, invalidate_cache() and "
+    "ls(refresh=True) before every listing",
+    abort="the multipart upload is aborted (AbortMultipartUpload) on an exception in the block "
+    "or a failed close",
+    probe_on_open=True,
+    min_block_size=5 * 2**20,
 )
 _GCS = BackendSpec(
     Capabilities("gs", exclusive_create="server_precondition", atomic_rename=False, fsync=False,
-                 empty_create_safe=True, real_directories=False, shared=True),
+                 empty_create_safe=True, real_directories=False, shared=True,
+                 exclusive_multipart=True),
     package="gcsfs",
     default_options={"skip_instance_cache": True, "use_listings_cache": False},
     read_options={"cache_type": "none"},
+    exclusive_how="upload with ifGenerationMatch=0 (gcsfs pipe_file(mode='create'), a single "
+    "multipart/related request below the block size); 412 means taken",
+    empty_create_note='gcsfs open("xb") with zero bytes is a single upload with '
+    "ifGenerationMatch=0",
+    listing_cache="use_listings_cache=False, skip_instance_cache=True, invalidate_cache() and "
+    "ls(refresh=True) before every listing",
+    abort="the resumable upload session is cancelled (DELETE of the session URL)",
+    probe_on_open=True,
+    min_block_size=256 * 2**10,
 )
 _AZURE = BackendSpec(
     Capabilities("az", exclusive_create="server_precondition", atomic_rename=False, fsync=False,
-                 empty_create_safe=True, real_directories=False, shared=True),
+                 empty_create_safe=True, real_directories=False, shared=True,
+                 exclusive_multipart=True),
     package="adlfs",
     default_options={"skip_instance_cache": True, "use_listings_cache": False},
     read_options={"cache_type": "none"},
+    exclusive_how="Put Blob with If-None-Match: * (adlfs pipe_file(mode='create')); "
+    "BlobAlreadyExists / 409 / 412 means taken",
+    empty_create_note="adlfs sends If-None-Match: * for empty blobs too",
+    listing_cache="use_listings_cache=False, skip_instance_cache=True, invalidate_cache() before "
+    "every listing (adlfs ignores ls(refresh=True))",
+    abort="staged blocks are never committed (no Put Block List); the service drops them "
+    "after 7 days",
+    probe_on_open=True,
+    min_block_size=256 * 2**10,
 )
 
 #: fsspec protocol name -> spec.  Unknown protocols get a conservative spec (no exclusive create,
@@ -78,6 +163,12 @@ BACKENDS: dict[str, BackendSpec] = {
     "az": _AZURE, "abfs": _AZURE, "abfss": _AZURE,
 }
 
+_UNKNOWN_CAVEAT = (
+    "this backend has no create-only write known to ckptfs: two writers racing on the same "
+    "step can both 'commit'; the last marker wins, and verify detects a mix of files. Run one "
+    "writer per run root, or use a backend with exclusive create (local, s3, gs, az)"
+)
+
 
 def spec_for(protocols: str | tuple[str, ...]) -> BackendSpec:
     names = (protocols,) if isinstance(protocols, str) else tuple(protocols)
@@ -89,6 +180,39 @@ def spec_for(protocols: str | tuple[str, ...]) -> BackendSpec:
                      atomic_rename=False, fsync=False, empty_create_safe=False,
                      real_directories=False, shared=True),
         package=None,
-        caveat="this backend has no create-only write known to ckptfs: two writers racing on "
-        "the same step can both 'commit'; the last marker wins and verify detects a mix",
+        caveat=_UNKNOWN_CAVEAT,
+        exclusive_how="none: exists-check then write (racy)",
+        listing_cache="invalidate_cache() and ls(refresh=True) where the library accepts it",
     )
+
+
+def merge_options(defaults: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's options over ours; dict values (``config_kwargs``) merged one level deep."""
+    out = dict(defaults)
+    for key, value in user.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+_TABLE_BACKENDS = (("local (file://)", _LOCAL), ("memory://", _MEMORY), ("S3 (s3://)", _S3),
+                   ("GCS (gs://)", _GCS), ("Azure Blob (az://)", _AZURE))
+
+
+def capability_table() -> str:
+    """The capability table of docs/backends.md, rendered from this module (markdown)."""
+    def yn(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    rows = ["| backend | package | exclusive create | how | multi-request create-only | "
+            "empty create safe | atomic rename | fsync | listing caches |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for label, spec in _TABLE_BACKENDS:
+        c = spec.capabilities
+        rows.append(
+            f"| {label} | {spec.package or '-'} | {c.exclusive_create} | {spec.exclusive_how} | "
+            f"{yn(c.exclusive_multipart)} | {yn(c.empty_create_safe)} | {yn(c.atomic_rename)} | "
+            f"{yn(c.fsync)} | {spec.listing_cache} |")
+    return "\n".join(rows)

@@ -42,6 +42,11 @@ class Capabilities:
     real_directories: bool
     #: The backend is visible to other processes/hosts (False for ``memory://``).
     shared: bool
+    #: The create-only precondition also holds for writes the library splits into several
+    #: requests (S3 multipart, GCS resumable, Azure block lists), i.e. ``open(path, "xb")`` of a
+    #: large file.  ckptfs does not need it (the marker is small and goes up in one request);
+    #: recorded so the doctor and the docs can say so.
+    exclusive_multipart: bool = False
 
     @property
     def exclusive_across_processes(self) -> bool:

@@ -137,6 +137,15 @@ class StorageConformance:
         assert len(wins) == 1, wins
         assert backend.raw_read("race/COMPLETE") == f"writer-{wins[0]}".encode()
 
+    def test_create_exclusive_refuses_empty_data(self, backend: Backend) -> None:
+        """An empty create-only write is an unconditional overwrite on s3fs (``touch``): the
+        adapter refuses it on every backend, before any request, so it cannot creep in."""
+        st = backend.open().storage
+        st.create_exclusive("e/COMPLETE", b"kept")
+        with pytest.raises(ValueError):
+            st.create_exclusive("e/COMPLETE", b"")
+        assert backend.raw_read("e/COMPLETE") == b"kept"
+
     def test_aborted_write_leaves_nothing(self, backend: Backend) -> None:
         st = backend.open().storage
         with pytest.raises(RuntimeError), st.open_write("ab/file.bin") as f:

@@ -389,7 +389,9 @@ def _s3_reset(endpoint: str, reset_path: str, bucket: str) -> Callable[[], None]
 
 
 @contextlib.contextmanager
-def moto_server(bucket: str = DEFAULT_BUCKET) -> Iterator[ServerInfo]:
+def moto_server(
+    bucket: str = DEFAULT_BUCKET, extra_env: Mapping[str, str] | None = None
+) -> Iterator[ServerInfo]:
     """Run moto's S3 server (``python -m moto.server``) in a subprocess.
 
     A subprocess rather than ``ThreadedMotoServer`` so that the server does
@@ -399,12 +401,15 @@ def moto_server(bucket: str = DEFAULT_BUCKET) -> Iterator[ServerInfo]:
     1 GiB written): reset between tests that write a lot.
 
     ``reset()`` is ``POST /moto-api/reset`` (wipes every service) followed by
-    re-creating the bucket.
+    re-creating the bucket.  ``extra_env`` goes to the server process, e.g.
+    ``{"INITIAL_NO_AUTH_ACTION_COUNT": "1"}`` for a server that checks
+    credentials after its first request (moto accepts any key by default).
     """
     with _run_server(
         "moto",
         lambda port, _wd: [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         "/moto-api/",
+        make_env=(lambda _port, _wd: dict(extra_env or {})),
     ) as (proc, port, _wd, log_path):
         endpoint = f"http://127.0.0.1:{port}"
         _s3_create_bucket(endpoint, bucket)
