@@ -33,12 +33,19 @@ import socket
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from .errors import CheckpointExistsError, UnsupportedValueError
-from .hashing import DEFAULT_ALGORITHM, digest_bytes, format_digest, new_hasher
+from .hashing import (
+    DEFAULT_ALGORITHM,
+    HASH_INLINE_BYTES,
+    BackgroundHasher,
+    digest_bytes,
+    format_digest,
+    new_hasher,
+)
 from .layout import CHECKPOINTS_DIR, MANIFEST_NAME, StepPaths, check_step, new_attempt_name
-from .manifest import FileEntry, Manifest, Marker
+from .manifest import MARKER_DIGEST_ALGORITHM, FileEntry, Manifest, Marker
 from .resolve import CheckpointInfo, read_marker, storage_url
 from .serialize import DEFAULT_SHARD_BYTES, PlannedFile, plan_state
 from .storage.base import Storage
@@ -50,13 +57,27 @@ def default_threads() -> int:
     return max(2, min(8, (os.cpu_count() or 2)))
 
 
+#: How far (in bytes) the writer may run ahead of the hasher.  Chunks are views of the tensors'
+#: own memory, so a lead costs no copies; the bound only matters for tensors that had to be
+#: copied (GPU, non-contiguous), which stay alive until hashed.
+MAX_HASH_LEAD = 256 * 1024 * 1024
+
+
 def _write_planned(storage: Storage, path: str, pf: PlannedFile, algorithm: str,
                    durable: bool) -> FileEntry:
+    """Write one planned file and hash every byte from memory as it is written.
+
+    Writing and hashing overlap: this thread writes, fsyncs (durable) and closes (the last
+    part upload and its completion on object stores) while a helper thread hashes the same
+    chunks, so the hash hides behind the write, the upload or the fsync wait instead of adding
+    to it.  Nothing written is ever read back."""
     hasher = new_hasher(algorithm)
     written = 0
-    with storage.open_write(path) as f:
+    with BackgroundHasher(hasher, max_lead=MAX_HASH_LEAD,
+                          background=pf.size > HASH_INLINE_BYTES) as bg, \
+            storage.open_write(path) as f:
         for chunk in pf.chunks():
-            hasher.update(chunk)
+            bg.feed(chunk)
             f.write(chunk)
             written += len(chunk)
         if durable and storage.capabilities.fsync:
@@ -64,6 +85,19 @@ def _write_planned(storage: Storage, path: str, pf: PlannedFile, algorithm: str,
     if written != pf.size:  # pragma: no cover - a planning bug, never user input
         raise AssertionError(f"{path}: planned {pf.size} bytes, wrote {written}")
     return FileEntry(pf.path, written, format_digest(algorithm, hasher.hexdigest()))
+
+
+def _write_file(storage: Storage, path: str, pf: PlannedFile, algorithm: str,
+                durable: bool) -> FileEntry:
+    """:func:`_write_planned`, repeated from the first byte when the storage offers bounded
+    retries (:class:`~ckptfs.storage.retry.RetryingStorage`) and the failure is transient.  A
+    planned file regenerates its chunks from memory, so a failed stream is replayed without
+    having kept a copy of it."""
+    retry = getattr(storage, "retry_call", None)
+    if retry is None:
+        return _write_planned(storage, path, pf, algorithm, durable)
+    return cast(FileEntry, retry("write", path,
+                                 lambda: _write_planned(storage, path, pf, algorithm, durable)))
 
 
 def save_checkpoint(
@@ -100,17 +134,18 @@ def save_checkpoint(
     try:
         storage.makedirs(write_dir)
         if sync:
+            storage.sync_dir("")  # the run root may have just gained checkpoints/
             storage.sync_dir(CHECKPOINTS_DIR)
             storage.sync_dir(paths.dir)
         nthreads = threads or default_threads()
         if nthreads > 1 and len(plan.files) > 1:
             with ThreadPoolExecutor(min(nthreads, len(plan.files)),
                                     thread_name_prefix="ckptfs-save") as pool:
-                futures = [pool.submit(_write_planned, storage, f"{write_dir}/{pf.path}", pf,
+                futures = [pool.submit(_write_file, storage, f"{write_dir}/{pf.path}", pf,
                                        algorithm, sync) for pf in plan.files]
                 entries = [fut.result() for fut in futures]
         else:
-            entries = [_write_planned(storage, f"{write_dir}/{pf.path}", pf, algorithm, sync)
+            entries = [_write_file(storage, f"{write_dir}/{pf.path}", pf, algorithm, sync)
                        for pf in plan.files]
 
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -124,7 +159,7 @@ def save_checkpoint(
             if sync:
                 storage.sync_dir(paths.dir)
 
-        marker = Marker(step, attempt, digest_bytes(algorithm, mbytes), len(mbytes), created,
+        marker = Marker(step, attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes), len(mbytes), created,
                         {"host": socket.gethostname(), "pid": os.getpid()})
     except BaseException:
         _discard_attempt(storage, write_dir, final_dir)

@@ -21,6 +21,9 @@ MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MARKER_BYTES = 64 * 1024
 MAX_FILES = 1_000_000
 MAX_FILE_SIZE = 1 << 50  # 1 PiB: anything larger in a manifest is hostile
+#: The marker binds the manifest with sha256 whatever algorithm the files use, so the commit
+#: itself (marker -> manifest) can always be checked with nothing but Python's hashlib.
+MARKER_DIGEST_ALGORITHM = "sha256"
 
 
 @dataclass(frozen=True)
@@ -172,9 +175,10 @@ class Marker:
         actual = digest_bytes(algo, manifest_bytes)
         if len(manifest_bytes) != self.manifest_size or actual != self.manifest_digest:
             raise CorruptCheckpointError(
-                f"{where}: manifest does not match its commit marker (marker records "
+                f"{where}: manifest does not match its commit marker COMPLETE (marker records "
                 f"{self.manifest_digest} / {self.manifest_size} B, found {actual} / "
-                f"{len(manifest_bytes)} B): the manifest was replaced or corrupted after commit",
+                f"{len(manifest_bytes)} B): the manifest or the marker was replaced or corrupted "
+                "after commit",
                 step=self.step,
                 path=where,
             )

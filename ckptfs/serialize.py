@@ -442,7 +442,7 @@ def parse_safetensors_header(buf: bytes | bytearray | memoryview, *, where: str
     return start, entries
 
 
-def tensors_from_buffer(buf: bytearray, *, where: str) -> dict[str, torch.Tensor]:
+def tensors_from_buffer(buf: bytearray | memoryview, *, where: str) -> dict[str, torch.Tensor]:
     """Tensors viewing ``buf`` (a whole safetensors file) without copying."""
     start, entries = parse_safetensors_header(buf, where=where)
     out = {}

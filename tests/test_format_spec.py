@@ -65,6 +65,7 @@ def test_marker_fields_match_spec(tmp_path: Path) -> None:
     assert set(marker) == {"schema", "format_version", "step", "attempt", "manifest",
                            "manifest_digest", "manifest_size", "created", "writer"}
     assert marker["attempt"] == info.attempt and marker["step"] == 7
+    assert marker["manifest_digest"].startswith("sha256:")  # whatever the files use
     manifest = json.loads((tmp_path / StepPaths(7).manifest(info.attempt)).read_bytes())
     assert set(manifest) == {"schema", "format_version", "step", "attempt", "created",
                              "hash_algorithm", "files", "metadata"}

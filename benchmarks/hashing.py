@@ -1,0 +1,13 @@
+"""How fast is each hash algorithm, through ckptfs's hasher and the raw library?
+
+Usage: ``python -m benchmarks.hashing [options]`` (same as ``ckptfs bench hash [options]``; see
+``--help``)."""
+
+from __future__ import annotations
+
+import sys
+
+from ckptfs.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main(["hash", *sys.argv[1:]]))

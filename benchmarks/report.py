@@ -1,0 +1,13 @@
+"""Regenerate docs/benchmarks.md and docs/img/ from the JSON in benchmarks/results/.
+
+Usage: ``python -m benchmarks.report [options]`` (same as ``ckptfs bench report [options]``; see
+``--help``)."""
+
+from __future__ import annotations
+
+import sys
+
+from ckptfs.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main(["report", *sys.argv[1:]]))
