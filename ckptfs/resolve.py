@@ -108,7 +108,8 @@ def read_committed(storage: Storage, step: int) -> CheckpointInfo:
         mbytes = storage.read_bytes(mpath)
     except StorageNotFoundError:
         raise CorruptCheckpointError(
-            f"{where}: step {step} is marked committed but its manifest is missing",
+            f"{where}: step {step} is marked committed but the manifest its marker "
+            f"{MARKER_NAME} names is missing (attempt {marker.attempt})",
             step=step, path=mpath) from None
     marker.check_manifest(mbytes, where=where)
     manifest = Manifest.from_bytes(mbytes, where=where)

@@ -7,7 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from .commit import default_threads, save_checkpoint
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from .errors import (
+    CheckpointNotFoundError,
+    CkptfsError,
+    CorruptCheckpointError,
+    FormatVersionError,
+)
 from .hashing import DEFAULT_ALGORITHM, new_hasher
 from .layout import StepPaths, check_step
 from .reader import MapLocation, VerifyReport, load_checkpoint, verify_checkpoint
@@ -16,12 +21,14 @@ from .resolve import (
     committed_steps,
     existing_summary,
     read_committed,
+    read_marker,
     resolve_latest,
     step_dirs,
 )
 from .serialize import DEFAULT_SHARD_BYTES
 from .storage.base import Capabilities, Storage
 from .storage.fsspec import FsspecStorage
+from .storage.retry import RetryingStorage
 
 log = logging.getLogger("ckptfs")
 
@@ -108,14 +115,12 @@ class CheckpointStore:
         manifest before anything is returned.  If the newest checkpoint fails, the error names it;
         with ``allow_rollback`` the next older committed checkpoint is tried (and logged)."""
         if step is not None:
-            return load_checkpoint(self.storage, self.info(step), verify=verify,
-                                   map_location=map_location, threads=self.threads)
+            return self._load_info(self.info(step), verify, map_location)
         tried: list[str] = []
         for s in reversed(step_dirs(self.storage)):
             try:
                 info = read_committed(self.storage, s)
-                return load_checkpoint(self.storage, info, verify=verify,
-                                       map_location=map_location, threads=self.threads)
+                return self._load_info(info, verify, map_location)
             except CheckpointNotFoundError:
                 continue
             except FormatVersionError:
@@ -133,6 +138,25 @@ class CheckpointStore:
         raise CheckpointNotFoundError(
             f"no committed checkpoint to load at {self.url}"
             + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
+
+    def _load_info(self, info: CheckpointInfo, verify: bool,
+                   map_location: MapLocation) -> dict[Any, Any]:
+        """Load, telling a checkpoint deleted while it was read (a prune, another job) from a
+        corrupt one: a file that went missing is only corruption if the marker still names
+        this attempt."""
+        try:
+            return load_checkpoint(self.storage, info, verify=verify, map_location=map_location,
+                                   threads=self.threads)
+        except CorruptCheckpointError as exc:
+            try:
+                marker = read_marker(self.storage, info.step)
+            except CkptfsError:
+                raise exc from None
+            if marker is None or marker.attempt != info.attempt:
+                raise CheckpointNotFoundError(
+                    f"step {info.step} at {self.url} was deleted or replaced while it was being "
+                    "loaded (a prune or another job); load again") from None
+            raise
 
     def verify(self, step: int | None = None, *, quick: bool = False) -> VerifyReport:
         """Verify a committed checkpoint (the latest if ``step`` is None).
@@ -158,10 +182,15 @@ class CheckpointStore:
 
 
 def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
-         threads: int | None = None, **storage_options: Any) -> CheckpointStore:
+         threads: int | None = None, retries: int = 3,
+         **storage_options: Any) -> CheckpointStore:
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
 
+    ``retries``: how many times an idempotent storage call that failed transiently is repeated
+    (with capped exponential backoff; 0 disables, see :mod:`ckptfs.storage.retry`).
     ``storage_options`` go to the fsspec implementation (e.g. ``endpoint_url``, ``key``,
     ``secret`` for S3; ``token`` for GCS; ``connection_string`` for Azure)."""
-    return CheckpointStore(FsspecStorage(url, **storage_options), algorithm=algorithm,
-                           durable=durable, threads=threads)
+    storage: Storage = FsspecStorage(url, **storage_options)
+    if retries > 0:
+        storage = RetryingStorage(storage, attempts=retries + 1)
+    return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads)
