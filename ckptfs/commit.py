@@ -159,8 +159,8 @@ def save_checkpoint(
             if sync:
                 storage.sync_dir(paths.dir)
 
-        marker = Marker(step, attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes), len(mbytes), created,
-                        {"host": socket.gethostname(), "pid": os.getpid()})
+        marker = Marker(step, attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes),
+                        len(mbytes), created, {"host": socket.gethostname(), "pid": os.getpid()})
     except BaseException:
         _discard_attempt(storage, write_dir, final_dir)
         raise

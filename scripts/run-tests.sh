@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The whole test suite, from nothing: set-up (idempotent), then pytest.  Storage servers (moto,
+# The whole test suite, from nothing: set-up (idempotent), lint (ruff, mypy), then pytest.  Storage servers (moto,
 # ministack, fake-gcs-server, azurite) are started by the tests themselves on free loopback ports.
 # Extra arguments go to pytest (e.g. -k s3, --runslow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+echo "lint: ruff + mypy (strict)"
+.venv/bin/ruff check ckptfs tests benchmarks
+.venv/bin/mypy ckptfs
 exec .venv/bin/python -m pytest "$@"

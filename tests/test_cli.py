@@ -38,7 +38,8 @@ def test_ls(run_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_latest(run_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["latest", str(run_root), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["latest"]["step"] == 10 and doc["latest"]["hash_algorithm"] == ckptfs.DEFAULT_ALGORITHM
+    assert doc["latest"]["step"] == 10
+    assert doc["latest"]["hash_algorithm"] == ckptfs.DEFAULT_ALGORITHM
 
 
 def test_latest_empty_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -335,7 +335,7 @@ class RaceConformance:
 
     writers = 8
 
-    def _race(self, backend: Backend, target: Callable[[int], None]) -> tuple[list[int], list[
+    def _race(self, backend: Backend, target: Callable[[int], object]) -> tuple[list[int], list[
             BaseException], list[BaseException]]:
         wins: list[int] = []
         lost: list[BaseException] = []
