@@ -310,6 +310,12 @@ class SideOutputs:
     def reconcile(self) -> None:
         """Write the side-commit records of committed checkpoints that lack one (a crash
         between a checkpoint's commit and its record).  Run before pruning."""
+        for step, listed in self._unrecorded_listings():
+            if listed:
+                self._write_record(step, listed)
+
+    def _unrecorded_listings(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(step, side outputs its metadata lists) for committed checkpoints without a record."""
         recorded = self._recorded_steps()
         for step in self.store.steps():
             if step in recorded:
@@ -318,8 +324,8 @@ class SideOutputs:
                 listed = self.store.info(step).metadata.get("side_outputs")
             except (CheckpointNotFoundError, StorageNotFoundError):
                 continue
-            if isinstance(listed, dict) and listed:
-                self._write_record(step, listed)
+            if isinstance(listed, dict):
+                yield step, listed
 
     def _recorded_steps(self) -> set[int]:
         out = set()
@@ -343,16 +349,8 @@ class SideOutputs:
                 continue
             if isinstance(doc, dict) and isinstance(doc.get("side_outputs"), dict):
                 index.update(doc["side_outputs"])
-        recorded = self._recorded_steps()
-        for step in self.store.steps():
-            if step in recorded:
-                continue
-            try:
-                listed = self.store.info(step).metadata.get("side_outputs")
-            except (CheckpointNotFoundError, StorageNotFoundError):
-                continue
-            if isinstance(listed, dict):
-                index.update(listed)
+        for _, listed in self._unrecorded_listings():
+            index.update(listed)
         return index
 
     def status(self, *, after_step: int | None = None) -> SideOutputStatus:

@@ -73,6 +73,33 @@ def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
         assert a == b, (path, a, b)
 
 
+def race(writers: int, target: Callable[[int], object]) -> tuple[
+        list[int], list[BaseException], list[BaseException]]:
+    """Run ``target(i)`` on ``writers`` threads released together by a barrier; return
+    (winners, CheckpointExistsError losers, any other error)."""
+    wins: list[int] = []
+    lost: list[BaseException] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(writers)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            target(i)
+            wins.append(i)
+        except CheckpointExistsError as exc:
+            lost.append(exc)
+        except BaseException as exc:  # pragma: no cover - reported by the caller's assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return wins, lost, errors
+
+
 def committed_attempt(backend: Backend, step: int) -> str:
     marker = json.loads(backend.raw_read(StepPaths(step).marker))
     return str(marker["attempt"])
@@ -114,25 +141,8 @@ class StorageConformance:
 
     def test_create_exclusive_race(self, backend: Backend) -> None:
         st = backend.open().storage
-        wins: list[int] = []
-        errors: list[BaseException] = []
-        barrier = threading.Barrier(8)
-
-        def racer(i: int) -> None:
-            barrier.wait()
-            try:
-                st.create_exclusive("race/COMPLETE", f"writer-{i}".encode())
-                wins.append(i)
-            except CheckpointExistsError:
-                pass
-            except BaseException as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        wins, _, errors = race(8, lambda i: st.create_exclusive("race/COMPLETE",
+                                                                f"writer-{i}".encode()))
         assert not errors, errors
         assert len(wins) == 1, wins
         assert backend.raw_read("race/COMPLETE") == f"writer-{wins[0]}".encode()
@@ -335,34 +345,10 @@ class RaceConformance:
 
     writers = 8
 
-    def _race(self, backend: Backend, target: Callable[[int], object]) -> tuple[list[int], list[
-            BaseException], list[BaseException]]:
-        wins: list[int] = []
-        lost: list[BaseException] = []
-        errors: list[BaseException] = []
-        barrier = threading.Barrier(self.writers)
-
-        def run(i: int) -> None:
-            barrier.wait()
-            try:
-                target(i)
-                wins.append(i)
-            except CheckpointExistsError as exc:
-                lost.append(exc)
-            except BaseException as exc:  # pragma: no cover - reported by the assertion
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(self.writers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return wins, lost, errors
-
     def test_threads_same_step_one_winner(self, backend: Backend) -> None:
         stores = [backend.open() for _ in range(self.writers)]
-        wins, lost, errors = self._race(
-            backend, lambda i: stores[i].save(50, small_state(i, step=50)))
+        wins, lost, errors = race(self.writers,
+                                  lambda i: stores[i].save(50, small_state(i, step=50)))
         assert not errors, errors
         assert len(wins) == 1, f"winners: {wins}"
         assert len(lost) == self.writers - 1
