@@ -27,7 +27,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointExistsError, CorruptCheckpointError, StorageNotFoundError
+from .errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    StorageError,
+    StorageNotFoundError,
+)
 from .storage.base import Storage
 
 log = logging.getLogger("ckptfs")
@@ -71,11 +76,16 @@ class RecordLog:
         that does not parse is reported and the previous one is used (it can only come from
         tampering: generations are created whole).  A generation pruned by a concurrent writer
         between the listing and the read means a newer one exists: list again."""
-        for _ in range(5):
+        # Never answer "no record" because the generations listed were pruned meanwhile: the
+        # caller would rewrite generation 1 (pruned, so its create succeeds) and an update would
+        # be lost.  List again instead; a record that keeps changing for this long is an error.
+        for _ in range(100):
             vanished, rec = self._read_listed()
             if not vanished:
                 return rec
-        return self._read_listed()[1]
+        raise StorageError(
+            f"{self.storage.url}/{self.dir}: every generation listed was pruned before it could "
+            "be read, 100 times in a row; too many writers are updating this record at once")
 
     def _read_listed(self) -> tuple[bool, Record | None]:
         for gen in reversed(self._generations()):
