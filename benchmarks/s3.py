@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from ckptfs.bench import main
+from ckptfs.bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["s3", *sys.argv[1:]]))

@@ -8,7 +8,7 @@
 The on-storage format is specified in docs/protocol.md.
 """
 
-from .errors import (
+from ckptfs.errors import (
     ArtifactConflictError,
     ArtifactMismatchError,
     BackendUnavailableError,
@@ -27,15 +27,15 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from .hashing import ALGORITHMS, DEFAULT_ALGORITHM, available_algorithms
-from .layout import FORMAT_VERSION
-from .manager import CheckpointManager, SaveResult, TrainerState
-from .provenance import Provenance
-from .reader import VerifyReport
-from .resolve import CheckpointInfo
-from .retention import Best, RetentionPolicy
-from .storage.base import Capabilities
-from .store import CheckpointStore, open
+from ckptfs.format.hashing import ALGORITHMS, DEFAULT_ALGORITHM, available_algorithms
+from ckptfs.format.layout import FORMAT_VERSION
+from ckptfs.lifecycle.manager import CheckpointManager, SaveResult, TrainerState
+from ckptfs.lifecycle.provenance import Provenance
+from ckptfs.lifecycle.retention import Best, RetentionPolicy
+from ckptfs.protocol.reader import VerifyReport
+from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.store import CheckpointStore, open
+from ckptfs.storage.base import Capabilities
 
 __version__ = "0.1.0"
 

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m ckptfs.demo "$@"
+exec .venv/bin/python -m ckptfs.cli.demo "$@"

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.artifacts import SIDE_COMMITS_DIR, RunArtifacts
 from ckptfs.errors import (
     ArtifactConflictError,
     ArtifactMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
+from ckptfs.lifecycle.artifacts import SIDE_COMMITS_DIR, RunArtifacts
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.lifecycle import CrashingStorage, InjectedCrash
 

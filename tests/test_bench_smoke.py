@@ -11,15 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import bench
-from ckptfs.cli import main as cli_main
+from ckptfs.bench.cli import main as bench_main
+from ckptfs.bench.common import QUESTIONS, REPO
+from ckptfs.bench.report import load_results, target_rows
+from ckptfs.bench.variants import run_isolated
+from ckptfs.cli.core import main as cli_main
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("bench")
     results, docs = root / "results", root / "docs"
-    rc = bench.main(["all", "--sizes", "2MiB", "--s3-sizes", "2MiB", "--hash-size", "1MiB",
+    rc = bench_main(["all", "--sizes", "2MiB", "--s3-sizes", "2MiB", "--hash-size", "1MiB",
                      "--counts", "3,12", "--reps", "1", "--in-process",
                      "--results", str(results), "--docs", str(docs),
                      "--note", "smoke run"])
@@ -29,7 +32,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def test_every_question_wrote_results(smoke: tuple[Path, Path]) -> None:
     results, _ = smoke
-    for q in (*bench.QUESTIONS, "machine"):
+    for q in (*QUESTIONS, "machine"):
         assert (results / f"{q}.json").exists(), q
     save = json.loads((results / "save.json").read_text())
     errors = [r for r in save["results"] if "error" in r]
@@ -69,8 +72,8 @@ def test_report_has_tables_targets_and_plots(smoke: tuple[Path, Path]) -> None:
                     "## Save and load on S3 (moto)",
                     "## Resolving `latest`", "smoke run"):
         assert heading in md, heading
-    data = bench.load_results(results)
-    targets = {r["target"] for r in bench.target_rows(data)}
+    data = load_results(results)
+    targets = {r["target"] for r in target_rows(data)}
     assert len(targets) == 9  # latest's request-count target needs 1,000 checkpoints
     pngs = sorted(p.name for p in (docs / "img").glob("*.png"))
     assert "hash_throughput.png" in pngs and "latest.png" in pngs
@@ -94,7 +97,7 @@ def test_isolated_worker_runs_one_variant(tmp_path: Path) -> None:
     spec = {"question": "save", "size": 1 << 20, "variant": "ckptfs blake3 durable", "reps": 1,
             "warm": 0, "workdir": str(tmp_path / "w"), "s3": None,
             "default_algo": "blake3", "algorithms": ["blake3"]}
-    r = bench._run_isolated(spec, timeout=120)
+    r = run_isolated(spec, timeout=120)
     assert "error" not in r, r
     assert r["variant"] == "ckptfs blake3 durable" and r["median_s"] > 0
     assert r["peak_extra_rss_mib"] is not None
@@ -103,5 +106,5 @@ def test_isolated_worker_runs_one_variant(tmp_path: Path) -> None:
 def test_scripts_have_help() -> None:
     out = subprocess.run([sys.executable, "-m", "benchmarks.latest", "--help"],
                          capture_output=True, text=True, timeout=120,
-                         cwd=str(bench.REPO))
+                         cwd=str(REPO))
     assert out.returncode == 0 and "--counts" in out.stdout

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.cli import main
-from ckptfs.layout import StepPaths
+from ckptfs.cli.core import main
+from ckptfs.format.layout import StepPaths
 
 
 @pytest.fixture
@@ -77,6 +77,6 @@ def test_bad_url_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_console_script_entry_point(run_root: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "ckptfs.cli", "latest", str(run_root)],
+    done = subprocess.run([sys.executable, "-m", "ckptfs.cli.core", "latest", str(run_root)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "step 10" in done.stdout

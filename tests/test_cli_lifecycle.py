@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.cli import main
-from ckptfs.layout import StepPaths, new_attempt_name
+from ckptfs.cli.core import main
+from ckptfs.format.layout import StepPaths, new_attempt_name
 from ckptfs.testing.backend import Backend
 
 

@@ -79,7 +79,7 @@ def test_large_gpu_state_bounded_host_memory(tmp_path) -> None:  # type: ignore[
 
 
 def test_cuda_rng_state_roundtrip_through_store(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ckptfs import rng
+    from ckptfs.lifecycle import rng
 
     torch.cuda.manual_seed_all(123)
     torch.randn(10, device="cuda")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ckptfs.demo import main
+from ckptfs.cli.demo import main
 from ckptfs.testing.backend import Backend
 
 
@@ -50,6 +50,6 @@ def test_demo_s3(s3_backend: Backend, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_demo_module_entry_point(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    proc = subprocess.run([sys.executable, "-m", "ckptfs.demo", "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "ckptfs.cli.demo", "--help"], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0 and "--root" in proc.stdout and "--steps" in proc.stdout

@@ -12,8 +12,8 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ckptfs import cli
-from ckptfs.doctor import PREFIX, run_doctor
+from ckptfs.cli import core as cli
+from ckptfs.cli.doctor import PREFIX, run_doctor
 from ckptfs.errors import StorageNotFoundError
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.servers import ServerInfo

@@ -17,7 +17,7 @@ from ckptfs.errors import (
     HashAlgorithmUnavailableError,
     InvalidStepError,
 )
-from ckptfs.layout import StepPaths
+from ckptfs.format.layout import StepPaths
 from ckptfs.testing.backend import Backend
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.layout import StepPaths
+from ckptfs.format.layout import StepPaths
 
 SPEC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 

@@ -16,9 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptfs.errors import CkptfsError
-from ckptfs.hashing import digest_bytes
-from ckptfs.manifest import Manifest, Marker
-from ckptfs.serialize import build_tree, decode_state_doc, parse_safetensors_header, plan_state
+from ckptfs.format.hashing import digest_bytes
+from ckptfs.format.manifest import Manifest, Marker
+from ckptfs.format.serialize import (
+    build_tree,
+    decode_state_doc,
+    parse_safetensors_header,
+    plan_state,
+)
 
 FUZZ = settings(max_examples=250, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.gc import collect, parse_duration
-from ckptfs.layout import StepPaths, new_attempt_name, tmp_attempt_name
+from ckptfs.format.layout import StepPaths, new_attempt_name, tmp_attempt_name
+from ckptfs.lifecycle.gc import collect, parse_duration
 from ckptfs.testing.backend import Backend
 
 HOUR = timedelta(hours=1)

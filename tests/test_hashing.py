@@ -1,5 +1,5 @@
-"""ckptfs.hashing: every algorithm against published reference values, the error for a missing
-package, digest formatting/parsing, and the background hasher used by save and load."""
+"""ckptfs.format.hashing: every algorithm against published reference values, the error for a
+missing package, digest formatting/parsing, and the background hasher used by save and load."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from ckptfs.errors import CorruptCheckpointError, HashAlgorithmUnavailableError
-from ckptfs.hashing import (
+from ckptfs.format.hashing import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
     BackgroundHasher,

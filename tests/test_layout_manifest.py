@@ -13,8 +13,8 @@ from ckptfs.errors import (
     InvalidStepError,
     UnsafeCheckpointError,
 )
-from ckptfs.hashing import digest_bytes
-from ckptfs.layout import (
+from ckptfs.format.hashing import digest_bytes
+from ckptfs.format.layout import (
     MAX_STEP,
     StepPaths,
     check_relpath,
@@ -23,7 +23,7 @@ from ckptfs.layout import (
     parse_step_dir,
     step_dir_name,
 )
-from ckptfs.manifest import FileEntry, Manifest, Marker
+from ckptfs.format.manifest import FileEntry, Manifest, Marker
 
 ATTEMPT = "a-20261130T012500Z-3f9c2a1b0c4d5e6f"
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.demo import ShuffleSampler, ToyTask, train
+from ckptfs.cli.demo import ShuffleSampler, ToyTask, train
 from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError
-from ckptfs.layout import StepPaths
-from ckptfs.manager import decode_rng, encode_rng
-from ckptfs.rng import capture
+from ckptfs.format.layout import StepPaths
+from ckptfs.lifecycle.manager import decode_rng, encode_rng
+from ckptfs.lifecycle.rng import capture
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.lifecycle import (
     CrashingStorage,
@@ -64,7 +64,7 @@ def test_resume_without_rng_restore_diverges(backend: Backend) -> None:
     mgr2 = ckptfs.CheckpointManager(backend.open(), save_every=every)
     start = mgr2.restore_latest(model=task2.model, optimizer=task2.opt, scheduler=task2.sched,
                                 stateful={"sampler": task2.sampler})
-    ckptfs.rng.seed_all(1)  # throw the restored RNG away
+    ckptfs.lifecycle.rng.seed_all(1)  # throw the restored RNG away
     losses = train(task2, None, start, total, every)
     assert any(losses[s] != ref_losses[s] for s in losses)
 
@@ -189,7 +189,7 @@ _DIST_WORKER = r"""
 import hashlib, random, sys
 import torch, torch.distributed as dist
 import ckptfs
-from ckptfs import rng
+from ckptfs.lifecycle import rng
 rank, world, root, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 rng.seed_all(500 + rank)

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.bench import CountingStorage, Timing, timed
-from ckptfs.commit import save_checkpoint
+from ckptfs.bench.common import Timing, timed
+from ckptfs.bench.latest import CountingStorage
 from ckptfs.errors import CorruptCheckpointError, StorageError
-from ckptfs.hashing import HASH_INLINE_BYTES, digest_bytes
-from ckptfs.reader import load_checkpoint
-from ckptfs.resolve import resolve_latest
+from ckptfs.format.hashing import HASH_INLINE_BYTES, digest_bytes
+from ckptfs.protocol.commit import save_checkpoint
+from ckptfs.protocol.reader import load_checkpoint
+from ckptfs.protocol.resolve import resolve_latest
 from ckptfs.storage.fsspec import FsspecStorage
 
 MiB = 1024 * 1024
@@ -222,7 +223,7 @@ def test_save_memory_overhead_is_bounded(tmp_path: Path) -> None:
 def test_latest_is_three_http_requests_on_s3(request: pytest.FixtureRequest,
                                              tmp_path: Path) -> None:
     """One listing, one GET of the marker, one GET of the manifest (no HEAD before each GET)."""
-    from ckptfs.bench import count_http
+    from ckptfs.bench.latest import count_http
 
     storage = _storage(request, tmp_path, "s3")
     for step in range(3):

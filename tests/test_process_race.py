@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ckptfs.layout import StepPaths
+from ckptfs.format.layout import StepPaths
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal, committed_attempt, small_state
 

@@ -10,7 +10,7 @@ import torch
 
 import ckptfs
 from ckptfs.errors import ProvenanceMismatchError
-from ckptfs.provenance import DIAGNOSTICS_DIR, Provenance, compare, fingerprint
+from ckptfs.lifecycle.provenance import DIAGNOSTICS_DIR, Provenance, compare, fingerprint
 from ckptfs.testing.backend import Backend
 
 CONFIG = {"lr": 3e-4, "batch": 32, "layers": [4, 4]}
@@ -123,4 +123,4 @@ def test_compare_lists_absent_keys() -> None:
     diffs = compare(Provenance(fingerprints={"a": "1"}), {"fingerprints": {"b": "2"}})
     assert diffs == [("fingerprints.a", "1", "<absent>"), ("fingerprints.b", "<absent>", "2")]
     with pytest.raises(ValueError):
-        ckptfs.provenance.check(None, PROV, {}, step=1, mode="loose")  # type: ignore
+        ckptfs.lifecycle.provenance.check(None, PROV, {}, step=1, mode="loose")  # type: ignore

@@ -11,9 +11,9 @@ import torch
 
 import ckptfs
 from ckptfs.errors import CheckpointExistsError
-from ckptfs.layout import StepPaths
-from ckptfs.records import RecordLog
-from ckptfs.retention import (
+from ckptfs.format.layout import StepPaths
+from ckptfs.lifecycle.records import RecordLog
+from ckptfs.lifecycle.retention import (
     Best,
     BestTracker,
     RetentionPolicy,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs import rng
 from ckptfs.errors import RngStateError
-from ckptfs.layout import STATE_NAME, StepPaths
+from ckptfs.format.layout import STATE_NAME, StepPaths
+from ckptfs.lifecycle import rng
 from ckptfs.testing.backend import Backend
 
 

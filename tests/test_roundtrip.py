@@ -11,7 +11,7 @@ import torch
 
 import ckptfs
 from ckptfs.errors import UnsupportedValueError
-from ckptfs.serialize import supported_dtypes
+from ckptfs.format.serialize import supported_dtypes
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import Capabilities
+from ckptfs.storage.base import Capabilities
 
 #: botocore: fail a refused/blackholed connection in seconds, keep AWS's standard retry mode
 #: (3 attempts, with backoff, for throttling and 5xx).  botocore's legacy default is 5 attempts

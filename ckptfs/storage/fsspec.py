@@ -27,7 +27,7 @@ import fsspec
 import fsspec.core
 from fsspec.registry import known_implementations
 
-from ..errors import (
+from ckptfs.errors import (
     BackendUnavailableError,
     CheckpointExistsError,
     CkptfsError,
@@ -35,8 +35,8 @@ from ..errors import (
     StorageError,
     StorageNotFoundError,
 )
-from .backends import BackendSpec, merge_options, spec_for
-from .base import Capabilities, Entry
+from ckptfs.storage.backends import BackendSpec, merge_options, spec_for
+from ckptfs.storage.base import Capabilities, Entry
 
 log = logging.getLogger("ckptfs.storage")
 

@@ -30,13 +30,13 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, BinaryIO, TypeVar
 
-from ..errors import (
+from ckptfs.errors import (
     CheckpointExistsError,
     StorageAccessError,
     StorageError,
     StorageNotFoundError,
 )
-from .base import Capabilities, Entry, Storage
+from ckptfs.storage.base import Capabilities, Entry, Storage
 
 log = logging.getLogger("ckptfs.storage")
 T = TypeVar("T")

@@ -2,12 +2,20 @@
 
 - :mod:`ckptfs.testing.backend`: a backend under test (run-root URL + raw backdoor).
 - :mod:`ckptfs.testing.conformance`: the conformance base classes every backend subclasses.
-- :mod:`ckptfs.testing.servers`: start real storage servers (moto, ministack, fake-gcs-server,
-  azurite) on free loopback ports.
+- :mod:`ckptfs.testing.lifecycle`: the same for the training-run lifecycle
+  (:class:`~ckptfs.CheckpointManager`).
+- :mod:`ckptfs.testing.faults`: a storage wrapper that injects crashes, torn writes, power cuts
+  and transient faults at chosen calls.
+- :mod:`ckptfs.testing.servers` (package): start real storage servers on free loopback ports,
+  one module per family (``s3``: moto and ministack, ``gcs``: fake-gcs-server, ``azure``:
+  azurite) over the shared process and port machinery (``process``).
+- :mod:`ckptfs.testing.reliability` (package): the crash-point, power-cut, race, corruption,
+  transient-fault and hostile-input sweeps, one module each, and the command that writes
+  docs/reliability.md (``python -m ckptfs.testing.reliability``).
 
 Importing this package needs pytest (the ``test`` extra).
 """
 
-from .backend import Backend, unique_name
+from ckptfs.testing.backend import Backend, unique_name
 
 __all__ = ["Backend", "unique_name"]

@@ -15,8 +15,8 @@ from typing import Any
 
 import fsspec
 
-from ..store import CheckpointStore
-from ..store import open as open_store
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.protocol.store import open as open_store
 
 
 @dataclass

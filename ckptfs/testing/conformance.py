@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from ..errors import (
+from ckptfs.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -28,9 +28,9 @@ from ..errors import (
     StorageNotFoundError,
     UnsupportedValueError,
 )
-from ..layout import MANIFEST_NAME, MARKER_NAME, StepPaths, step_dir_name
-from ..manifest import Manifest, Marker
-from .backend import Backend
+from ckptfs.format.layout import MANIFEST_NAME, MARKER_NAME, StepPaths, step_dir_name
+from ckptfs.format.manifest import Manifest, Marker
+from ckptfs.testing.backend import Backend
 
 
 def small_state(seed: int = 0, step: int = 0) -> dict[str, Any]:

@@ -37,8 +37,8 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Literal, cast
 
-from ..errors import StorageError
-from ..storage.base import Capabilities, Entry, Storage
+from ckptfs.errors import StorageError
+from ckptfs.storage.base import Capabilities, Entry, Storage
 
 MUTATING_OPS = ("write", "fsync", "commit", "write_bytes", "create_exclusive", "delete",
                 "delete_tree", "makedirs", "rename_dir", "sync_dir")

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from ..demo import ToyTask, train
-from ..errors import CheckpointNotFoundError
-from ..gc import collect
-from ..layout import StepPaths, new_attempt_name
-from ..manager import CheckpointManager
-from ..retention import Best
-from ..rng import seed_all
-from .backend import Backend
+from ckptfs.cli.demo import ToyTask, train
+from ckptfs.errors import CheckpointNotFoundError
+from ckptfs.format.layout import StepPaths, new_attempt_name
+from ckptfs.lifecycle.gc import collect
+from ckptfs.lifecycle.manager import CheckpointManager
+from ckptfs.lifecycle.retention import Best
+from ckptfs.lifecycle.rng import seed_all
+from ckptfs.testing.backend import Backend
 
 
 class InjectedCrash(RuntimeError):

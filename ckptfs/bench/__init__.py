@@ -1,0 +1,33 @@
+"""Benchmarks: what full content hashing and the commit protocol cost, next to what people use.
+
+Five questions (``ckptfs bench hash|save|interleaved|s3|latest``, or ``all``; the scripts in
+``benchmarks/`` call the same functions), rendered (``ckptfs bench report``) into
+``docs/benchmarks.md`` with plots in ``docs/img/``.  One module per concern:
+
+* :mod:`ckptfs.bench.common`: sizes, timing with peak RSS, machine description, the
+  transformer-shaped states (parameters + AdamW ``exp_avg``/``exp_avg_sq``);
+* :mod:`ckptfs.bench.variants`: each thing timed (ckptfs with every algorithm, durable and fast;
+  ``torch.save``/``torch.load``, ``safetensors``, DCP; raw s3fs ``pipe``/``cat``) and the runner
+  measuring one variant in a fresh process;
+* :mod:`ckptfs.bench.save`: **save** (local disk), **interleaved** (the save targets with the
+  variants interleaved run by run) and **s3** (a moto S3 server);
+* :mod:`ckptfs.bench.hashing`: **hash**, throughput of every algorithm, ckptfs's hasher against
+  the raw library, per chunk;
+* :mod:`ckptfs.bench.latest`: **latest**, storage requests and time to resolve the latest
+  checkpoint among 10 to 10,000 (:class:`~ckptfs.bench.latest.CountingStorage`,
+  :func:`~ckptfs.bench.latest.count_http`);
+* :mod:`ckptfs.bench.report`: target ratios, the Markdown report and its plots;
+* :mod:`ckptfs.bench.cli`: ``ckptfs bench ...`` (``add_subcommands``, ``main``) and the isolated
+  worker's entry point (``python -m ckptfs.bench.cli SPEC``).
+
+Why it is built this way:
+
+* every comparison is a ratio of two medians measured side by side in one run, because this
+  machine is shared and noisy: absolute figures drift between runs, ratios much less;
+* each variant runs in a fresh subprocess, and its peak resident memory is taken from the
+  kernel's high-water mark reset right before the timed call (``/proc/self/clear_refs``), so the
+  extra memory of one library is not inherited by the next;
+* this VM hands memory that sat free for a few seconds back to the host, and the next first touch
+  is 6-9x slower; every timed run is preceded by touching and freeing a few GiB, or the figures
+  would swing with idle time.  Loads read from the page cache (warm), as the issue's figures do.
+"""

@@ -1,0 +1,143 @@
+"""``ckptfs bench {hash,save,interleaved,s3,latest,all,report}`` (also ``main``, which the
+scripts in ``benchmarks/`` call) and the isolated worker's entry point:
+``python -m ckptfs.bench.cli SPEC`` runs one variant (:func:`ckptfs.bench.variants.run_isolated`);
+``python -m ckptfs.bench.cli ARGS`` is ``ckptfs bench ARGS``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptfs.bench.common import (
+    DOCS_DIR,
+    QUESTIONS,
+    RESULT_TAG,
+    RESULTS_DIR,
+    machine_info,
+    parse_size,
+)
+from ckptfs.bench.hashing import bench_hash
+from ckptfs.bench.latest import bench_latest
+from ckptfs.bench.report import write_report
+from ckptfs.bench.save import bench_interleaved, bench_s3, bench_save
+from ckptfs.bench.variants import run_worker
+
+
+def _save_json(results_dir: Path, name: str, payload: Mapping[str, Any]) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    p = results_dir / f"{name}.json"
+    p.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    return p
+
+
+def _sizes(text: str) -> list[int]:
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
+    isolate = not getattr(args, "in_process", False)
+    if q == "hash":
+        return bench_hash(parse_size(args.hash_size), reps=args.reps)
+    if q == "save":
+        return bench_save(_sizes(args.sizes), reps=args.reps, isolate=isolate,
+                          full_up_to=parse_size(args.full_up_to))
+    if q == "interleaved":
+        return bench_interleaved(_sizes(args.sizes), reps=args.interleaved_reps)
+    if q == "s3":
+        return bench_s3(_sizes(args.s3_sizes), reps=args.s3_reps or args.reps, isolate=isolate)
+    if q == "latest":
+        return bench_latest([int(c) for c in args.counts.split(",")], reps=max(args.reps, 3),
+                            s3_max=args.s3_max)
+    raise ValueError(q)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    results = Path(args.results)
+    what = args.bench_command
+    if what == "report":
+        print(write_report(results, Path(args.docs)))
+        return 0
+    questions = QUESTIONS if what == "all" else (what,)
+    machine = machine_info()
+    t0 = time.perf_counter()
+    for q in questions:
+        print(f"[{time.strftime('%H:%M:%S')}] {q} ...", flush=True)
+        _save_json(results, q, run_question(q, args))
+    machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    machine["duration_s"] = round(time.perf_counter() - t0, 1)
+    if args.note:
+        machine["concurrent_note"] = args.note
+    if what == "all" or not (results / "machine.json").exists():
+        _save_json(results, "machine", machine)
+    if what == "all" or args.report:
+        print(write_report(results, Path(args.docs)))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reps", type=int, default=3, help="timed runs per variant (median)")
+    p.add_argument("--sizes", default="1GiB,4GiB", help="local save/load state sizes")
+    p.add_argument("--full-up-to", default="2GiB",
+                   help="run every variant up to this size; above it, only the default "
+                   "algorithm and the main baselines (time: the full set takes ~5 min per GiB)")
+    p.add_argument("--interleaved-reps", type=int, default=3,
+                   help="rounds of the interleaved save-target check (each times every variant)")
+    p.add_argument("--s3-sizes", default="1GiB", help="state sizes for the moto benchmark")
+    p.add_argument("--s3-reps", type=int, default=2,
+                   help="timed runs per moto variant (default: --reps); one 1 GiB run takes "
+                   "10-30 s there")
+    p.add_argument("--hash-size", default="512MiB", help="buffer size for hashing throughput")
+    p.add_argument("--counts", default="10,100,1000,10000", help="checkpoint counts (latest)")
+    p.add_argument("--s3-max", type=int, default=1000,
+                   help="largest checkpoint count populated on moto (it takes ~3 PUTs each)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run variants in this process (smoke tests; RSS then less meaningful)")
+    p.add_argument("--results", default=str(RESULTS_DIR), help="where the JSON goes")
+    p.add_argument("--docs", default=str(DOCS_DIR), help="where benchmarks.md and img/ go")
+    p.add_argument("--report", action="store_true", help="regenerate the report afterwards")
+    p.add_argument("--note", default="", help="a remark stored with the machine description "
+                   "(e.g. that other work was running)")
+
+
+def add_subcommands(subparsers: Any) -> None:
+    """``ckptfs bench {hash,save,s3,latest,all,report}``."""
+    p = subparsers.add_parser("bench", help="run the benchmarks (see docs/benchmarks.md)")
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    helps = {"hash": "hashing throughput of every algorithm",
+             "save": "save/load on local disk against torch.save, safetensors and DCP",
+             "interleaved": "the save targets with the variants interleaved run by run",
+             "s3": "save/load on a moto S3 server against raw s3fs",
+             "latest": "cost of resolving latest vs number of checkpoints",
+             "all": "everything, then the report",
+             "report": "regenerate docs/benchmarks.md and docs/img/ from the JSON"}
+    for name, text in helps.items():
+        q = sub.add_parser(name, help=text)
+        add_arguments(q)
+        q.set_defaults(func=cmd_bench)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ckptfs-bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subcommands(sub)
+    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    return int(args.func(args))
+
+
+def _worker_main(argv: Sequence[str]) -> int:
+    spec = json.loads(argv[0])
+    result = run_worker(spec)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):
+        sys.exit(_worker_main(sys.argv[1:]))
+    sys.exit(main())

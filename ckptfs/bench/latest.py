@@ -1,0 +1,179 @@
+"""The ``latest`` question: storage requests and time to resolve the latest checkpoint among 10
+to 10,000, with the request counters (:class:`CountingStorage`, :func:`count_http`)."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+
+class CountingStorage:
+    """A :class:`~ckptfs.storage.base.Storage` proxy counting every call by operation."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.url = inner.url
+        self.capabilities = inner.capabilities
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+@contextmanager
+def count_http(fs: Any) -> Iterator[dict[str, int]]:
+    """Count the HTTP requests an s3fs filesystem makes, by operation (botocore events)."""
+    counts: dict[str, int] = {}
+
+    def handler(**kwargs: Any) -> None:
+        model = kwargs.get("model")
+        name = getattr(model, "name", "?")
+        counts[name] = counts.get(name, 0) + 1
+
+    fs.connect()
+    events = fs.s3.meta.events
+    events.register("before-call.s3", handler)
+    try:
+        yield counts
+    finally:
+        events.unregister("before-call.s3", handler)
+
+
+def _populate(storage: Any, count: int, write: Callable[[dict[str, bytes]], None]) -> None:
+    """``count - 1`` committed checkpoints made of real protocol files (state, manifest,
+    marker), written directly with the raw filesystem, then one real save on top."""
+    from datetime import datetime, timezone
+
+    from ckptfs.format.hashing import DEFAULT_ALGORITHM, digest_bytes
+    from ckptfs.format.layout import MANIFEST_NAME, StepPaths, new_attempt_name
+    from ckptfs.format.manifest import FileEntry, Manifest, Marker
+    from ckptfs.format.serialize import plan_state
+    from ckptfs.protocol.commit import save_checkpoint
+
+    plan = plan_state({"step": 0})
+    files = {pf.path: b"".join(bytes(c) for c in pf.chunks()) for pf in plan.files}
+    entries = tuple(FileEntry(p, len(b), digest_bytes(DEFAULT_ALGORITHM, b))
+                    for p, b in files.items())
+    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    batch: dict[str, bytes] = {}
+    for step in range(count - 1):
+        attempt = new_attempt_name()
+        paths = StepPaths(step)
+        manifest = Manifest(step, attempt, entries, created, DEFAULT_ALGORITHM,
+                            {"tensor_count": 0})
+        mbytes = manifest.to_bytes()
+        marker = Marker(step, attempt, digest_bytes(DEFAULT_ALGORITHM, mbytes), len(mbytes),
+                        created, {"host": "bench", "pid": 0})
+        d = paths.attempt_dir(attempt)
+        for p, b in files.items():
+            batch[f"{d}/{p}"] = b
+        batch[f"{d}/{MANIFEST_NAME}"] = mbytes
+        batch[paths.marker] = marker.to_bytes()
+        if len(batch) >= 3000:
+            write(batch)
+            batch = {}
+    if batch:
+        write(batch)
+    save_checkpoint(storage, count - 1, {"step": count - 1}, durable=False)
+
+
+def bench_latest(counts: Sequence[int] = (10, 100, 1000, 10000), *, reps: int = 5,
+                 s3_max: int = 1000, backends: Sequence[str] = ("local", "s3"),
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Cost of resolving ``latest`` as the number of committed checkpoints grows."""
+    from ckptfs.protocol.resolve import resolve_latest
+    from ckptfs.storage.fsspec import FsspecStorage
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ckptfs-latest-") as tmp, \
+            _maybe_moto("s3" in backends) as srv:
+        for backend in backends:
+            for n in counts:
+                if backend == "s3" and n > s3_max:
+                    continue
+                if backend == "local":
+                    root = Path(tmp) / f"run{n}"
+                    storage = FsspecStorage(str(root))
+
+                    write = partial(_write_local, root)
+                else:
+                    assert srv is not None
+                    srv.reset()
+                    url = srv.url(f"run{n}")
+                    storage = FsspecStorage(url, **srv.storage_options)
+                    write = partial(_write_remote, srv.filesystem(), url)
+                t0 = time.perf_counter()
+                _populate(storage, n, write)
+                populate_s = time.perf_counter() - t0
+                times: list[float] = []
+                calls: dict[str, int] = {}
+                http: dict[str, int] = {}
+                for _ in range(reps):
+                    counting = CountingStorage(storage)
+                    if backend == "s3":
+                        with count_http(storage.fs) as http_counts:
+                            t0 = time.perf_counter()
+                            info = resolve_latest(counting)
+                            times.append(time.perf_counter() - t0)
+                        http = dict(http_counts)
+                    else:
+                        t0 = time.perf_counter()
+                        info = resolve_latest(counting)
+                        times.append(time.perf_counter() - t0)
+                    calls = dict(counting.calls)
+                    assert info is not None and info.step == n - 1
+                row: dict[str, Any] = {"backend": backend, "checkpoints": n, "median_s": round(
+                    statistics.median(times), 5), "storage_calls": calls,
+                    "storage_calls_total": sum(calls.values()),
+                    "http_requests": http or None,
+                    "http_requests_total": sum(http.values()) if http else None,
+                    "populate_s": round(populate_s, 1)}
+                rows.append(row)
+                log(f"  latest {backend} {n}: {row['median_s'] * 1000:.1f} ms, "
+                    f"{row['storage_calls_total']} storage calls {calls}"
+                    + (f", {row['http_requests_total']} HTTP {http}" if http else ""))
+                if backend == "local":
+                    shutil.rmtree(Path(tmp) / f"run{n}", ignore_errors=True)
+    return {"question": "latest", "reps": reps, "rows": rows}
+
+
+def _write_local(root: Path, batch: dict[str, bytes]) -> None:
+    for rel, data in batch.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+
+
+def _write_remote(fs: Any, url: str, batch: dict[str, bytes]) -> None:
+    fs.pipe({f"{url}/{k}": v for k, v in batch.items()})
+
+
+@contextmanager
+def _maybe_moto(want: bool) -> Iterator[Any]:
+    if not want:
+        yield None
+        return
+    from ckptfs.testing.servers import moto_server
+
+    with moto_server() as srv:
+        yield srv
+

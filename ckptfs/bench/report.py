@@ -1,0 +1,371 @@
+"""The report: target ratios from the JSON results, ``docs/benchmarks.md`` and its plots in
+``docs/img/``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptfs.bench.common import DOCS_DIR, QUESTIONS, REPO, RESULTS_DIR, GiB, MiB, fmt_size
+
+TARGETS = [
+    ("durable save, default hash >= 1.6x DCP FileSystemWriter default", 1.6),
+    ("fast save with hash >= 0.85x safetensors.save_file", 0.85),
+    ("load with full verify >= 1.0x DCP load", 1.0),
+    ("load with full verify >= 0.8x torch.load", 0.8),
+    ("hasher within 5% of the raw library (16 MiB chunks)", 0.95),
+    ("save to moto >= 0.9x raw s3fs pipe of the same bytes", 0.9),
+]
+
+
+def _find(results: Sequence[Mapping[str, Any]], size: int, name: str) -> float | None:
+    for r in results:
+        if r.get("size") == size and r.get("variant") == name and "median_s" in r:
+            return float(r["median_s"])
+    return None
+
+
+def target_rows(data: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each target as measured: the ratio (higher is better for ckptfs) and whether it is met."""
+    rows: list[dict[str, Any]] = []
+    save = data.get("save")
+    if save:
+        d = save["default_algorithm"]
+        for size in save["sizes"]:
+            res = save["results"]
+            pairs = [
+                (TARGETS[0], "DCP FileSystemWriter (default, fsync)", f"ckptfs {d} durable"),
+                (TARGETS[1], "safetensors.save_file", f"ckptfs {d} fast"),
+                (TARGETS[2], "DCP load (FileSystemReader)", f"ckptfs {d} verify"),
+                (TARGETS[3], "torch.load", f"ckptfs {d} verify"),
+            ]
+            for (label, goal), ref, ours in pairs:
+                a, b = _find(res, size, ref), _find(res, size, ours)
+                if a and b:
+                    rows.append({"target": label, "size": size, "goal": goal,
+                                 "ratio": round(a / b, 2), "met": a / b >= goal,
+                                 "detail": f"{ref} {a:.3f} s / {ours} {b:.3f} s"})
+    inter = data.get("interleaved")
+    if inter:
+        d = inter["default_algorithm"]
+        for size in inter["sizes"]:
+            for (label, goal), ref, ours in [
+                    (TARGETS[0], "DCP FileSystemWriter (default, fsync)", f"ckptfs {d} durable"),
+                    (TARGETS[1], "safetensors.save_file", f"ckptfs {d} fast")]:
+                a, b = _find(inter["results"], size, ref), _find(inter["results"], size, ours)
+                if a and b:
+                    rows.append({"target": label + " (interleaved runs)", "size": size,
+                                 "goal": goal, "ratio": round(a / b, 2), "met": a / b >= goal,
+                                 "detail": f"{ref} {a:.3f} s / {ours} {b:.3f} s"})
+    for key in ("save", "s3"):
+        block = data.get(key)
+        if not block:
+            continue
+        for r in block["results"]:
+            if (r.get("family") == "ckptfs" and r.get("op") == "save"
+                    and r.get("peak_extra_rss_max_mib") is not None):
+                bound = 64 + 0.05 * r["bytes"] / MiB
+                peak = r["peak_extra_rss_max_mib"]
+                rows.append({"target": "save: peak extra memory <= 64 MiB + 5% of the state",
+                             "size": r["size"], "goal": round(bound), "ratio": peak,
+                             "met": peak <= bound,
+                             "detail": f"{r['variant']}: worst of {len(r['times_s'])} runs "
+                             f"{peak} MiB (bound {bound:.0f} MiB)"})
+    hashing = data.get("hash")
+    if hashing:
+        for row in hashing["rows"]:
+            for c in row.get("chunks", []):
+                if c["chunk"] == 16 * MiB:
+                    r = c["ckptfs_vs_one_shot"]
+                    rows.append({"target": TARGETS[4][0], "size": None, "goal": 0.95,
+                                 "ratio": r, "met": r >= 0.95,
+                                 "detail": f"{row['algorithm']}: {c['ckptfs_gbps']} GB/s vs "
+                                 f"one-shot {row['raw_one_shot_gbps']} GB/s (vs the library fed "
+                                 f"the same chunks: {c['ckptfs_vs_raw_chunked']})"})
+    s3 = data.get("s3")
+    if s3:
+        d = s3["default_algorithm"]
+        for size in s3["sizes"]:
+            a = _find(s3["results"], size, "s3fs pipe (same bytes)")
+            b = _find(s3["results"], size, f"ckptfs {d} -> S3")
+            if a and b:
+                rows.append({"target": TARGETS[5][0], "size": size, "goal": 0.9,
+                             "ratio": round(a / b, 2), "met": a / b >= 0.9,
+                             "detail": f"pipe {a:.2f} s / ckptfs {b:.2f} s"})
+    latest = data.get("latest")
+    if latest:
+        for row in latest["rows"]:
+            if row["checkpoints"] == 1000:
+                n = row["http_requests_total"] or row["storage_calls_total"]
+                rows.append({"target": "latest at 1,000 checkpoints in <= 3 storage requests",
+                             "size": None, "goal": 3, "ratio": n, "met": n <= 3,
+                             "detail": f"{row['backend']}: {row['storage_calls_total']} storage "
+                             f"calls {row['storage_calls']}"
+                             + (f", {n} HTTP requests {row['http_requests']}"
+                                if row["http_requests"] else "")})
+    return rows
+
+
+def load_results(results_dir: Path) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for q in (*QUESTIONS, "machine"):
+        p = results_dir / f"{q}.json"
+        if p.exists():
+            data[q] = json.loads(p.read_text())
+    return data
+
+
+def write_report(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
+                 md_name: str = "benchmarks.md") -> Path:
+    """Render the JSON results into Markdown tables and PNG plots."""
+    data = load_results(results_dir)
+    img = docs_dir / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    plots = _plots(data, img)
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m benchmarks.run_all` (or `ckptfs bench all`) from the JSON in "
+        "`benchmarks/results/`; do not edit by hand. Every ratio compares two medians measured "
+        "side by side in the same run; each save/load variant ran in a fresh subprocess, its "
+        "peak extra RSS is the kernel's high-water mark above the RSS just before the timed "
+        "call (the state itself excluded). Before each timed call a few GiB were touched and "
+        "freed (this VM returns idle free memory to the host and the next first touch is "
+        "6-9x slower). Loads read from the page cache.",
+        "",
+    ]
+    m = data.get("machine")
+    if m:
+        v = ", ".join(f"{k} {val}" for k, val in m["versions"].items())
+        lines += ["## Machine", "",
+                  f"- CPU: {m['cpu']}, {m['cores']} cores; memory "
+                  f"{(m['memory_bytes'] or 0) / GiB:.1f} GiB; {m['system']}",
+                  f"- Date: {m['date_utc']}; load average at start {m['load_average']}"
+                  + (f", at end {m.get('load_average_end')}" if m.get("load_average_end")
+                     else ""),
+                  f"- Versions: {v}"]
+        if m.get("concurrent_note"):
+            lines.append(f"- **{m['concurrent_note']}**")
+        lines.append("")
+    trows = target_rows(data)
+    if trows:
+        lines += ["## Targets", "", "| target | state | ratio | goal | met | measured |",
+                  "|---|---|---:|---:|:---:|---|"]
+        for r in trows:
+            lines.append(f"| {r['target']} | {fmt_size(r['size']) if r['size'] else ''} | "
+                         f"{r['ratio']} | {r['goal']} | {'yes' if r['met'] else '**no**'} | "
+                         f"{r['detail']} |")
+        lines.append("")
+    lines += _hash_section(data.get("hash"), plots)
+    lines += _save_section(data.get("save"), plots, "Save and load on local disk", "save")
+    lines += _interleaved_section(data.get("interleaved"))
+    lines += _save_section(data.get("s3"), plots, "Save and load on S3 (moto)", "s3")
+    lines += _latest_section(data.get("latest"), plots)
+    notes = REPO / "benchmarks" / "NOTES.md"
+    if notes.exists():
+        lines += ["", notes.read_text().strip(), ""]
+    out = docs_dir / md_name
+    out.write_text("\n".join(lines).rstrip() + "\n")
+    return out
+
+
+def _hash_section(h: Mapping[str, Any] | None, plots: Mapping[str, str]) -> list[str]:
+    if not h:
+        return []
+    chunks = [c["chunk"] for c in h["rows"][0].get("chunks", [])] if h["rows"] else []
+    lines = ["## Hashing throughput", "",
+             f"{fmt_size(h['bytes'])} in memory, one thread, median of {h['reps']}. GB/s = 1e9 "
+             "bytes/s. *ckptfs* is `ckptfs.format.hashing.new_hasher(algo)` fed chunk by chunk (as "
+             "the saver and the verifier do); *ratio* is ckptfs at that chunk size over the raw "
+             "library hashing the whole buffer in one call.", "",
+             "| algorithm | crypto | raw one-shot | "
+             + " | ".join(f"ckptfs {fmt_size(c)} (ratio)" for c in chunks) + " |",
+             "|---|:---:|---:|" + "---:|" * len(chunks)]
+    for r in h["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['algorithm']} | | {r['error']} |" + " |" * len(chunks))
+            continue
+        cells = [f"{c['ckptfs_gbps']} ({c['ckptfs_vs_one_shot']})" for c in r["chunks"]]
+        lines.append(f"| {r['algorithm']} | {'yes' if r['cryptographic'] else 'no'} | "
+                     f"{r['raw_one_shot_gbps']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for e in h.get("extras", []):
+        lines.append(f"- {e['what']}: {e['gbps']} GB/s")
+    for t in h.get("tools", []):
+        lines.append(f"- `{t['tool']}`: " + (f"{t['gbps']} GB/s (file in page cache, process "
+                                              "start included)" if t["installed"]
+                                              else "not installed"))
+    if "hash" in plots:
+        lines += ["", f"![hashing throughput]({plots['hash']})"]
+    return [*lines, ""]
+
+
+def _save_section(s: Mapping[str, Any] | None, plots: Mapping[str, str], title: str,
+                  key: str) -> list[str]:
+    if not s:
+        return []
+    lines = [f"## {title}", "",
+             f"Median of {s['reps']} runs per variant; default algorithm "
+             f"`{s['default_algorithm']}`; GB/s = state bytes / time / 1e9; *CPU s* is the "
+             "process's CPU time (all threads) during the call: on 2 shared cores, a variant "
+             "using more CPU than another loses to it when other work runs. "
+             + (f"Files on {s.get('workdir_fs')}. " if key == "save" else "")
+             + f"Load average before {s.get('load_before')}, after {s.get('load_after')}.", ""]
+    for size in s["sizes"]:
+        res = [r for r in s["results"] if r.get("size") == size]
+        for op in ("save", "load"):
+            rows = [r for r in res if r.get("op") == op or ("error" in r and op == "save")]
+            if not rows:
+                continue
+            ok = [r for r in rows if "median_s" in r]
+            fastest = min((r["median_s"] for r in ok), default=None)
+            lines += [f"### {op.capitalize()}, {fmt_size(size)} state", "",
+                      "| variant | median s | GB/s | vs fastest | CPU s | peak extra RSS MiB "
+                      "| note |",
+                      "|---|---:|---:|---:|---:|---:|---|"]
+            for r in sorted(ok, key=lambda r: r["median_s"]):
+                rel = f"{fastest / r['median_s']:.2f}" if fastest else ""
+                lines.append(f"| {r['variant']} | {r['median_s']:.3f} | {r['gb_per_s']} | "
+                             f"{rel} | {r.get('cpu_s', '')} | {r.get('peak_extra_rss_mib', '')} "
+                             f"| {r.get('note', '')} |")
+            for r in rows:
+                if "error" in r:
+                    lines.append(f"| {r['variant']} | failed | | | | | "
+                                 f"{r['error'][-200:].replace('|', '/').splitlines()[-1]} |")
+            lines.append("")
+            pk = f"{key}-{op}-{size}"
+            if pk in plots:
+                lines += [f"![{op} {fmt_size(size)}]({plots[pk]})", ""]
+    return lines
+
+
+def _interleaved_section(it: Mapping[str, Any] | None) -> list[str]:
+    if not it:
+        return []
+    lines = ["## Save targets, variants interleaved", "",
+             "The table above runs each variant's repetitions back to back in its own process, "
+             "minutes apart from the next variant; on this shared machine the load drifts in "
+             "between. Here one process times every variant once per round, in turn "
+             f"({it['reps']} rounds), so both sides of each ratio saw the same conditions. Load "
+             f"average before {it.get('load_before')}, after {it.get('load_after')}.", "",
+             "| state | variant | median s | GB/s | CPU s | runs (s) |",
+             "|---|---|---:|---:|---:|---|"]
+    for r in it["results"]:
+        lines.append(f"| {fmt_size(r['size'])} | {r['variant']} | {r['median_s']:.3f} | "
+                     f"{r['gb_per_s']} | {r.get('cpu_s', '')} | "
+                     f"{', '.join(f'{t:.2f}' for t in r['times_s'])} |")
+    return [*lines, ""]
+
+
+def _latest_section(lt: Mapping[str, Any] | None, plots: Mapping[str, str]) -> list[str]:
+    if not lt:
+        return []
+    lines = ["## Resolving `latest`", "",
+             "Committed checkpoints made of real protocol files (state, `MANIFEST.json`, "
+             "`COMPLETE`), written directly with the raw filesystem, the newest by a real save. "
+             "*Storage calls* are calls to ckptfs's `Storage` interface; *HTTP* are the S3 "
+             f"requests s3fs sent (botocore events). Median of {lt['reps']} resolutions.", "",
+             "| backend | checkpoints | median ms | storage calls | HTTP requests |",
+             "|---|---:|---:|---|---|"]
+    for r in lt["rows"]:
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(r["storage_calls"].items()))
+        http = (", ".join(f"{k} {v}" for k, v in sorted(r["http_requests"].items()))
+                if r["http_requests"] else "")
+        lines.append(f"| {r['backend']} | {r['checkpoints']:,} | {r['median_s'] * 1000:.1f} | "
+                     f"{r['storage_calls_total']} ({calls}) | "
+                     + (f"{r['http_requests_total']} ({http})" if http else "n/a") + " |")
+    if "latest" in plots:
+        lines += ["", f"![latest]({plots['latest']})"]
+    return [*lines, ""]
+
+
+def _plots(data: Mapping[str, Any], img: Path) -> dict[str, str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is a dev dependency
+        return {}
+    out: dict[str, str] = {}
+    h = data.get("hash")
+    if h and h["rows"]:
+        rows = [r for r in h["rows"] if "chunks" in r]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        chunks = [c["chunk"] for c in rows[0]["chunks"]]
+        width = 0.8 / (len(chunks) + 1)
+        for j, c in enumerate(chunks):
+            ax.bar([i + j * width for i in range(len(rows))],
+                   [r["chunks"][j]["ckptfs_gbps"] for r in rows], width,
+                   label=f"ckptfs, {fmt_size(c)} chunks")
+        ax.bar([i + len(chunks) * width for i in range(len(rows))],
+               [r["raw_one_shot_gbps"] for r in rows], width, label="raw library, one shot",
+               color="grey")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))],
+                      [r["algorithm"] for r in rows])
+        ax.set_ylabel("GB/s (one thread)")
+        ax.set_title("Hashing throughput")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(img / "hash_throughput.png", dpi=110)
+        plt.close(fig)
+        out["hash"] = "img/hash_throughput.png"
+    for key in ("save", "s3"):
+        s = data.get(key)
+        if not s:
+            continue
+        for size in s["sizes"]:
+            for op in ("save", "load"):
+                rows = sorted([r for r in s["results"] if r.get("size") == size
+                               and r.get("op") == op and "median_s" in r],
+                              key=lambda r: -r["median_s"])
+                if not rows:
+                    continue
+                fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+                colors = {"ckptfs": "tab:blue", "baseline": "tab:orange", "raw": "tab:grey"}
+                ax.barh([r["variant"] for r in rows], [r["median_s"] for r in rows],
+                        color=[colors.get(r["family"], "tab:grey") for r in rows])
+                for i, r in enumerate(rows):
+                    ax.text(r["median_s"], i, f" {r['gb_per_s']} GB/s", va="center", fontsize=7)
+                ax.set_xlabel("seconds (median, lower is better)")
+                where = "local disk" if key == "save" else "moto S3"
+                ax.set_title(f"{op.capitalize()} of a {fmt_size(size)} state, {where}")
+                ax.tick_params(axis="y", labelsize=7)
+                ax.set_xlim(0, max(r["median_s"] for r in rows) * 1.3)
+                fig.tight_layout()
+                name = f"{key}_{op}_{size // MiB}MiB.png"
+                fig.savefig(img / name, dpi=110)
+                plt.close(fig)
+                out[f"{key}-{op}-{size}"] = f"img/{name}"
+    lt = data.get("latest")
+    if lt and lt["rows"]:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
+        for backend in sorted({r["backend"] for r in lt["rows"]}):
+            rs = [r for r in lt["rows"] if r["backend"] == backend]
+            xs = [r["checkpoints"] for r in rs]
+            a1.plot(xs, [r["median_s"] * 1000 for r in rs], marker="o", label=backend)
+            a2.plot(xs, [r["storage_calls_total"] for r in rs], marker="o",
+                    label=f"{backend}: storage calls")
+            if any(r["http_requests_total"] for r in rs):
+                a2.plot(xs, [r["http_requests_total"] for r in rs], marker="s", linestyle="--",
+                        label=f"{backend}: HTTP requests")
+        for a in (a1, a2):
+            a.set_xscale("log")
+            a.set_xlabel("committed checkpoints")
+            a.legend(fontsize=8)
+        a1.set_ylabel("ms (median)")
+        a1.set_yscale("log")
+        a2.set_ylabel("requests")
+        top = max(max(r["storage_calls_total"], r["http_requests_total"] or 0)
+                  for r in lt["rows"])
+        a2.set_ylim(0, top + 2)
+        a1.set_title("Time to resolve latest")
+        a2.set_title("Requests to resolve latest")
+        fig.tight_layout()
+        fig.savefig(img / "latest.png", dpi=110)
+        plt.close(fig)
+        out["latest"] = "img/latest.png"
+    return out
+

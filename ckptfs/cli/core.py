@@ -1,0 +1,172 @@
+"""The ``ckptfs`` command.
+
+Core subcommands live here (``ls``, ``latest``, ``verify``); feature modules add theirs through
+an ``add_subcommands(subparsers)`` function (listed in ``_PLUGINS``), so this file stays small.
+Every subcommand takes ``--json`` and exits non-zero on failure: 1 for a failed check (corrupt,
+missing), 2 for bad usage or an unreachable store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ckptfs.errors import (
+    CheckpointNotFoundError,
+    CkptfsError,
+    CorruptCheckpointError,
+)
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.protocol.store import open as open_store
+
+_PLUGINS = ("ckptfs.cli.doctor", "ckptfs.cli.lifecycle", "ckptfs.bench.cli")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``-o key=value`` storage options; values parsed as JSON when they parse, else str."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"ckptfs: storage option {pair!r} must look like key=value")
+        key, value = pair.split("=", 1)
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def add_store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="run root URL (file://, memory://, s3://, gs://, az://, or a path)")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="storage option passed to fsspec (repeatable), e.g. "
+                   "-o endpoint_url=http://127.0.0.1:9000")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def open_from_args(args: argparse.Namespace) -> CheckpointStore:
+    return open_store(args.url, **parse_options(args.option))
+
+
+def emit(args: argparse.Namespace, payload: Any, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(payload, indent=2, sort_keys=True, default=str))
+    else:
+        print(text)
+
+
+def _info_dict(info: Any) -> dict[str, Any]:
+    return {"step": info.step, "attempt": info.attempt, "url": info.url,
+            "created": info.created, "files": len(info.manifest.files),
+            "bytes": info.total_bytes, "hash_algorithm": info.manifest.hash_algorithm}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = open_from_args(args)
+    committed = store.steps()
+    everything = store.all_steps()
+    incomplete = sorted(set(everything) - set(committed))
+    rows = [{"step": s, "committed": True} for s in committed]
+    rows += [{"step": s, "committed": False} for s in incomplete]
+    rows.sort(key=lambda r: r["step"])
+    lines = [f"{r['step']:>12}  {'committed' if r['committed'] else 'incomplete'}" for r in rows]
+    emit(args, {"url": store.url, "checkpoints": rows},
+         "\n".join(lines) if lines else f"no checkpoints at {store.url}")
+    return EXIT_OK
+
+
+def cmd_latest(args: argparse.Namespace) -> int:
+    store = open_from_args(args)
+    info = store.latest(allow_rollback=args.allow_rollback)
+    if info is None:
+        emit(args, {"url": store.url, "latest": None}, f"no committed checkpoint at {store.url}")
+        return EXIT_FAILED
+    emit(args, {"url": store.url, "latest": _info_dict(info)},
+         f"step {info.step}  {info.url}  ({info.total_bytes} bytes, {info.created})")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ckptfs.protocol.reader import verify_checkpoint
+
+    store = open_from_args(args)
+    info = store.latest() if args.step is None else store.info(args.step)
+    if info is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint at {store.url}")
+    report = verify_checkpoint(store.storage, info, quick=args.quick, threads=store.threads)
+    text = (f"OK: step {info.step} ({report.mode}: {report.files} files, {report.bytes} bytes)"
+            if report.ok else f"FAILED: step {info.step} ({report.mode}):\n  "
+            + "\n  ".join(report.problems))
+    emit(args, report.as_dict(), text)
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckptfs", description="Crash-consistent PyTorch checkpoints on any fsspec storage.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what ckptfs does")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("ls", help="list checkpoints (committed and incomplete)")
+    add_store_args(p)
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("latest", help="show the newest committed checkpoint")
+    add_store_args(p)
+    p.add_argument("--allow-rollback", action="store_true",
+                   help="skip a corrupt newest checkpoint instead of failing")
+    p.set_defaults(func=cmd_latest)
+
+    p = sub.add_parser("verify", help="check a checkpoint against its manifest")
+    add_store_args(p)
+    p.add_argument("--step", type=int, default=None, help="step to verify (default: latest)")
+    p.add_argument("--quick", action="store_true",
+                   help="names and sizes from one listing instead of re-hashing every byte")
+    p.set_defaults(func=cmd_verify)
+
+    for module in _PLUGINS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        add: Callable[[Any], None] = mod.add_subcommands
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except CorruptCheckpointError as exc:
+        _fail(args, exc)
+        return EXIT_FAILED
+    except CheckpointNotFoundError as exc:
+        _fail(args, exc)
+        return EXIT_FAILED
+    except CkptfsError as exc:
+        _fail(args, exc)
+        return EXIT_USAGE
+
+
+def _fail(args: argparse.Namespace, exc: Exception) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "error": type(exc).__name__, "message": str(exc)},
+                         indent=2))
+    print(f"ckptfs: error: {exc}", file=sys.stderr)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Write-once run artifacts, and side outputs that commit with a checkpoint.
+
+**Run artifacts** (the RL code base's frozen reference model): a state saved once per run under
+a name, with a *descriptor* (a small JSON dict saying what it is: model id, revision, dtype...).
+Each artifact is a one-step checkpoint store of its own, ``artifacts/<name>/``, committed by the
+same exclusive marker as any checkpoint, so "saved once" is enforced by the storage: a second
+save with the same descriptor is a no-op, with a different descriptor an
+:class:`~ckptfs.errors.ArtifactConflictError`, and two racing first saves produce one artifact.
+The manifest's metadata records the descriptor and its digest; the marker binds that manifest,
+so descriptor and content are committed together.  :meth:`RunArtifacts.load` verifies every byte
+against the manifest, the recorded descriptor against its digest, and the descriptor the caller
+expects against the recorded one.  ``ArtifactInfo.content_digest`` (a digest over the manifest's
+file entries) identifies the content for logs and comparisons across runs.
+
+**Side outputs** (the RL code base's COMMITTED markers): files a step produces before its
+checkpoint (eval results, update logs) are written under ``lifecycle/side/step-N/<name>`` at
+once, but they belong to the run's history only once the checkpoint that lists them commits:
+the manager puts ``{path: {"size", "digest"}}`` of every side output written since the previous
+checkpoint into the new checkpoint's manifest metadata (``side_outputs``), so the checkpoint's
+marker commits them in the same atomic step.  After the commit, a small record
+``lifecycle/side-commits/step-N.json`` repeats the list, so side outputs stay committed after
+retention deletes the checkpoint that committed them.  A resume classifies every side output
+as committed (listed, digest matches), uncommitted (written by a run that crashed before its
+checkpoint: discard) or modified (listed, but the bytes changed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, suppress
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from ckptfs.errors import (
+    ArtifactConflictError,
+    ArtifactMismatchError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    StorageNotFoundError,
+    UnsupportedValueError,
+)
+from ckptfs.format.hashing import digest_bytes
+from ckptfs.format.layout import MAX_STEP, parse_step_dir, step_dir_name
+from ckptfs.lifecycle.records import LIFECYCLE_DIR
+from ckptfs.protocol.reader import MapLocation
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.storage.base import Capabilities, Entry, Storage
+
+log = logging.getLogger("ckptfs")
+
+ARTIFACTS_DIR = "artifacts"
+ARTIFACT_STEP = 0
+SIDE_DIR = f"{LIFECYCLE_DIR}/side"
+SIDE_COMMITS_DIR = f"{LIFECYCLE_DIR}/side-commits"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(name: str, what: str = "artifact") -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+        raise ValueError(f"{what} name {name!r} must be 1-128 characters of [A-Za-z0-9._-], "
+                         "starting with a letter or digit")
+    return name
+
+
+class SubStorage:
+    """A :class:`Storage` rooted at ``prefix`` inside another storage: lets an artifact reuse
+    the whole commit protocol as a store of its own."""
+
+    def __init__(self, parent: Storage, prefix: str) -> None:
+        self.parent = parent
+        self.prefix = prefix.strip("/")
+        self.url = f"{parent.url}/{self.prefix}"
+        self.capabilities: Capabilities = parent.capabilities
+
+    def _p(self, path: str) -> str:
+        return f"{self.prefix}/{path}" if path else self.prefix
+
+    def _e(self, e: Entry) -> Entry:
+        name = e.name[len(self.prefix) + 1:] if e.name.startswith(self.prefix + "/") else e.name
+        return Entry(name, e.size, e.is_dir)
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.parent.read_bytes(self._p(path))
+
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.parent.open_read(self._p(path))
+
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.parent.open_write(self._p(path))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.parent.write_bytes(self._p(path), data)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self.parent.create_exclusive(self._p(path), data)
+
+    def list_dir(self, path: str) -> list[Entry]:
+        return [self._e(e) for e in self.parent.list_dir(self._p(path))]
+
+    def list_tree(self, path: str) -> list[Entry]:
+        return [self._e(e) for e in self.parent.list_tree(self._p(path))]
+
+    def exists(self, path: str) -> bool:
+        return self.parent.exists(self._p(path))
+
+    def delete(self, path: str) -> None:
+        self.parent.delete(self._p(path))
+
+    def delete_tree(self, path: str) -> None:
+        self.parent.delete_tree(self._p(path))
+
+    def makedirs(self, path: str) -> None:
+        self.parent.makedirs(self._p(path))
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        self.parent.rename_dir(self._p(src), self._p(dst))
+
+    def sync_dir(self, path: str) -> None:
+        self.parent.sync_dir(self._p(path))
+
+    def is_symlink(self, path: str) -> bool:
+        fn = getattr(self.parent, "is_symlink", None)
+        return bool(fn(self._p(path))) if fn is not None else False
+
+    def __repr__(self) -> str:
+        return f"SubStorage({self.url!r})"
+
+
+def _canonical(doc: Mapping[str, Any], what: str) -> bytes:
+    try:
+        return json.dumps(dict(doc), sort_keys=True, separators=(",", ":"),
+                          allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(f"{what} must be plain JSON (str keys; str, int, finite "
+                                    f"float, bool, None, lists, dicts): {exc}") from None
+
+
+def descriptor_digest(descriptor: Mapping[str, Any]) -> str:
+    """The digest of a descriptor's canonical JSON (sorted keys, no spaces)."""
+    return digest_bytes("sha256", _canonical(descriptor, "artifact descriptor"))
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    name: str
+    url: str
+    descriptor: dict[str, Any]
+    descriptor_digest: str
+    content_digest: str
+    bytes: int
+    created: str
+
+
+class RunArtifacts:
+    """The write-once artifacts of one run root (``artifacts/<name>/``)."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+
+    def _sub(self, name: str) -> CheckpointStore:
+        sub = SubStorage(self.store.storage, f"{ARTIFACTS_DIR}/{check_name(name)}")
+        return CheckpointStore(sub, algorithm=self.store.algorithm, durable=self.store.durable,
+                               threads=self.store.threads, shard_bytes=self.store.shard_bytes)
+
+    def names(self) -> list[str]:
+        out = []
+        for e in self.store.storage.list_dir(ARTIFACTS_DIR):
+            if e.is_dir and _NAME_RE.match(e.basename) and self._sub(e.basename).steps():
+                out.append(e.basename)
+        return sorted(out)
+
+    def info(self, name: str) -> ArtifactInfo:
+        sub = self._sub(name)
+        try:
+            ci = sub.info(ARTIFACT_STEP)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(
+                f"no artifact {name!r} at {self.store.url}/{ARTIFACTS_DIR}/{name}; save it "
+                "first with artifacts.save(name, state, descriptor=...)") from None
+        meta = ci.metadata
+        desc = meta.get("descriptor")
+        if not isinstance(desc, dict):
+            raise ArtifactMismatchError(f"{ci.url}: artifact has no descriptor in its manifest",
+                                        step=ARTIFACT_STEP, path=ci.path)
+        return ArtifactInfo(name, ci.url, desc, str(meta.get("descriptor_digest")),
+                            content_digest(ci.manifest), ci.total_bytes, ci.created)
+
+    def save(self, name: str, state: Mapping[str, Any], *,
+             descriptor: Mapping[str, Any]) -> tuple[ArtifactInfo, bool]:
+        """Save ``state`` as artifact ``name`` once.  Returns (info, created): ``created`` is
+        False when the artifact already existed with the same descriptor (nothing written).
+        Raises :class:`ArtifactConflictError` if it exists with a different descriptor."""
+        ddig = descriptor_digest(descriptor)
+        desc = json.loads(_canonical(descriptor, "artifact descriptor"))
+        sub = self._sub(name)
+        try:
+            existing = self.info(name)
+        except CheckpointNotFoundError:
+            existing = None
+        if existing is None:
+            try:
+                ci = sub.save(ARTIFACT_STEP, state, metadata={
+                    "artifact": name, "descriptor": desc, "descriptor_digest": ddig})
+            except CheckpointExistsError:
+                existing = self.info(name)  # lost a race: compare with the winner
+            else:
+                log.info("artifact %r saved at %s", name, ci.url)
+                return self.info(name), True
+        if existing.descriptor_digest != ddig:
+            raise ArtifactConflictError(
+                f"artifact {name!r} at {existing.url} already exists with descriptor "
+                f"{existing.descriptor}, not {desc}; artifacts are write-once per run: use "
+                "another name, or start a new run root")
+        return existing, False
+
+    def load(self, name: str, *, descriptor: Mapping[str, Any] | None = None,
+             map_location: MapLocation = None) -> dict[Any, Any]:
+        """Load artifact ``name``, verifying every byte against its manifest, the recorded
+        content digest against the manifest, and (if given) ``descriptor`` against the
+        recorded one.  Raises :class:`ArtifactMismatchError` on any disagreement."""
+        info = self.info(name)
+        sub = self._sub(name)
+        ci = sub.info(ARTIFACT_STEP)
+        if descriptor_digest(info.descriptor) != info.descriptor_digest:
+            raise ArtifactMismatchError(
+                f"{info.url}: the recorded descriptor does not match its recorded digest; the "
+                "artifact's manifest was edited", step=ARTIFACT_STEP, path=ci.path)
+        if descriptor is not None and descriptor_digest(descriptor) != info.descriptor_digest:
+            want = json.loads(_canonical(descriptor, "artifact descriptor"))
+            diff = sorted(k for k in set(want) | set(info.descriptor)
+                          if want.get(k) != info.descriptor.get(k))
+            raise ArtifactMismatchError(
+                f"artifact {name!r} at {info.url} was saved with descriptor {info.descriptor}, "
+                f"the caller expects {want} (differing keys: {diff})", step=ARTIFACT_STEP,
+                path=ci.path)
+        return sub.load(ARTIFACT_STEP, map_location=map_location, verify=True)
+
+
+def content_digest(manifest: Any) -> str:
+    """Digest over a manifest's file entries (path, size, digest), sorted by path."""
+    rows = sorted((f.path, f.size, f.digest) for f in manifest.files)
+    return digest_bytes("sha256", json.dumps(rows, separators=(",", ":")).encode())
+
+
+# -- side outputs -------------------------------------------------------------------------------
+
+
+@dataclass
+class SideOutputStatus:
+    """Side outputs by status; each entry is the path relative to the run root."""
+
+    committed: list[str] = field(default_factory=list)
+    uncommitted: list[str] = field(default_factory=list)
+    modified: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, list[str]]:
+        return {"committed": self.committed, "uncommitted": self.uncommitted,
+                "modified": self.modified}
+
+
+class SideOutputs:
+    """Side outputs of steps, committed together with the checkpoint that lists them."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self._pending: dict[str, dict[str, Any]] = {}
+
+    @staticmethod
+    def path(step: int, name: str) -> str:
+        return f"{SIDE_DIR}/{step_dir_name(step)}/{check_name(name, 'side output')}"
+
+    def write(self, step: int, name: str, data: bytes) -> str:
+        """Write a side output of ``step`` now; it is committed by the next checkpoint the
+        manager saves.  Returns its path relative to the run root."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise UnsupportedValueError(f"side output {name!r} must be bytes, got "
+                                        f"{type(data).__name__}; encode it (e.g. json.dumps)")
+        path = self.path(step, name)
+        raw = bytes(data)
+        self.store.storage.write_bytes(path, raw)
+        self._pending[path] = {"size": len(raw),
+                               "digest": digest_bytes(self.store.algorithm, raw)}
+        return path
+
+    def read(self, step: int, name: str) -> bytes:
+        return self.store.storage.read_bytes(self.path(step, name))
+
+    def take_pending(self) -> dict[str, dict[str, Any]]:
+        """The side outputs to list in the next checkpoint (cleared by :meth:`committed`)."""
+        return dict(self._pending)
+
+    def committed(self, step: int, listed: Mapping[str, Any]) -> None:
+        """Called after checkpoint ``step`` committed listing ``listed``: write its record."""
+        for p in listed:
+            self._pending.pop(p, None)
+        if listed:
+            self._write_record(step, listed)
+
+    def _write_record(self, step: int, listed: Mapping[str, Any]) -> None:
+        doc = {"schema": "ckptfs.side-commit", "version": 1, "step": step,
+               "side_outputs": dict(listed)}
+        with suppress(CheckpointExistsError):  # already recorded (a reconcile, a retry)
+            self.store.storage.create_exclusive(
+                f"{SIDE_COMMITS_DIR}/{step_dir_name(step)}.json",
+                json.dumps(doc, sort_keys=True).encode())
+
+    def reconcile(self) -> None:
+        """Write the side-commit records of committed checkpoints that lack one (a crash
+        between a checkpoint's commit and its record).  Run before pruning."""
+        for step, listed in self._unrecorded_listings():
+            if listed:
+                self._write_record(step, listed)
+
+    def _unrecorded_listings(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(step, side outputs its metadata lists) for committed checkpoints without a record."""
+        recorded = self._recorded_steps()
+        for step in self.store.steps():
+            if step in recorded:
+                continue
+            try:
+                listed = self.store.info(step).metadata.get("side_outputs")
+            except (CheckpointNotFoundError, StorageNotFoundError):
+                continue
+            if isinstance(listed, dict):
+                yield step, listed
+
+    def _recorded_steps(self) -> set[int]:
+        out = set()
+        for e in self.store.storage.list_dir(SIDE_COMMITS_DIR):
+            if e.basename.endswith(".json"):
+                step = parse_step_dir(e.basename[:-5])
+                if step is not None:
+                    out.add(step)
+        return out
+
+    def committed_index(self) -> dict[str, dict[str, Any]]:
+        """Every committed side output: path -> {size, digest}, from the records and from the
+        metadata of committed checkpoints (which commit them even before their record)."""
+        index: dict[str, dict[str, Any]] = {}
+        for e in self.store.storage.list_dir(SIDE_COMMITS_DIR):
+            if not e.basename.endswith(".json"):
+                continue
+            try:
+                doc = json.loads(self.store.storage.read_bytes(e.name))
+            except (ValueError, StorageNotFoundError):
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("side_outputs"), dict):
+                index.update(doc["side_outputs"])
+        for _, listed in self._unrecorded_listings():
+            index.update(listed)
+        return index
+
+    def status(self, *, after_step: int | None = None) -> SideOutputStatus:
+        """Classify every side output under ``lifecycle/side/``.  Content is re-hashed to tell
+        committed from modified."""
+        index = self.committed_index()
+        out = SideOutputStatus()
+        for e in sorted(self.store.storage.list_tree(SIDE_DIR), key=lambda e: e.name):
+            rec = index.get(e.name)
+            if rec is None:
+                out.uncommitted.append(e.name)
+                continue
+            algo = str(rec.get("digest", "sha256:")).split(":", 1)[0]
+            data = self.store.storage.read_bytes(e.name)
+            if len(data) == rec.get("size") and digest_bytes(algo, data) == rec.get("digest"):
+                out.committed.append(e.name)
+            else:
+                out.modified.append(e.name)
+        return out
+
+    def discard_uncommitted(self, *, dry_run: bool = False) -> list[str]:
+        """Delete side outputs no committed checkpoint lists (a crashed run's leftovers)."""
+        gone = self.status().uncommitted
+        if not dry_run:
+            for p in gone:
+                self.store.storage.delete(p)
+        self._pending.clear()
+        return gone
+
+    def steps(self) -> Iterator[int]:
+        for e in self.store.storage.list_dir(SIDE_DIR):
+            s = parse_step_dir(e.basename)
+            if s is not None and s <= MAX_STEP:
+                yield s

@@ -1,0 +1,296 @@
+"""Garbage collection: what crashed or losing writers leave behind.
+
+Three kinds of garbage, each removed only when it is older than a grace period:
+
+- **uncommitted attempts**: ``checkpoints/step-N/a-<UTC time>-<token>/`` directories that the
+  step's marker does not name (a crash before the commit, or the loser of a race).  The age is
+  read from the attempt *name* (its UTC creation time), not from storage timestamps, so it is the
+  same on every backend and a writer that is still running (a young attempt) always survives;
+- **temporary directories and files**: ``.tmp-a-...`` attempt directories on local disk (a crash
+  before the rename; aged by the attempt name they embed) and ``.tmp-<uuid>`` files of a crashed
+  local marker creation (aged by the file's modification time where the filesystem reports one;
+  never removed when it does not);
+- **orphaned multipart uploads** under the run root on stores that have them (S3): found and
+  aborted through the filesystem's ``list_multipart_uploads``/``call_s3``, only when the
+  filesystem offers them (a capability check, never a URL test).
+
+A step's committed attempt and its marker are never touched; a step whose marker does not parse
+is left alone entirely (that is for ``verify`` and a human, not for a collector).  Everything
+removed (or that would be, with ``dry_run``) is listed with its size in a :class:`GcReport`.
+Artifacts (``artifacts/<name>/``) are collected the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from ckptfs.errors import CorruptCheckpointError, StorageError
+from ckptfs.format.layout import (
+    CHECKPOINTS_DIR,
+    MARKER_NAME,
+    TMP_PREFIX,
+    parse_attempt_name,
+    parse_step_dir,
+)
+from ckptfs.protocol.resolve import read_marker
+from ckptfs.storage.base import Storage
+
+log = logging.getLogger("ckptfs")
+
+DEFAULT_GRACE = timedelta(hours=1)
+ARTIFACTS_DIR = "artifacts"
+
+
+@dataclass
+class GcItem:
+    kind: str  # "attempt" | "tmp" | "multipart" | "empty-step"
+    path: str
+    bytes: int
+    age_s: float | None
+    removed: bool = False
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": self.path, "bytes": self.bytes,
+                "age_s": None if self.age_s is None else round(self.age_s, 1),
+                "removed": self.removed, "error": self.error}
+
+
+@dataclass
+class GcReport:
+    url: str
+    dry_run: bool
+    grace_s: float
+    items: list[GcItem] = field(default_factory=list)
+    kept_young: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(i.bytes for i in self.items if i.removed)
+
+    @property
+    def bytes_found(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "dry_run": self.dry_run, "grace_s": self.grace_s,
+                "items": [i.as_dict() for i in self.items], "bytes_freed": self.bytes_freed,
+                "bytes_found": self.bytes_found, "kept_young": self.kept_young,
+                "skipped": self.skipped}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``15m``, ``1h``, ``2d``, ``1h30m`` or plain seconds -> timedelta."""
+    text = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return timedelta(seconds=float(text))
+    parts = re.findall(r"(\d+(?:\.\d+)?)([smhd])", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"bad duration {text!r}: use e.g. 90s, 15m, 1h, 2d or 1h30m")
+    unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    return timedelta(seconds=sum(float(n) * unit[u] for n, u in parts))
+
+
+def collect(storage: Storage, *, older_than: timedelta = DEFAULT_GRACE, dry_run: bool = False,
+            now: datetime | None = None, multipart: bool = True) -> GcReport:
+    """Remove garbage older than ``older_than`` under a run root (checkpoints and artifacts)."""
+    now = now or datetime.now(timezone.utc)
+    report = GcReport(storage.url, dry_run, older_than.total_seconds())
+    for prefix in ["", *_artifact_prefixes(storage)]:
+        _collect_checkpoints(storage, prefix, older_than, now, report)
+    if multipart:
+        _collect_multipart(storage, older_than, now, report)
+    for item in report.items:
+        if dry_run or item.kind == "multipart":
+            continue
+        try:
+            if item.kind == "empty-step":
+                _remove_empty_dir(storage, item.path)
+            elif item.kind == "tmp-file":
+                storage.delete(item.path)
+            else:
+                storage.delete_tree(item.path)
+            item.removed = True
+            log.info("gc: removed %s (%d bytes)", item.path, item.bytes)
+        except StorageError as exc:
+            item.error = str(exc)
+            log.warning("gc: could not remove %s/%s: %s", storage.url, item.path, exc)
+    return report
+
+
+def _artifact_prefixes(storage: Storage) -> list[str]:
+    return [f"{e.name.rstrip('/')}/" for e in storage.list_dir(ARTIFACTS_DIR) if e.is_dir]
+
+
+def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: datetime,
+                         report: GcReport) -> None:
+    base = f"{prefix}{CHECKPOINTS_DIR}"
+    for step_entry in storage.list_dir(base):
+        step = parse_step_dir(step_entry.basename)
+        if step is None or not step_entry.is_dir:
+            continue
+        step_dir = f"{base}/{step_entry.basename}"
+        children = storage.list_dir(step_dir)
+        committed: str | None = None
+        if any(c.basename == MARKER_NAME for c in children):
+            try:
+                committed = _marker_attempt(storage, prefix, step)
+            except CorruptCheckpointError as exc:
+                report.skipped.append(f"{step_dir}: marker does not parse ({exc}); left alone")
+                continue
+        removable = 0
+        for child in children:
+            name = child.basename
+            if name in (MARKER_NAME, committed):
+                continue
+            path = f"{step_dir}/{name}"
+            if name.startswith(TMP_PREFIX):
+                created = parse_attempt_name(name[len(TMP_PREFIX):])
+                if created is None:
+                    _consider_tmp_file(storage, path, child.size, grace, now, report)
+                    continue
+                kind = "tmp"
+            else:
+                created = parse_attempt_name(name)
+                if created is None:
+                    continue  # not ours: never delete what the layout does not name
+                kind = "attempt"
+            age = now - created
+            if age < grace:
+                report.kept_young.append(path)
+                continue
+            size = sum(e.size for e in storage.list_tree(path)) if child.is_dir else child.size
+            report.items.append(GcItem(kind, path, size, age.total_seconds()))
+            removable += 1
+        if committed is None and removable and removable == len(children):
+            report.items.append(GcItem("empty-step", step_dir, 0, None))
+
+
+def _marker_attempt(storage: Storage, prefix: str, step: int) -> str | None:
+    if not prefix:
+        marker = read_marker(storage, step)
+    else:
+        from ckptfs.lifecycle.artifacts import SubStorage
+
+        marker = read_marker(SubStorage(storage, prefix.rstrip("/")), step)
+    return marker.attempt if marker is not None else None
+
+
+def _consider_tmp_file(storage: Storage, path: str, size: int, grace: timedelta, now: datetime,
+                       report: GcReport) -> None:
+    mtime = _mtime(storage, path)
+    if mtime is None:
+        report.skipped.append(f"{path}: temporary file of unknown age; left alone")
+        return
+    age = now - mtime
+    if age < grace:
+        report.kept_young.append(path)
+        return
+    report.items.append(GcItem("tmp-file", path, size, age.total_seconds()))
+
+
+def _mtime(storage: Storage, path: str) -> datetime | None:
+    """Modification time from the filesystem's ``info`` where the adapter exposes one."""
+    fs = getattr(storage, "fs", None)
+    full = getattr(storage, "full", None)
+    if fs is None or full is None:
+        return None
+    try:
+        info = fs.info(full(path))
+    except Exception:
+        return None
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)):
+            return datetime.fromtimestamp(float(value), timezone.utc)
+        if isinstance(value, datetime):
+            return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return None
+
+
+def _remove_empty_dir(storage: Storage, path: str) -> None:
+    """Remove a step directory left empty, without ever removing something a writer created in
+    it meanwhile: non-recursive ``rmdir`` where directories are real; object stores have no
+    empty directories to remove."""
+    if not storage.capabilities.real_directories:
+        return
+    fs = getattr(storage, "fs", None)
+    full = getattr(storage, "full", None)
+    if fs is None or full is None:
+        return
+    try:
+        fs.rmdir(full(path))
+    except OSError as exc:
+        raise StorageError(f"rmdir {storage.url}/{path}: {exc}") from exc
+
+
+def _multipart_api(storage: Storage) -> tuple[Any, str, str] | None:
+    """(fs, bucket, key prefix) when the filesystem can list and abort multipart uploads."""
+    fs = getattr(storage, "fs", None)
+    root = getattr(storage, "root", None)
+    if fs is None or not isinstance(root, str):
+        return None
+    if not (callable(getattr(fs, "list_multipart_uploads", None))
+            and callable(getattr(fs, "call_s3", None))
+            and callable(getattr(fs, "split_path", None))):
+        return None
+    bucket, key, _ = fs.split_path(root)
+    return fs, bucket, key.rstrip("/")
+
+
+def _upload_age(initiated: object, rel: str, now: datetime) -> timedelta | None:
+    """Age of a multipart upload: from the server's ``Initiated`` time and, for a file inside an
+    attempt directory, from the attempt name's time, whichever is younger (an emulator may
+    report a fixed ``Initiated``; moto says 2010-11-10 for every upload)."""
+    times = []
+    if isinstance(initiated, datetime):
+        times.append(initiated if initiated.tzinfo else initiated.replace(tzinfo=timezone.utc))
+    for part in rel.split("/"):
+        created = parse_attempt_name(part.removeprefix(TMP_PREFIX))
+        if created is not None:
+            times.append(created)
+    return (now - max(times)) if times else None
+
+
+def _collect_multipart(storage: Storage, grace: timedelta, now: datetime,
+                       report: GcReport) -> None:
+    api = _multipart_api(storage)
+    if api is None:
+        return
+    fs, bucket, prefix = api
+    try:
+        uploads: Iterable[dict[str, Any]] = fs.list_multipart_uploads(bucket)
+    except Exception as exc:
+        report.skipped.append(f"multipart uploads of bucket {bucket}: listing failed ({exc})")
+        return
+    for up in uploads:
+        key = str(up.get("Key", ""))
+        if prefix and not (key == prefix or key.startswith(prefix + "/")):
+            continue
+        rel = key[len(prefix) + 1:] if prefix else key
+        age = _upload_age(up.get("Initiated"), rel, now)
+        if age is None or age < grace:
+            report.kept_young.append(f"multipart:{rel}")
+            continue
+        size = 0
+        try:
+            parts = fs.call_s3("list_parts", Bucket=bucket, Key=key, UploadId=up["UploadId"])
+            size = sum(int(p.get("Size", 0)) for p in parts.get("Parts", []))
+        except Exception:
+            log.debug("gc: list_parts failed for %s", key, exc_info=True)
+        item = GcItem("multipart", f"multipart:{rel}#{up['UploadId']}", size,
+                      age.total_seconds())
+        report.items.append(item)
+        if report.dry_run:
+            continue
+        try:
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"])
+            item.removed = True
+        except Exception as exc:
+            item.error = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,146 @@
+"""Small JSON records that the lifecycle layer keeps next to the checkpoints, written atomically
+on every backend.
+
+Design decision: **a record is a sequence of immutable generations, each created exclusively.**
+Object stores have no atomic replace-if-unchanged that works the same everywhere (S3's
+``If-Match`` is dropped by s3fs on some paths, fake-gcs ignores preconditions on resumable
+uploads), but every backend ckptfs supports has the exclusive create the commit protocol already
+relies on.  So a record named ``best`` lives as::
+
+    lifecycle/best/gen-000000000001.json
+    lifecycle/best/gen-000000000002.json      <- current: the highest generation that parses
+
+A writer reads the current generation ``g`` and creates ``g + 1`` exclusively; if another writer
+created it first the write fails with :class:`~ckptfs.errors.CheckpointExistsError` instead of
+silently overwriting (the caller re-reads and retries).  A reader lists the directory (one
+request, caches bypassed) and reads the highest generation: a crash mid-write never leaves a torn
+record, because a generation appears whole (single-request create) or not at all.  Old
+generations are deleted after a successful write, keeping a few for forensics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfs.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    StorageError,
+    StorageNotFoundError,
+)
+from ckptfs.storage.base import Storage
+
+log = logging.getLogger("ckptfs")
+
+LIFECYCLE_DIR = "lifecycle"
+_GEN_RE = re.compile(r"^gen-(\d{12})\.json$")
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Record:
+    """One generation of a record: its number and its JSON document."""
+
+    generation: int
+    doc: dict[str, Any]
+
+
+class RecordLog:
+    """An atomically updated JSON record at ``lifecycle/<name>/`` of a store."""
+
+    def __init__(self, storage: Storage, name: str, *, keep_generations: int = 3) -> None:
+        if not re.match(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$", name):
+            raise ValueError(f"record name {name!r} must be [A-Za-z0-9_-] components")
+        self.storage = storage
+        self.dir = f"{LIFECYCLE_DIR}/{name}"
+        self.keep_generations = max(1, keep_generations)
+
+    def _generations(self) -> list[int]:
+        gens = []
+        for entry in self.storage.list_dir(self.dir):
+            m = _GEN_RE.match(entry.basename)
+            if m and not entry.is_dir:
+                gens.append(int(m.group(1)))
+        return sorted(gens)
+
+    def _path(self, gen: int) -> str:
+        return f"{self.dir}/gen-{gen:012d}.json"
+
+    def read(self) -> Record | None:
+        """The current generation, or ``None`` if the record was never written.  A generation
+        that does not parse is reported and the previous one is used (it can only come from
+        tampering: generations are created whole).  A generation pruned by a concurrent writer
+        between the listing and the read means a newer one exists: list again."""
+        # Never answer "no record" because the generations listed were pruned meanwhile: the
+        # caller would rewrite generation 1 (pruned, so its create succeeds) and an update would
+        # be lost.  List again instead; a record that keeps changing for this long is an error.
+        for _ in range(100):
+            vanished, rec = self._read_listed()
+            if not vanished:
+                return rec
+        raise StorageError(
+            f"{self.storage.url}/{self.dir}: every generation listed was pruned before it could "
+            "be read, 100 times in a row; too many writers are updating this record at once")
+
+    def _read_listed(self) -> tuple[bool, Record | None]:
+        for gen in reversed(self._generations()):
+            path = self._path(gen)
+            try:
+                data = self.storage.read_bytes(path)
+            except StorageNotFoundError:
+                return True, None
+            try:
+                if len(data) > MAX_RECORD_BYTES:
+                    raise ValueError("record too large")
+                doc = json.loads(data)
+                if not isinstance(doc, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as exc:
+                log.warning("%s/%s does not parse (%s); using the previous generation",
+                            self.storage.url, path, exc)
+                continue
+            return False, Record(gen, doc)
+        return False, None
+
+    def write(self, doc: Mapping[str, Any], *, expect_generation: int | None) -> Record:
+        """Create generation ``expect_generation + 1`` (1 if ``None``) with ``doc``.  Raises
+        :class:`CheckpointExistsError` if another writer got there first."""
+        gen = (expect_generation or 0) + 1
+        data = json.dumps(dict(doc), sort_keys=True, allow_nan=False).encode()
+        try:
+            self.storage.create_exclusive(self._path(gen), data)
+        except CheckpointExistsError as exc:
+            raise CheckpointExistsError(
+                f"{self.storage.url}/{self._path(gen)}: another writer updated this record "
+                "concurrently; re-read it and retry") from exc
+        self._prune(gen)
+        return Record(gen, dict(doc))
+
+    def update(self, fn: Callable[[dict[str, Any] | None], Mapping[str, Any]], *,
+               retries: int = 5) -> Record:
+        """Read-modify-write with retries on a concurrent update: ``fn`` gets the current
+        document (or ``None``) and returns the new one."""
+        last: Exception | None = None
+        for _ in range(retries):
+            cur = self.read()
+            new = fn(dict(cur.doc) if cur is not None else None)
+            try:
+                return self.write(new, expect_generation=cur.generation if cur else None)
+            except CheckpointExistsError as exc:
+                last = exc
+        raise CorruptCheckpointError(
+            f"{self.storage.url}/{self.dir}: could not update the record after {retries} "
+            f"tries; several writers are updating it at once ({last})")
+
+    def _prune(self, current: int) -> None:
+        for gen in self._generations():
+            if gen <= current - self.keep_generations:
+                try:
+                    self.storage.delete(self._path(gen))
+                except Exception:  # best effort: an old generation is harmless
+                    log.debug("could not prune %s", self._path(gen), exc_info=True)

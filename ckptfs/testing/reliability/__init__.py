@@ -1,0 +1,104 @@
+"""The reliability sweeps behind tests/test_crash_points.py, test_power_cut.py, test_concurrency.py,
+test_corruption.py, test_hostile.py and test_transient.py, and the command that publishes their
+figures in docs/reliability.md::
+
+    python -m ckptfs.testing.reliability                # all backends, writes the JSON + table
+    python -m ckptfs.testing.reliability --backends local memory
+
+Each sweep returns a :class:`Sweep`: how many scenarios it tried, and every *violation* of an
+invariant of docs/protocol.md it saw, as a sentence naming the scenario.  The tests assert that
+the list is empty; the command counts.  Sweeps never stop at the first violation, so one run
+reports all of them.
+
+One module per concern, all re-exported here:
+
+- :mod:`.common`: :class:`Sweep`, the state saved at each step, :func:`check_store`.
+- :mod:`.crash`: crash points of save, delete, prune and gc.
+- :mod:`.power`: power cuts on local disk.
+- :mod:`.races`: zombie writers, free-step races, reader during saves, prune during a save.
+- :mod:`.corruption`: the corruption matrix.
+- :mod:`.transient`: saves under transient faults through the retry layer.
+- :mod:`.hostile`: hostile checkpoints (valid marker, malicious contents).
+- :mod:`.report`: the figures command (docs/reliability.json and the table in
+  docs/reliability.md); ``__main__`` runs it.
+"""
+
+from ckptfs.testing.reliability.common import (
+    SWEEP_SHARD_BYTES,
+    Sweep,
+    check_store,
+    raw_storage,
+    state_for,
+    store_on,
+)
+from ckptfs.testing.reliability.corruption import corruption_matrix
+from ckptfs.testing.reliability.crash import (
+    count_calls,
+    sweep_delete_crashes,
+    sweep_gc_crashes,
+    sweep_prune_crashes,
+    sweep_save_crashes,
+)
+from ckptfs.testing.reliability.hostile import HOSTILE_MEMORY_LIMIT, hostile_cases, hostile_sweep
+from ckptfs.testing.reliability.hostile import _Planter as _Planter  # used by tests/test_hostile.py
+from ckptfs.testing.reliability.power import sweep_power_cut_delete, sweep_power_cuts
+from ckptfs.testing.reliability.races import (
+    all_race_sweeps,
+    sweep_free_race,
+    sweep_prune_during_save,
+    sweep_reader_during_saves,
+    sweep_zombie,
+)
+from ckptfs.testing.reliability.report import (
+    BEGIN,
+    COLUMNS,
+    END,
+    NAME_OF,
+    SERVER_OF,
+    backends,
+    details,
+    main,
+    run_all,
+    sweeps_for,
+    table,
+    update_doc,
+)
+from ckptfs.testing.reliability.transient import sweep_transient
+
+__all__ = [
+    "BEGIN",
+    "COLUMNS",
+    "END",
+    "HOSTILE_MEMORY_LIMIT",
+    "NAME_OF",
+    "SERVER_OF",
+    "SWEEP_SHARD_BYTES",
+    "Sweep",
+    "all_race_sweeps",
+    "backends",
+    "check_store",
+    "corruption_matrix",
+    "count_calls",
+    "details",
+    "hostile_cases",
+    "hostile_sweep",
+    "main",
+    "raw_storage",
+    "run_all",
+    "state_for",
+    "store_on",
+    "sweep_delete_crashes",
+    "sweep_free_race",
+    "sweep_gc_crashes",
+    "sweep_power_cut_delete",
+    "sweep_power_cuts",
+    "sweep_prune_crashes",
+    "sweep_prune_during_save",
+    "sweep_reader_during_saves",
+    "sweep_save_crashes",
+    "sweep_transient",
+    "sweep_zombie",
+    "sweeps_for",
+    "table",
+    "update_doc",
+]

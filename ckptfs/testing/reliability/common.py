@@ -1,0 +1,118 @@
+"""What every reliability sweep shares: the :class:`Sweep` record, the deterministic state
+saved at each step, fresh storage clients without the retry layer, and :func:`check_store`, the
+check run after every scenario (a fresh reader sees exactly the expected latest, which loads
+bit-exactly, and no committed checkpoint is lost)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.storage.base import Storage
+from ckptfs.testing.backend import Backend
+from ckptfs.testing.conformance import assert_state_equal
+
+#: Small shards, so a tiny state still makes several files (more crash points per save).
+SWEEP_SHARD_BYTES = 64
+
+
+@dataclass
+class Sweep:
+    """Scenarios tried and invariant violations seen by one sweep on one backend."""
+
+    backend: str
+    name: str
+    tried: int = 0
+    violations: list[str] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def bad(self, scenario: str, what: str) -> None:
+        self.violations.append(f"[{self.backend} {self.name}] {scenario}: {what}")
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def state_for(step: int) -> dict[str, Any]:
+    """The state saved at ``step`` in every sweep: deterministic (any load can be compared bit
+    for bit), small, and with ``SWEEP_SHARD_BYTES`` spread over several tensor files."""
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(4, 4, generator=g), "b": torch.randn(4, generator=g)},
+            "optimizer": {"step": torch.tensor(float(step)),
+                          "exp_avg": torch.randn(4, 4, generator=g)},
+            "trainer": {"step": step, "lr": 0.1, "tag": f"s{step}", "tuple": (1, 2.5, None)}}
+
+
+def raw_storage(backend: Backend) -> Storage:
+    """A fresh storage client on the backend, without the retry layer (faults are exact)."""
+    return backend.open(retries=0).storage
+
+
+def store_on(storage: Storage, threads: int = 1) -> CheckpointStore:
+    """Single-threaded by default, so the order of storage calls (the crash points) is
+    deterministic."""
+    return CheckpointStore(storage, threads=threads, shard_bytes=SWEEP_SHARD_BYTES)
+
+
+@contextlib.contextmanager
+def _scenario(sweep: Sweep, scenario: str) -> Iterator[None]:
+    """Run one check; an unexpected exception is a violation, not a crash of the sweep."""
+    try:
+        yield
+    except AssertionError as exc:
+        sweep.bad(scenario, f"assertion failed: {exc}")
+    except Exception as exc:
+        sweep.bad(scenario, f"unexpected {type(exc).__name__}: {exc}")
+
+
+def check_store(sweep: Sweep, scenario: str, backend: Backend, committed: set[int],
+                expect_latest: int | None, *, full_all: bool = False,
+                states: dict[int, Any] | None = None,
+                recheck: set[int] | None = None) -> CheckpointStore:
+    """A fresh reader (new client) sees exactly the expected latest, it verifies fully and loads
+    bit-exactly, and every retained committed checkpoint is still listed as committed and
+    verifies (quick; full with ``full_all``; only the steps in ``recheck`` when given, the
+    others having been verified after they were written and untouched since)."""
+    reader = backend.open()
+    with _scenario(sweep, scenario):
+        latest = reader.latest()
+        got = None if latest is None else latest.step
+        if got != expect_latest:
+            sweep.bad(scenario, f"latest() is {got}, expected {expect_latest}")
+        if latest is not None:
+            reader.verify(latest.step)
+            expected = (states or {}).get(latest.step)
+            assert_state_equal(reader.load(latest.step),
+                               state_for(latest.step) if expected is None else expected)
+        steps = set(reader.steps())
+        lost = committed - steps
+        if lost:
+            sweep.bad(scenario, f"committed checkpoints lost: {sorted(lost)}")
+        for s in sorted(committed & steps):
+            if recheck is None or s in recheck or full_all:
+                reader.verify(s, quick=not full_all)
+    return reader
+
+
+def _prune_and_gc() -> tuple[Any, Any] | None:
+    try:
+        from ckptfs.lifecycle import gc, retention
+    except ImportError:  # pragma: no cover - both ship with ckptfs now
+        return None
+    return retention, gc
+
+
+def _state_equal(a: Any, b: Any) -> bool:
+    try:
+        assert_state_equal(a, b)
+    except AssertionError:
+        return False
+    return True

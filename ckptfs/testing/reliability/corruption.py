@@ -1,0 +1,181 @@
+"""Corruption matrix: every file of a committed checkpoint flipped, truncated, extended, deleted
+or swapped, stray files added, the manifest replaced and the marker edited; full verify and
+``load(verify=True)`` must detect every one, never returning wrong data."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from ckptfs.errors import CkptfsError, CorruptCheckpointError
+from ckptfs.format.layout import StepPaths
+from ckptfs.protocol.resolve import read_committed
+from ckptfs.testing.backend import Backend
+from ckptfs.testing.reliability.common import (
+    Sweep,
+    _scenario,
+    _state_equal,
+    raw_storage,
+    state_for,
+    store_on,
+)
+
+
+def _flip(data: bytes, pos: int, bit: int = 0) -> bytes:
+    b = bytearray(data)
+    b[pos] ^= 1 << bit
+    return bytes(b)
+
+
+def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None) -> Sweep:
+    """Every file of a committed checkpoint (state.msgpack, each safetensors file, MANIFEST.json,
+    COMPLETE) flipped, truncated, extended, deleted, swapped with another checkpoint's; a stray
+    file added; the manifest replaced by another checkpoint's; the marker edited field by field.
+    Full verify and ``load(verify=True)`` must detect every one, naming the file; quick verify
+    every size or inventory change.  With ``marker_byte_sweep`` every byte of the marker is also
+    flipped: each flip must be detected or provably harmless (the marker still parses and binds
+    the same step, attempt and manifest digest)."""
+    sweep = Sweep(backend.name, "corruption")
+    if marker_byte_sweep is None:
+        marker_byte_sweep = backend.protocol in ("file", "memory")
+    store = store_on(raw_storage(backend))
+    store.save(1, state_for(1))
+    store.save(2, state_for(2))
+    t_step, o_step = 2, 1  # damage the newest, so "latest" meets the damage
+    info1, info2 = store.info(t_step), store.info(o_step)
+    pristine = {rel: backend.raw_read(rel) for rel in backend.raw_files(StepPaths(t_step).dir)}
+    marker_rel = StepPaths(t_step).marker
+    manifest_rel = f"{info1.path}/MANIFEST.json"
+    other_manifest = backend.raw_read(f"{info2.path}/MANIFEST.json")
+    other_marker = backend.raw_read(StepPaths(o_step).marker)
+
+    def restore(rels: list[str]) -> None:
+        for rel in rels:
+            if rel in pristine:
+                backend.raw_write(rel, pristine[rel])
+            elif backend.raw_exists(rel):
+                backend.raw_delete(rel)
+
+    def marker_doc(**change: Any) -> bytes:
+        doc = json.loads(pristine[marker_rel])
+        doc.update(change)
+        return (json.dumps(doc, sort_keys=True) + "\n").encode()
+
+    cases: list[tuple[str, str, Callable[[], None], bool]] = []  # name, file, mutate, sized
+
+    def add(name: str, rel: str, mutate: Callable[[], None], sized: bool) -> None:
+        cases.append((name, rel, mutate, sized))
+
+    def put(rel: str, data: bytes) -> Callable[[], None]:
+        return lambda: backend.raw_write(rel, data)
+
+    def remove(rel: str) -> Callable[[], None]:
+        return lambda: backend.raw_delete(rel)
+
+    files = [f"{info1.path}/{e.path}" for e in info1.manifest.files] + [manifest_rel]
+    for rel in files:
+        data = pristine[rel]
+        base = rel.rsplit("/", 1)[-1]
+        for pos_name, pos in (("first", 0), ("middle", len(data) // 2), ("last", len(data) - 1)):
+            add(f"flip {pos_name} byte of {base}", rel, put(rel, _flip(data, pos)), False)
+        add(f"truncate {base} by 1 byte", rel, put(rel, data[:-1]), True)
+        add(f"truncate {base} to half", rel, put(rel, data[:len(data) // 2]), True)
+        add(f"extend {base} by 1 byte", rel, put(rel, data + b"\0"), True)
+        add(f"delete {base}", rel, remove(rel), True)
+        other = backend.raw_read(f"{info2.path}/{base}")
+        add(f"replace {base} with step {o_step}'s", rel, put(rel, other), len(other) != len(data))
+    add("stray file in the attempt", f"{info1.path}/stray.bin",
+        lambda: backend.raw_write(f"{info1.path}/stray.bin", b"junk"), True)
+    add("stray safetensors in the attempt", f"{info1.path}/tensors-99999.safetensors",
+        lambda: backend.raw_write(f"{info1.path}/tensors-99999.safetensors",
+                                  pristine[f"{info1.path}/tensors-00000.safetensors"]), True)
+    add("manifest replaced by another checkpoint's", manifest_rel,
+        lambda: backend.raw_write(manifest_rel, other_manifest), False)
+    def swap_pair() -> None:
+        backend.raw_write(manifest_rel, other_manifest)
+        backend.raw_write(marker_rel, other_marker)
+
+    add("marker and manifest replaced by another checkpoint's", marker_rel, swap_pair, False)
+    other_digest = json.loads(other_marker)["manifest_digest"]
+    edits = {"manifest_digest": other_digest, "attempt": info2.attempt, "step": o_step,
+             "manifest_size": json.loads(pristine[marker_rel])["manifest_size"] + 1,
+             "format_version": 99, "schema": "other"}
+    for key, value in edits.items():
+        add(f"marker {key} edited", marker_rel, put(marker_rel, marker_doc(**{key: value})),
+            False)
+    mdata = pristine[marker_rel]
+    add("marker truncated", marker_rel,
+        lambda: backend.raw_write(marker_rel, mdata[:len(mdata) // 2]), False)
+    add("marker extended", marker_rel, lambda: backend.raw_write(marker_rel, mdata + b"x"), False)
+    add("marker emptied", marker_rel, lambda: backend.raw_write(marker_rel, b""), False)
+
+    quick_tried = quick_detected = load_detected = 0
+    reader = backend.open()
+    for name, rel, mutate, sized in cases:
+        sweep.tried += 1
+        base = rel.rsplit("/", 1)[-1]
+        mutate()
+        stray = "stray" in name
+        # full verify
+        try:
+            reader.verify(t_step)
+            sweep.bad(name, "full verify passed")
+        except CkptfsError as exc:
+            if base not in str(exc):
+                sweep.bad(name, f"full verify does not name {base}: {exc}")
+            else:
+                sweep.count("detected")
+        # load
+        try:
+            loaded = reader.load(t_step, verify=True)
+            if stray and _state_equal(loaded, state_for(t_step)):
+                sweep.count("load_unaffected_by_stray")  # the files it reads are intact
+            else:
+                sweep.bad(name, "load(verify=True) returned")
+        except CkptfsError as exc:
+            if base not in str(exc):
+                sweep.bad(name, f"load does not name {base}: {exc}")
+            else:
+                load_detected += 1
+        # no silent rollback: the newest is damaged, so loading "the latest" must raise, never
+        # return the older checkpoint (a stray file changes nothing load reads)
+        try:
+            latest = reader.load()
+            if not (stray and _state_equal(latest, state_for(t_step))):
+                sweep.bad(name, "load() of the latest returned instead of raising")
+        except CorruptCheckpointError:
+            sweep.count("latest_raised")
+        except CkptfsError as exc:
+            sweep.bad(name, f"load() of the latest raised {type(exc).__name__}: {exc}")
+        if sized:
+            quick_tried += 1
+            try:
+                reader.verify(t_step, quick=True)
+                sweep.bad(name, "quick verify missed a size/inventory change")
+            except CkptfsError:
+                quick_detected += 1
+        restore([rel, manifest_rel] if rel == marker_rel else [rel])
+    sweep.count("load_detected", load_detected)
+    sweep.count("quick_tried", quick_tried)
+    sweep.count("quick_detected", quick_detected)
+
+    if marker_byte_sweep:
+        reader = store_on(raw_storage(backend))
+        for pos in range(len(mdata)):
+            sweep.count("marker_flips")
+            backend.raw_write(marker_rel, _flip(mdata, pos, bit=pos % 7))
+            try:
+                got = read_committed(reader.storage, t_step)
+                if (got.attempt, got.marker.manifest_digest) != (info1.attempt,
+                                                                 info1.marker.manifest_digest):
+                    sweep.bad(f"marker byte {pos} flipped", "accepted with different binding")
+                sweep.count("marker_flips_harmless")
+            except CkptfsError:
+                sweep.count("marker_flips_detected")
+        restore([marker_rel])
+    reader = backend.open()
+    with _scenario(sweep, "after the matrix"):
+        reader.verify(1)
+        reader.verify(2)
+    return sweep

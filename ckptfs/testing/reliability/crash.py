@@ -1,0 +1,248 @@
+"""Crash-point sweeps: ``save``, ``delete``, ``prune`` and ``gc`` stopped (crashed, optionally
+with a torn write) before each of their storage calls in turn, then checked with
+:func:`~ckptfs.testing.reliability.common.check_store` and by running the operation again."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError
+from ckptfs.format.layout import StepPaths
+from ckptfs.protocol.resolve import read_committed
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.storage.base import Storage
+from ckptfs.testing.backend import Backend
+from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
+from ckptfs.testing.reliability.common import (
+    Sweep,
+    _prune_and_gc,
+    _scenario,
+    check_store,
+    raw_storage,
+    state_for,
+    store_on,
+)
+
+
+def count_calls(backend: Backend, action: Callable[[CheckpointStore], object]) -> FaultyStorage:
+    fs = FaultyStorage(raw_storage(backend))
+    action(store_on(fs))
+    return fs
+
+
+def sweep_save_crashes(backend: Backend, *, tear: bool | None = None,
+                       threads: int = 1) -> Sweep:
+    """Crash a save at every mutating storage call (before it takes effect), once after the
+    last call (the commit took effect, the writer never heard), and, where partial files exist
+    (local disk, memory://), tear every data write; after each, check with a fresh reader and
+    save again (same step, next step).  With ``threads`` > 1 the data files are written in
+    parallel: the k-th call is then whichever thread gets there, and the other threads find the
+    writer dead at their next call."""
+    sweep = Sweep(backend.name, "save-crash")
+    counter = count_calls(backend, lambda st: st.save(0, state_for(0)))
+    ops = [c for c in counter.calls if c.index]
+    n = len(ops)
+    marker_k = next(c.index for c in ops if c.op == "create_exclusive")
+    sweep.count("calls_per_save", n)
+    committed = {0}
+    if tear is None:
+        tear = backend.protocol in ("file", "memory")
+    inner = raw_storage(backend)
+    plan: list[tuple[str, int]] = [("crash", k) for k in range(1, n + 1)] + [("crash-after", n)]
+    if tear:
+        plan += [("tear", c.index) for c in ops if c.op in ("write", "commit", "write_bytes")]
+    step = 1
+    for kind, k in plan:
+        scenario = (f"{kind} at call {k}/{n} ({ops[k - 1].op} {ops[k - 1].path.split('/')[-1]})"
+                    if threads == 1 else f"{kind} at call {k}/{n} ({threads} threads)")
+        sweep.tried += 1
+        sweep.count(kind)
+        fs = FaultyStorage(inner, crash_at=k if kind != "tear" else None,
+                           crash_after=kind == "crash-after",
+                           tear_at=k if kind == "tear" else None)
+        try:
+            store_on(fs, threads).save(step, state_for(step))
+            sweep.bad(scenario, "the save did not crash")
+        except SimulatedCrash:
+            pass
+        except BaseException as exc:
+            sweep.bad(scenario, f"the save raised {type(exc).__name__}: {exc} instead of dying")
+        if fs.count != k and not (kind == "tear" and threads > 1):
+            # (a torn write dies after persisting its prefix: other threads may have gone on)
+            sweep.bad(scenario, f"crashed at call {fs.count}, not {k} (call order changed)")
+        took_effect = k > marker_k or (kind == "crash-after" and k == marker_k)
+        if took_effect:
+            committed.add(step)
+        again = check_store(sweep, scenario, backend, committed, max(committed),
+                            recheck={step - 1, step})
+        with _scenario(sweep, scenario + ", then saving again"):
+            try:
+                again.save(step, state_for(step))
+                if took_effect:
+                    sweep.bad(scenario, "re-saving the committed step was not refused")
+            except CheckpointExistsError:
+                if not took_effect:
+                    sweep.bad(scenario, "re-saving an uncommitted step was refused")
+            committed.add(step)
+            again.save(step + 1, state_for(step + 1))
+            committed.add(step + 1)
+        step += 2
+    check_store(sweep, "end of sweep", backend, committed, max(committed), full_all=True)
+    return sweep
+
+
+def sweep_delete_crashes(backend: Backend) -> Sweep:
+    """Crash ``CheckpointStore.delete`` at every call: the step is either still committed and
+    verifies fully, or reads as not committed; nothing else changes; deleting again works."""
+    sweep = Sweep(backend.name, "delete-crash")
+    base = store_on(raw_storage(backend))
+    for s in (0, 1):
+        base.save(s, state_for(s))
+    committed = {0, 1}
+    counter = count_calls(backend, lambda st: st.delete(1))
+    committed.discard(1)
+    n = counter.count
+    sweep.count("calls_per_delete", n)
+    victim = 2
+    inner = raw_storage(backend)
+    for kind, k in [("crash", k) for k in range(1, n + 1)] + [("crash-after", n)]:
+        scenario = f"{kind} at call {k}/{n} of delete"
+        sweep.tried += 1
+        base.save(victim, state_for(victim))
+        fs = FaultyStorage(inner, crash_at=k, crash_after=kind == "crash-after")
+        try:
+            store_on(fs).delete(victim)
+            sweep.bad(scenario, "delete did not crash")
+        except SimulatedCrash:
+            pass
+        except BaseException as exc:
+            sweep.bad(scenario, f"delete raised {type(exc).__name__}: {exc}")
+        still = victim in store_on(inner).steps()
+        reader = check_store(sweep, scenario, backend, committed | ({victim} if still else set()),
+                             victim if still else max(committed), full_all=still)
+        with _scenario(sweep, scenario):
+            if still:
+                sweep.count("still_committed")  # its full verification ran in check_store
+            else:
+                try:
+                    read_committed(reader.storage, victim)
+                    sweep.bad(scenario, "step reads as committed but is not listed")
+                except CheckpointNotFoundError:
+                    pass
+        with _scenario(sweep, scenario + ", then deleting again"):
+            reader.delete(victim)
+            if victim in reader.steps() or backend.raw_files(StepPaths(victim).dir):
+                sweep.bad(scenario, "the second delete left files behind")
+        victim += 1
+    return sweep
+
+
+def sweep_prune_crashes(backend: Backend) -> Sweep:
+    """Crash ``prune`` (keep the last 2 of 5) at every call: the kept checkpoints stay committed
+    and verify, each pruned one is either still fully committed or reads as not committed, and a
+    clean prune afterwards finishes the job."""
+    sweep = Sweep(backend.name, "prune-crash")
+    mods = _prune_and_gc()
+    assert mods is not None
+    retention, _ = mods
+    policy = retention.RetentionPolicy(keep_last=2)
+    base = store_on(raw_storage(backend))
+    inner = raw_storage(backend)
+    next_step = 0
+
+    def fill() -> None:
+        nonlocal next_step
+        while len(base.steps()) < 5:
+            base.save(next_step, state_for(next_step))
+            next_step += 1
+
+    fill()
+    counter = FaultyStorage(raw_storage(backend))
+    retention.prune(store_on(counter), policy)
+    n = counter.count
+    sweep.count("calls_per_prune", n)
+    for kind, k in [("crash", k) for k in range(1, n + 1)] + [("crash-after", n)]:
+        scenario = f"{kind} at call {k}/{n} of prune"
+        sweep.tried += 1
+        fill()
+        before = base.steps()
+        keep = set(before[-2:])
+        fs = FaultyStorage(inner, crash_at=k, crash_after=kind == "crash-after")
+        try:
+            retention.prune(store_on(fs), policy)
+            sweep.bad(scenario, "prune did not crash")
+        except SimulatedCrash:
+            pass
+        except BaseException as exc:
+            sweep.bad(scenario, f"prune raised {type(exc).__name__}: {exc}")
+        remaining = set(store_on(inner).steps())
+        # full verification of every step that still reads as committed: none is half-deleted
+        reader = check_store(sweep, scenario, backend, keep | remaining, max(before),
+                             full_all=True)
+        with _scenario(sweep, scenario + ", then pruning again"):
+            retention.prune(reader, policy)
+            if set(reader.steps()) != keep:
+                sweep.bad(scenario, f"a clean prune left {reader.steps()}, expected {keep}")
+    return sweep
+
+
+def sweep_gc_crashes(backend: Backend) -> Sweep:
+    """Crash garbage collection at every call, with crashed attempts of two steps around three
+    committed checkpoints: no committed checkpoint is touched, and a clean collection afterwards
+    removes the rest."""
+    sweep = Sweep(backend.name, "gc-crash")
+    mods = _prune_and_gc()
+    assert mods is not None
+    _, gc = mods
+    from datetime import datetime, timedelta, timezone
+
+    later = datetime.now(timezone.utc) + timedelta(days=1)
+    inner = raw_storage(backend)
+    base = store_on(raw_storage(backend))
+    next_step = 0
+
+    def make_garbage() -> None:
+        nonlocal next_step
+        for _ in range(2):
+            base.save(next_step, state_for(next_step))
+            crashing = FaultyStorage(inner)
+            crashing.crash_at = 4
+            with contextlib.suppress(SimulatedCrash):
+                store_on(crashing).save(next_step + 1, state_for(next_step + 1))
+            next_step += 2
+
+    def collect(storage: Storage) -> Any:
+        return gc.collect(storage, older_than=timedelta(0), now=later, multipart=False)
+
+    make_garbage()
+    counter = FaultyStorage(raw_storage(backend))
+    report = collect(counter)
+    n = counter.count
+    sweep.count("calls_per_gc", n)
+    sweep.count("garbage_items_first_run", len(report.items))
+    for kind, k in [("crash", k) for k in range(1, n + 1)] + [("crash-after", n)]:
+        scenario = f"{kind} at call {k}/{n} of gc"
+        sweep.tried += 1
+        make_garbage()
+        committed = set(base.steps())
+        fs = FaultyStorage(inner, crash_at=k, crash_after=kind == "crash-after")
+        try:
+            collect(fs)
+            if fs.count >= k:
+                sweep.bad(scenario, "gc did not crash")
+        except SimulatedCrash:
+            pass
+        except BaseException as exc:
+            sweep.bad(scenario, f"gc raised {type(exc).__name__}: {exc}")
+        reader = check_store(sweep, scenario, backend, committed, max(committed),
+                             full_all=True)
+        with _scenario(sweep, scenario + ", then collecting again"):
+            collect(reader.storage)
+            again = collect(reader.storage)
+            left = [i.path for i in again.items if i.kind != "empty-step"]
+            if left:
+                sweep.bad(scenario, f"garbage left after two clean runs: {left}")
+            check_store(sweep, scenario + " after gc", backend, committed, max(committed))
+    return sweep

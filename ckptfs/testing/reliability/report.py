@@ -1,0 +1,214 @@
+"""The figures command: run every sweep on each backend (starting the storage servers needed),
+write the raw results to docs/reliability.json and the table between the ``figures`` markers
+of docs/reliability.md.  ``python -m ckptfs.testing.reliability`` runs :func:`main`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ckptfs.testing.backend import Backend, unique_name
+from ckptfs.testing.reliability.common import Sweep
+from ckptfs.testing.reliability.corruption import corruption_matrix
+from ckptfs.testing.reliability.crash import (
+    sweep_delete_crashes,
+    sweep_gc_crashes,
+    sweep_prune_crashes,
+    sweep_save_crashes,
+)
+from ckptfs.testing.reliability.hostile import hostile_sweep
+from ckptfs.testing.reliability.power import sweep_power_cut_delete, sweep_power_cuts
+from ckptfs.testing.reliability.races import (
+    sweep_free_race,
+    sweep_prune_during_save,
+    sweep_reader_during_saves,
+    sweep_zombie,
+)
+from ckptfs.testing.reliability.transient import sweep_transient
+
+SERVER_OF = {"s3": "moto", "ministack": "ministack", "gcs": "gcs", "azure": "azurite"}
+NAME_OF = {"local": "local", "memory": "memory", "s3": "s3-moto", "ministack": "s3-ministack",
+           "gcs": "gcs-fake", "azure": "azure-azurite"}
+
+
+@contextlib.contextmanager
+def backends(names: list[str], tmp: str) -> Iterator[dict[str, Callable[[], Backend]]]:
+    """Factories of fresh backends by short name, starting the servers needed."""
+    from ckptfs.testing import servers
+
+    with contextlib.ExitStack() as stack:
+        out: dict[str, Callable[[], Backend]] = {}
+        for name in names:
+            if name == "local":
+                out[name] = lambda: Backend("local", f"file://{tmp}/{unique_name()}")
+            elif name == "memory":
+                out[name] = lambda: Backend("memory", f"memory://{unique_name()}")
+            else:
+                info = stack.enter_context(servers.SERVERS[SERVER_OF[name]]())
+
+                def make(info: Any = info, name: str = name) -> Backend:
+                    return Backend(NAME_OF[name], info.url(unique_name()),
+                                   dict(info.storage_options), env=dict(info.env))
+
+                out[name] = make
+        yield out
+
+
+def sweeps_for(name: str, make: Callable[[], Backend]) -> list[Sweep]:
+    """Every sweep of one backend, as the figures command runs them (the tests run the same
+    functions, some with fewer trials)."""
+    out = [sweep_save_crashes(make()), sweep_delete_crashes(make()),
+           sweep_prune_crashes(make()), sweep_gc_crashes(make())]
+    if name in ("local", "memory"):
+        out.append(sweep_save_crashes(make(), threads=4))
+    if name == "local":
+        out += [sweep_power_cuts(make()), sweep_power_cut_delete(make())]
+    out += [sweep_zombie(make()), sweep_free_race(make(), trials=5, writers=3),
+            sweep_reader_during_saves(make()), sweep_prune_during_save(make()),
+            corruption_matrix(make()), sweep_transient(make(), trials=25, p=0.1),
+            sweep_transient(make(), trials=25, p=0.2), hostile_sweep(make())]
+    return out
+
+
+def run_all(names: list[str], tmp: str) -> dict[str, Any]:
+    results: dict[str, list[dict[str, Any]]] = {}
+    with backends(names, tmp) as factories:
+        for name, make in factories.items():
+            t0 = time.monotonic()
+            sweeps = sweeps_for(name, make)
+            results[name] = [s.as_dict() for s in sweeps]
+            print(f"{name}: {sum(s.tried for s in sweeps)} scenarios, "
+                  f"{sum(len(s.violations) for s in sweeps)} violations, "
+                  f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
+            for s in sweeps:
+                for v in s.violations:
+                    print("  VIOLATION", v, file=sys.stderr)
+    return {"generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "results": results}
+
+
+COLUMNS = [
+    ("save-crash", "save crash points"),
+    ("delete-crash", "delete crash points"),
+    ("prune-crash", "prune crash points"),
+    ("gc-crash", "gc crash points"),
+    ("power-cut", "power cuts"),
+    ("race", "race trials"),
+    ("corruption", "corruptions detected / tried"),
+    ("transient", "saves under transient faults (committed)"),
+    ("hostile", "hostile inputs"),
+]
+
+
+def _merge(sweeps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    by: dict[str, dict[str, Any]] = {}
+    for s in sweeps:
+        key = "race" if s["name"].startswith("race") else s["name"]
+        cur = by.setdefault(key, {"tried": 0, "violations": [], "counters": {}})
+        cur["tried"] += s["tried"]
+        cur["violations"] = cur["violations"] + s["violations"]
+        for k, v in s["counters"].items():
+            if k.endswith("_max") or k.startswith("calls_per"):
+                cur["counters"][k] = max(cur["counters"].get(k, 0), v)
+            else:
+                cur["counters"][k] = cur["counters"].get(k, 0) + v
+    return by
+
+
+def table(doc: dict[str, Any]) -> str:
+    lines = ["| backend | " + " | ".join(c[1] for c in COLUMNS) + " | violations |",
+             "|---|" + "---:|" * (len(COLUMNS) + 1)]
+    for name, sweeps in doc["results"].items():
+        by = _merge(sweeps)
+        cells = []
+        for key, _ in COLUMNS:
+            s = by.get(key)
+            if s is None:
+                cells.append("n/a")
+            elif key == "corruption":
+                cells.append(f"{s['counters'].get('detected', 0)} / {s['tried']}")
+            elif key == "transient":
+                cells.append(f"{s['tried']} ({s['counters'].get('committed', 0)})")
+            else:
+                cells.append(str(s["tried"]))
+        viol = sum(len(s["violations"]) for s in sweeps)
+        lines.append(f"| {NAME_OF.get(name, name)} | " + " | ".join(cells) + f" | {viol} |")
+    return "\n".join(lines)
+
+
+def details(doc: dict[str, Any]) -> str:
+    """One line per backend with the counters behind the table."""
+    lines = []
+    for name, sweeps in doc["results"].items():
+        by = _merge(sweeps)
+
+        def c(key: str, counter: str, by: dict[str, dict[str, Any]] = by) -> int:
+            return int(by.get(key, {}).get("counters", {}).get(counter, 0))
+
+        parts = [f"{c('save-crash', 'calls_per_save')} mutating calls per save",
+                 f"{c('save-crash', 'tear')} torn writes",
+                 f"quick verify {c('corruption', 'quick_detected')} / "
+                 f"{c('corruption', 'quick_tried')} size or inventory changes",
+                 f"load detected {c('corruption', 'load_detected')} (+"
+                 f"{c('corruption', 'load_unaffected_by_stray')} stray files that do not "
+                 "change what it loads)",
+                 f"load() of the damaged latest raised {c('corruption', 'latest_raised')} times"]
+        if c("corruption", "marker_flips"):
+            parts.append(f"marker byte flips {c('corruption', 'marker_flips')}: "
+                         f"{c('corruption', 'marker_flips_detected')} detected, "
+                         f"{c('corruption', 'marker_flips_harmless')} provably harmless")
+        if "power-cut" in by:
+            parts.append(f"power cuts rolled back {c('power-cut', 'entries_rolled_back')} "
+                         "directory entries")
+        parts.append(f"transient faults injected {c('transient', 'faults_injected')}, retries "
+                     f"{c('transient', 'retries')}")
+        parts.append(f"hostile-input peak memory "
+                     f"{c('hostile', 'peak_bytes_max') / 2**20:.1f} MiB")
+        lines.append(f"- {NAME_OF.get(name, name)}: " + "; ".join(parts) + ".")
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
+
+
+def update_doc(doc_path: str, doc: dict[str, Any]) -> None:
+    text = f"{BEGIN}\n{END}\n"
+    if os.path.exists(doc_path):
+        with open(doc_path) as f:
+            text = f.read()
+    block = (f"{BEGIN}\nLast run: {doc['generated']} (`python -m ckptfs.testing.reliability`).\n\n"
+             f"{table(doc)}\n\n{details(doc)}\n{END}")
+    text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text,
+                  flags=re.DOTALL)
+    with open(doc_path, "w") as f:
+        f.write(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    import tempfile
+
+    import ckptfs.testing.reliability as package  # its docstring is the command's description
+
+    parser = argparse.ArgumentParser(prog="python -m ckptfs.testing.reliability",
+                                     description=(package.__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--backends", nargs="+", default=list(NAME_OF),
+                        choices=list(NAME_OF))
+    parser.add_argument("--json", default="docs/reliability.json")
+    parser.add_argument("--doc", default="docs/reliability.md")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = run_all(args.backends, tmp)
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=1)
+    update_doc(args.doc, doc)
+    print(table(doc))
+    violations = sum(len(s["violations"]) for v in doc["results"].values() for s in v)
+    return 1 if violations else 0
