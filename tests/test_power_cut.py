@@ -89,3 +89,67 @@ def test_power_cut_after_every_call_of_a_delete(local_backend: Backend) -> None:
     assert sweep.tried == sweep.counters["calls_per_delete"] + 1
     assert sweep.counters.get("deleted", 0) >= 1 and sweep.counters.get("still_committed", 0) >= 1
     assert sweep.violations == []
+
+
+def _record_dir_durability(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Record, in order, every directory created (``mkdir``) and every directory fsynced."""
+    events: list[tuple[str, str]] = []
+    fds: dict[int, str] = {}
+    real_open, real_mkdir, real_fsync = os.open, os.mkdir, os.fsync
+
+    def mkdir(path: Any, *a: Any, **k: Any) -> None:
+        real_mkdir(path, *a, **k)
+        events.append(("mkdir", os.path.abspath(os.fspath(path))))
+
+    def open_(path: Any, flags: int, *a: Any, **k: Any) -> int:
+        fd = real_open(path, flags, *a, **k)
+        fds[fd] = os.path.abspath(os.fspath(path))
+        return fd
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        if fd in fds and os.path.isdir(fds[fd]):
+            events.append(("fsync", fds[fd]))
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return events
+
+
+def _entries_not_made_durable(events: list[tuple[str, str]]) -> list[str]:
+    """Directories created whose parent was not fsynced afterwards (the model's rule: an entry
+    is durable only once its parent directory is fsynced)."""
+    lost = []
+    for i, (kind, path) in enumerate(events):
+        if kind == "mkdir" and ("fsync", os.path.dirname(path)) not in events[i + 1:]:
+            lost.append(path)
+    return lost
+
+
+def test_a_brand_new_run_root_is_durable(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11: a save into a run root that did not exist (nor its parents) made the entries
+    inside the root durable, but not the root's own entry in its parent: a power cut after
+    save() returned lost the whole run."""
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.storage.fsspec import FsspecStorage
+
+    root = tmp_path / "new" / "deeper" / "run"
+    events = _record_dir_durability(monkeypatch)
+    CheckpointStore(FsspecStorage(f"file://{root}")).save(1, state_for(1))
+    created = [p for kind, p in events if kind == "mkdir"]
+    assert str(tmp_path / "new") in created and str(root / "checkpoints") in created
+    assert _entries_not_made_durable(events) == []
+
+
+def test_a_record_in_a_new_directory_is_durable(tmp_path: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same class for the local exclusive create (markers, lifecycle records): the
+    directories it creates are made durable with the file."""
+    from ckptfs.storage.fsspec import FsspecStorage
+
+    storage = FsspecStorage(f"file://{tmp_path / 'run'}")
+    events = _record_dir_durability(monkeypatch)
+    storage.create_exclusive("lifecycle/best/gen-000000000001.json", b"{}")
+    assert len([e for e in events if e[0] == "mkdir"]) == 3
+    assert _entries_not_made_durable(events) == []

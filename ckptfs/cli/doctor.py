@@ -424,7 +424,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(subparsers: Any) -> None:
-    from ckptfs.cli.core import add_store_args
+    from ckptfs.cli.core import add_store_args, int_option
 
     p = subparsers.add_parser(
         "doctor", help="check that a store gives the guarantees ckptfs relies on",
@@ -432,5 +432,6 @@ def add_subcommands(subparsers: Any) -> None:
         "create-only writes, racing creators, listing and delete visibility, ranged reads. "
         "Exit status 1 if a guarantee the commit protocol needs is missing.")
     add_store_args(p)
-    p.add_argument("--threads", type=int, default=8, help="racing clients (default 8)")
+    p.add_argument("--threads", type=int_option(2, 64), default=8,
+                   help="racing clients, 2 to 64 (default 8)")
     p.set_defaults(func=cmd_doctor)

@@ -9,12 +9,37 @@ best record.  All take ``--json``; ``--dry-run`` shows what would be removed.
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 from typing import Any
 
-from ckptfs.cli.core import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_store_args, emit, open_from_args
+from ckptfs.cli.core import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_store_args,
+    emit,
+    int_option,
+    open_from_args,
+    step_option,
+)
+from ckptfs.format.layout import MAX_STEP
 from ckptfs.lifecycle.artifacts import SideOutputs
-from ckptfs.lifecycle.gc import collect, parse_duration
+from ckptfs.lifecycle.gc import InvalidDurationError, collect, parse_duration
 from ckptfs.lifecycle.retention import RetentionPolicy, best_steps_of, prune, read_best
+
+
+def grace_option(text: str) -> timedelta:
+    """argparse ``type`` of ``--older-than``: a duration of more than zero (a zero grace would
+    remove the attempt of a writer that is saving right now)."""
+    try:
+        grace = parse_duration(text)
+    except InvalidDurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if grace <= timedelta(0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is zero: the attempt of a writer saving right now would be removed; give "
+            "the longest save plus clock skew, e.g. 1h (at least 1s)")
+    return grace
 
 
 def _protected_from_latest(store: Any) -> list[int]:
@@ -40,7 +65,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     # --keep-every alone keeps only the milestones (and the newest, always kept)
     policy = RetentionPolicy(args.keep_last if args.keep_last is not None else 1,
                              args.keep_every)
-    best = best_steps_of(read_best(store))
+    best = best_steps_of(read_best(store))  # a malformed record raises: nothing is deleted
     protected = sorted(set(_protected_from_latest(store)) | set(args.protect or []))
     if not args.dry_run:
         SideOutputs(store).reconcile()
@@ -49,24 +74,26 @@ def cmd_prune(args: argparse.Namespace) -> int:
     steps = report.plan.delete if args.dry_run else report.deleted
     lines = [f"{verb} {len(steps)} checkpoint(s): {steps if steps else '-'}"]
     lines += [f"  keep {s}: {', '.join(why)}" for s, why in sorted(report.plan.keep.items())]
+    lines += [f"  already deleted by another process: {s}" for s in report.already_gone]
     lines += [f"  FAILED {s}: {e}" for s, e in sorted(report.errors.items())]
+    if report.refused:
+        lines.append(f"REFUSED: {report.refused}")
     emit(args, {"url": store.url, **report.as_dict()}, "\n".join(lines))
-    return EXIT_FAILED if report.errors else EXIT_OK
+    return EXIT_FAILED if report.errors or report.refused else EXIT_OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    try:
-        grace = parse_duration(args.older_than)
-    except ValueError as exc:
-        print(f"ckptfs gc: {exc}")
-        return EXIT_USAGE
+    grace = args.older_than
+    if isinstance(grace, str):  # the default, not passed through the option's type
+        grace = grace_option(grace)
     store = open_from_args(args)
     report = collect(store.storage, older_than=grace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     items = report.items if args.dry_run else [i for i in report.items if i.removed]
     size = report.bytes_found if args.dry_run else report.bytes_freed
-    lines = [f"{verb} {len(items)} item(s), {size} bytes (grace {args.older_than})"]
+    lines = [f"{verb} {len(items)} item(s), {size} bytes (grace {grace})"]
     lines += [f"  {i.kind:10} {i.path}  {i.bytes} bytes" for i in items]
+    lines += [f"  {i.kind:10} {i.path}: {i.note}" for i in report.items if i.note]
     lines += [f"  kept (younger than grace): {p}" for p in report.kept_young]
     lines += [f"  skipped: {s}" for s in report.skipped]
     lines += [f"  FAILED {i.path}: {i.error}" for i in report.items if i.error]
@@ -81,7 +108,7 @@ def cmd_best(args: argparse.Namespace) -> int:
         emit(args, {"url": store.url, "best": None}, f"no best record at {store.url}")
         return EXIT_FAILED
     committed = set(store.steps())
-    pool = [dict(e, committed=e.get("step") in committed) for e in doc.get("pool") or []]
+    pool = [dict(e, committed=e["step"] in committed) for e in doc.get("pool") or []]
     head = (f"{doc.get('metric')} ({doc.get('mode')}, keep {doc.get('keep')}): high-water "
             f"{doc.get('high_water')}")
     lines = [head] + [f"  step {e['step']}: {e['value']}"
@@ -94,11 +121,11 @@ def cmd_best(args: argparse.Namespace) -> int:
 def add_subcommands(sub: Any) -> None:
     p = sub.add_parser("prune", help="delete checkpoints outside a retention policy")
     add_store_args(p)
-    p.add_argument("--keep-last", type=int, default=None, metavar="N",
-                   help="keep the N newest committed checkpoints")
-    p.add_argument("--keep-every", type=int, default=None, metavar="K",
+    p.add_argument("--keep-last", type=int_option(1, MAX_STEP + 1), default=None, metavar="N",
+                   help="keep the N newest committed checkpoints (N >= 1)")
+    p.add_argument("--keep-every", type=int_option(1, MAX_STEP), default=None, metavar="K",
                    help="keep every step divisible by K")
-    p.add_argument("--protect", type=int, action="append", metavar="STEP",
+    p.add_argument("--protect", type=step_option, action="append", metavar="STEP",
                    help="never delete this step (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="show what would be deleted")
     p.set_defaults(func=cmd_prune)
@@ -106,7 +133,7 @@ def add_subcommands(sub: Any) -> None:
     p = sub.add_parser("gc", help="remove uncommitted attempts and leftovers older than a grace "
                        "period")
     add_store_args(p)
-    p.add_argument("--older-than", default="1h", metavar="DURATION",
+    p.add_argument("--older-than", type=grace_option, default="1h", metavar="DURATION",
                    help="grace period, e.g. 30m, 1h, 2d (default 1h): a running writer's "
                    "attempt is younger and survives")
     p.add_argument("--dry-run", action="store_true", help="show what would be removed")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol, cast
 
 from ckptfs.errors import CorruptCheckpointError, HashAlgorithmUnavailableError
+from ckptfs.format.limits import MAX_DIGEST_CHARS
 
 DEFAULT_ALGORITHM = "blake3"
 
@@ -117,11 +118,14 @@ def format_digest(algorithm: str, hexdigest: str) -> str:
 
 def parse_digest(digest: object) -> tuple[str, str]:
     """Split ``"algo:hex"``; raise :class:`CorruptCheckpointError` on anything else."""
-    if not isinstance(digest, str) or ":" not in digest or len(digest) > 200:
-        raise CorruptCheckpointError(f"malformed digest {digest!r}: expected 'algorithm:hex'")
+    if not isinstance(digest, str) or ":" not in digest or len(digest) > MAX_DIGEST_CHARS:
+        raise CorruptCheckpointError(
+            f"malformed digest {digest!r:.100}: expected 'algorithm:hex' of at most "
+            f"{MAX_DIGEST_CHARS} characters")
     algo, hexpart = digest.split(":", 1)
     if algo not in ALGORITHMS or not hexpart or any(c not in "0123456789abcdef" for c in hexpart):
-        raise CorruptCheckpointError(f"malformed digest {digest!r}: unknown algorithm or not hex")
+        raise CorruptCheckpointError(f"malformed digest {digest!r:.100}: unknown algorithm or "
+                                     "not hex")
     return algo, hexpart
 
 

@@ -16,6 +16,11 @@ garbage collector and the spec (docs/protocol.md) agree on one set of constants:
 
 A step is *committed* iff ``COMPLETE`` exists, parses, names an attempt of this step, and the
 digest it records equals the digest of that attempt's ``MANIFEST.json``.
+
+Names are matched as whole strings of ASCII characters (``fullmatch``, ``[0-9]``).  A step
+directory may have more than 12 digits (extra leading zeros: a non-canonical name of the same
+step); code that lists directories addresses them by the listed name (:class:`StepPaths` with
+``name``), never by a name rebuilt from the step.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ MAX_STEP = 10**STEP_DIGITS - 1
 ATTEMPT_PREFIX = "a-"
 TMP_PREFIX = ".tmp-"
 
-_STEP_RE = re.compile(r"^step-(\d{12,})$")
-_ATTEMPT_RE = re.compile(r"^a-(\d{8}T\d{6}Z)-([0-9a-f]{8,32})$")
+# Whole-string matches of ASCII digits only: ``\d`` would admit Unicode digits ("step-١٢...")
+# and ``$`` a trailing newline; every name below is matched with ``fullmatch``.
+_STEP_RE = re.compile(r"step-([0-9]{12,})")
+_ATTEMPT_RE = re.compile(r"a-([0-9]{8}T[0-9]{6}Z)-([0-9a-f]{8,32})")
 
 
 def check_step(step: object) -> int:
@@ -62,12 +69,25 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a step directory name, or ``None`` if ``name`` is not one (ignored)."""
-    m = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    """The step of a step directory name, or ``None`` if ``name`` is not one (ignored).
+
+    ``step-`` followed by 12 or more ASCII digits whose value is at most :data:`MAX_STEP`, as a
+    whole string.  More than 12 digits (extra leading zeros) is a valid but non-canonical
+    name: callers must use the name they listed, never rebuild it from the step
+    (:class:`StepPaths` takes it), and two names of one step are an error for the reader."""
+    m = _STEP_RE.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     if m is None:
         return None
-    step = int(m.group(1))
-    return step if step <= MAX_STEP else None
+    digits = m.group(1).lstrip("0") or "0"
+    if len(digits) > STEP_DIGITS:  # over MAX_STEP (and never int() a huge string)
+        return None
+    return int(digits)
+
+
+def is_canonical_step_dir(name: str) -> bool:
+    """``name`` is the name a writer gives its step (exactly 12 digits)."""
+    step = parse_step_dir(name)
+    return step is not None and name.rstrip("/").rsplit("/", 1)[-1] == step_dir_name(step)
 
 
 def new_attempt_name(now: datetime | None = None, token: str | None = None) -> str:
@@ -78,15 +98,22 @@ def new_attempt_name(now: datetime | None = None, token: str | None = None) -> s
 
 
 def parse_attempt_name(name: str) -> datetime | None:
-    """The creation time encoded in an attempt name, or ``None`` if not an attempt name."""
-    m = _ATTEMPT_RE.match(name)
+    """The creation time encoded in an attempt name, or ``None`` if not an attempt name or its
+    time is not a valid calendar time (``a-20261399T999999Z-...``: garbage collection, which
+    ages attempts by this time, then leaves the directory alone)."""
+    m = _ATTEMPT_RE.fullmatch(name)
     if m is None:
         return None
-    return datetime.strptime(m.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+    try:
+        return datetime.strptime(m.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
 
 
 def is_attempt_name(name: str) -> bool:
-    return _ATTEMPT_RE.match(name) is not None
+    """``name`` matches the attempt pattern as a whole string (the check readers apply to the
+    ``attempt`` of a marker and a manifest)."""
+    return _ATTEMPT_RE.fullmatch(name) is not None
 
 
 def tmp_attempt_name(attempt: str) -> str:
@@ -99,13 +126,35 @@ def tensor_file_name(index: int) -> str:
 
 @dataclass(frozen=True)
 class StepPaths:
-    """Paths of one step, relative to the run root (always ``/``-separated)."""
+    """Paths of one step, relative to the run root (always ``/``-separated).
+
+    ``name`` is the step directory's name as it was listed; empty means the canonical name a
+    writer creates (:func:`step_dir_name`).  Code that found a step by listing must pass the
+    listed name: a non-canonical name (``step-0000000000020``) rebuilt from its step would
+    address another directory."""
 
     step: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.name and parse_step_dir(self.name) != self.step:
+            raise InvalidStepError(f"{self.name!r} is not a directory name of step {self.step}")
+
+    @classmethod
+    def of(cls, name: str) -> StepPaths:
+        """The paths of the step directory ``name`` (a listed name)."""
+        step = parse_step_dir(name)
+        if step is None:
+            raise InvalidStepError(f"{name!r} is not a step directory name")
+        return cls(step, name.rstrip("/").rsplit("/", 1)[-1])
+
+    @property
+    def dir_name(self) -> str:
+        return self.name or step_dir_name(self.step)
 
     @property
     def dir(self) -> str:
-        return f"{CHECKPOINTS_DIR}/{step_dir_name(self.step)}"
+        return f"{CHECKPOINTS_DIR}/{self.dir_name}"
 
     @property
     def marker(self) -> str:
@@ -124,7 +173,7 @@ class StepPaths:
         return f"{self.attempt_dir(attempt)}/{check_relpath(relpath)}"
 
 
-_SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._-]+$")
+_SAFE_COMPONENT = re.compile(r"[A-Za-z0-9._-]+")  # fullmatch: no trailing newline
 
 
 def check_relpath(relpath: object) -> str:
@@ -137,7 +186,7 @@ def check_relpath(relpath: object) -> str:
         raise UnsafeCheckpointError(f"manifest path {relpath!r} is not a short non-empty string")
     parts = relpath.split("/")
     for part in parts:
-        if part in ("", ".", "..") or part.startswith(".") or not _SAFE_COMPONENT.match(part):
+        if part in ("", ".", "..") or part.startswith(".") or not _SAFE_COMPONENT.fullmatch(part):
             raise UnsafeCheckpointError(
                 f"manifest path {relpath!r} is not a safe relative path inside the checkpoint "
                 "(absolute, '..', backslash, NUL, scheme or hidden component); refusing to read it"

@@ -42,9 +42,9 @@ from ckptfs.errors import (
     StorageNotFoundError,
     UnsupportedValueError,
 )
-from ckptfs.format.hashing import digest_bytes
+from ckptfs.format.hashing import ALGORITHMS, digest_bytes
 from ckptfs.format.layout import MAX_STEP, parse_step_dir, step_dir_name
-from ckptfs.lifecycle.records import LIFECYCLE_DIR
+from ckptfs.lifecycle.records import LIFECYCLE_DIR, CorruptRecordError, parse_json
 from ckptfs.protocol.reader import MapLocation
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.base import Capabilities, Entry, Storage
@@ -55,11 +55,11 @@ ARTIFACTS_DIR = "artifacts"
 ARTIFACT_STEP = 0
 SIDE_DIR = f"{LIFECYCLE_DIR}/side"
 SIDE_COMMITS_DIR = f"{LIFECYCLE_DIR}/side-commits"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
 
 
 def check_name(name: str, what: str = "artifact") -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
         raise ValueError(f"{what} name {name!r} must be 1-128 characters of [A-Za-z0-9._-], "
                          "starting with a letter or digit")
     return name
@@ -80,7 +80,7 @@ class SubStorage:
 
     def _e(self, e: Entry) -> Entry:
         name = e.name[len(self.prefix) + 1:] if e.name.startswith(self.prefix + "/") else e.name
-        return Entry(name, e.size, e.is_dir)
+        return Entry(name, e.size, e.is_dir, e.is_link)
 
     def read_bytes(self, path: str) -> bytes:
         return self.parent.read_bytes(self._p(path))
@@ -168,7 +168,7 @@ class RunArtifacts:
     def names(self) -> list[str]:
         out = []
         for e in self.store.storage.list_dir(ARTIFACTS_DIR):
-            if e.is_dir and _NAME_RE.match(e.basename) and self._sub(e.basename).steps():
+            if e.is_dir and _NAME_RE.fullmatch(e.basename) and self._sub(e.basename).steps():
                 out.append(e.basename)
         return sorted(out)
 
@@ -248,6 +248,34 @@ def content_digest(manifest: Any) -> str:
 # -- side outputs -------------------------------------------------------------------------------
 
 
+def check_listing(listed: object, where: str) -> dict[str, dict[str, Any]]:
+    """A side-output listing (``path -> {"size": int, "digest": "<algorithm>:<hex>"}``) as
+    written by the manager, from a side-commit record or a checkpoint's metadata; anything else
+    raises :class:`~ckptfs.lifecycle.records.CorruptRecordError` naming ``where``.  Raising,
+    not skipping: an entry ignored here would make a committed side output read as uncommitted,
+    and a resume would delete it."""
+    def bad(why: str) -> CorruptRecordError:
+        return CorruptRecordError(f"{where}: side-output listing {why}; ckptfs did not write "
+                                  "this (tampering or a bug): repair or remove it", path=where)
+
+    if not isinstance(listed, Mapping):
+        raise bad(f"is a {type(listed).__name__}, not a map")
+    out: dict[str, dict[str, Any]] = {}
+    for path, rec in listed.items():
+        if not isinstance(path, str) or not path.startswith(SIDE_DIR + "/"):
+            raise bad(f"names {path!r:.80}, not a path under {SIDE_DIR}/")
+        if not isinstance(rec, Mapping):
+            raise bad(f"entry {path!r:.80} is not a map")
+        size, digest = rec.get("size"), rec.get("digest")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad(f"entry {path!r:.80} has size {size!r:.40}")
+        if (not isinstance(digest, str) or ":" not in digest
+                or digest.split(":", 1)[0] not in ALGORITHMS):
+            raise bad(f"entry {path!r:.80} has digest {digest!r:.80}")
+        out[path] = {"size": size, "digest": digest}
+    return out
+
+
 @dataclass
 class SideOutputStatus:
     """Side outputs by status; each entry is the path relative to the run root."""
@@ -321,11 +349,12 @@ class SideOutputs:
             if step in recorded:
                 continue
             try:
-                listed = self.store.info(step).metadata.get("side_outputs")
+                info = self.store.info(step)
             except (CheckpointNotFoundError, StorageNotFoundError):
                 continue
-            if isinstance(listed, dict):
-                yield step, listed
+            listed = info.metadata.get("side_outputs")
+            if listed is not None:
+                yield step, check_listing(listed, f"{info.url}/MANIFEST.json")
 
     def _recorded_steps(self) -> set[int]:
         out = set()
@@ -343,12 +372,15 @@ class SideOutputs:
         for e in self.store.storage.list_dir(SIDE_COMMITS_DIR):
             if not e.basename.endswith(".json"):
                 continue
+            where = f"{self.store.storage.url}/{e.name}"
             try:
-                doc = json.loads(self.store.storage.read_bytes(e.name))
-            except (ValueError, StorageNotFoundError):
+                doc = parse_json(self.store.storage.read_bytes(e.name), where)
+            except StorageNotFoundError:
                 continue
-            if isinstance(doc, dict) and isinstance(doc.get("side_outputs"), dict):
-                index.update(doc["side_outputs"])
+            if not isinstance(doc, dict):
+                raise CorruptRecordError(f"{where}: side-commit record is not a JSON object",
+                                         path=where)
+            index.update(check_listing(doc.get("side_outputs"), where))
         for _, listed in self._unrecorded_listings():
             index.update(listed)
         return index

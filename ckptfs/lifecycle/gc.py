@@ -10,9 +10,15 @@ Three kinds of garbage, each removed only when it is older than a grace period:
   before the rename; aged by the attempt name they embed) and ``.tmp-<uuid>`` files of a crashed
   local marker creation (aged by the file's modification time where the filesystem reports one;
   never removed when it does not);
-- **orphaned multipart uploads** under the run root on stores that have them (S3): found and
-  aborted through the filesystem's ``list_multipart_uploads``/``call_s3``, only when the
-  filesystem offers them (a capability check, never a URL test).
+- **orphaned multipart uploads** of files inside attempt directories
+  (``checkpoints/step-N/a-.../<file>``, also ``.tmp-a-...`` and under ``artifacts/<name>/``) on
+  stores that have them (S3): found and aborted through the filesystem's
+  ``list_multipart_uploads``/``call_s3``, only when the filesystem offers them (a capability
+  check, never a URL test).  Any other upload, under the run root or elsewhere in the bucket
+  (``run/exports/model.bin``), belongs to another program and is never touched.
+
+Concurrent ``gc`` and ``prune`` runs on one run root are safe: something another process
+removed first is noted (``note``), not reported as a failure.
 
 A step's committed attempt and its marker are never touched; a step whose marker does not parse
 is left alone entirely (that is for ``verify`` and a human, not for a collector).  Everything
@@ -22,6 +28,7 @@ Artifacts (``artifacts/<name>/``) are collected the same way.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 from collections.abc import Iterable
@@ -29,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from ckptfs.errors import CorruptCheckpointError, StorageError
+from ckptfs.errors import CkptfsError, CorruptCheckpointError, StorageError, StorageNotFoundError
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
     MARKER_NAME,
@@ -54,11 +61,14 @@ class GcItem:
     age_s: float | None
     removed: bool = False
     error: str | None = None
+    #: why an item was not removed without that being a failure (another gc or prune removed
+    #: it first; a writer put something in an empty step directory meanwhile)
+    note: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": self.path, "bytes": self.bytes,
                 "age_s": None if self.age_s is None else round(self.age_s, 1),
-                "removed": self.removed, "error": self.error}
+                "removed": self.removed, "error": self.error, "note": self.note}
 
 
 @dataclass
@@ -88,13 +98,27 @@ class GcReport:
 def parse_duration(text: str) -> timedelta:
     """``90s``, ``15m``, ``1h``, ``2d``, ``1h30m`` or plain seconds -> timedelta."""
     text = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", text):
-        return timedelta(seconds=float(text))
-    parts = re.findall(r"(\d+(?:\.\d+)?)([smhd])", text)
+    if re.fullmatch(r"[0-9]+(\.[0-9]+)?", text):
+        return _seconds(float(text), text)
+    parts = re.findall(r"([0-9]+(?:\.[0-9]+)?)([smhd])", text)
     if not parts or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"bad duration {text!r}: use e.g. 90s, 15m, 1h, 2d or 1h30m")
+        raise InvalidDurationError(f"bad duration {text!r}: use e.g. 90s, 15m, 1h, 2d or 1h30m")
     unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    return timedelta(seconds=sum(float(n) * unit[u] for n, u in parts))
+    return _seconds(sum(float(n) * unit[u] for n, u in parts), text)
+
+
+class InvalidDurationError(CkptfsError, ValueError):
+    """A grace period that is not a duration :func:`parse_duration` reads, or is too long."""
+
+
+MAX_GRACE = timedelta(days=36500)
+
+
+def _seconds(value: float, text: str) -> timedelta:
+    if not value <= MAX_GRACE.total_seconds():  # also catches inf from a huge digit string
+        raise InvalidDurationError(f"duration {text!r:.40} is longer than "
+                                   f"{MAX_GRACE.days} days")
+    return timedelta(seconds=value)
 
 
 def collect(storage: Storage, *, older_than: timedelta = DEFAULT_GRACE, dry_run: bool = False,
@@ -111,13 +135,17 @@ def collect(storage: Storage, *, older_than: timedelta = DEFAULT_GRACE, dry_run:
             continue
         try:
             if item.kind == "empty-step":
-                _remove_empty_dir(storage, item.path)
+                item.note = _remove_empty_dir(storage, item.path)
+                if item.note is not None:
+                    continue
             elif item.kind == "tmp-file":
                 storage.delete(item.path)
             else:
                 storage.delete_tree(item.path)
             item.removed = True
             log.info("gc: removed %s (%d bytes)", item.path, item.bytes)
+        except StorageNotFoundError:  # another gc or prune removed it first: not a failure
+            item.note = "already removed by another process"
         except StorageError as exc:
             item.error = str(exc)
             log.warning("gc: could not remove %s/%s: %s", storage.url, item.path, exc)
@@ -140,7 +168,7 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
         committed: str | None = None
         if any(c.basename == MARKER_NAME for c in children):
             try:
-                committed = _marker_attempt(storage, prefix, step)
+                committed = _marker_attempt(storage, prefix, step, step_entry.basename)
             except CorruptCheckpointError as exc:
                 report.skipped.append(f"{step_dir}: marker does not parse ({exc}); left alone")
                 continue
@@ -172,13 +200,14 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
             report.items.append(GcItem("empty-step", step_dir, 0, None))
 
 
-def _marker_attempt(storage: Storage, prefix: str, step: int) -> str | None:
+def _marker_attempt(storage: Storage, prefix: str, step: int, name: str) -> str | None:
+    # ``name``: the listed step directory (never rebuilt from ``step``: step-0000000000020).
     if not prefix:
-        marker = read_marker(storage, step)
+        marker = read_marker(storage, step, name)
     else:
         from ckptfs.lifecycle.artifacts import SubStorage
 
-        marker = read_marker(SubStorage(storage, prefix.rstrip("/")), step)
+        marker = read_marker(SubStorage(storage, prefix.rstrip("/")), step, name)
     return marker.attempt if marker is not None else None
 
 
@@ -214,20 +243,26 @@ def _mtime(storage: Storage, path: str) -> datetime | None:
     return None
 
 
-def _remove_empty_dir(storage: Storage, path: str) -> None:
+def _remove_empty_dir(storage: Storage, path: str) -> str | None:
     """Remove a step directory left empty, without ever removing something a writer created in
     it meanwhile: non-recursive ``rmdir`` where directories are real; object stores have no
-    empty directories to remove."""
+    empty directories to remove.  Returns why it was not removed when that is no failure (gone
+    already; not empty any more), ``None`` once removed."""
     if not storage.capabilities.real_directories:
-        return
+        return None
     fs = getattr(storage, "fs", None)
     full = getattr(storage, "full", None)
     if fs is None or full is None:
-        return
+        return None
     try:
         fs.rmdir(full(path))
+    except FileNotFoundError:
+        return "already removed by another process"
     except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return "not empty any more (a writer started an attempt in it): left alone"
         raise StorageError(f"rmdir {storage.url}/{path}: {exc}") from exc
+    return None
 
 
 def _multipart_api(storage: Storage) -> tuple[Any, str, str] | None:
@@ -244,18 +279,31 @@ def _multipart_api(storage: Storage) -> tuple[Any, str, str] | None:
     return fs, bucket, key.rstrip("/")
 
 
-def _upload_age(initiated: object, rel: str, now: datetime) -> timedelta | None:
-    """Age of a multipart upload: from the server's ``Initiated`` time and, for a file inside an
-    attempt directory, from the attempt name's time, whichever is younger (an emulator may
-    report a fixed ``Initiated``; moto says 2010-11-10 for every upload)."""
-    times = []
+def owned_upload_time(rel: str) -> datetime | None:
+    """The attempt's creation time if ``rel`` (a key relative to the run root) names a file
+    inside an attempt directory, the only place ckptfs streams multi-part uploads to::
+
+        checkpoints/step-N/a-<time>-<token>/<file>          (or .tmp-a-...)
+        artifacts/<name>/checkpoints/step-N/a-<time>-<token>/<file>
+
+    ``None`` for every other key: an upload there is not ckptfs's, and GC never aborts it."""
+    parts = rel.split("/")
+    if len(parts) >= 2 and parts[0] == ARTIFACTS_DIR:
+        parts = parts[2:]
+    if (len(parts) < 4 or parts[0] != CHECKPOINTS_DIR or parse_step_dir(parts[1]) is None
+            or not all(parts[3:])):
+        return None
+    return parse_attempt_name(parts[2].removeprefix(TMP_PREFIX))
+
+
+def _upload_age(initiated: object, created: datetime, now: datetime) -> timedelta:
+    """Age of a multipart upload: from the server's ``Initiated`` time and the attempt name's
+    time, whichever is younger (an emulator may report a fixed ``Initiated``; moto says
+    2010-11-10 for every upload)."""
+    times = [created]
     if isinstance(initiated, datetime):
         times.append(initiated if initiated.tzinfo else initiated.replace(tzinfo=timezone.utc))
-    for part in rel.split("/"):
-        created = parse_attempt_name(part.removeprefix(TMP_PREFIX))
-        if created is not None:
-            times.append(created)
-    return (now - max(times)) if times else None
+    return now - max(times)
 
 
 def _collect_multipart(storage: Storage, grace: timedelta, now: datetime,
@@ -274,8 +322,11 @@ def _collect_multipart(storage: Storage, grace: timedelta, now: datetime,
         if prefix and not (key == prefix or key.startswith(prefix + "/")):
             continue
         rel = key[len(prefix) + 1:] if prefix else key
-        age = _upload_age(up.get("Initiated"), rel, now)
-        if age is None or age < grace:
+        created = owned_upload_time(rel)
+        if created is None:
+            continue  # not an attempt file: another program's upload, never touched
+        age = _upload_age(up.get("Initiated"), created, now)
+        if age < grace:
             report.kept_young.append(f"multipart:{rel}")
             continue
         size = 0
@@ -293,4 +344,18 @@ def _collect_multipart(storage: Storage, grace: timedelta, now: datetime,
             fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"])
             item.removed = True
         except Exception as exc:
-            item.error = f"{type(exc).__name__}: {exc}"
+            if _no_such_upload(exc):  # aborted or completed meanwhile (another gc)
+                item.note = "already gone (aborted by another process, or completed)"
+            else:
+                item.error = f"{type(exc).__name__}: {exc}"
+
+
+def _no_such_upload(exc: BaseException) -> bool:
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is None:
+            continue
+        code = getattr(e, "response", {}).get("Error", {}).get("Code") if isinstance(
+            getattr(e, "response", None), dict) else None
+        if code == "NoSuchUpload" or "NoSuchUpload" in str(e) or isinstance(e, FileNotFoundError):
+            return True
+    return False

@@ -86,10 +86,30 @@ class Provenance:
         return flatten(self.to_record())
 
 
+def malformed(record: object) -> str | None:
+    """Why a recorded provenance does not have the shape :meth:`Provenance.to_record` writes
+    (``config`` a string or null, ``fingerprints`` and ``execution`` maps with string keys),
+    or ``None``."""
+    if not isinstance(record, Mapping):
+        return f"a {type(record).__name__}, not a map"
+    if record.get("config") is not None and not isinstance(record.get("config"), str):
+        return "'config' is not a fingerprint string"
+    for section in ("fingerprints", "execution"):
+        value = record.get(section)
+        if value is not None and not (isinstance(value, Mapping)
+                                      and all(isinstance(k, str) for k in value)):
+            return f"{section!r} is not a map with string keys"
+    return None
+
+
 def flatten(record: Mapping[str, Any] | None) -> dict[str, Any]:
     """``{"config": ..., "fingerprints.data": ..., "execution.world_size": ...}``."""
     if not record:
         return {}
+    if malformed(record) is not None:
+        raise ProvenanceMismatchError(
+            f"malformed provenance record: {malformed(record)}",
+            differences=[("provenance", "a provenance record", malformed(record))])
     out: dict[str, Any] = {}
     if record.get("config") is not None:
         out["config"] = record.get("config")
@@ -122,11 +142,16 @@ def check(storage: Storage, expected: Provenance, recorded: Mapping[str, Any] | 
     writes a diagnostic record when the resume must be refused."""
     if mode not in ("exact", "execution_change"):
         raise ValueError(f"provenance mode must be 'exact' or 'execution_change', got {mode!r}")
-    diffs = compare(expected, recorded)
+    problem = malformed(recorded) if recorded is not None else None
+    diffs: list[tuple[str, Any, Any]]
     if recorded is None:
         diffs = [("provenance", "recorded", "the checkpoint records no provenance")]
+    elif problem is not None:
+        diffs = [("provenance", "a provenance record", f"malformed: {problem}")]
+    else:
+        diffs = compare(expected, recorded)
     accepted: list[dict[str, Any]] = []
-    refused = []
+    refused: list[tuple[str, object, object]] = []
     for key, e, a in diffs:
         if mode == "execution_change" and key.startswith("execution."):
             accepted.append({"key": key, "from": a, "to": e, "at_step": step})

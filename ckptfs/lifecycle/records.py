@@ -24,7 +24,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.errors import (
@@ -32,29 +32,60 @@ from ckptfs.errors import (
     CorruptCheckpointError,
     StorageError,
     StorageNotFoundError,
+    UnsupportedValueError,
 )
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
 
 LIFECYCLE_DIR = "lifecycle"
-_GEN_RE = re.compile(r"^gen-(\d{12})\.json$")
+# ASCII digits, whole name (``\d`` would admit Unicode digits, whose generation path could not
+# be rebuilt; ``$`` a trailing newline).
+_GEN_RE = re.compile(r"gen-([0-9]{12})\.json")
 MAX_RECORD_BYTES = 16 * 1024 * 1024
+
+
+class CorruptRecordError(CorruptCheckpointError):
+    """A lifecycle record (the best pool, a side-commit record) or other store content that
+    ckptfs wrote but that does not parse or has the wrong shape: tampering, or a bug.  Raised
+    instead of guessing, because guessing could delete what the record protects; ``path`` names
+    the file."""
+
+
+def parse_json(data: bytes, where: str) -> Any:
+    """Parse store content written by ckptfs as JSON, strictly: ``NaN``/``Infinity`` (never
+    written: records are dumped with ``allow_nan=False``), nesting deep enough to exhaust the
+    interpreter's recursion and integers beyond Python's digit limit all raise
+    :class:`CorruptRecordError` naming ``where``, never a raw ``RecursionError``/``ValueError``."""
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    if len(data) > MAX_RECORD_BYTES:
+        raise CorruptRecordError(f"{where}: {len(data)} B, over the {MAX_RECORD_BYTES} B limit "
+                                 "of a lifecycle record", path=where)
+    try:
+        return json.loads(data, parse_constant=no_constant)
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise CorruptRecordError(f"{where}: does not parse as JSON ({type(exc).__name__}: "
+                                 f"{exc})", path=where) from None
 
 
 @dataclass(frozen=True)
 class Record:
-    """One generation of a record: its number and its JSON document."""
+    """One generation of a record: its number and its JSON document (``path``: its file,
+    relative to the run root)."""
 
     generation: int
     doc: dict[str, Any]
+    path: str = field(default="", compare=False)
 
 
 class RecordLog:
     """An atomically updated JSON record at ``lifecycle/<name>/`` of a store."""
 
     def __init__(self, storage: Storage, name: str, *, keep_generations: int = 3) -> None:
-        if not re.match(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$", name):
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*",
+                                                          name):
             raise ValueError(f"record name {name!r} must be [A-Za-z0-9_-] components")
         self.storage = storage
         self.dir = f"{LIFECYCLE_DIR}/{name}"
@@ -63,10 +94,10 @@ class RecordLog:
     def _generations(self) -> list[int]:
         gens = []
         for entry in self.storage.list_dir(self.dir):
-            m = _GEN_RE.match(entry.basename)
+            m = _GEN_RE.fullmatch(entry.basename)
             if m and not entry.is_dir:
                 gens.append(int(m.group(1)))
-        return sorted(gens)
+        return sorted(set(gens))
 
     def _path(self, gen: int) -> str:
         return f"{self.dir}/gen-{gen:012d}.json"
@@ -95,23 +126,25 @@ class RecordLog:
             except StorageNotFoundError:
                 return True, None
             try:
-                if len(data) > MAX_RECORD_BYTES:
-                    raise ValueError("record too large")
-                doc = json.loads(data)
+                doc = parse_json(data, f"{self.storage.url}/{path}")
                 if not isinstance(doc, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
+                    raise CorruptRecordError("not a JSON object")
+            except CorruptRecordError as exc:
                 log.warning("%s/%s does not parse (%s); using the previous generation",
                             self.storage.url, path, exc)
                 continue
-            return False, Record(gen, doc)
+            return False, Record(gen, doc, path)
         return False, None
 
     def write(self, doc: Mapping[str, Any], *, expect_generation: int | None) -> Record:
         """Create generation ``expect_generation + 1`` (1 if ``None``) with ``doc``.  Raises
         :class:`CheckpointExistsError` if another writer got there first."""
         gen = (expect_generation or 0) + 1
-        data = json.dumps(dict(doc), sort_keys=True, allow_nan=False).encode()
+        try:
+            data = json.dumps(dict(doc), sort_keys=True, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise UnsupportedValueError(f"{self.storage.url}/{self._path(gen)}: the record must "
+                                        f"be plain, finite JSON: {exc}") from None
         try:
             self.storage.create_exclusive(self._path(gen), data)
         except CheckpointExistsError as exc:
@@ -119,7 +152,7 @@ class RecordLog:
                 f"{self.storage.url}/{self._path(gen)}: another writer updated this record "
                 "concurrently; re-read it and retry") from exc
         self._prune(gen)
-        return Record(gen, dict(doc))
+        return Record(gen, dict(doc), self._path(gen))
 
     def update(self, fn: Callable[[dict[str, Any] | None], Mapping[str, Any]], *,
                retries: int = 5) -> Record:

@@ -26,11 +26,21 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptfs.lifecycle.records import RecordLog
+import torch
+
+from ckptfs.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageNotFoundError,
+    UnsupportedValueError,
+)
+from ckptfs.format.layout import MAX_STEP
+from ckptfs.lifecycle.records import CorruptRecordError, RecordLog
 from ckptfs.protocol.store import CheckpointStore
 
 log = logging.getLogger("ckptfs")
@@ -118,14 +128,33 @@ def plan_retention(steps: Iterable[int], policy: RetentionPolicy, *,
 
 @dataclass
 class PruneReport:
+    """What :func:`prune` did.  ``refused`` says why nothing was deleted when the newest
+    committed checkpoint fails its quick verify (the older ones are then its only fallbacks);
+    ``already_gone`` lists steps another process deleted first (not a failure)."""
+
     plan: RetentionPlan
     deleted: list[int]
     dry_run: bool
     errors: dict[int, str] = field(default_factory=dict)
+    refused: str | None = None
+    already_gone: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.plan.as_dict(), "deleted": self.deleted, "dry_run": self.dry_run,
-                "errors": {str(k): v for k, v in self.errors.items()}}
+                "errors": {str(k): v for k, v in self.errors.items()},
+                "refused": self.refused, "already_gone": self.already_gone}
+
+
+def newest_problem(store: CheckpointStore, step: int) -> str | None:
+    """Why the newest committed checkpoint ``step`` cannot serve as the one to resume from
+    (quick verify: marker, manifest, names and sizes from one listing), or ``None``."""
+    try:
+        store.verify(step, quick=True)
+    except CheckpointNotFoundError:
+        raise
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def prune(store: CheckpointStore, policy: RetentionPolicy, *, best: Iterable[int] = (),
@@ -133,14 +162,44 @@ def prune(store: CheckpointStore, policy: RetentionPolicy, *, best: Iterable[int
     """Delete the committed checkpoints no rule keeps, oldest first, marker first.
 
     The newest committed step is re-read from storage here, so a checkpoint committed by this
-    or another writer just before is never a candidate."""
-    plan = plan_retention(store.steps(), policy, best=best, protected=protected)
-    report = PruneReport(plan, [], dry_run)
+    or another writer just before is never a candidate.  Before deleting anything the newest
+    committed checkpoint gets a quick verify (marker, manifest, names and sizes): if it fails,
+    nothing is deleted and ``refused`` says why, because the older checkpoints are then the only
+    ones a resume can fall back to (``dry_run`` checks too).  A checkpoint that another process
+    deleted first (two prunes at once) is listed in ``already_gone``, not as an error."""
+    best, protected = list(best), list(protected)
+    for _ in range(5):
+        plan = plan_retention(store.steps(), policy, best=best, protected=protected)
+        report = PruneReport(plan, [], dry_run)
+        if not plan.delete:
+            return report
+        newest = max(plan.keep)
+        try:
+            problem = newest_problem(store, newest)
+        except CheckpointNotFoundError:
+            continue  # deleted meanwhile (by hand, or replaced): plan again on a fresh listing
+        break
+    else:
+        report.refused = ("the committed checkpoints changed under the prune 5 times in a row "
+                          "(another process is deleting them); nothing deleted, run it again")
+        log.warning("prune at %s: %s", store.url, report.refused)
+        return report
+    if problem is not None:
+        report.refused = (
+            f"the newest committed checkpoint, step {newest}, fails a quick verify ({problem}); "
+            f"the older checkpoints are the fallbacks a resume needs, so none was deleted. "
+            f"Inspect it with 'ckptfs verify {store.url} --step {newest}', delete it if it is "
+            "damaged, then prune again")
+        log.warning("prune at %s: %s", store.url, report.refused)
+        return report
     if dry_run:
         return report
     for step in plan.delete:
         try:
             store.delete(step)
+        except (StorageNotFoundError, CheckpointNotFoundError) as exc:
+            _gone_or_failed(store, step, report, exc)
+            continue
         except Exception as exc:  # keep pruning the others; the report says what failed
             log.warning("prune: could not delete step %d at %s: %s", step, store.url, exc)
             report.errors[step] = f"{type(exc).__name__}: {exc}"
@@ -150,8 +209,108 @@ def prune(store: CheckpointStore, policy: RetentionPolicy, *, best: Iterable[int
     return report
 
 
+def _gone_or_failed(store: CheckpointStore, step: int, report: PruneReport,
+                    exc: Exception) -> None:
+    """A delete that found something missing: success if the step is no longer committed
+    (another prune removed it first), else a failure for the report."""
+    try:
+        still = step in store.steps()
+    except Exception:  # cannot tell: report the original failure
+        still = True
+    if not still:
+        log.info("prune: step %d at %s was already deleted by another process", step,
+                 store.url)
+        report.already_gone.append(step)
+        return
+    log.warning("prune: could not delete step %d at %s: %s", step, store.url, exc)
+    report.errors[step] = f"{type(exc).__name__}: {exc}"
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def metric_value(value: object, *, key: str = "metric") -> float | None:
+    """The float value of a metric, ``None`` for ``None``.
+
+    Accepts any real scalar: ``int``, ``float``, a one-element tensor or NumPy array/scalar of
+    an integer or floating dtype, and anything else real with ``__float__`` (``Decimal``,
+    ``Fraction``).  Booleans (a comparison result, not a measurement), complex numbers, strings,
+    multi-element tensors or arrays and ints too large for a float raise
+    :class:`~ckptfs.UnsupportedValueError`.  NaN and infinities are returned as such: the caller
+    decides (the best tracker never lets them in)."""
+    what = f"metric {key!r}"
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise UnsupportedValueError(
+                f"{what} is a tensor of shape {tuple(value.shape)}; give one number (e.g. "
+                "loss.mean() or loss.item())")
+        if value.dtype == torch.bool or value.is_complex():
+            raise UnsupportedValueError(f"{what} is a {value.dtype} tensor; give a real number")
+        value = value.detach().cpu().item()
+    else:
+        kind = getattr(getattr(value, "dtype", None), "kind", None)  # NumPy scalar or array
+        if isinstance(kind, str):
+            size = getattr(value, "size", 1)
+            if size != 1:
+                raise UnsupportedValueError(f"{what} is an array of {size} values; give one "
+                                            "number")
+            if kind not in "iuf":
+                raise UnsupportedValueError(f"{what} has dtype {value.dtype} (kind {kind!r}); "  # type: ignore[attr-defined]
+                                            "give a real number")
+            value = value.item()  # type: ignore[attr-defined]
+    if isinstance(value, bool):
+        raise UnsupportedValueError(f"{what} is a bool ({value}); give a number")
+    if isinstance(value, (str, bytes, bytearray)) or (
+            isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)):
+        raise UnsupportedValueError(f"{what} is {type(value).__name__} {value!r:.80}; give a "
+                                    "real number")
+    if not isinstance(value, numbers.Real) and not hasattr(type(value), "__float__"):
+        raise UnsupportedValueError(f"{what} is a {type(value).__name__}; give a real number")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError, ArithmeticError) as exc:
+        raise UnsupportedValueError(f"{what} ({type(value).__name__}) does not convert to a "
+                                    f"float: {exc}") from None
+
+
+def _as_bool(value: object) -> bool | None:
+    """``value`` as a bool if it is one (Python, or a one-element NumPy/torch bool)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, torch.Tensor):
+        return bool(value.item()) if value.numel() == 1 and value.dtype == torch.bool else None
+    dtype = getattr(value, "dtype", None)
+    if getattr(dtype, "kind", None) == "b" and getattr(value, "size", 0) == 1:
+        return bool(value.item())  # type: ignore[attr-defined]
+    return None
+
+
+def record_metrics(metrics: Mapping[str, Any] | None, tracked: str | None = None
+                    ) -> dict[str, Any]:
+    """The metrics as recorded in the manifest: real scalars (tensors, NumPy scalars included)
+    as floats, NaN/inf as ``None``; booleans, ``None`` and strings as they are.  Anything else
+    (a multi-element tensor, a complex number, a list) raises
+    :class:`~ckptfs.UnsupportedValueError`, as does a ``tracked`` (best) metric that is not a
+    real scalar or ``None``: checked before anything is written."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise UnsupportedValueError(f"metrics must be a mapping of name -> number, got "
+                                    f"{type(metrics).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        key = str(k)
+        if k != tracked:
+            flag = _as_bool(v)
+            if v is None or isinstance(v, str) or flag is not None:
+                out[key] = v if flag is None else flag
+                continue
+        value = metric_value(v, key=key)
+        out[key] = value if value is not None and math.isfinite(value) else None
+    return out
 
 
 class BestTracker:
@@ -166,21 +325,46 @@ class BestTracker:
         self.pool: list[dict[str, Any]] = []
         self.last_step: int | None = None
 
+    def value_of(self, metrics: Mapping[str, Any] | None) -> float | None:
+        """The tracked metric of ``metrics`` as a float, or ``None`` (absent).  Raises
+        :class:`~ckptfs.UnsupportedValueError` if it is not a real scalar (see
+        :func:`metric_value`): the manager calls this before committing a save."""
+        if metrics is None:
+            return None
+        return metric_value(metrics.get(self.config.metric), key=self.config.metric)
+
     def improves(self, value: object) -> bool:
-        if not _is_number(value) or math.isnan(float(value)):  # type: ignore[arg-type]
+        """True if ``value`` strictly improves on the high-water mark.  ``None``, NaN,
+        infinities and anything that is not a real scalar never improve."""
+        try:
+            v = metric_value(value, key=self.config.metric)
+        except UnsupportedValueError:
             return False
-        v = float(value)  # type: ignore[arg-type]
+        if v is None or not math.isfinite(v):
+            return False
         if self.high_water is None:
             return True
         return v < self.high_water if self.config.mode == "min" else v > self.high_water
 
     def observe(self, step: int, metrics: Mapping[str, Any] | None) -> tuple[bool, list[int]]:
-        """Record ``step``'s metrics.  Returns (improved, steps evicted from the pool)."""
+        """Record ``step``'s metrics.  Returns (improved, steps evicted from the pool).
+
+        Never raises: a value that is not a real scalar, or is NaN or infinite (a diverged
+        loss), is logged and does not enter the pool, so it can neither become a best nor make
+        the persisted record unwritable."""
         self.last_step = step if self.last_step is None else max(self.last_step, step)
-        value = (metrics or {}).get(self.config.metric)
-        if not self.improves(value):
+        try:
+            value = self.value_of(metrics if isinstance(metrics, Mapping) else None)
+        except UnsupportedValueError as exc:
+            log.warning("best: step %d: %s; not considered for the best pool", step, exc)
             return False, []
-        self.high_water = float(value)  # type: ignore[arg-type]
+        if value is not None and not math.isfinite(value):
+            log.warning("best: step %d: metric %r is %s (not finite, e.g. a diverged loss); "
+                        "it never enters the best pool", step, self.config.metric, value)
+            return False, []
+        if value is None or not self.improves(value):
+            return False, []
+        self.high_water = value
         self.pool = [e for e in self.pool if e["step"] != step]
         self.pool.append({"step": step, "value": self.high_water})
         evicted = []
@@ -206,13 +390,14 @@ class BestTracker:
                  where: str = "") -> None:
         """Adopt a persisted record.  Entries whose checkpoint no longer exists are dropped
         (self-heal); a flipped ``mode`` discards the high-water mark with a warning but keeps
-        the pool; a different metric name starts over."""
+        the pool; a different metric name starts over.  A record of the wrong shape raises
+        :class:`~ckptfs.lifecycle.records.CorruptRecordError` (see :func:`check_best_doc`)."""
+        doc = check_best_doc(doc, where)
         if doc.get("metric") != self.config.metric:
             log.warning("%s: best record tracks %r, this run tracks %r: starting a new pool",
                         where, doc.get("metric"), self.config.metric)
             return
-        pool = [dict(e) for e in doc.get("pool") or []
-                if isinstance(e, dict) and isinstance(e.get("step"), int)]
+        pool = [dict(e) for e in doc.get("pool") or []]
         if existing is not None:
             have = set(existing)
             dropped = [e["step"] for e in pool if e["step"] not in have]
@@ -222,10 +407,9 @@ class BestTracker:
             pool = [e for e in pool if e["step"] in have]
         self.pool = pool[-self.config.keep:] if len(pool) > self.config.keep else pool
         hw = doc.get("high_water")
-        self.high_water = (float(hw) if isinstance(hw, (int, float)) and not isinstance(hw, bool)
-                           else None)
+        self.high_water = float(hw) if hw is not None else None
         last = doc.get("last_step")
-        self.last_step = int(last) if isinstance(last, int) else None
+        self.last_step = int(last) if last is not None else None
         if doc.get("mode") != self.config.mode:
             log.warning("%s: metric %r was tracked with mode %r, now %r: the high-water mark "
                         "(%s) is discarded; the pool %s is kept", where, self.config.metric,
@@ -233,14 +417,66 @@ class BestTracker:
             self.high_water = None
 
 
+def _step_ok(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP
+
+
+def _finite(value: object) -> bool:
+    return _is_number(value) and math.isfinite(float(value))  # type: ignore[arg-type]
+
+
+def check_best_doc(doc: object, where: str = "") -> dict[str, Any]:
+    """Validate a persisted best record; returns it as a dict.  Anything of the wrong shape (a
+    pool that is not a list of ``{"step": int, "value": finite number}``, a non-finite or
+    non-numeric high-water mark, an unknown mode, a newer version) raises
+    :class:`~ckptfs.lifecycle.records.CorruptRecordError` naming ``where``: retention must not
+    guess which checkpoints a damaged record protects."""
+    def bad(why: str) -> CorruptRecordError:
+        return CorruptRecordError(
+            f"{where or 'best record'}: {why}; ckptfs did not write this (tampering or a bug). "
+            "Delete this generation file to fall back to the previous one, or the directory "
+            "lifecycle/best/ to start a new pool", path=where or None)
+
+    if not isinstance(doc, Mapping):
+        raise bad(f"is a {type(doc).__name__}, not a JSON object")
+    version = doc.get("version", 1)
+    if not _step_ok(version) or version < 1:
+        raise bad(f"version {version!r:.40} is not a positive int")
+    if version > 1:
+        raise bad(f"version {version} was written by a newer ckptfs (this one reads 1)")
+    if not isinstance(doc.get("metric"), str):
+        raise bad("'metric' is not a string")
+    if doc.get("mode") not in ("min", "max"):
+        raise bad(f"'mode' is {doc.get('mode')!r:.40}, not 'min' or 'max'")
+    hw = doc.get("high_water")
+    if hw is not None and not _finite(hw):
+        raise bad(f"'high_water' is {hw!r:.40}, not a finite number or null")
+    last = doc.get("last_step")
+    if last is not None and not _step_ok(last):
+        raise bad(f"'last_step' is {last!r:.40}, not a step")
+    pool = doc.get("pool")
+    if pool is None:
+        pool = []
+    if not isinstance(pool, list):
+        raise bad(f"'pool' is a {type(pool).__name__}, not a list")
+    for e in pool:
+        if not (isinstance(e, Mapping) and _step_ok(e.get("step")) and _finite(e.get("value"))):
+            raise bad(f"pool entry {e!r:.80} is not {{'step': step, 'value': finite number}}")
+    return dict(doc)
+
+
 def read_best(store: CheckpointStore) -> dict[str, Any] | None:
-    """The persisted best record of a store (``None`` if the run never tracked one)."""
+    """The persisted best record of a store (``None`` if the run never tracked one), validated
+    by :func:`check_best_doc`."""
     rec = RecordLog(store.storage, BEST_RECORD).read()
-    return rec.doc if rec is not None else None
+    if rec is None:
+        return None
+    return check_best_doc(rec.doc, f"{store.url}/{rec.path}")
 
 
-def best_steps_of(doc: Mapping[str, Any] | None) -> list[int]:
-    if not doc:
+def best_steps_of(doc: Mapping[str, Any] | None, where: str = "") -> list[int]:
+    """The steps of a best record's pool; a malformed record raises
+    :class:`~ckptfs.lifecycle.records.CorruptRecordError`."""
+    if doc is None:
         return []
-    return [int(e["step"]) for e in doc.get("pool") or []
-            if isinstance(e, dict) and isinstance(e.get("step"), int)]
+    return [int(e["step"]) for e in check_best_doc(doc, where).get("pool") or []]

@@ -69,18 +69,28 @@ def capture() -> dict[str, Any]:
 
 def restore(state: Mapping[str, Any]) -> None:
     """Set the process's RNG states from :func:`capture`'s output.  Generators absent from
-    ``state`` (NumPy not installed when saved, no CUDA then) are left alone, with a log line."""
+    ``state`` (NumPy not installed when saved, no CUDA then) are left alone, with a log line.
+    A malformed state raises :class:`RngStateError`, never a raw ``KeyError``/``TypeError``."""
     try:
-        py = state["python"]
-        random.setstate((int(py["version"]), tuple(int(x) for x in py["internal"]),
-                         py["gauss_next"]))
-        t = state["torch"]
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
-            raise TypeError("torch RNG state must be a uint8 tensor")
-        torch.set_rng_state(t.cpu())
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        _restore(state)
+    except RngStateError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError,
+            OverflowError, RecursionError) as exc:
         raise RngStateError(f"malformed RNG state ({type(exc).__name__}: {exc}); the checkpoint "
                             "was not written by ckptfs.lifecycle.rng.capture") from exc
+
+
+def _restore(state: Mapping[str, Any]) -> None:
+    if not isinstance(state, Mapping):
+        raise TypeError(f"an RNG state is a map, not a {type(state).__name__}")
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["internal"]),
+                     py["gauss_next"]))
+    t = state["torch"]
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+        raise TypeError("torch RNG state must be a uint8 tensor")
+    torch.set_rng_state(t.cpu())
     np = _numpy()
     if "numpy" in state and np is not None:
         n = state["numpy"]
@@ -101,8 +111,8 @@ def restore(state: Mapping[str, Any]) -> None:
                 log.warning("checkpoint has CUDA RNG states for %d devices, this process sees "
                             "%d; restoring the first %d", len(saved), n_dev,
                             min(len(saved), n_dev))
-            for i, t in enumerate(saved[:n_dev]):
-                torch.cuda.set_rng_state(t.cpu(), i)
+            for i, dev_state in enumerate(saved[:n_dev]):
+                torch.cuda.set_rng_state(dev_state.cpu(), i)
 
 
 def splitmix64(x: int) -> int:
@@ -167,8 +177,7 @@ def restore_for_rank(entry: Mapping[str, Any] | None, *, rank: int, world_size: 
                     rank, run_seed, seed)
         seed_all(seed)
         return RestoreOutcome(rank, "reseeded-missing", 0, world_size, seed=seed)
-    saved_ws = int(entry.get("world_size", 0))
-    ranks = {int(k): v for k, v in dict(entry.get("ranks") or {}).items()}
+    saved_ws, ranks = check_entry(entry)
     missing = [r for r in range(saved_ws) if r not in ranks]
     ignored = sorted(r for r in ranks if r >= world_size)
     if missing:
@@ -203,6 +212,36 @@ def restore_for_rank(entry: Mapping[str, Any] | None, *, rank: int, world_size: 
     return RestoreOutcome(rank, action, saved_ws, world_size, missing, ignored, seed)
 
 
+#: More ranks than any job has: a saved world size beyond it is not a real one.
+MAX_WORLD_SIZE = 1 << 24
+
+
+def check_entry(entry: object) -> tuple[int, dict[int, Any]]:
+    """(saved world size, rank -> state) of a checkpoint's RNG entry; :class:`RngStateError`
+    for an entry of the wrong shape (hostile or edited content), never a raw error or a loop
+    over a world size of 10**12."""
+    def bad(why: str) -> RngStateError:
+        return RngStateError(f"malformed RNG entry in the checkpoint: {why}; it was not written "
+                             "by ckptfs (pack_ranks)")
+
+    if not isinstance(entry, Mapping):
+        raise bad(f"a {type(entry).__name__}, not a map")
+    ws = entry.get("world_size", 0)
+    if not isinstance(ws, int) or isinstance(ws, bool) or not 0 <= ws <= MAX_WORLD_SIZE:
+        raise bad(f"world_size {ws!r:.40} is not an int in [0, {MAX_WORLD_SIZE}]")
+    raw = entry.get("ranks") or {}
+    if not isinstance(raw, Mapping):
+        raise bad(f"'ranks' is a {type(raw).__name__}, not a map")
+    ranks: dict[int, Any] = {}
+    for k, v in raw.items():
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 8:
+            k = int(k)
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < MAX_WORLD_SIZE:
+            raise bad(f"rank key {k!r:.40} is not a rank number")
+        ranks[k] = v
+    return ws, ranks
+
+
 def _batch_change(old: int, new: int, per_rank: int | None) -> str:
     if per_rank:
         return (f"from {old * per_rank} to {new * per_rank} ({old} x {per_rank} -> "
@@ -210,3 +249,58 @@ def _batch_change(old: int, new: int, per_rank: int | None) -> str:
                 "the global batch size must stay the same")
     return (f"by a factor {new}/{old} = {new / old:.3g} (per-rank batch size unknown: pass "
             "per_rank_batch_size to see the numbers)")
+
+
+# -- torch.distributed gather of RNG states (tensor collectives: no pickle) ---------------------
+
+
+def encode_rng(state: Mapping[str, Any]) -> bytes:
+    """An RNG state as msgpack bytes (tensors as raw bytes), for a tensor collective."""
+    import msgpack
+
+    def enc(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return {"__u8__": v.cpu().contiguous().numpy().tobytes()}
+        if isinstance(v, dict):
+            return {k: enc(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [enc(x) for x in v]
+        return v
+
+    return bytes(msgpack.packb(enc(dict(state)), use_bin_type=True))
+
+
+def decode_rng(data: bytes) -> dict[str, Any]:
+    import msgpack
+
+    def dec(v: Any) -> Any:
+        if isinstance(v, dict):
+            if set(v) == {"__u8__"}:
+                return torch.frombuffer(bytearray(v["__u8__"]), dtype=torch.uint8).clone()
+            return {k: dec(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        return v
+
+    out = dec(msgpack.unpackb(data, raw=False, strict_map_key=False))
+    if not isinstance(out, dict):
+        raise RngStateError("gathered RNG state is not a mapping")
+    return out
+
+
+def dist_gather(mine: dict[str, Any], world_size: int) -> dict[int, dict[str, Any]]:
+    dist = torch.distributed
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = encode_rng(mine)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    longest = int(max(int(s.item()) for s in sizes))
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    bufs = [torch.zeros_like(buf) for _ in range(world_size)]
+    dist.all_gather(bufs, buf)
+    return {r: decode_rng(bytes(b[:int(sizes[r].item())].cpu().numpy().tobytes()))
+            for r, b in enumerate(bufs)}

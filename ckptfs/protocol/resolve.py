@@ -3,18 +3,29 @@ pointer file.
 
 ``latest`` costs one listing of ``checkpoints/`` (names only, one level) plus, for the newest
 step, one read of its marker and one of its manifest: three requests however many checkpoints
-or files exist, more only when the newest steps are incomplete (a running or crashed writer).
+or files exist, more only when the newest steps are incomplete (a running or crashed writer:
+then one more listing checks that no newer step appeared meanwhile).
 
 *Incomplete* (no marker) steps are skipped: they are a writer still running, or one that
 crashed; garbage collection removes them after a grace period.  A *corrupt* step (marker present
 but not matching its manifest) is never skipped silently: it raises, naming the step, unless the
-caller passes ``allow_rollback=True``, which logs what it skipped.
+caller passes ``allow_rollback=True``, which logs what it skipped.  A step *deleted while it was
+read* (a prune or another job removed it between two reads: its marker is gone, or names another
+attempt, once a file it vouched for turned up missing) is neither: the listing is read again
+(a bounded number of times), so a newer checkpoint committed meanwhile is found instead of an
+older one.
+
+Step directories are addressed by the name that was listed, never rebuilt from the step number:
+``step-0000000000020`` (more than 12 digits) is step 20 but is not ``step-000000000020``.  Two
+directory names of one step are an error (:class:`CorruptCheckpointError` naming both).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ckptfs.errors import (
     CheckpointNotFoundError,
@@ -24,25 +35,43 @@ from ckptfs.errors import (
 )
 from ckptfs.format.layout import CHECKPOINTS_DIR, MARKER_NAME, StepPaths, parse_step_dir
 from ckptfs.format.manifest import Manifest, Marker
+from ckptfs.format.sharded import decode_manifest
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
+T = TypeVar("T")
+
+#: How many times resolving "latest" lists ``checkpoints/`` again after the step it was reading
+#: was deleted under it (or a newer step appeared while it skipped incomplete ones).
+MAX_RESOLVE_PASSES = 4
+
+
+class CheckpointDeletedError(CheckpointNotFoundError):
+    """A committed checkpoint was deleted (or replaced by another attempt) while it was being
+    read: a prune or another job, not corruption.  Load again."""
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """A committed checkpoint: its step, the attempt that won, its manifest and marker."""
+    """A committed checkpoint: its step, the attempt that won, its manifest and marker.
+
+    ``dir_name`` is the step directory's name as listed (empty: the canonical name)."""
 
     step: int
     attempt: str
     url: str
     manifest: Manifest
     marker: Marker
+    dir_name: str = ""
+
+    @property
+    def paths(self) -> StepPaths:
+        return StepPaths(self.step, self.dir_name)
 
     @property
     def path(self) -> str:
         """Path of the committed attempt directory, relative to the run root."""
-        return StepPaths(self.step).attempt_dir(self.attempt)
+        return self.paths.attempt_dir(self.attempt)
 
     @property
     def total_bytes(self) -> int:
@@ -57,14 +86,48 @@ class CheckpointInfo:
         return self.manifest.metadata
 
 
-def step_dirs(storage: Storage) -> list[int]:
-    """Steps that have a directory (committed or not), ascending by integer value."""
-    steps = set()
+def list_step_dirs(storage: Storage) -> dict[int, list[str]]:
+    """Step -> the names of its directories under ``checkpoints/`` (normally one), ascending by
+    step.  Entries whose names are not step names are ignored; an entry named like a step that
+    is not a directory (a stray file ``checkpoints/step-000000000009``) is ignored and logged:
+    it cannot hold a checkpoint, and must not block resolving the others."""
+    found: dict[int, list[str]] = {}
     for entry in storage.list_dir(CHECKPOINTS_DIR):
         step = parse_step_dir(entry.basename)
-        if step is not None:
-            steps.add(step)
-    return sorted(steps)
+        if step is None:
+            continue
+        if not entry.is_dir:
+            log.warning("%s/%s is a file, not a step directory: ignored (remove it)",
+                        storage.url, entry.name)
+            continue
+        names = found.setdefault(step, [])
+        if entry.basename not in names:  # an object store may list a name twice
+            names.append(entry.basename)
+    return {s: sorted(found[s]) for s in sorted(found)}
+
+
+def step_dirs(storage: Storage) -> list[int]:
+    """Steps that have a directory (committed or not), ascending by integer value."""
+    return list(list_step_dirs(storage))
+
+
+def unique_dir(storage: Storage, step: int, names: list[str]) -> str:
+    """The one directory name of ``step``; :class:`CorruptCheckpointError` naming all of them if
+    several names parse to the same step (``step-000000000020`` and ``step-0000000000020``):
+    the reader never picks one silently."""
+    if len(names) != 1:
+        shown = ", ".join(f"{CHECKPOINTS_DIR}/{n}" for n in names)
+        raise CorruptCheckpointError(
+            f"step {step} at {storage.url} has {len(names)} directories ({shown}); a step must "
+            "have exactly one, and the reader does not choose. Keep the one you trust and "
+            "delete or rename the others", step=step, path=f"{CHECKPOINTS_DIR}/{names[0]}")
+    return names[0]
+
+
+def find_step_dir(storage: Storage, step: int) -> str | None:
+    """The directory name of ``step`` found by listing, or ``None`` if it has none."""
+    names = list_step_dirs(storage).get(step)
+    return None if names is None else unique_dir(storage, step, names)
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -80,8 +143,10 @@ def committed_steps(storage: Storage) -> list[int]:
     return sorted(steps)
 
 
-def read_marker(storage: Storage, step: int) -> Marker | None:
-    paths = StepPaths(step)
+def read_marker(storage: Storage, step: int, name: str = "") -> Marker | None:
+    """The marker of the step directory ``name`` (default: the canonical name of ``step``), or
+    ``None`` if it has none."""
+    paths = StepPaths(step, name)
     try:
         data = storage.read_bytes(paths.marker)
     except StorageNotFoundError:
@@ -94,11 +159,37 @@ def read_marker(storage: Storage, step: int) -> Marker | None:
     return marker
 
 
-def read_committed(storage: Storage, step: int) -> CheckpointInfo:
-    """The committed checkpoint of ``step``; :class:`CheckpointNotFoundError` if it has no
-    marker, :class:`CorruptCheckpointError` if the marker and manifest disagree."""
-    paths = StepPaths(step)
-    marker = read_marker(storage, step)
+def check_still_committed(storage: Storage, step: int, name: str, attempt: str) -> None:
+    """Called when a file a marker vouches for is missing (or differs).  Raises
+    :class:`CheckpointDeletedError` if the step's marker is gone or now names another attempt
+    (deleted or replaced while it was read); returns if the marker still names ``attempt``
+    (then the caller's finding is corruption).  A marker that no longer parses counts as still
+    committed (the caller reports its corruption); a storage failure propagates."""
+    try:
+        marker = read_marker(storage, step, name)
+    except CorruptCheckpointError:
+        return
+    if marker is None or marker.attempt != attempt:
+        raise CheckpointDeletedError(
+            f"step {step} at {storage.url} was deleted or replaced while it was being read (a "
+            "prune or another job); load again")
+
+
+def read_committed(storage: Storage, step: int, name: str | None = None) -> CheckpointInfo:
+    """The committed checkpoint of ``step`` in the step directory ``name`` (``None``: found by
+    listing ``checkpoints/``).
+
+    :class:`CheckpointNotFoundError` if the step has no directory or no marker,
+    :class:`CheckpointDeletedError` if it was deleted while being read,
+    :class:`CorruptCheckpointError` if the marker and manifest disagree or the step has several
+    directories, :class:`FormatVersionError` if a newer ckptfs wrote it."""
+    if name is None:
+        name = find_step_dir(storage, step)
+        if name is None:
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed at {storage.url} (no step directory)")
+    paths = StepPaths(step, name)
+    marker = read_marker(storage, step, name)
     if marker is None:
         raise CheckpointNotFoundError(
             f"step {step} is not committed at {storage.url} (no {MARKER_NAME} marker)")
@@ -107,41 +198,85 @@ def read_committed(storage: Storage, step: int) -> CheckpointInfo:
     try:
         mbytes = storage.read_bytes(mpath)
     except StorageNotFoundError:
+        check_still_committed(storage, step, name, marker.attempt)
         raise CorruptCheckpointError(
             f"{where}: step {step} is marked committed but the manifest its marker "
             f"{MARKER_NAME} names is missing (attempt {marker.attempt})",
             step=step, path=mpath) from None
     marker.check_manifest(mbytes, where=where)
-    manifest = Manifest.from_bytes(mbytes, where=where)
+    manifest = decode_manifest(mbytes, where=where)  # v1, or v2 (sharded)
     if manifest.step != step or manifest.attempt != marker.attempt:
         raise CorruptCheckpointError(
             f"{where}: manifest names step {manifest.step} attempt {manifest.attempt}, the "
             f"marker step {step} attempt {marker.attempt}", step=step, path=mpath)
     return CheckpointInfo(step, marker.attempt, storage_url(storage, paths.attempt_dir(
-        marker.attempt)), manifest, marker)
+        marker.attempt)), manifest, marker, name)
+
+
+def walk_latest(storage: Storage, use: Callable[[CheckpointInfo], T], *,
+                allow_rollback: bool = False,
+                skipped: list[str] | None = None) -> tuple[CheckpointInfo, T] | None:
+    """Apply ``use`` to the newest committed checkpoint and return it with the result, or
+    ``None`` if there is none.  The one walk behind ``latest``, ``load()`` and ``verify()``.
+
+    Newest step first: no marker -> skipped (incomplete); :class:`CorruptCheckpointError` from
+    reading it or from ``use`` -> raised naming the step, or with ``allow_rollback`` logged,
+    appended to ``skipped`` and the next older step tried; :class:`FormatVersionError` ->
+    raised, never rolled back over; :class:`CheckpointDeletedError` -> the listing is read
+    again.  When the answer comes after skipping newer steps, ``checkpoints/`` is listed once
+    more, and a step that appeared meanwhile starts the walk over: a writer that committed a
+    newer step and then pruned the one being read never makes this return an older one."""
+    for _ in range(MAX_RESOLVE_PASSES):
+        listing = list_step_dirs(storage)
+        passed_over = False
+        for step in reversed(listing):
+            try:
+                info = read_committed(storage, step, unique_dir(storage, step, listing[step]))
+                result = use(info)
+            except CheckpointDeletedError as exc:
+                log.info("%s; listing %s again", exc, storage.url)
+                break
+            except CheckpointNotFoundError:
+                log.debug("step %d at %s is incomplete; skipped", step, storage.url)
+                passed_over = True
+                continue
+            except FormatVersionError:
+                raise  # written by a newer ckptfs: never skipped, never rolled back over
+            except CorruptCheckpointError as exc:
+                if not allow_rollback:
+                    raise CorruptCheckpointError(
+                        f"the newest checkpoint, step {step} at {storage.url}, fails its check: "
+                        f"{exc}. Refusing to fall back silently: inspect it with 'ckptfs verify "
+                        f"{storage.url} --step {step}', delete it, or pass allow_rollback=True "
+                        "to use the previous committed checkpoint",
+                        step=step, path=exc.path) from exc
+                log.warning("allow_rollback: skipping corrupt checkpoint step %d at %s: %s",
+                            step, storage.url, exc)
+                if skipped is not None:
+                    skipped.append(f"step {step}: {exc}")
+                passed_over = True
+                continue
+            if passed_over and _newer_step_appeared(storage, listing, step):
+                break
+            return info, result
+        else:
+            if not (passed_over and _newer_step_appeared(storage, listing, -1)):
+                return None
+    raise CheckpointDeletedError(
+        f"checkpoints at {storage.url} kept changing while the latest was resolved "
+        f"({MAX_RESOLVE_PASSES} listings: steps deleted or committed by another job); retry")
+
+
+def _newer_step_appeared(storage: Storage, listing: dict[int, list[str]], step: int) -> bool:
+    fresh = list_step_dirs(storage)
+    return any(s > step and s not in listing for s in fresh)
 
 
 def resolve_latest(storage: Storage, *, allow_rollback: bool = False) -> CheckpointInfo | None:
-    """The newest committed checkpoint, or ``None`` if there is none."""
-    for step in reversed(step_dirs(storage)):
-        try:
-            return read_committed(storage, step)
-        except CheckpointNotFoundError:
-            log.debug("step %d at %s is incomplete; skipped", step, storage.url)
-            continue
-        except FormatVersionError:
-            raise  # written by a newer ckptfs: never skipped, never rolled back over
-        except CorruptCheckpointError as exc:
-            if not allow_rollback:
-                raise CorruptCheckpointError(
-                    f"the newest committed checkpoint, step {step} at {storage.url}, fails its "
-                    f"check: {exc}. Refusing to fall back silently: inspect it with "
-                    f"'ckptfs verify {storage.url} --step {step}', delete it, or pass "
-                    "allow_rollback=True to use the previous committed checkpoint",
-                    step=step, path=exc.path) from exc
-            log.warning("skipping corrupt committed checkpoint step %d at %s (allow_rollback): "
-                        "%s", step, storage.url, exc)
-    return None
+    """The newest committed checkpoint (marker and manifest checked, file contents not), or
+    ``None`` if there is none."""
+    found = walk_latest(storage, lambda info: info, allow_rollback=allow_rollback)
+    return None if found is None else found[0]
 
 
 def storage_url(storage: Storage, path: str) -> str:

@@ -60,6 +60,8 @@ class Entry:
     name: str
     size: int
     is_dir: bool
+    #: A symbolic link (local disk; listed, never followed).  Always False on object stores.
+    is_link: bool = False
 
     @property
     def basename(self) -> str:
@@ -129,3 +131,29 @@ class Storage(Protocol):
         """Make directory entries under ``path`` durable (fsync the directory); no-op where
         ``not capabilities.fsync``."""
         ...
+
+
+@runtime_checkable
+class RangedRead(Protocol):
+    """Optional: read a byte range in one request (an HTTP ranged GET on object stores).  Used
+    by sharded loads, which read only the chunks a rank needs; :func:`read_range` falls back to
+    a streaming read for a :class:`Storage` without it."""
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """Up to ``length`` bytes at ``start`` (fewer only at the end of the object);
+        ``FileNotFoundError`` if absent."""
+        ...
+
+
+def read_range(storage: Storage, path: str, start: int, length: int) -> bytes:
+    """``length`` bytes at ``start`` of ``path`` (fewer if the object is shorter)."""
+    if isinstance(storage, RangedRead):
+        return storage.read_range(path, start, length)
+    with storage.open_read(path) as f:
+        skip = start
+        while skip > 0:
+            got = f.read(min(skip, 1 << 24))
+            if not got:
+                return b""
+            skip -= len(got)
+        return f.read(length) if length else b""

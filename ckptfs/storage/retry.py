@@ -17,7 +17,9 @@ bounded number of times, with capped exponential backoff and jitter:
 * ``rename_dir``: a retry that finds the source gone and the destination present is the
   earlier try having succeeded.
 
-Errors that cannot get better by waiting (not found, access denied, exists) are never retried.
+Errors that cannot get better by waiting (not found, access denied, exists, and the permanent
+OS errors of :data:`ckptfs.storage.classify.PERMANENT_ERRNOS`: a full disk, a read-only
+filesystem, a regular file where a directory is expected...) are never retried.
 When the attempts are used up, a :class:`~ckptfs.errors.StorageError` says how many were made.
 """
 
@@ -36,7 +38,8 @@ from ckptfs.errors import (
     StorageError,
     StorageNotFoundError,
 )
-from ckptfs.storage.base import Capabilities, Entry, Storage
+from ckptfs.storage.base import Capabilities, Entry, Storage, read_range
+from ckptfs.storage.classify import permanent_errno
 
 log = logging.getLogger("ckptfs.storage")
 T = TypeVar("T")
@@ -47,9 +50,11 @@ DEFAULT_MAX_DELAY = 5.0
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """A storage failure that may succeed if repeated."""
-    return isinstance(exc, StorageError) and not isinstance(
-        exc, (StorageNotFoundError, StorageAccessError, FileExistsError))
+    """A storage failure that may succeed if repeated: a :class:`StorageError` that is not
+    "not found", "access denied", "exists", nor caused by a permanent OS error."""
+    return (isinstance(exc, StorageError)
+            and not isinstance(exc, (StorageNotFoundError, StorageAccessError, FileExistsError))
+            and permanent_errno(exc) is None)
 
 
 class RetryingStorage:
@@ -105,6 +110,9 @@ class RetryingStorage:
 
     def read_bytes(self, path: str) -> bytes:
         return self._retry("read", path, lambda: self.inner.read_bytes(path))
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        return self._retry("read", path, lambda: read_range(self.inner, path, start, length))
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:

@@ -1,0 +1,115 @@
+"""Golden format-v1 checkpoints (tests/golden/v1, written once by tests/golden/make_golden.py):
+every future ckptfs must load them bit-exact and verify them.  The expected values are rebuilt
+from the generator's recipe, never stored as output blobs."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+import ckptfs
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def _recipe() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN / "make_golden.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+RECIPE = _recipe()
+
+
+def assert_bit_exact(got: Any, want: Any, path: str = "") -> None:
+    """Equal types, keys in order, tensors by dtype, shape and raw bytes (so -0.0, NaN payloads
+    and every bf16/f8 bit count), floats by their IEEE bytes."""
+    if isinstance(want, torch.Tensor):
+        assert type(got) is torch.Tensor, path
+        want = want.resolve_conj().resolve_neg()
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        assert not got.is_conj() and not got.is_neg(), path
+        raw = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+        assert torch.equal(raw(got), raw(want)), path
+        return
+    assert type(got) is type(want), (path, type(got), type(want))
+    if isinstance(want, dict):
+        assert list(got) == list(want), path
+        for k in want:
+            assert_bit_exact(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_bit_exact(g, w, f"{path}/{i}")
+    elif isinstance(want, float):
+        assert struct.pack("<d", got) == struct.pack("<d", want), (path, got, want)
+    else:
+        assert got == want, (path, got, want)
+
+
+@pytest.fixture
+def v1_run(tmp_path: Path) -> Path:
+    """A copy of the golden run: nothing a test does can change the committed bytes."""
+    src = GOLDEN / "v1" / "run"
+    assert (src / "checkpoints").is_dir(), f"{src} is missing: the golden files must be committed"
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_v1_steps_and_metadata(v1_run: Path) -> None:
+    store = ckptfs.open(str(v1_run))
+    recipe = RECIPE.golden_v1()
+    assert store.steps() == sorted(recipe)
+    for step, (_, meta, algorithm) in recipe.items():
+        info = store.info(step)
+        assert info.manifest.format_version == 1 and info.marker.format_version == 1
+        assert info.manifest.hash_algorithm == algorithm
+        assert {k: v for k, v in info.metadata.items() if k != "tensor_count"} == meta
+
+
+@pytest.mark.parametrize("step", sorted(RECIPE.golden_v1()))
+def test_v1_loads_bit_exact(v1_run: Path, step: int) -> None:
+    state, _, _ = RECIPE.golden_v1()[step]
+    out = ckptfs.open(str(v1_run)).load(step)
+    assert_bit_exact(out, state)
+
+
+def test_v1_ties_and_views(v1_run: Path) -> None:
+    out = ckptfs.open(str(v1_run)).load(1)
+    assert out["model"]["emb.weight"] is out["model"]["head.weight"]
+    assert out["views"]["z_conj"] is not out["views"]["z"]
+    assert isinstance(out["trainer"]["size"], torch.Size)
+    assert out["trainer"]["dtype"] is torch.bfloat16
+    dtypes = {t.dtype for t in out["tensors"].values()}
+    assert {getattr(torch, n) for n in RECIPE.V1_DTYPES} <= dtypes
+
+
+def test_v1_verifies(v1_run: Path) -> None:
+    store = ckptfs.open(str(v1_run))
+    for step in store.steps():
+        for quick in (True, False):
+            report = store.verify(step, quick=quick)
+            assert report.ok, report.problems
+
+
+def test_v1_by_hand_checker(v1_run: Path, tmp_path: Path) -> None:
+    from test_format_spec import checker_source
+
+    script = tmp_path / "check.py"
+    script.write_text(checker_source())
+    done = subprocess.run([sys.executable, str(script), str(v1_run)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "step 2: committed" in done.stdout

@@ -1,0 +1,399 @@
+"""Issue 11, the read side: names matched exactly, step directories addressed by their listed
+name, a delete racing a reader, stray entries and permanent errors, access problems that are
+not corruption, symlinks under quick verify.  Each test failed before its fix; the storage
+tests run on local disk, memory:// and S3 (moto)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from ckptfs.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageAccessError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from ckptfs.format.layout import (
+    StepPaths,
+    check_relpath,
+    is_attempt_name,
+    is_canonical_step_dir,
+    parse_attempt_name,
+    parse_step_dir,
+)
+from ckptfs.lifecycle.gc import collect
+from ckptfs.protocol.resolve import CheckpointDeletedError
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.storage.retry import RetryingStorage, is_retryable
+from ckptfs.testing.backend import Backend
+from ckptfs.testing.faults import FaultyStorage, TransientStorageError
+from ckptfs.testing.reliability import raw_storage, state_for, store_on
+
+LONG20 = "step-0000000000020"  # 13 digits: step 20, not the canonical step-000000000020
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return request.getfixturevalue(f"{request.param}_backend")  # type: ignore[no-any-return]
+
+
+def _rename_step_dir(backend: Backend, step: int, new_name: str) -> None:
+    """Move a step directory to another name through the backdoor (object stores: copy)."""
+    old = StepPaths(step).dir
+    for rel in backend.raw_files(old):
+        backend.raw_write(f"checkpoints/{new_name}/{rel[len(old) + 1:]}", backend.raw_read(rel))
+    backend.raw_delete(old)
+
+
+def _copy_step_dir(backend: Backend, step: int, new_name: str) -> None:
+    old = StepPaths(step).dir
+    for rel in backend.raw_files(old):
+        backend.raw_write(f"checkpoints/{new_name}/{rel[len(old) + 1:]}", backend.raw_read(rel))
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and \
+        a["trainer"] == b["trainer"]
+
+
+# -- names: exact, ASCII, whole string ---------------------------------------------------------
+
+
+def test_names_are_whole_string_ascii_matches() -> None:
+    assert parse_step_dir("step-000000000030\n") is None
+    assert parse_step_dir("step-" + "\u0660" * 10 + "\u0663\u0660") is None  # Arabic-Indic
+    assert parse_step_dir("step-00000000003\uff10") is None  # fullwidth zero
+    assert parse_step_dir(LONG20) == 20 and not is_canonical_step_dir(LONG20)
+    assert is_canonical_step_dir("step-000000000020")
+    # A huge digit string is not a step (and never reaches int(): no raw ValueError).
+    assert parse_step_dir("step-" + "9" * 5000) is None
+    assert parse_step_dir("step-" + "0" * 5000 + "7") == 7
+    attempt = "a-20261130T012500Z-3f9c2a1b0c4d5e6f"
+    assert is_attempt_name(attempt) and not is_attempt_name(attempt + "\n")
+    assert not is_attempt_name("a-2026113\u0660T012500Z-3f9c2a1b")
+    assert parse_attempt_name(attempt + "\n") is None
+    assert parse_attempt_name("a-20261399T999999Z-3f9c2a1b") is None  # matches, not a date
+    for bad in ("evil.bin\n", "state.msgpack\n", "a/b\n", "x\u0660"):
+        with pytest.raises(UnsafeCheckpointError):
+            check_relpath(bad)
+
+
+def test_step_paths_use_the_listed_name() -> None:
+    p = StepPaths.of(LONG20)
+    assert p.step == 20 and p.dir == f"checkpoints/{LONG20}"
+    assert p.marker == f"checkpoints/{LONG20}/COMPLETE"
+    assert StepPaths(20).dir == "checkpoints/step-000000000020"
+    with pytest.raises(ValueError):
+        StepPaths(21, LONG20)
+
+
+def test_inexact_step_names_are_not_listed(backend: Backend) -> None:
+    """A trailing newline and Unicode digits are not step names: steps() and latest() agree.
+    (moto cannot store a key containing a newline: S3 gets the Unicode-digit name only.)"""
+    store = backend.open()
+    store.save(10, state_for(10))
+    names = ["step-00000000003\u0663"]  # ARABIC-INDIC DIGIT THREE: matched by \d
+    if backend.protocol != "s3":
+        names.append("step-000000000030\n")
+    for name in names:
+        _copy_step_dir(backend, 10, name)
+    assert store.steps() == [10] and store.all_steps() == [10]
+    info = store.latest()
+    assert info is not None and info.step == 10
+
+
+# -- defect 3: step directories with more than 12 digits ----------------------------------------
+
+
+def test_long_step_name_is_latest_and_loads(backend: Backend) -> None:
+    store = backend.open()
+    store.save(10, state_for(10))
+    store.save(20, state_for(20))
+    _rename_step_dir(backend, 20, LONG20)
+    assert store.steps() == [10, 20]
+    info = store.latest()
+    assert info is not None and info.step == 20 and LONG20 in info.url
+    assert _same(store.load(), state_for(20))
+    assert _same(store.load(20), state_for(20))
+    assert store.info(20).path.startswith(f"checkpoints/{LONG20}/")
+    assert store.verify(20).ok and store.verify().ok and store.verify(quick=True).ok
+
+
+def test_gc_keeps_the_committed_attempt_of_a_long_step_name(backend: Backend) -> None:
+    store = backend.open()
+    store.save(10, state_for(10))
+    store.save(20, state_for(20))
+    _rename_step_dir(backend, 20, LONG20)
+    report = collect(store.storage, older_than=timedelta(0))
+    assert [i.path for i in report.items if LONG20 in i.path] == []
+    assert _same(store.load(20), state_for(20))
+
+
+def test_delete_removes_a_long_step_name(backend: Backend) -> None:
+    store = backend.open()
+    store.save(10, state_for(10))
+    store.save(20, state_for(20))
+    _rename_step_dir(backend, 20, LONG20)
+    store.delete(20)
+    assert store.steps() == [10]
+    assert backend.raw_files(f"checkpoints/{LONG20}") == {}
+
+
+def test_two_directories_of_one_step_are_an_error_naming_both(backend: Backend) -> None:
+    store = backend.open()
+    store.save(10, state_for(10))
+    store.save(20, state_for(20))
+    _copy_step_dir(backend, 20, LONG20)
+    for call in (store.latest, store.load, lambda: store.load(20), lambda: store.info(20)):
+        with pytest.raises(CorruptCheckpointError) as exc:
+            call()
+        assert "step-000000000020" in str(exc.value) and LONG20 in str(exc.value)
+    # Rolling back past it is an explicit choice, and is logged.
+    info = store.latest(allow_rollback=True)
+    assert info is not None and info.step == 10
+
+
+# -- defect 6: a delete racing a reader is "deleted", not corruption ----------------------------
+
+
+def _reader(backend: Backend, hook: Callable[[str, str], None]) -> CheckpointStore:
+    return store_on(FaultyStorage(raw_storage(backend), hook=hook))
+
+
+def _once(when: Callable[[str, str], bool], action: Callable[[], None]) -> Callable[[str, str],
+                                                                                   None]:
+    fired: list[bool] = []
+
+    def hook(op: str, path: str) -> None:
+        if not fired and when(op, path):
+            fired.append(True)
+            action()
+
+    return hook
+
+
+@pytest.mark.parametrize("call", ["load", "verify", "verify_quick", "info"])
+def test_step_deleted_between_marker_and_manifest_is_not_found(backend: Backend,
+                                                               call: str) -> None:
+    writer = store_on(raw_storage(backend))
+    writer.save(3, state_for(3))
+    hook = _once(lambda op, p: op == "read_bytes" and p.endswith("MANIFEST.json"),
+                 lambda: writer.delete(3))
+    reader = _reader(backend, hook)
+    run = {"load": lambda: reader.load(3), "verify": lambda: reader.verify(3),
+           "verify_quick": lambda: reader.verify(3, quick=True),
+           "info": lambda: reader.info(3)}[call]
+    with pytest.raises(CheckpointNotFoundError) as exc:
+        run()
+    assert not isinstance(exc.value, CorruptCheckpointError)
+    assert "deleted or replaced while" in str(exc.value)
+
+
+def test_step_deleted_during_verify_listing_is_not_found(backend: Backend) -> None:
+    writer = store_on(raw_storage(backend))
+    writer.save(3, state_for(3))
+    hook = _once(lambda op, p: op == "list_tree" and "/a-" in p, lambda: writer.delete(3))
+    with pytest.raises(CheckpointDeletedError):
+        _reader(backend, hook).verify(3, quick=True)
+
+
+@pytest.mark.parametrize(("call", "at"), [("load", "COMPLETE"), ("load", "MANIFEST.json"),
+                                          ("load", ".safetensors"), ("latest", "COMPLETE"),
+                                          ("latest", "MANIFEST.json")])
+@pytest.mark.parametrize("rollback", [False, True])
+def test_resume_while_a_writer_commits_and_prunes_finds_the_newer_step(
+        backend: Backend, call: str, at: str, rollback: bool) -> None:
+    """The worst case of the issue: a reader resolving latest reads step 3 while a writer
+    commits step 4 and prunes step 3.  The reader must return step 4: neither "step 3 is
+    corrupt" nor (with allow_rollback) step 2.  ``at``: the read of step 3 the prune comes
+    just before (its marker, its manifest, its first tensor file)."""
+    writer = store_on(raw_storage(backend))
+    writer.save(2, state_for(2))
+    writer.save(3, state_for(3))
+
+    def commit_4_prune_3() -> None:
+        writer.save(4, state_for(4))
+        writer.delete(3)
+
+    def reading_step_3(op: str, p: str) -> bool:
+        wanted = "open_read" if at == ".safetensors" else "read_bytes"
+        return op == wanted and "step-000000000003/" in p and p.endswith(at)
+
+    reader = _reader(backend, _once(reading_step_3, commit_4_prune_3))
+    if call == "load":
+        assert _same(reader.load(allow_rollback=rollback), state_for(4))
+    else:
+        info = reader.latest(allow_rollback=rollback)
+        assert info is not None and info.step == 4
+    assert writer.steps() == [2, 4]  # the race did happen
+
+
+# -- defect 9: stray entries and permanent errors ------------------------------------------------
+
+
+def test_stray_file_named_like_a_step_is_skipped_and_logged(
+        backend: Backend, caplog: pytest.LogCaptureFixture) -> None:
+    store = backend.open()
+    store.save(5, state_for(5))
+    backend.raw_write("checkpoints/step-000000000009", b"not a directory")
+    retrying = store.storage
+    assert isinstance(retrying, RetryingStorage)
+    with caplog.at_level(logging.WARNING, logger="ckptfs"):
+        info = store.latest()
+    assert info is not None and info.step == 5
+    assert _same(store.load(), state_for(5))
+    assert store.all_steps() == [5] and store.steps() == [5]
+    with pytest.raises(CheckpointNotFoundError):
+        store.load(9)
+    assert retrying.retries == 0
+    assert any("step-000000000009" in r.getMessage() and "not a step directory" in r.getMessage()
+               for r in caplog.records)
+
+
+class _Raises:
+    """A storage whose every call raises ``exc`` (counted)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc, self.calls = exc, 0
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*a: object, **k: object) -> None:
+            self.calls += 1
+            raise self.exc
+        return call
+
+
+def _wrapped(os_error: OSError) -> StorageError:
+    try:
+        raise StorageError("write x failed") from os_error
+    except StorageError as exc:
+        return exc
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.ENOTDIR, errno.EISDIR, errno.EROFS,
+                                  errno.ENAMETOOLONG, errno.EDQUOT])
+def test_permanent_os_errors_are_not_retried(code: int) -> None:
+    exc = _wrapped(OSError(code, os.strerror(code)))
+    assert not is_retryable(exc)
+    inner = _Raises(exc)
+    inner.url, inner.capabilities = "memory://x", None  # type: ignore[attr-defined]
+    r = RetryingStorage(inner, attempts=4, base_delay=0, max_delay=0)  # type: ignore[arg-type]
+    with pytest.raises(StorageError) as got:
+        r.write_bytes("a", b"1")
+    assert got.value is exc and inner.calls == 1 and r.retries == 0
+
+
+def test_transient_errors_stay_retryable() -> None:
+    assert is_retryable(TransientStorageError("503"))
+    assert is_retryable(_wrapped(OSError(errno.EIO, "i/o")))  # s3fs: InternalError etc.
+    assert is_retryable(_wrapped(OSError(errno.EINVAL, "IncompleteBody")))
+
+
+def test_not_a_directory_on_local_disk_fails_at_once(local_backend: Backend) -> None:
+    store = local_backend.open()
+    local_backend.raw_write("checkpoints/blocker", b"x")
+    with pytest.raises(StorageError) as exc:
+        store.storage.makedirs("checkpoints/blocker/sub")
+    assert store.storage.retries == 0  # type: ignore[attr-defined]
+    assert "regular file" in str(exc.value) and "network" not in str(exc.value)
+
+
+def test_full_disk_at_the_marker_fails_once_and_leaves_no_temporary_file(
+        local_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = local_backend.open()
+    storage = store.storage
+    assert isinstance(storage, RetryingStorage)
+    storage.makedirs("checkpoints/step-000000000001")
+    real_write = os.write
+
+    def full_disk(fd: int, data: Any) -> int:
+        if "/.tmp-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(StorageError) as exc:
+        storage.create_exclusive("checkpoints/step-000000000001/COMPLETE", b"{}")
+    monkeypatch.undo()
+    assert storage.retries == 0 and "no space left" in str(exc.value)
+    assert not isinstance(exc.value, FileExistsError)
+    left = os.listdir(f"{local_backend.raw_root}/checkpoints/step-000000000001")
+    assert left == [], left
+
+
+# -- an access problem is not corruption ---------------------------------------------------------
+
+
+def test_unreadable_attempt_is_an_access_error_not_corruption(
+        local_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = local_backend.open(retries=0)
+    info = store.save(1, state_for(1))
+    attempt_dir = f"{local_backend.raw_root}/{info.path}"
+    real_scandir = os.scandir
+
+    def scandir(path: Any = ".") -> Any:
+        if os.fspath(path).rstrip("/") == attempt_dir:
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    for call in (lambda: store.verify(1, quick=True), lambda: store.verify(1),
+                 lambda: store.load(1), store.load):
+        with pytest.raises(StorageAccessError):
+            call()
+
+
+# -- symlinks and stray files (local disk) -------------------------------------------------------
+
+
+def test_quick_verify_and_load_refuse_a_symlink(local_backend: Backend) -> None:
+    store = local_backend.open()
+    info = store.save(1, state_for(1))
+    target = f"{local_backend.raw_root}/{info.path}/tensors-00000.safetensors"
+    outside = f"{local_backend.raw_root}/../outside.safetensors"
+    os.replace(target, outside)
+    os.symlink(os.path.abspath(outside), target)
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+        store.verify(1, quick=True)
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        store.load(1)
+
+
+def test_stray_file_is_ignored_by_load_and_reported_by_verify(
+        backend: Backend, caplog: pytest.LogCaptureFixture) -> None:
+    store = backend.open()
+    info = store.save(1, state_for(1))
+    backend.raw_write(f"{info.path}/notes.txt", b"hello")
+    with caplog.at_level(logging.WARNING, logger="ckptfs"):
+        assert _same(store.load(1), state_for(1))
+    assert any("notes.txt" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CorruptCheckpointError, match=r"notes\.txt: not in the manifest"):
+        store.verify(1, quick=True)
+
+
+def test_latest_rollback_checks_the_commit_load_rollback_checks_the_data(
+        backend: Backend) -> None:
+    """The documented difference: latest() checks marker and manifest; load() also the
+    files.  A newest step with a damaged tensor file is still latest(), and load() refuses it
+    (or, with allow_rollback, loads the previous one)."""
+    store = backend.open()
+    store.save(1, state_for(1))
+    info = store.save(2, state_for(2))
+    path = f"{info.path}/tensors-00000.safetensors"
+    data = bytearray(backend.raw_read(path))
+    data[-1] ^= 0xFF
+    backend.raw_write(path, bytes(data))
+    latest = store.latest(allow_rollback=True)
+    assert latest is not None and latest.step == 2
+    with pytest.raises(CorruptCheckpointError, match="step 2"):
+        store.load()
+    assert _same(store.load(allow_rollback=True), state_for(1))
