@@ -24,6 +24,27 @@ class UnsupportedValueError(CkptfsError, TypeError):
     """A value in the state that the format cannot store (names its key path)."""
 
 
+class ExtensionTypeError(CkptfsError, TypeError):
+    """An extension type (docs/protocol.md, section 2.3.1) that cannot be registered or
+    restored: a conflicting registration, a type name stored in a checkpoint that is not
+    registered in this process (the message names the key path and how to register it), or a
+    registered decode function that refused its stored value.  The checkpoint is not corrupt,
+    so ``allow_rollback`` never skips it."""
+
+
+class CheckpointKeyError(CkptfsError, KeyError):
+    """``load(keys=...)`` named a key path the checkpoint does not hold (the message lists the
+    keys available where the path stopped matching)."""
+
+    def __str__(self) -> str:  # KeyError would show the message quoted, as a repr
+        return str(self.args[0]) if self.args else ""
+
+
+class LoadOptionError(CkptfsError, TypeError):
+    """A ``load`` option of a type or value ckptfs does not accept (a ``map_location`` that is
+    not a str, torch.device, dict or callable; ``mmap`` off local disk; malformed ``keys``)."""
+
+
 class CheckpointNotFoundError(CkptfsError, FileNotFoundError):
     """The requested checkpoint does not exist or is not committed."""
 
@@ -95,3 +116,23 @@ class ProvenanceMismatchError(CkptfsError, ValueError):
         super().__init__(message)
         self.differences = differences
         self.diagnostic = diagnostic
+
+
+class ShardedCheckpointError(CkptfsError, RuntimeError):
+    """A collective (sharded) save or load failed on one or more ranks, or a checkpoint
+    collective itself failed (a rank died or timed out).  Raised on every rank; ``failures``
+    maps each failing rank to its error, as text."""
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class ShardedSaveError(ShardedCheckpointError):
+    """A sharded save failed: nothing was committed (no marker), the previous checkpoint stays
+    the latest, and garbage collection removes the attempt's files."""
+
+
+class ShardedLoadError(ShardedCheckpointError):
+    """A sharded load failed on one or more ranks; the state passed as ``into`` may be
+    partly filled."""

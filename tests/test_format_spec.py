@@ -3,16 +3,21 @@ no ckptfs) must accept what ckptfs writes and reject what ckptfs would reject.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import pytest
 import torch
 
 import ckptfs
+from ckptfs.errors import CorruptCheckpointError
 from ckptfs.format.layout import StepPaths
 
 SPEC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
@@ -70,3 +75,154 @@ def test_marker_fields_match_spec(tmp_path: Path) -> None:
     assert set(manifest) == {"schema", "format_version", "step", "attempt", "created",
                              "hash_algorithm", "files", "metadata"}
     assert all(set(f) == {"path", "size", "digest", "algorithm"} for f in manifest["files"])
+
+
+# -- the checker is as strict as the spec, and agrees with ckptfs ------------------------------
+
+def _reseal(root: Path, step: int, attempt: str) -> None:
+    """Recompute every digest after a test edited a file, so only the edit itself is wrong."""
+    adir = root / StepPaths(step).attempt_dir(attempt)
+    mpath = adir / "MANIFEST.json"
+    manifest = json.loads(mpath.read_bytes())
+    for f in manifest["files"]:
+        data = (adir / f["path"]).read_bytes()
+        f["size"], f["digest"] = len(data), "sha256:" + hashlib.sha256(data).hexdigest()
+    mbytes = json.dumps(manifest).encode()
+    mpath.write_bytes(mbytes)
+    marker_path = root / StepPaths(step).marker
+    marker = json.loads(marker_path.read_bytes())
+    marker["manifest_digest"] = "sha256:" + hashlib.sha256(mbytes).hexdigest()
+    marker["manifest_size"] = len(mbytes)
+    marker_path.write_bytes(json.dumps(marker).encode())
+
+
+def _edit_state(adir: Path, edit: Any) -> None:
+    doc = msgpack.unpackb((adir / "state.msgpack").read_bytes(), raw=False,
+                          strict_map_key=False)
+    edit(doc)
+    (adir / "state.msgpack").write_bytes(msgpack.packb(doc, use_bin_type=True))
+
+
+def _trailing_byte(adir: Path) -> None:
+    with open(adir / "tensors-00000.safetensors", "ab") as f:
+        f.write(b"\0")
+
+
+def _header_too_long(adir: Path) -> None:
+    p = adir / "tensors-00000.safetensors"
+    data = p.read_bytes()
+    p.write_bytes(struct.pack("<Q", len(data)) + data[8:])
+
+
+def _bad_path(adir: Path) -> None:
+    (adir / "a b").write_bytes(b"x")
+    m = json.loads((adir / "MANIFEST.json").read_bytes())
+    m["files"].append({"path": "a b", "size": 1, "digest": "sha256:00", "algorithm": "sha256"})
+    (adir / "MANIFEST.json").write_bytes(json.dumps(m).encode())
+
+
+def _noncanonical_bigint(adir: Path) -> None:
+    _edit_state(adir, lambda d: d["tree"][1].append(["v", ["i", "+5"]]))
+
+
+def _deep_tree(adir: Path) -> None:
+    deep: Any = 0
+    for _ in range(257):
+        deep = ["l", [deep]]
+    _edit_state(adir, lambda d: d["tree"][1].append(["deep", deep]))
+
+
+def _newer_state(adir: Path) -> None:
+    _edit_state(adir, lambda d: d.update(format_version=2))
+
+
+@pytest.mark.parametrize("tamper", [_trailing_byte, _header_too_long, _bad_path,
+                                    _noncanonical_bigint, _deep_tree, _newer_state])
+def test_checker_and_ckptfs_reject_the_same_violations(tmp_path: Path, tamper: Any) -> None:
+    root = tmp_path / "run"
+    store = ckptfs.open(str(root), algorithm="sha256")
+    info = store.save(1, {"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.int8)})
+    tamper(root / StepPaths(1).attempt_dir(info.attempt))
+    _reseal(root, 1, info.attempt)
+    done = run_checker(tmp_path, root)
+    assert done.returncode != 0, done.stdout
+    with pytest.raises(CorruptCheckpointError):
+        ckptfs.open(str(root)).load(1)
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda m: m.update(attempt=m["attempt"] + "\n"),
+    lambda m: m.update(manifest="OTHER.json"),
+    lambda m: m.pop("writer"),
+    lambda m: m.update(manifest_size=True),
+])
+def test_checker_and_ckptfs_reject_bad_markers(tmp_path: Path, tamper: Any) -> None:
+    root = tmp_path / "run"
+    ckptfs.open(str(root)).save(1, {"w": torch.zeros(1)})
+    path = root / StepPaths(1).marker
+    marker = json.loads(path.read_bytes())
+    tamper(marker)
+    path.write_bytes(json.dumps(marker).encode())
+    assert run_checker(tmp_path, root).returncode != 0
+    with pytest.raises(CorruptCheckpointError):
+        ckptfs.open(str(root)).load(1)
+
+
+def test_checker_and_ckptfs_reject_duplicate_keys(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    ckptfs.open(str(root)).save(1, {"w": torch.zeros(1)})
+    path = root / StepPaths(1).marker
+    text = path.read_text().rstrip()
+    path.write_text(text[:-1] + ', "step": 1}')
+    assert "duplicate" in run_checker(tmp_path, root).stderr
+    with pytest.raises(CorruptCheckpointError, match="duplicate"):
+        ckptfs.open(str(root)).load(1)
+
+
+def test_checker_accepts_every_value_kind(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    z = torch.complex(torch.arange(3.0), torch.ones(3))
+    ckptfs.open(str(root)).save(3, {
+        "keys": {torch.Size([2, 3]): 1, (1, ("a", b"b")): 2, 2**70: 3, None: 4, 1.5: 5},
+        "big": [-(10**4300 - 1), 2**64], "dtype": torch.float16, "empty": torch.empty(0, 3),
+        "__metadata__": torch.ones(1), "z": z, "zc": z.conj(), "zi": z.conj().imag,
+    }, metadata={"nested": {"a": [1, (2, 3)]}})
+    done = run_checker(tmp_path, root)
+    assert done.returncode == 0, done.stderr
+    assert "step 3: committed, 2 files verified, 5 tensors" in done.stdout
+
+
+def _sharded_run(root: Path) -> ckptfs.CheckpointInfo:
+    """A format v2 checkpoint (one process: DCP without collectives), every value type."""
+    from ckptfs.protocol.sharded import save_sharded
+
+    store = ckptfs.open(str(root))
+    model = torch.nn.Linear(3, 2)
+    state = {"model": model.state_dict(), "b": torch.ones(2, dtype=torch.bfloat16),
+             "empty": torch.zeros(0, 3), "scalar": torch.tensor(1.5),
+             "trainer": {"step": 20, 0: (1, 2), "pair": (torch.ones(1), torch.zeros(2)),
+                         "blob": b"\x80\x02", "big": 2**70, "dt": torch.float16}}
+    store.save(10, {"model": model.state_dict()})          # v1 before it: both readable
+    return save_sharded(store.storage, 20, state)
+
+
+def test_by_hand_checker_accepts_sharded_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    info = _sharded_run(root)
+    assert info.manifest.format_version == 2
+    done = run_checker(tmp_path, root)
+    assert done.returncode == 0, done.stderr
+    assert "step 20: committed, sharded by 1 ranks, 2 files verified" in done.stdout
+
+
+def test_by_hand_checker_rejects_sharded_tampering(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    info = _sharded_run(root)
+    path = root / StepPaths(20).file(info.attempt, "rank-00000/data-0.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 1
+    path.write_bytes(bytes(data))
+    done = run_checker(tmp_path, root)
+    assert done.returncode != 0 and "rank-00000/data-0.safetensors: chunk at" in done.stderr
+    with pytest.raises(ckptfs.CorruptCheckpointError, match="rank-00000/data-0"):
+        ckptfs.open(str(root)).load(20)

@@ -29,26 +29,32 @@ and its manifest metadata (readable without loading the state, used by the CLI a
 ``trainer`` counters, finite ``metrics``, ``provenance`` (with accepted ``changes``),
 ``side_outputs`` and ``lifecycle`` (``resumed_from``, protected by retention).
 
-Distributed runs: every rank calls :meth:`save` (the RNG states are gathered with a tensor
-collective, no pickle) and only the writer rank (0 by default) writes; every rank calls
-:meth:`restore_latest` and gets its own RNG state back.
+Distributed runs (:mod:`ckptfs.lifecycle.distributed`): every rank calls :meth:`save` and
+:meth:`restore_latest`; each saves and loads its own shards (DCP state dicts) and RNG state in
+one collective checkpoint, a failure on one rank raises on every rank, and the bookkeeping runs
+once, on the writer rank (0 by default), with the same ``SaveResult`` returned everywhere.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 
-from ckptfs.errors import CheckpointNotFoundError, CkptfsError
+from ckptfs.errors import (
+    CheckpointNotFoundError,
+    CkptfsError,
+    CorruptCheckpointError,
+    FormatVersionError,
+)
 from ckptfs.format.layout import check_step
+from ckptfs.lifecycle import distributed, rng
 from ckptfs.lifecycle import provenance as prov
-from ckptfs.lifecycle import rng
 from ckptfs.lifecycle.artifacts import RunArtifacts, SideOutputs, SideOutputStatus
 from ckptfs.lifecycle.gc import DEFAULT_GRACE, GcReport, collect
 from ckptfs.lifecycle.records import RecordLog
@@ -60,13 +66,18 @@ from ckptfs.lifecycle.retention import (
     RetentionPolicy,
     best_steps_of,
     prune,
+    record_metrics,
 )
+from ckptfs.lifecycle.rng import decode_rng, dist_gather, encode_rng
+from ckptfs.protocol.async_save import DeferredCommits
 from ckptfs.protocol.reader import MapLocation
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 
 log = logging.getLogger("ckptfs")
+
+__all__ = ["CheckpointManager", "SaveResult", "TrainerState", "decode_rng", "encode_rng"]
 
 MANAGER_STATE_VERSION = 1
 
@@ -112,26 +123,49 @@ class TrainerState:
 
 @dataclass
 class SaveResult:
-    """What :meth:`CheckpointManager.save` did.  ``info`` is None on non-writer ranks."""
+    """What :meth:`CheckpointManager.save` did.  ``info`` is None on non-writer ranks.
+
+    ``errors`` lists bookkeeping that failed *after* the checkpoint committed (the side-output
+    record, the best record, the prune): the save itself succeeded, and each of them is redone
+    by a later save or resume (they are also logged as warnings)."""
 
     info: CheckpointInfo | None
     best_improved: bool = False
     evicted_from_best: list[int] = field(default_factory=list)
     prune: PruneReport | None = None
+    errors: list[str] = field(default_factory=list)
+    #: ``async_save=True``: the pending save; ``info`` stays None here, and the SaveResult of
+    #: its bookkeeping comes from :meth:`CheckpointManager.wait` (docs/async.md).
+    future: Future[CheckpointInfo] | None = None
 
 
-def _finite_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (metrics or {}).items():
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        if isinstance(v, bool) or v is None:
-            out[str(k)] = v
-        elif isinstance(v, (int, float)):
-            out[str(k)] = float(v) if math.isfinite(float(v)) else None
-        else:
-            out[str(k)] = str(v)
-    return out
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_manager_entries(state: Mapping[Any, Any], where: str, step: int) -> None:
+    """The ``trainer`` and ``manager`` entries of a loaded state have the shape the manager
+    writes, else :class:`~ckptfs.CorruptCheckpointError` (never a raw ``TypeError`` from
+    restoring them)."""
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {why}; this checkpoint was not written by "
+                                      "CheckpointManager, or was edited", step=step)
+
+    trainer = state.get("trainer")
+    if trainer is not None:
+        if not isinstance(trainer, Mapping):
+            raise bad(f"'trainer' is a {type(trainer).__name__}, not a map")
+        for key in ("step", "attempted_updates", "successful_updates", "epoch"):
+            if key in trainer and not _is_int(trainer[key]):
+                raise bad(f"trainer {key!r} is {trainer[key]!r:.40}, not an int")
+        if trainer.get("extra") is not None and not isinstance(trainer["extra"], Mapping):
+            raise bad("trainer 'extra' is not a map")
+    manager = state.get("manager")
+    if manager is not None:
+        if not isinstance(manager, Mapping):
+            raise bad(f"'manager' is a {type(manager).__name__}, not a map")
+        if "run_seed" in manager and not _is_int(manager["run_seed"]):
+            raise bad(f"manager 'run_seed' is {manager['run_seed']!r:.40}, not an int")
 
 
 def _default_rank() -> tuple[int, int]:
@@ -155,7 +189,7 @@ class CheckpointManager:
                  writer_rank: int = 0, run_seed: int = 0,
                  per_rank_batch_size: int | None = None,
                  provenance: prov.Provenance | None = None,
-                 rng_gather: RngGather | None = None,
+                 rng_gather: RngGather | None = None, async_save: bool = False,
                  **storage_options: Any) -> None:
         self.store = url if isinstance(url, CheckpointStore) else open_store(url,
                                                                              **storage_options)
@@ -186,6 +220,17 @@ class CheckpointManager:
         self.artifacts = RunArtifacts(self.store)
         self.side_outputs = SideOutputs(self.store)
         self.last_rng_outcome: rng.RestoreOutcome | None = None
+        # async_save (docs/async.md): save() returns after the snapshot; the bookkeeping of a
+        # save runs on this thread once it committed (next save, restore_latest or wait()).
+        self._deferred: DeferredCommits[SaveResult] | None = (
+            DeferredCommits(self.store) if async_save else None)
+
+    def wait(self) -> list[SaveResult]:
+        """``async_save``: wait for the pending save, then run its bookkeeping (side outputs,
+        best record, prune); returns those SaveResults.  Raises a failed save's error."""
+        done = self._deferred.finish() if self._deferred is not None else []
+        self.store.wait()
+        return done
 
     @property
     def url(self) -> str:
@@ -210,14 +255,30 @@ class CheckpointManager:
              rng_states: Mapping[int, Mapping[str, Any]] | None = None) -> SaveResult:
         """Save and commit the checkpoint of ``step``, then update the best record and prune.
 
-        Call it on every rank (the RNG states are gathered); only the writer rank writes.
+        Call it on every rank: collective when distributed (docs/lifecycle.md §11), else the
+        RNG states are gathered and only the writer rank writes.
         ``rng_states`` overrides the gather (rank -> :func:`ckptfs.lifecycle.rng.capture` output).
-        Pruning and the best record happen only after the commit succeeded."""
+        Pruning and the best record happen only after the commit succeeded.
+
+        Metrics are checked before anything is written: each must be a real scalar (a Python
+        number, a one-element tensor, a NumPy scalar), a bool, a string or None, and the tracked
+        ``best`` metric a real scalar or None, else :class:`~ckptfs.UnsupportedValueError`.  A
+        NaN or infinite metric is recorded as ``null`` and never enters the best pool (logged).
+        Once the checkpoint has committed, ``save`` returns normally: bookkeeping that fails
+        after the commit is logged and listed in ``SaveResult.errors``, and never skips the
+        rest (the best record, then the prune)."""
         check_step(step)
+        self.wait()  # async_save: the previous save's bookkeeping comes first
+        if distributed.active(model):
+            return distributed.save(self, step, model=model, optimizer=optimizer,
+                                    scheduler=scheduler, stateful=stateful, metrics=metrics,
+                                    extra=extra, epoch=epoch, rng_states=rng_states)
         states = dict(rng_states) if rng_states is not None else self._gather_rng()
         if not self.is_writer:
             self._last_saved = step
             return SaveResult(None)
+        tracked = self.best_config.metric if self.best_config is not None else None
+        recorded_metrics = record_metrics(metrics, tracked)
         self.trainer.step = step
         if epoch is not None:
             self.trainer.epoch = int(epoch)
@@ -238,7 +299,7 @@ class CheckpointManager:
         side = self.side_outputs.take_pending()
         metadata: dict[str, Any] = {
             "trainer": {k: v for k, v in self.trainer.to_state().items() if k != "extra"},
-            "metrics": _finite_metrics(metrics),
+            "metrics": recorded_metrics,
             "world_size": self.world_size,
             "rng_ranks": sorted(int(r) for r in states),
             "lifecycle": {"resumed_from": self.resumed_from,
@@ -251,20 +312,50 @@ class CheckpointManager:
             metadata["side_outputs"] = side
         if self.tracker is not None:
             self._ensure_best_loaded()  # before the commit: the replay must not see this step
-        info = self.store.save(step, state, metadata=metadata)
-        # Committed.  Everything below is bookkeeping that a resume can redo.
+        if self._deferred is not None:  # async_save: _committed runs once it has committed
+            self._last_saved = step
+            return SaveResult(None, future=self._deferred.submit(
+                step, state, metadata,
+                lambda info: self._committed(step, info, side, recorded_metrics)))
+        return self._committed(step, self.store.save(step, state, metadata=metadata), side,
+                               metrics)
+
+    def _committed(self, step: int, info: CheckpointInfo, side: dict[str, dict[str, Any]],
+                   metrics: Mapping[str, Any] | None) -> SaveResult:
+        # Committed.  Everything below is bookkeeping that a resume can redo: none of it may
+        # raise (the caller would think the save failed) or skip what follows it.
         self._last_saved = step
         self._pending_changes = []
-        self.side_outputs.committed(step, side)
         result = SaveResult(info)
+        try:
+            self.side_outputs.committed(step, side)
+        except Exception as exc:
+            self._bookkeeping_failed(result, step, "side-output record", exc)
         if self.tracker is not None:
-            improved, evicted = self.tracker.observe(step, metrics)
+            improved, evicted = self.tracker.observe(step, metrics)  # never raises
             result.best_improved, result.evicted_from_best = improved, evicted
             if improved:
-                self._persist_best()
+                try:
+                    self._persist_best()
+                except Exception as exc:
+                    self._bookkeeping_failed(result, step, "best record", exc)
         if self.policy.keep_last is not None:
-            result.prune = self.prune()
+            try:
+                result.prune = self.prune()
+            except Exception as exc:
+                self._bookkeeping_failed(result, step, "prune", exc)
+            else:
+                if result.prune.refused:
+                    result.errors.append(f"prune refused: {result.prune.refused}")
         return result
+
+    def _bookkeeping_failed(self, result: SaveResult, step: int, what: str,
+                            exc: Exception) -> None:
+        msg = f"{what}: {type(exc).__name__}: {exc}"
+        log.warning("checkpoint step %d at %s committed, but the %s failed (%s: %s); it is "
+                    "redone by the next save or resume", step, self.url, what,
+                    type(exc).__name__, exc)
+        result.errors.append(msg)
 
     def _gather_rng(self) -> dict[int, dict[str, Any]]:
         mine = rng.capture()
@@ -272,7 +363,7 @@ class CheckpointManager:
             return {int(r): dict(s) for r, s in self._rng_gather(mine).items()}
         dist = torch.distributed
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            return _dist_gather(mine, self.world_size)
+            return dist_gather(mine, self.world_size)
         if self.world_size > 1:
             log.warning("world size %d but torch.distributed is not initialized and no "
                         "rng_gather was given: only rank %d's RNG state is saved",
@@ -290,12 +381,14 @@ class CheckpointManager:
         if self._best_loaded or self.tracker is None:
             self._best_loaded = True
             return
-        self._best_loaded = True
         rec = self._best_record.read()
         steps = self.store.steps()
         if rec is not None:
             self._best_generation = rec.generation
-            self.tracker.load_doc(rec.doc, existing=steps, where=self.url)
+            # a malformed record raises (typed) and stays unloaded: never overwritten by a
+            # fresh pool that would let retention delete what it protected
+            self.tracker.load_doc(rec.doc, existing=steps, where=f"{self.url}/{rec.path}")
+        self._best_loaded = True
         # Replay committed checkpoints the record has not seen (a crash between a commit and
         # the record's update, or a record that was lost): their metrics are in the metadata.
         seen = self.tracker.last_step
@@ -307,10 +400,19 @@ class CheckpointManager:
                 metrics = self.store.info(s).metadata.get("metrics")
             except CheckpointNotFoundError:
                 continue
+            except CorruptCheckpointError as exc:  # its metrics are unknown: not a best
+                log.warning("best: cannot read the metrics of step %d at %s (%s); it is not "
+                            "considered for the best pool", s, self.url, exc)
+                continue
             improved, _ = self.tracker.observe(s, metrics if isinstance(metrics, dict) else {})
             changed = changed or improved
         if changed or (rec is not None and rec.doc != self.tracker.to_doc()):
-            self._persist_best()
+            try:
+                self._persist_best()
+            except CkptfsError as exc:  # the in-memory pool is right; the next update retries
+                log.warning("best: could not update the best record at %s (%s); it is "
+                            "rewritten at the next improvement, and replayed on resume",
+                            self.url, exc)
 
     def _persist_best(self) -> None:
         assert self.tracker is not None
@@ -331,7 +433,9 @@ class CheckpointManager:
         if self.tracker is not None:
             return self.tracker.steps
         rec = self._best_record.read()
-        return best_steps_of(rec.doc if rec is not None else None)
+        if rec is None:
+            return []
+        return best_steps_of(rec.doc, f"{self.url}/{rec.path}")
 
     # -- retention and GC ------------------------------------------------------------------------
 
@@ -360,17 +464,80 @@ class CheckpointManager:
                        map_location: MapLocation = "cpu", allow_rollback: bool = False,
                        discard_uncommitted: bool = True) -> int:
         """Restore the newest committed checkpoint into the given objects; returns the step to
-        continue from (saved step + 1), or 0 when the run has no checkpoint yet."""
+        continue from (saved step + 1), or 0 when the run has no checkpoint yet.
+
+        A newest checkpoint that fails its check (marker, manifest, or the content hashes
+        verified while loading) raises :class:`~ckptfs.CorruptCheckpointError`; with
+        ``allow_rollback`` the next older committed checkpoint is tried instead (logged), as
+        :meth:`CheckpointStore.load <ckptfs.CheckpointStore.load>` does.  Nothing is restored
+        into the objects before a checkpoint has loaded and verified.  If every committed
+        checkpoint is corrupt, :class:`~ckptfs.CheckpointNotFoundError` lists them (never a
+        silent start from step 0)."""
+        self.wait()  # a pending async save of this store commits first
+        if distributed.active(model):
+            return distributed.restore(self, None, **self._dist_args(locals()))
         info = self.store.latest(allow_rollback=allow_rollback)
-        if info is None:
-            if expect is not None:
-                self.provenance = expect
-            self._after_resume(discard_uncommitted)
-            log.info("no committed checkpoint at %s: starting from step 0", self.url)
-            return 0
-        return self.restore(info.step, model=model, optimizer=optimizer, scheduler=scheduler,
-                            stateful=stateful, expect=expect, mode=mode, strict_rng=strict_rng,
-                            map_location=map_location, discard_uncommitted=discard_uncommitted)
+        skipped: list[str] = []
+        vanished = 0
+        while info is not None:
+            try:
+                state = self._load_for_restore(info.step, expect, mode, map_location)
+            except FormatVersionError:
+                raise  # written by a newer ckptfs: never rolled back over
+            except CorruptCheckpointError as exc:
+                if not allow_rollback:
+                    raise CorruptCheckpointError(
+                        f"the newest committed checkpoint, step {info.step} at {self.url}, is "
+                        f"corrupt: {exc}. Refusing to fall back silently: run 'ckptfs verify "
+                        f"{self.url} --step {info.step}', delete it, or pass "
+                        "allow_rollback=True", step=info.step, path=exc.path) from exc
+                log.warning("allow_rollback: skipping corrupt checkpoint step %d at %s: %s",
+                            info.step, self.url, exc)
+                skipped.append(f"step {info.step}: {exc}")
+                info = self._previous_committed(info.step, skipped)
+                continue
+            except CheckpointNotFoundError:
+                # deleted while it was being read (a prune by another job): resolve again
+                vanished += 1
+                if vanished > 3 or info.step in self.store.steps():
+                    raise
+                info = self.store.latest(allow_rollback=allow_rollback)
+                continue
+            return self._apply_restore(info.step, state, model=model, optimizer=optimizer,
+                                       scheduler=scheduler, stateful=stateful,
+                                       strict_rng=strict_rng,
+                                       discard_uncommitted=discard_uncommitted)
+        if skipped:
+            raise CheckpointNotFoundError(
+                f"no loadable committed checkpoint at {self.url}: every one is corrupt "
+                f"({'; '.join(skipped)}); not starting over from step 0 silently")
+        if expect is not None:
+            self.provenance = expect
+        self._after_resume(discard_uncommitted)
+        log.info("no committed checkpoint at %s: starting from step 0", self.url)
+        return 0
+
+    @staticmethod
+    def _dist_args(args: dict[str, Any]) -> dict[str, Any]:
+        return {k: args[k] for k in distributed.RESTORE_ARGS}
+
+    def _previous_committed(self, step: int, skipped: list[str]) -> CheckpointInfo | None:
+        """The newest committed checkpoint older than ``step`` whose marker and manifest
+        check (the corrupt ones are logged and added to ``skipped``)."""
+        for s in reversed(self.store.steps()):
+            if s >= step:
+                continue
+            try:
+                return self.store.info(s)
+            except FormatVersionError:
+                raise
+            except CorruptCheckpointError as exc:
+                log.warning("allow_rollback: skipping corrupt checkpoint step %d at %s: %s", s,
+                            self.url, exc)
+                skipped.append(f"step {s}: {exc}")
+            except CheckpointNotFoundError:
+                continue
+        return None
 
     def restore(self, step: int, *, model: torch.nn.Module | None = None,
                 optimizer: Stateful | None = None, scheduler: Stateful | None = None,
@@ -379,6 +546,19 @@ class CheckpointManager:
                 strict_rng: bool = False, map_location: MapLocation = "cpu",
                 discard_uncommitted: bool = True) -> int:
         """Restore checkpoint ``step``; see :meth:`restore_latest`."""
+        if distributed.active(model):
+            return distributed.restore(self, step, **self._dist_args(
+                {**locals(), "allow_rollback": False}))
+        state = self._load_for_restore(step, expect, mode, map_location)
+        return self._apply_restore(step, state, model=model, optimizer=optimizer,
+                                   scheduler=scheduler, stateful=stateful,
+                                   strict_rng=strict_rng, discard_uncommitted=discard_uncommitted)
+
+    def _load_for_restore(self, step: int, expect: prov.Provenance | None,
+                          mode: prov.ProvenanceMode, map_location: MapLocation
+                          ) -> dict[Any, Any]:
+        """Check provenance, load and verify ``step``, and check the manager's own entries;
+        touches no training object (so a rollback can try the next one)."""
         info = self.store.info(step)
         if expect is not None:
             recorded = info.metadata.get("provenance")
@@ -390,6 +570,15 @@ class CheckpointManager:
                 log.warning("resuming step %d with a declared execution change: %s %r -> %r",
                             step, ch["key"], ch["from"], ch["to"])
         state = self.store.load(step, map_location=map_location)
+        _check_manager_entries(state, f"{info.url}/state.msgpack", step)
+        if state.get("rng") is not None:
+            rng.check_entry(state["rng"])  # RngStateError before any object is touched
+        return state
+
+    def _apply_restore(self, step: int, state: dict[Any, Any], *,
+                       model: torch.nn.Module | None, optimizer: Stateful | None,
+                       scheduler: Stateful | None, stateful: Mapping[str, Stateful] | None,
+                       strict_rng: bool, discard_uncommitted: bool) -> int:
         missing = [n for n, o in (("model", model), ("optimizer", optimizer),
                                   ("scheduler", scheduler)) if o is not None and n not in state]
         missing += [n for n in (stateful or {}) if n not in state]
@@ -397,10 +586,7 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"checkpoint step {step} at {self.url} has no state for {missing}; it holds "
                 f"{sorted(k for k in state if isinstance(k, str))}")
-        if model is not None:
-            model.load_state_dict(state["model"])
-        if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
+        distributed.load_into_objects(state, model, optimizer)  # DCP state dicts or plain
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
         for name, obj in (stateful or {}).items():
@@ -449,58 +635,3 @@ class CheckpointManager:
         return (f"CheckpointManager({self.url!r}, rank={self.rank}/{self.world_size}, "
                 f"keep_last={self.policy.keep_last}, keep_every={self.policy.keep_every}, "
                 f"best={self.best_config})")
-
-
-# -- torch.distributed gather of RNG states (tensor collectives: no pickle) ---------------------
-
-
-def encode_rng(state: Mapping[str, Any]) -> bytes:
-    """An RNG state as msgpack bytes (tensors as raw bytes), for a tensor collective."""
-    import msgpack
-
-    def enc(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return {"__u8__": v.cpu().contiguous().numpy().tobytes()}
-        if isinstance(v, dict):
-            return {k: enc(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [enc(x) for x in v]
-        return v
-
-    return bytes(msgpack.packb(enc(dict(state)), use_bin_type=True))
-
-
-def decode_rng(data: bytes) -> dict[str, Any]:
-    import msgpack
-
-    def dec(v: Any) -> Any:
-        if isinstance(v, dict):
-            if set(v) == {"__u8__"}:
-                return torch.frombuffer(bytearray(v["__u8__"]), dtype=torch.uint8).clone()
-            return {k: dec(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [dec(x) for x in v]
-        return v
-
-    out = dec(msgpack.unpackb(data, raw=False, strict_map_key=False))
-    if not isinstance(out, dict):
-        raise CkptfsError("gathered RNG state is not a mapping")
-    return out
-
-
-def _dist_gather(mine: dict[str, Any], world_size: int) -> dict[int, dict[str, Any]]:
-    dist = torch.distributed
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    data = encode_rng(mine)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
-    longest = int(max(int(s.item()) for s in sizes))
-    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    bufs = [torch.zeros_like(buf) for _ in range(world_size)]
-    dist.all_gather(bufs, buf)
-    return {r: decode_rng(bytes(b[:int(sizes[r].item())].cpu().numpy().tobytes()))
-            for r, b in enumerate(bufs)}

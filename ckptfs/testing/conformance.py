@@ -30,6 +30,7 @@ from ckptfs.errors import (
 )
 from ckptfs.format.layout import MANIFEST_NAME, MARKER_NAME, StepPaths, step_dir_name
 from ckptfs.format.manifest import Manifest, Marker
+from ckptfs.storage.base import read_range
 from ckptfs.testing.backend import Backend
 
 
@@ -105,6 +106,19 @@ def committed_attempt(backend: Backend, step: int) -> str:
     return str(marker["attempt"])
 
 
+class _StreamOnly:
+    """A storage seen without ``read_range``: :func:`read_range` streams through it."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def read_range_fallback(self, path: str, start: int, length: int) -> bytes:
+        return read_range(self, path, start, length)  # type: ignore[arg-type]
+
+    def open_read(self, path: str) -> Any:
+        return self._inner.open_read(path)
+
+
 class StorageConformance:
     """The storage primitives the protocol relies on, through ckptfs's adapter."""
 
@@ -120,6 +134,20 @@ class StorageConformance:
         top = {e.basename: e.is_dir for e in st.list_dir("a")}
         assert top == {"b": True, "two.bin": False}
         assert backend.raw_read("a/two.bin") == b"2" * 5 + b"3" * 5
+
+    def test_read_range(self, backend: Backend) -> None:
+        """Ranged reads (sharded loads read only the chunks a rank needs): exact bytes, short
+        at the end, typed when missing; the fallback over ``open_read`` agrees."""
+        st = backend.open().storage
+        data = bytes(range(256)) * 40
+        st.write_bytes("r/data.bin", data)
+        for start, length in [(0, 1), (1000, 2345), (len(data) - 7, 7), (17, 0)]:
+            assert read_range(st, "r/data.bin", start, length) == data[start:start + length]
+            assert _StreamOnly(st).read_range_fallback("r/data.bin", start, length) == \
+                data[start:start + length]
+        assert read_range(st, "r/data.bin", len(data) - 3, 10) == data[-3:]
+        with pytest.raises(FileNotFoundError):
+            read_range(st, "r/missing.bin", 0, 4)
 
     def test_missing_is_typed(self, backend: Backend) -> None:
         st = backend.open().storage

@@ -64,8 +64,11 @@ def backends(names: list[str], tmp: str) -> Iterator[dict[str, Callable[[], Back
 def sweeps_for(name: str, make: Callable[[], Backend]) -> list[Sweep]:
     """Every sweep of one backend, as the figures command runs them (the tests run the same
     functions, some with fewer trials)."""
+    from ckptfs.testing.reliability.sharded import sweep_sharded_save_crashes  # imports DCP
+
     out = [sweep_save_crashes(make()), sweep_delete_crashes(make()),
-           sweep_prune_crashes(make()), sweep_gc_crashes(make())]
+           sweep_prune_crashes(make()), sweep_gc_crashes(make()),
+           sweep_sharded_save_crashes(make())]
     if name in ("local", "memory"):
         out.append(sweep_save_crashes(make(), threads=4))
     if name == "local":
@@ -99,6 +102,7 @@ COLUMNS = [
     ("delete-crash", "delete crash points"),
     ("prune-crash", "prune crash points"),
     ("gc-crash", "gc crash points"),
+    ("sharded-save-crash", "sharded save crash points (2 ranks)"),
     ("power-cut", "power cuts"),
     ("race", "race trials"),
     ("corruption", "corruptions detected / tried"),
@@ -153,6 +157,7 @@ def details(doc: dict[str, Any]) -> str:
             return int(by.get(key, {}).get("counters", {}).get(counter, 0))
 
         parts = [f"{c('save-crash', 'calls_per_save')} mutating calls per save",
+                 f"{c('sharded-save-crash', 'calls_per_sharded_save')} per 2-rank sharded save",
                  f"{c('save-crash', 'tear')} torn writes",
                  f"quick verify {c('corruption', 'quick_detected')} / "
                  f"{c('corruption', 'quick_tried')} size or inventory changes",

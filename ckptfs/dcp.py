@@ -1,0 +1,72 @@
+"""ckptfs as the storage layer of ``torch.distributed.checkpoint`` (DCP).
+
+For code that already calls DCP (torchtitan, torchtune, accelerate's FSDP path)::
+
+    import torch.distributed.checkpoint as dcp
+    import ckptfs.dcp
+
+    dcp.save(state_dict, storage_writer=ckptfs.dcp.Writer("s3://bucket/run", step=1000),
+             planner=ckptfs.dcp.SavePlanner())
+    dcp.load(state_dict, storage_reader=ckptfs.dcp.Reader("s3://bucket/run"),   # latest
+             planner=ckptfs.dcp.LoadPlanner())
+    dcp.async_save(state_dict, storage_writer=ckptfs.dcp.Writer(url, step=1100),
+                   planner=ckptfs.dcp.SavePlanner(), process_group=gloo_group)
+
+The checkpoints are the same as ``ckptfs.open(url).save(step, state)`` writes on several ranks
+(format v2, docs/protocol.md): per-rank safetensors files, chunk digests checked on every read,
+DCP's metadata in msgpack, one exclusive ``COMPLETE`` marker.  Nothing is pickled and no
+``.metadata``/``.distcp`` file is read or written.  DCP's default planners pickle non-tensor
+values (``torch.save``) and unpickle them (``torch.load(weights_only=False)``); the writer and
+reader refuse them with :class:`~ckptfs.UnsupportedValueError`: pass the planners of this
+module.  DCP wraps every error in its ``CheckpointException`` (a ``BaseException``); the ckptfs
+error is in its ``failures``.  ``ckptfs.open(url).save/load`` raise ckptfs errors directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ckptfs
+from ckptfs.format.hashing import DEFAULT_ALGORITHM
+from ckptfs.protocol.sharded import (
+    COLLECTIVE_TIMEOUT,
+    FullLoadPlanner,
+    LoadPlanner,
+    SavePlanner,
+    map_failure,
+)
+from ckptfs.protocol.sharded_io import ShardedWriter
+from ckptfs.protocol.sharded_read import ShardedReader
+
+__all__ = ["COLLECTIVE_TIMEOUT", "FullLoadPlanner", "LoadPlanner", "Reader", "SavePlanner",
+           "Writer", "map_failure"]
+
+
+class Writer(ShardedWriter):
+    """A DCP ``StorageWriter`` that commits step ``step`` of the ckptfs run at ``url``.
+
+    Construct one per save on every rank.  ``storage_options`` go to fsspec, as for
+    :func:`ckptfs.open`.  After the save, :attr:`info` is the committed
+    :class:`~ckptfs.CheckpointInfo` (on the coordinator; on every rank the metadata ``dcp.save``
+    returns carries it as ``_ckptfs_info``)."""
+
+    def __init__(self, url: str, step: int, *, algorithm: str = DEFAULT_ALGORITHM,
+                 durable: bool = True, threads: int | None = None, retries: int = 3,
+                 metadata: Mapping[str, Any] | None = None, **storage_options: Any) -> None:
+        store = ckptfs.open(url, algorithm=algorithm, durable=durable, threads=threads,
+                            retries=retries, **storage_options)
+        super().__init__(store.storage, step, algorithm=algorithm, durable=durable,
+                         threads=store.threads, metadata=metadata)
+
+
+class Reader(ShardedReader):
+    """A DCP ``StorageReader`` for the committed step ``step`` of the run at ``url`` (the newest
+    committed one if ``None``).  Every chunk read is checked against its digest first."""
+
+    def __init__(self, url: str, step: int | None = None, *, verify: bool = True,
+                 threads: int | None = None, retries: int = 3, allow_rollback: bool = False,
+                 **storage_options: Any) -> None:
+        store = ckptfs.open(url, threads=threads, retries=retries, **storage_options)
+        super().__init__(store.storage, step, verify=verify, threads=store.threads,
+                         allow_rollback=allow_rollback)

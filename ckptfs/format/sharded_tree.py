@@ -1,0 +1,159 @@
+"""The user's state tree in a sharded checkpoint.  Pure: no I/O.
+
+DCP flattens a state dict by its own rules: dict keys become ``str(key)``, lists holding tensors
+or dicts are walked (``model.layers.0.weight``), and everything else is one opaque leaf.  That
+loses int keys (``{0: ...}`` comes back as ``{"0": ...}``) and cannot shard a tensor inside a
+tuple.  ckptfs keeps DCP's naming (so a checkpoint written by ``store.save`` loads with plain
+``dcp.load`` and the other way round) and stores the exact tree beside it:
+
+* :func:`dcp_view` turns the state into the dict DCP is given (str keys, tuples holding tensors
+  as lists) and returns a *skeleton*: the tagged tree of v1 (``state.msgpack``'s tags), in
+  which every value DCP stores is the node ``["v", null]``;
+* :func:`restore` rebuilds the user's types from the skeleton and DCP's unflattened result;
+* :func:`write_back` puts the non-tensor values DCP loaded into the caller's own containers
+  (tensors are filled in place by DCP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ckptfs.errors import CorruptCheckpointError, UnsupportedValueError
+from ckptfs.format.limits import MAX_DEPTH
+from ckptfs.format.serialize import _Flattener, build_tree
+
+_LEAF = "v"
+_KEY_TYPES = (str, int, float, bool, type(None), bytes, tuple)
+
+
+def _walked(value: Any) -> bool:
+    """Whether a list/tuple is a container in the view (DCP walks it): it holds a tensor, a
+    dict, or a walked list/tuple.  Empty sequences and sequences of plain values are leaves."""
+    if not isinstance(value, (list, tuple)) or isinstance(value, torch.Size):
+        return False
+    return any(isinstance(v, (torch.Tensor, Mapping)) or _walked(v) for v in value)
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    return "/".join(str(p) for p in path) or "<root>"
+
+
+def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
+    """(the dict handed to DCP, the skeleton).  The view shares every tensor and value with
+    ``state`` (nothing is copied).  Raises :class:`UnsupportedValueError` naming the key path
+    when two keys of one dict read the same as strings (``0`` and ``"0"``), for key types the
+    format cannot hold, and for trees deeper than the format allows."""
+    if not isinstance(state, Mapping):
+        raise UnsupportedValueError(
+            f"state must be a dict (e.g. {{'model': ..., 'optimizer': ...}}), got "
+            f"{type(state).__name__}")
+    keys = _Flattener()
+    seen: set[int] = set()
+
+    def walk(value: Any, path: tuple[Any, ...]) -> tuple[Any, Any]:
+        if len(path) > MAX_DEPTH:
+            raise UnsupportedValueError(f"state nested deeper than {MAX_DEPTH} at {_where(path)}")
+        if isinstance(value, Mapping) or _walked(value):
+            if id(value) in seen:
+                raise UnsupportedValueError(f"state contains a reference cycle at "
+                                            f"{_where(path)}")
+            seen.add(id(value))
+        if isinstance(value, Mapping):
+            view: dict[str, Any] = {}
+            items = []
+            for k, v in value.items():
+                if not isinstance(k, _KEY_TYPES):
+                    raise UnsupportedValueError(
+                        f"state key {k!r} at {_where(path)} has type {type(k).__name__}; keys "
+                        "must be str, int, float, bool, None, bytes or tuples of those")
+                sk = str(k)
+                if sk in view:
+                    raise UnsupportedValueError(
+                        f"two keys of the dict at {_where(path)} read {sk!r} as strings; DCP "
+                        "names values by str(key), so a sharded checkpoint cannot hold both: "
+                        "rename one")
+                view[sk], child = walk(v, (*path, k))
+                items.append([keys.encode(k, (*path, "<key>")), child])
+            seen.discard(id(value))
+            return view, ["d", items]
+        if _walked(value):
+            pairs = [walk(v, (*path, i)) for i, v in enumerate(value)]
+            seen.discard(id(value))
+            tag = "t" if isinstance(value, tuple) else "l"
+            return [p[0] for p in pairs], [tag, [p[1] for p in pairs]]
+        return value, [_LEAF, None]
+
+    view, skeleton = walk(state, ())
+    return view, skeleton
+
+
+_MISSING = object()
+
+
+def restore(skeleton: Any, loaded: Any, *, where: str) -> Any:
+    """The user's tree, from its skeleton and DCP's unflattened result (str keys, lists)."""
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: the stored tree does not match the stored "
+                                      f"values ({what})")
+
+    def dec(node: Any, value: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise bad("too deep")
+        if not isinstance(node, list) or len(node) != 2:
+            raise bad(f"node {node!r:.60}")
+        tag, payload = node
+        if tag == _LEAF:
+            if value is _MISSING:
+                raise bad("a stored value is missing")
+            return value
+        if not isinstance(payload, list):
+            raise bad("payload")
+        if tag == "d":
+            out: dict[Any, Any] = {}
+            src = value if isinstance(value, Mapping) else {}
+            for item in payload:
+                if not isinstance(item, list) or len(item) != 2:
+                    raise bad("dict item")
+                key = build_tree(item[0], [], where=where)
+                try:
+                    out[key] = dec(item[1], src.get(str(key), _MISSING), depth + 1)
+                except TypeError:
+                    raise bad(f"unhashable key {key!r:.40}") from None
+            return out
+        if tag in ("l", "t"):
+            src_l = value if isinstance(value, list) else []
+            items = [dec(c, src_l[i] if i < len(src_l) else _MISSING, depth + 1)
+                     for i, c in enumerate(payload)]
+            return items if tag == "l" else tuple(items)
+        raise bad(f"tag {tag!r:.20}")
+
+    return dec(skeleton, loaded, 0)
+
+
+def write_back(target: Any, skeleton: Any, loaded: Any) -> Any:
+    """Put the values DCP loaded into ``loaded`` (the view of ``target``) back into ``target``'s
+    own containers; returns ``target`` (or, for a tuple, a new tuple).  Tensors are left alone:
+    DCP filled them in place, and the view shares them with ``target``."""
+    tag, payload = skeleton
+    if tag == _LEAF:
+        if isinstance(target, torch.Tensor):
+            return target
+        return loaded
+    if tag == "d":
+        for (_, child), (key, value) in zip(payload, list(target.items()), strict=True):
+            new = write_back(value, child, loaded[str(key)])
+            if new is not value:
+                target[key] = new
+        return target
+    items = [write_back(v, c, loaded[i]) for i, (v, c) in enumerate(zip(target, payload,
+                                                                        strict=True))]
+    if isinstance(target, tuple):
+        return tuple(items)
+    for i, new in enumerate(items):
+        if new is not target[i]:
+            target[i] = new
+    return target

@@ -1,0 +1,434 @@
+"""DCP storage layer of format v2: a ``StorageWriter`` and a ``StorageReader`` that write and
+read sharded checkpoints with ckptfs's commit protocol and digests.
+
+How DCP drives the writer (torch.distributed.checkpoint, ``use_collectives=True``):
+
+1. every rank: ``set_up_storage_writer``, ``prepare_local_plan`` (tensor dtypes and layouts are
+   checked here, before anything is written);
+2. the coordinator: ``prepare_global_plan`` fails fast if the step is committed, picks **one**
+   attempt name and sends it to every rank in ``SavePlan.storage_data``;
+3. every rank: ``write_data`` writes its own ``rank-NNNNN/data-0.safetensors`` into that
+   attempt, hashing each write item's bytes once, on a helper thread, while they are written;
+   the ``WriteResult``s carry each item's (file, offset, length, digest) and the file's header
+   chunk to the coordinator;
+4. the coordinator: ``finish`` checks that the reported chunks tile every file and that every
+   file is there with its size (one listing), writes ``dcp.msgpack`` and ``MANIFEST.json``,
+   then creates ``COMPLETE`` exclusively, once.  Any rank failing before that means no marker.
+
+The reader resolves the step through the marker and manifest (``latest`` if none is given),
+reads ``dcp.msgpack``, and for each DCP read item reads exactly the byte range of the stored
+chunk (one ranged GET, adjacent chunks coalesced) and checks the chunk's digest before the
+planner sees a byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import socket
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future as CFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptfs.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    InvalidStepError,
+    UnsupportedValueError,
+)
+from ckptfs.format.hashing import DEFAULT_ALGORITHM, digest_bytes, new_hasher
+from ckptfs.format.layout import CHECKPOINTS_DIR, MANIFEST_NAME, StepPaths, check_step
+from ckptfs.format.layout import new_attempt_name as _new_attempt_name
+from ckptfs.format.manifest import MARKER_DIGEST_ALGORITHM, Marker
+from ckptfs.format.serialize import tensor_memoryview
+from ckptfs.format.sharded import (
+    METADATA_NAME,
+    Chunk,
+    ChunkedFileEntry,
+    DcpDocument,
+    ItemLocation,
+    PlannedItem,
+    ShardedManifest,
+    decode_value,
+    element_size,
+    encode_metadata,
+    item_name,
+    make_entry,
+    plan_header,
+    rank_file_name,
+    tensor_code,
+)
+from ckptfs.protocol.resolve import (
+    CheckpointInfo,
+    read_committed,
+    read_marker,
+    storage_url,
+)
+from ckptfs.storage.base import Storage
+
+log = logging.getLogger("ckptfs")
+
+#: Bytes one rank may have written but not yet hashed (copies of GPU or non-contiguous tensors
+#: stay alive until hashed).
+MAX_HASH_LEAD = 256 * 1024 * 1024
+#: Slice of one ``write`` call.
+WRITE_SLICE = 16 * 1024 * 1024
+#: Largest ranged read: adjacent chunks a rank needs are fetched together up to this size.
+MAX_RANGE = 64 * 1024 * 1024
+
+
+def default_threads() -> int:
+    return max(2, min(8, (os.cpu_count() or 2)))
+
+
+@dataclass(frozen=True)
+class AttemptPlan:
+    """What the coordinator sends every rank in ``SavePlan.storage_data``."""
+
+    attempt: str
+    write_dir: str  # relative to the run root: the attempt dir, or its .tmp- twin on local disk
+    rank: int
+
+
+@dataclass(frozen=True)
+class ItemReport:
+    """``WriteResult.storage_data``: where an item went and the digest of its bytes; the first
+    item of a file also carries the file's size and header chunk."""
+
+    path: str            # relative to the attempt directory
+    offset: int
+    length: int
+    digest: str          # hex, the writer's algorithm
+    rank: int
+    file_size: int = -1  # -1: not the first item of its file
+    header: Chunk | None = None
+
+
+def _hex(algorithm: str, data: memoryview | bytes) -> str:
+    return digest_bytes(algorithm, data).split(":", 1)[1]
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
+class ShardedWriter(StorageWriter):
+    """A DCP ``StorageWriter`` committing one step of a ckptfs run with format v2.
+
+    Every rank constructs one for the same ``storage`` and ``step``.  ``metadata`` (plain JSON)
+    goes into the manifest; ``tree`` (set by ``store.save``) is the state's skeleton.  After a
+    successful save, :attr:`info` holds the committed :class:`CheckpointInfo` on every rank."""
+
+    def __init__(self, storage: Storage, step: int, *, algorithm: str = DEFAULT_ALGORITHM,
+                 durable: bool = True, threads: int | None = None,
+                 metadata: Mapping[str, Any] | None = None, tree: Any = None) -> None:
+        super().__init__()
+        self.storage = storage
+        self.step = check_step(step)
+        new_hasher(algorithm)
+        self.algorithm = algorithm
+        self.durable = durable
+        self.threads = threads or default_threads()
+        self.metadata = dict(metadata or {})
+        self.tree = tree
+        self.is_coordinator = False
+        self.rank = 0
+        self.info: CheckpointInfo | None = None
+        self._paths = StepPaths(self.step)
+        self._attempt_plan: tuple[str, str] | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return storage_url(self.storage, self._paths.dir)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        check_checkpoint_id(self.checkpoint_id, checkpoint_id)
+        self.info = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+        self.info = None
+        self._attempt_plan = None
+        if not kwargs.get("use_collectives", True) and _world_size() > 1:
+            raise UnsupportedValueError(
+                f"{self.checkpoint_id}: use_collectives=False writes per-rank metadata with no "
+                "global view and no single commit; ckptfs needs the collectives (the default)")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never chosen implicitly from a bare checkpoint_id
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        for item in plan.items:
+            if item.tensor_data is not None:
+                props = item.tensor_data.properties
+                if props.layout != torch.strided:
+                    raise UnsupportedValueError(
+                        f"tensor {item.index.fqn!r} has layout {props.layout}; convert it with "
+                        ".to_dense()")
+                tensor_code(props.dtype, item.index.fqn)
+        return dataclasses.replace(plan, storage_data=self.step)
+
+    def _check_same_step(self, plans: list[SavePlan]) -> None:
+        steps = {p.storage_data for p in plans}
+        if steps != {self.step}:
+            raise InvalidStepError(
+                f"the ranks are saving different steps ({sorted(map(str, steps))}) at "
+                f"{self.storage.url}: every rank must save the same step")
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._check_same_step(plans)
+        paths = self._paths
+        if self.storage.exists(paths.marker):
+            raise CheckpointExistsError(
+                f"step {self.step} is already committed at {self.checkpoint_id}; a committed "
+                "checkpoint is never overwritten: save under a new step, or delete it first")
+        attempt = _new_attempt_name()
+        caps = self.storage.capabilities
+        write_dir = paths.tmp_attempt_dir(attempt) if caps.atomic_rename else \
+            paths.attempt_dir(attempt)
+        self.storage.makedirs(write_dir)
+        if self.durable and caps.fsync:
+            for d in ("", CHECKPOINTS_DIR, paths.dir):
+                self.storage.sync_dir(d)
+        self._attempt_plan = (attempt, write_dir)
+        return [dataclasses.replace(p, storage_data=AttemptPlan(attempt, write_dir, i))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        ap = plan.storage_data
+        if not isinstance(ap, AttemptPlan):
+            raise UnsupportedValueError(
+                "the save plan carries no ckptfs attempt: prepare_global_plan did not run "
+                "(use_collectives=False is not supported)")
+        results = self._write_rank(ap, plan.items, planner) if plan.items else []
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_rank(self, ap: AttemptPlan, items: list[WriteItem],
+                    planner: SavePlanner) -> list[WriteResult]:
+        values: dict[int, bytes] = {}
+        planned: list[tuple[WriteItem, PlannedItem]] = []
+        for item in items:
+            name = item_name(item.index.fqn, None if item.tensor_data is None
+                             else item.tensor_data.chunk.offsets)
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else b""
+                try:
+                    decode_value(raw, where=f"key {item.index.fqn!r}")
+                except CorruptCheckpointError:
+                    raise UnsupportedValueError(
+                        f"the save planner {type(planner).__name__} encoded key "
+                        f"{item.index.fqn!r} with torch.save/pickle; ckptfs stores values "
+                        "without pickle: pass planner=ckptfs.dcp.SavePlanner()") from None
+                values[id(item)] = raw
+                planned.append((item, PlannedItem(name, "U8", (len(raw),), len(raw))))
+            else:
+                td = item.tensor_data
+                assert td is not None
+                code = tensor_code(td.properties.dtype, item.index.fqn)
+                shape = tuple(int(s) for s in td.chunk.sizes)
+                n = 1
+                for s in shape:
+                    n *= s
+                planned.append((item, PlannedItem(name, code, shape, n * element_size(code))))
+        # Largest elements first: every tensor's offset is aligned to its element size.
+        planned.sort(key=lambda p: -element_size(p[1].dtype))
+        header, offsets = plan_header([p for _, p in planned], ap.rank)
+        relpath = rank_file_name(ap.rank)
+        path = f"{ap.write_dir}/{relpath}"
+
+        def chunks() -> Any:
+            for (item, pi), _ in zip(planned, offsets, strict=True):
+                if id(item) in values:
+                    yield memoryview(values[id(item)])
+                    continue
+                t = planner.resolve_data(item)
+                if not isinstance(t, torch.Tensor):
+                    raise UnsupportedValueError(f"{item.index.fqn!r}: the planner resolved a "
+                                                f"tensor item to {type(t).__name__}")
+                ct = _cpu_contiguous(t)
+                if tuple(ct.shape) != pi.shape or tensor_code(ct.dtype, pi.name) != pi.dtype:
+                    raise UnsupportedValueError(
+                        f"{item.index.fqn!r}: planned {pi.dtype}{list(pi.shape)}, the planner "
+                        f"resolved {ct.dtype}{list(ct.shape)}")
+                yield tensor_memoryview(ct)
+
+        def write_once() -> list[str]:
+            return self._stream(path, memoryview(header), chunks)
+
+        retry = getattr(self.storage, "retry_call", None)
+        digests = cast(list[str], retry("write", path, write_once)) if retry else write_once()
+        if self.durable and self.storage.capabilities.fsync:
+            self.storage.sync_dir(path.rsplit("/", 1)[0])
+        size = offsets[-1] + planned[-1][1].nbytes if planned else len(header)
+        head = Chunk(0, len(header), digests[0])
+        results = []
+        for i, ((item, pi), off) in enumerate(zip(planned, offsets, strict=True)):
+            first = i == 0
+            report = ItemReport(relpath, off, pi.nbytes, digests[i + 1], ap.rank,
+                                size if first else -1, head if first else None)
+            results.append(WriteResult(item.index, pi.nbytes, report))
+        return results
+
+    def _stream(self, path: str, header: memoryview,
+                chunks: Callable[[], Any]) -> list[str]:
+        """Write the header, then every chunk; hash each chunk once on a helper thread while
+        the next is written.  Returns the hex digests, header first."""
+        algo = self.algorithm
+        futures: list[CFuture[str]] = []
+        lead: list[tuple[CFuture[str], int]] = []
+        pending = 0
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptfs-hash") as pool, \
+                self.storage.open_write(path) as f:
+            futures.append(pool.submit(_hex, algo, header))
+            f.write(header)
+            for view in chunks():
+                fut = pool.submit(_hex, algo, view)
+                futures.append(fut)
+                lead.append((fut, len(view)))
+                pending += len(view)
+                for start in range(0, len(view), WRITE_SLICE):
+                    f.write(view[start:start + WRITE_SLICE])
+                while pending > MAX_HASH_LEAD and lead:
+                    done, n = lead.pop(0)
+                    done.result()
+                    pending -= n
+                del view
+            if self.durable and self.storage.capabilities.fsync:
+                f.fsync()  # type: ignore[attr-defined]
+            return [fut.result() for fut in futures]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._attempt_plan is None:
+            raise UnsupportedValueError("finish() before prepare_global_plan()")
+        attempt, write_dir = self._attempt_plan
+        storage_data: dict[MetadataIndex, ItemLocation] = {}
+        per_file: dict[str, list[ItemReport]] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                rep = wr.storage_data
+                if not isinstance(rep, ItemReport):
+                    raise UnsupportedValueError("a rank reported a write result ckptfs did not "
+                                                "produce")
+                storage_data[wr.index] = ItemLocation(rep.path, rep.offset, rep.length)
+                per_file.setdefault(rep.path, []).append(rep)
+        entries: list[ChunkedFileEntry] = []
+        for path, reps in sorted(per_file.items()):
+            first = [r for r in reps if r.header is not None]
+            if len(first) != 1 or first[0].header is None:
+                raise CorruptCheckpointError(f"{path}: no single header report")
+            items = sorted((Chunk(r.offset, r.length, r.digest) for r in reps),
+                           key=lambda c: (c.offset, c.length))
+            chunks = [first[0].header, *items]
+            entries.append(make_entry(path, first[0].file_size, self.algorithm, chunks,
+                                      first[0].rank))
+        metadata.storage_data = storage_data
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id, save_id=attempt)
+        blob = encode_metadata(DcpDocument(metadata, self.tree))
+        self.storage.write_bytes(f"{write_dir}/{METADATA_NAME}", blob)
+        entries.append(make_entry(METADATA_NAME, len(blob), self.algorithm,
+                                  [Chunk(0, len(blob), _hex(self.algorithm, blob))], None))
+        self._check_files(write_dir, entries)
+        self.info = self._commit(attempt, write_dir, entries, len(results))
+        metadata._ckptfs_info = self.info  # type: ignore[attr-defined]  # broadcast by DCP
+
+    def _check_files(self, write_dir: str, entries: list[ChunkedFileEntry]) -> None:
+        """Every reported file is visible to the coordinator with its size: catches ranks
+        writing to storage the coordinator does not share (node-local disks)."""
+        prefix = write_dir + "/"
+        found = {e.name[len(prefix):]: e.size for e in self.storage.list_tree(write_dir)
+                 if e.name.startswith(prefix)}
+        for entry in entries:
+            if found.get(entry.path) != entry.size:
+                raise CorruptCheckpointError(
+                    f"{storage_url(self.storage, prefix + entry.path)}: rank {entry.rank} "
+                    f"reported {entry.size} B, the coordinator sees "
+                    f"{found.get(entry.path, 'no file')}; every rank must write to storage "
+                    "the coordinator shares (not a node-local disk)", step=self.step)
+
+    def _commit(self, attempt: str, write_dir: str, entries: list[ChunkedFileEntry],
+                world: int) -> CheckpointInfo:
+        paths = self._paths
+        caps = self.storage.capabilities
+        sync = self.durable and caps.fsync
+        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        meta = {"tensor_count": 0, **self.metadata}
+        manifest = ShardedManifest(self.step, attempt, tuple(entries), created, self.algorithm,
+                                   meta, world_size=world)
+        mbytes = manifest.to_bytes()
+        self.storage.write_bytes(f"{write_dir}/{MANIFEST_NAME}", mbytes)
+        final_dir = paths.attempt_dir(attempt)
+        if sync:
+            self.storage.sync_dir(write_dir)
+        if caps.atomic_rename:
+            self.storage.rename_dir(write_dir, final_dir)
+            if sync:
+                self.storage.sync_dir(paths.dir)
+        marker = Marker(self.step, attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes),
+                        len(mbytes), created, {"host": socket.gethostname(), "pid": os.getpid(),
+                                               "world_size": world})
+        try:
+            self.storage.create_exclusive(paths.marker, marker.to_bytes())
+        except BaseException as exc:
+            try:
+                owner = read_marker(self.storage, self.step)
+            except Exception:
+                owner = None
+            if owner is not None and owner.attempt == attempt:
+                log.info("commit of step %d reported %r but the marker is ours", self.step, exc)
+            elif isinstance(exc, CheckpointExistsError):
+                try:
+                    self.storage.delete_tree(final_dir)
+                except Exception:  # pragma: no cover - best effort; GC collects it
+                    log.warning("could not remove attempt %s", final_dir, exc_info=True)
+                raise CheckpointExistsError(
+                    f"step {self.step} at {self.checkpoint_id} was committed by another writer "
+                    f"while this one was saving; this attempt ({attempt}) was discarded") from exc
+            else:
+                raise  # unknown outcome: keep the attempt (a marker may yet name it)
+        log.info("committed sharded step %d at %s (%d ranks, %d files)", self.step,
+                 self.storage.url, world, len(entries))
+        return read_committed(self.storage, self.step)
+
+
+def check_checkpoint_id(expected: str, checkpoint_id: str | os.PathLike[str] | None) -> None:
+    """DCP passes ``checkpoint_id`` to ``reset``; ckptfs names checkpoints by URL and step."""
+    if checkpoint_id is not None and str(checkpoint_id) != expected:
+        raise InvalidStepError(
+            f"checkpoint_id {str(checkpoint_id)!r} is not used by ckptfs: the run URL and the "
+            "step are given to ckptfs.dcp.Writer(url, step) / Reader(url, step)")

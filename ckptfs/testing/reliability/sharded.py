@@ -1,0 +1,185 @@
+"""Crash points of a sharded save (format v2): a 2-rank save stopped before each of its storage
+calls in turn, then checked with :func:`~ckptfs.testing.reliability.common.check_store`, by
+saving again, and by garbage collection.
+
+Launching gloo ranks per crash point would cost seconds each on 2 cores, so the ranks are
+simulated in one process, driving ckptfs's DCP ``StorageWriter`` and DCP's own planner exactly
+as ``dcp.save`` does with collectives (torch 2.13, ``state_dict_saver._save_state_dict``):
+every rank ``set_up_planner`` / ``set_up_storage_writer`` / ``create_local_plan`` /
+``prepare_local_plan``; the coordinator ``create_global_plan`` (DCP deduplicates the replicated
+items and spreads them over the ranks, so every rank writes a file) and
+``prepare_global_plan`` (the attempt is chosen once); every rank ``finish_plan`` and
+``write_data``; the coordinator ``finish`` (metadata, manifest, marker).  A real multi-process
+save with a rank killed by SIGKILL is in tests/test_sharded_crash.py.
+
+Two families of crash points:
+
+- **job**: every rank shares one :class:`~ckptfs.testing.faults.FaultyStorage`, numbered over
+  the whole save; the k-th mutating call kills the whole job (a node or job failure), for every
+  k, plus once after the last call (the marker was created, nobody heard);
+- **rank 1**: only rank 1's storage crashes, at each of its own calls; rank 0 finishes writing
+  its file and the coordinator never runs ``finish`` (in a real job DCP's gather of the write
+  results fails on every survivor).
+
+After each: no marker for the step (unless the marker's creation took effect), the previous
+latest is intact and loads bit-exactly, the same step saves again (with the garbage still
+there), and a garbage collection then removes the crashed attempt and nothing committed.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from ckptfs.format.layout import StepPaths
+from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.sharded import SavePlanner
+from ckptfs.protocol.sharded_io import ShardedWriter
+from ckptfs.storage.base import Storage
+from ckptfs.testing.backend import Backend
+from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
+from ckptfs.testing.reliability.common import (
+    Sweep,
+    _prune_and_gc,
+    _scenario,
+    check_store,
+    raw_storage,
+    state_for,
+)
+
+#: Simulated ranks of the sweep.
+WORLD = 2
+
+
+def simulated_save(storages: list[Storage], step: int, state: dict[str, Any]
+                   ) -> CheckpointInfo | None:
+    """A sharded save of ``state`` (the same replicated state on every rank) by
+    ``len(storages)`` simulated ranks, rank ``r`` writing through ``storages[r]``, in DCP's
+    call order.  Returns the committed info; ``None`` if a rank died (a
+    :class:`~ckptfs.testing.faults.SimulatedCrash` on a rank other than 0: the survivors
+    write, the coordinator never finishes); a crash of the coordinator's storage propagates."""
+    from ckptfs.format.sharded_tree import dcp_view
+
+    world = len(storages)
+    writers, planners = [], []
+    plans = []
+    for rank, storage in enumerate(storages):
+        view, skeleton = dcp_view(state)
+        writer = ShardedWriter(storage, step, threads=1, tree=skeleton)
+        planner = SavePlanner()
+        planner.set_up_planner(view, writer.storage_meta(), rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        plans.append(writer.prepare_local_plan(planner.create_local_plan()))
+        writers.append(writer)
+        planners.append(planner)
+    plans, metadata = planners[0].create_global_plan(plans)
+    plans = writers[0].prepare_global_plan(plans)
+    results = []
+    dead: list[int] = []
+    for rank in range(world):
+        final = planners[rank].finish_plan(plans[rank])
+        try:
+            results.append(writers[rank].write_data(final, planners[rank]).value())
+        except SimulatedCrash:
+            if rank == 0 or storages[rank] is storages[0]:
+                raise  # the coordinator (or the whole job) died
+            dead.append(rank)
+    if dead:
+        return None
+    writers[0].finish(metadata, results)
+    return writers[0].info
+
+
+def _leftovers(backend: Backend, step: int, keep: str | None) -> list[str]:
+    """Files under the step's directory other than the marker and attempt ``keep``'s files."""
+    paths = StepPaths(step)
+    prefix = paths.dir.split("/", 1)[1] + "/"
+    out = []
+    for rel in backend.raw_files(paths.dir):
+        name = rel.split(prefix, 1)[-1] if prefix in rel else rel
+        if name == paths.marker.rsplit("/", 1)[-1]:
+            continue
+        if keep is not None and name.startswith(keep + "/"):
+            continue
+        out.append(name)
+    return sorted(out)
+
+
+def sweep_sharded_save_crashes(backend: Backend, *, world: int = WORLD) -> Sweep:
+    """Crash a ``world``-rank sharded save at every mutating storage call of the job, once after
+    its last call, and at every call of rank 1 alone; check the invariants after each (module
+    docstring)."""
+    sweep = Sweep(backend.name, "sharded-save-crash")
+    mods = _prune_and_gc()
+    assert mods is not None
+    _, gc = mods
+    later = datetime.now(timezone.utc) + timedelta(days=1)
+    inner = raw_storage(backend)
+
+    counter = FaultyStorage(raw_storage(backend))
+    info0 = simulated_save([counter] * world, 0, state_for(0))
+    ops = [c for c in counter.calls if c.index]
+    n = len(ops)
+    marker_k = next(c.index for c in ops if c.op == "create_exclusive")
+    sweep.count("calls_per_sharded_save", n)
+    sweep.count("files_per_sharded_save", len(info0.manifest.files) if info0 else 0)
+    rank1 = FaultyStorage(raw_storage(backend))
+    simulated_save([raw_storage(backend), rank1], 1, state_for(1))
+    n1 = rank1.count
+    sweep.count("calls_of_rank1", n1)
+    committed = {0, 1}
+
+    plan: list[tuple[str, int]] = ([("job crash", k) for k in range(1, n + 1)]
+                                   + [("job crash-after", n)]
+                                   + [("rank 1 crash", k) for k in range(1, n1 + 1)])
+    step = 2
+    for kind, k in plan:
+        where = ops[k - 1] if kind.startswith("job") else None
+        scenario = (f"{kind} at call {k}/{n} ({where.op} {where.path.split('/')[-1]})"
+                    if where is not None else f"{kind} at its call {k}/{n1}")
+        sweep.tried += 1
+        sweep.count(kind.replace(" ", "_"))
+        fs = FaultyStorage(inner, crash_at=k, crash_after=kind == "job crash-after")
+        storages: list[Storage] = ([fs] * world if kind.startswith("job")
+                                   else [inner, fs] + [inner] * (world - 2))
+        try:
+            got = simulated_save(storages, step, state_for(step))
+            if got is not None:
+                sweep.bad(scenario, "the save did not crash")
+        except SimulatedCrash:
+            pass
+        except BaseException as exc:
+            sweep.bad(scenario, f"the save raised {type(exc).__name__}: {exc} instead of dying")
+        if fs.count != k:
+            sweep.bad(scenario, f"crashed at call {fs.count}, not {k} (call order changed)")
+        took_effect = kind.startswith("job") and (
+            k > marker_k or (kind == "job crash-after" and k == marker_k))
+        if took_effect:
+            committed.add(step)
+        elif backend.raw_exists(StepPaths(step).marker):
+            sweep.bad(scenario, "a marker exists for the crashed save")
+        check_store(sweep, scenario, backend, committed, max(committed),
+                    recheck={step - 2, step})
+        with _scenario(sweep, scenario + ", then saving again and collecting"):
+            again = None
+            if not took_effect:
+                again = simulated_save([inner] * world, step, state_for(step))
+                if again is None:
+                    sweep.bad(scenario, "saving the step again did not commit")
+                committed.add(step)
+            report = gc.collect(inner, older_than=timedelta(0), now=later, multipart=False)
+            sweep.count("gc_items", sum(1 for i in report.items if i.removed))
+            errors = [f"{i.path}: {i.error}" for i in report.items if i.error]
+            if errors:
+                sweep.bad(scenario, f"gc failed: {errors}")
+            keep = backend.open().info(step).attempt
+            left = _leftovers(backend, step, keep)
+            if left:
+                sweep.bad(scenario, f"gc left the crashed attempt's files: {left}")
+            if again is not None and again.attempt != keep:
+                sweep.bad(scenario, f"the marker names {keep}, the new save {again.attempt}")
+            check_store(sweep, scenario + " after gc", backend, committed, max(committed),
+                        recheck={step})
+        step += 2
+    check_store(sweep, "end of sweep", backend, committed, max(committed), full_all=True)
+    return sweep
