@@ -8,4 +8,6 @@ bash scripts/setup.sh
 echo "lint: ruff + mypy (strict)"
 .venv/bin/ruff check ckptfs tests benchmarks
 .venv/bin/mypy ckptfs
+echo "docs: mkdocs build --strict"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q
 exec .venv/bin/python -m pytest "$@"

@@ -80,29 +80,57 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reps", type=int, default=3, help="timed runs per variant (median)")
-    p.add_argument("--sizes", default="1GiB,4GiB", help="local save/load state sizes")
-    p.add_argument("--full-up-to", default="2GiB",
-                   help="run every variant up to this size; above it, only the default "
-                   "algorithm and the main baselines (time: the full set takes ~5 min per GiB)")
-    p.add_argument("--interleaved-reps", type=int, default=3,
-                   help="rounds of the interleaved save-target check (each times every variant)")
-    p.add_argument("--s3-sizes", default="1GiB", help="state sizes for the moto benchmark")
-    p.add_argument("--s3-reps", type=int, default=2,
-                   help="timed runs per moto variant (default: --reps); one 1 GiB run takes "
-                   "10-30 s there")
-    p.add_argument("--hash-size", default="512MiB", help="buffer size for hashing throughput")
-    p.add_argument("--counts", default="10,100,1000,10000", help="checkpoint counts (latest)")
-    p.add_argument("--s3-max", type=int, default=1000,
-                   help="largest checkpoint count populated on moto (it takes ~3 PUTs each)")
-    p.add_argument("--in-process", action="store_true",
-                   help="run variants in this process (smoke tests; RSS then less meaningful)")
-    p.add_argument("--results", default=str(RESULTS_DIR), help="where the JSON goes")
-    p.add_argument("--docs", default=str(DOCS_DIR), help="where benchmarks.md and img/ go")
-    p.add_argument("--report", action="store_true", help="regenerate the report afterwards")
-    p.add_argument("--note", default="", help="a remark stored with the machine description "
-                   "(e.g. that other work was running)")
+#: Each option once: (flags, argparse keywords); _OWN says which subcommands show it.
+_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "reps": (("--reps",), dict(type=int, default=3, help="timed runs per variant (median)")),
+    "sizes": (("--sizes",), dict(default="1GiB,4GiB", help="local save/load state sizes")),
+    "full_up_to": (("--full-up-to",), dict(
+        default="2GiB", help="run every variant up to this size; above it, only the default "
+        "algorithm and the main baselines (time: the full set takes ~5 min per GiB)")),
+    "interleaved_reps": (("--interleaved-reps",), dict(
+        type=int, default=3, help="rounds of the interleaved save-target check (each times "
+        "every variant)")),
+    "s3_sizes": (("--s3-sizes",), dict(default="1GiB",
+                                       help="state sizes for the moto benchmark")),
+    "s3_reps": (("--s3-reps",), dict(type=int, default=2, help="timed runs per moto variant "
+                                     "(default: --reps); one 1 GiB run takes 10-30 s there")),
+    "hash_size": (("--hash-size",), dict(default="512MiB",
+                                         help="buffer size for hashing throughput")),
+    "counts": (("--counts",), dict(default="10,100,1000,10000",
+                                   help="checkpoint counts (latest)")),
+    "s3_max": (("--s3-max",), dict(type=int, default=1000, help="largest checkpoint count "
+                                   "populated on moto (it takes ~3 PUTs each)")),
+    "in_process": (("--in-process",), dict(
+        action="store_true", default=False, help="run variants in this process (smoke tests; "
+        "RSS then less meaningful)")),
+    "results": (("--results",), dict(default=str(RESULTS_DIR), help="where the JSON goes")),
+    "docs": (("--docs",), dict(default=str(DOCS_DIR),
+                               help="where benchmarks.md and img/ go")),
+    "report": (("--report",), dict(action="store_true", default=False,
+                                   help="regenerate the report afterwards")),
+    "note": (("--note",), dict(default="", help="a remark stored with the machine description "
+                                "(e.g. that other work was running)")),
+}
+_COMMON = ("results", "docs", "report", "note")
+_OWN: dict[str, tuple[str, ...]] = {
+    "hash": ("reps", "hash_size", *_COMMON),
+    "save": ("reps", "sizes", "full_up_to", "in_process", *_COMMON),
+    "interleaved": ("sizes", "interleaved_reps", *_COMMON),
+    "s3": ("reps", "s3_sizes", "s3_reps", "in_process", *_COMMON),
+    "latest": ("reps", "counts", "s3_max", *_COMMON),
+    "all": tuple(_OPTIONS),
+    "report": ("results", "docs"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser, command: str = "all") -> None:
+    """The options of ``ckptfs bench COMMAND`` only; the others still get their defaults (so
+    :func:`run_question` reads every attribute), they are just not offered."""
+    own = _OWN[command]
+    for dest, (flags, kw) in _OPTIONS.items():
+        if dest in own:
+            p.add_argument(*flags, dest=dest, **kw)
+    p.set_defaults(**{d: kw["default"] for d, (_, kw) in _OPTIONS.items() if d not in own})
 
 
 def add_subcommands(subparsers: Any) -> None:
@@ -118,7 +146,7 @@ def add_subcommands(subparsers: Any) -> None:
              "report": "regenerate docs/benchmarks.md and docs/img/ from the JSON"}
     for name, text in helps.items():
         q = sub.add_parser(name, help=text)
-        add_arguments(q)
+        add_arguments(q, name)
         q.set_defaults(func=cmd_bench)
 
 

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,12 +22,46 @@ from ckptfs.errors import (
     CkptfsError,
     CorruptCheckpointError,
 )
+from ckptfs.format.layout import MAX_STEP
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 
-_PLUGINS = ("ckptfs.cli.doctor", "ckptfs.cli.lifecycle", "ckptfs.bench.cli")
+_PLUGINS = ("ckptfs.cli.doctor", "ckptfs.cli.lifecycle", "ckptfs.cli.tools",
+            "ckptfs.bench.cli")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(CkptfsError, ValueError):
+    """A command-line value that is not acceptable (exit status 2)."""
+
+
+def int_option(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in ``[lo, hi]``: anything else is a usage error
+    (exit 2) whose message names the option, never a traceback."""
+    def integer(text: str) -> int:
+        t = text.strip()
+        if not re.fullmatch(r"[+-]?[0-9]+", t):
+            raise argparse.ArgumentTypeError(f"{text!r:.40} is not an integer")
+        if len(t.lstrip("+-").lstrip("0")) > len(str(max(abs(lo), abs(hi)))):
+            raise argparse.ArgumentTypeError(f"{t[:20]}... is out of range [{lo}, {hi}]")
+        value = int(t)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range [{lo}, {hi}]")
+        return value
+
+    return integer
+
+
+#: ``--step`` and other step numbers
+step_option = int_option(0, MAX_STEP)
+
+
+def option_pair(text: str) -> str:
+    """argparse ``type`` of ``-o key=value``."""
+    if "=" not in text or not text.split("=", 1)[0]:
+        raise argparse.ArgumentTypeError(f"storage option {text!r:.60} must look like key=value")
+    return text
 
 
 def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -34,11 +69,11 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise SystemExit(f"ckptfs: storage option {pair!r} must look like key=value")
+            raise UsageError(f"storage option {pair!r} must look like key=value")
         key, value = pair.split("=", 1)
         try:
             out[key] = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             out[key] = value
     return out
 
@@ -46,6 +81,7 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
 def add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="run root URL (file://, memory://, s3://, gs://, az://, or a path)")
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   type=option_pair,
                    help="storage option passed to fsspec (repeatable), e.g. "
                    "-o endpoint_url=http://127.0.0.1:9000")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -126,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check a checkpoint against its manifest")
     add_store_args(p)
-    p.add_argument("--step", type=int, default=None, help="step to verify (default: latest)")
+    p.add_argument("--step", type=step_option, default=None,
+                   help="step to verify (default: latest)")
     p.add_argument("--quick", action="store_true",
                    help="names and sizes from one listing instead of re-hashing every byte")
     p.set_defaults(func=cmd_verify)
@@ -145,7 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage error (argparse printed it, naming the option) or --help
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -1,0 +1,335 @@
+"""``ckptfs inspect``, ``ckptfs cp``, ``ckptfs export`` and the scoped ``ckptfs bench`` options
+(docs/cli.md), on local disk, memory:// and S3 (moto)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import pathlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import ckptfs
+from ckptfs.cli import tools
+from ckptfs.cli.core import main
+from ckptfs.cli.transfer import copy_step
+from ckptfs.format import extensions
+from ckptfs.format.layout import StepPaths
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.testing.backend import Backend
+from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
+
+
+def state(step: int) -> dict[str, Any]:
+    torch.manual_seed(step)
+    return {"model": {"w": torch.randn(64, 32), "b": torch.zeros(32, dtype=torch.bfloat16)},
+            "optimizer": {"state": {0: {"step": torch.tensor(step)}}, "lr": 0.1,
+                          "betas": (0.9, 0.999)},
+            "extras": {"arr": np.arange(5.0), "out": pathlib.Path("runs/x"), "tags": {"a"}}}
+
+
+def populate(backend: Backend, steps: tuple[int, ...] = (1, 2)) -> CheckpointStore:
+    store = backend.open()
+    for s in steps:
+        store.save(s, state(s), metadata={"note": f"step {s}"})
+    return store
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_inspect_tree_without_tensor_bytes(kind: str, request: pytest.FixtureRequest,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    backend: Backend = request.getfixturevalue(f"{kind}_backend")
+    populate(backend)
+    code, out, _ = run(["inspect", backend.url, "--step", "1", "--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["step"] == 1 and doc["metadata"]["note"] == "step 1"
+    assert {f["path"] for f in doc["files"]} == {"state.msgpack", "tensors-00000.safetensors"}
+    rows = {r["key"]: r for r in doc["tree"]}
+    assert rows["model/w"] == {**rows["model/w"], "kind": "tensor", "dtype": "F32",
+                               "shape": [64, 32], "bytes": 64 * 32 * 4}
+    assert rows["model/b"]["dtype"] == "BF16" and rows["model/b"]["bytes"] == 64
+    assert rows["optimizer/lr"]["value"] == "0.1"
+    assert rows["extras/arr"]["type"] == "numpy.ndarray"
+    assert rows["extras/out"] == {**rows["extras/out"], "kind": "extension",
+                                  "type": "pathlib.Path", "value": "'runs/x'"}
+    assert doc["tensors"]["bytes"] == 64 * 32 * 4 + 64 + 8 + 5 * 8
+    code, text, _ = run(["inspect", backend.url], capsys)  # latest, text
+    assert code == 0 and "step 2" in text and "w: F32 [64, 32] 8192 B" in text
+
+
+class CountingStorage:
+    """Delegates to a store's storage, counting the bytes read from each path."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.read: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        data: bytes = self.inner.read_range(path, start, length)
+        self.read[path] = self.read.get(path, 0) + len(data)
+        return data
+
+    def open_read(self, path: str) -> Any:
+        self.read[path] = self.read.get(path, 0) + 10**12  # a streaming read: count it as all
+        return self.inner.open_read(path)
+
+
+def test_inspect_reads_only_headers(local_backend: Backend) -> None:
+    store = local_backend.open()
+    big = torch.randn(256, 1024)  # 1 MiB of tensor bytes
+    info = store.save(3, {"big": big})
+    counting = CountingStorage(store.storage)
+    doc = tools.inspect_info(CheckpointStore(counting), info)  # type: ignore[arg-type]
+    tensor_file = f"{info.path}/tensors-00000.safetensors"
+    assert 0 < counting.read[tensor_file] < 1024  # the header only
+    assert doc["tree"][0]["shape"] == [256, 1024]
+
+
+def test_inspect_shows_unregistered_types_without_decoding(
+        memory_backend: Backend, capsys: pytest.CaptureFixture[str]) -> None:
+    class Phase(enum.Enum):
+        WARMUP = 1
+
+    ckptfs.register_type(Phase, name="tests.Phase")
+    memory_backend.open().save(1, {"phase": Phase.WARMUP})
+    extensions.unregister_type("tests.Phase")
+    code, out, _ = run(["inspect", memory_backend.url, "--json"], capsys)
+    assert code == 0
+    assert json.loads(out)["tree"][0]["type"] == "tests.Phase"
+
+
+def test_inspect_missing_step_fails(memory_backend: Backend,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    populate(memory_backend, (1,))
+    code, _, err = run(["inspect", memory_backend.url, "--step", "7"], capsys)
+    assert code == 1 and "step 7" in err and "Traceback" not in err
+
+
+# -- cp ----------------------------------------------------------------------------------------
+
+
+def assert_same_checkpoint(src: CheckpointStore, dst: CheckpointStore, step: int) -> None:
+    a, b = src.load(step), dst.load(step)
+    assert torch.equal(a["model"]["w"], b["model"]["w"])
+    assert np.array_equal(a["extras"]["arr"], b["extras"]["arr"])
+    assert b["extras"]["out"] == pathlib.Path("runs/x") and b["extras"]["tags"] == {"a"}
+    assert dst.info(step).metadata == src.info(step).metadata
+    assert dst.verify(step).ok
+
+
+@pytest.mark.parametrize("pair", [("local", "memory"), ("memory", "local")])
+def test_cp_all_between_backends(pair: tuple[str, str], request: pytest.FixtureRequest,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    src_b: Backend = request.getfixturevalue(f"{pair[0]}_backend")
+    dst_b: Backend = request.getfixturevalue(f"{pair[1]}_backend")
+    src = populate(src_b, (1, 2, 3))
+    src_b.raw_write(f"{StepPaths(4).dir}/a-20200101T000000Z-0000000000000004/x", b"partial")
+    code, out, _ = run(["cp", src_b.url, dst_b.url, "--all", "--json"], capsys)
+    assert code == 0, out
+    doc = json.loads(out)
+    assert [r["status"] for r in doc["steps"]] == ["copied"] * 3
+    dst = dst_b.open()
+    assert dst.steps() == [1, 2, 3] and dst.all_steps() == [1, 2, 3]  # the incomplete: not
+    for s in (1, 2, 3):
+        assert_same_checkpoint(src, dst, s)
+        assert dst.info(s).attempt != src.info(s).attempt  # a fresh attempt name
+        assert dst.info(s).created == src.info(s).created
+    # Again: identical, nothing written.
+    before = dst_b.raw_files()
+    code, out, _ = run(["cp", src_b.url, dst_b.url, "--step", "2"], capsys)
+    assert code == 0 and "identical" in out
+    assert dst_b.raw_files() == before
+
+
+def test_cp_conflicting_step_is_exit_1(local_backend: Backend, memory_backend: Backend,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    populate(local_backend, (5,))
+    memory_backend.open().save(5, {"other": torch.ones(1)})
+    code, out, err = run(["cp", local_backend.url, memory_backend.url, "--json"], capsys)
+    assert code == 1
+    assert json.loads(out)["steps"][0]["error"] == "CheckpointExistsError"
+    assert "already committed" in err and "Traceback" not in err
+    assert "other" in memory_backend.open().load(5)  # untouched
+
+
+def test_cp_corrupt_source_commits_nothing(local_backend: Backend, memory_backend: Backend,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    src = populate(local_backend, (1,))
+    path = StepPaths(1).file(src.info(1).attempt, "tensors-00000.safetensors")
+    data = bytearray(local_backend.raw_read(path))
+    data[-3] ^= 0x10  # same size, other content
+    local_backend.raw_write(path, bytes(data))
+    code, _, err = run(["cp", local_backend.url, memory_backend.url], capsys)
+    assert code == 1 and "digest differs" in err and "tensors-00000.safetensors" in err
+    assert memory_backend.open().steps() == []
+    assert memory_backend.raw_files() == {}  # the partial attempt was removed
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_cp_crash_at_every_call_leaves_no_committed_step(
+        kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A copy killed at any storage call of the destination leaves the step uncommitted (and
+    the next copy succeeds); killed after the marker, it is committed whole."""
+    src = populate(request.getfixturevalue("memory_backend"), (1,))
+    base: Backend = request.getfixturevalue(f"{kind}_backend")
+    clean = FaultyStorage(base.sibling("clean").open().storage)
+    copy_step(src.storage, clean, 1, threads=1)
+    total = clean.count
+    assert total >= 4
+    for k in range(1, total + 1):
+        dst_b = base.sibling(f"crash{k}")
+        faulty = FaultyStorage(dst_b.open().storage, crash_at=k)
+        with pytest.raises(SimulatedCrash):
+            copy_step(src.storage, faulty, 1, threads=1)
+        assert dst_b.open().steps() == [], f"crash at call {k} of {total}"
+        copy_step(src.storage, dst_b.open().storage, 1, threads=1)  # the retry commits
+        assert dst_b.open().verify(1).ok
+    dst_b = base.sibling("after")
+    faulty = FaultyStorage(dst_b.open().storage, crash_at=total, crash_after=True)
+    with pytest.raises(SimulatedCrash):
+        copy_step(src.storage, faulty, 1, threads=1)
+    assert dst_b.open().steps() == [1] and dst_b.open().verify(1).ok
+
+
+def test_cp_local_to_s3_and_back(local_backend: Backend, s3_backend: Backend,
+                                 memory_backend: Backend,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    src = populate(local_backend, (1, 2))
+    opts = [f"--dst-option={k}={json.dumps(v)}" for k, v in s3_backend.options.items()]
+    code, _, err = run(["cp", local_backend.url, s3_backend.url, "--all", *opts], capsys)
+    assert code == 0, err
+    s3 = s3_backend.open()
+    assert s3.steps() == [1, 2]
+    assert_same_checkpoint(src, s3, 2)
+    back = [f"--src-option={k}={json.dumps(v)}" for k, v in s3_backend.options.items()]
+    code, _, err = run(["cp", s3_backend.url, memory_backend.url, "--step", "1", *back],
+                         capsys)
+    assert code == 0, err
+    assert_same_checkpoint(src, memory_backend.open(), 1)
+
+
+def test_cp_interrupted_upload_to_s3(local_backend: Backend, s3_backend: Backend) -> None:
+    src = populate(local_backend, (1,))
+    dst = s3_backend.open()
+    faulty = FaultyStorage(dst.storage, crash_at=3)
+    with pytest.raises(SimulatedCrash):
+        copy_step(src.storage, faulty, 1, threads=1)
+    assert s3_backend.open().steps() == []
+    copy_step(src.storage, s3_backend.open().storage, 1)
+    assert_same_checkpoint(src, s3_backend.open(), 1)
+
+
+def test_cp_usage_errors(memory_backend: Backend, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["cp", "memory://a", "memory://b", "--all", "--step", "1"], capsys)
+    assert code == 2 and "not allowed" in err
+    code, _, err = run(["cp", memory_backend.url, "memory://nowhere"], capsys)
+    assert code == 1 and "no committed checkpoint" in err
+
+
+# -- export --------------------------------------------------------------------------------------
+
+
+def test_export_safetensors(local_backend: Backend, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    src = populate(local_backend, (1, 2))
+    out = tmp_path / "model.safetensors"
+    code, _, err = run(["export", local_backend.url, "--step", "1", str(out)], capsys)
+    assert code == 0, err
+    with safe_open(str(out), framework="pt") as f:
+        keys = set(f.keys())
+        assert {"model/w", "model/b", "optimizer/state/0/step", "extras/arr"} == keys
+        assert torch.equal(f.get_tensor("model/w"), src.load(1)["model"]["w"])
+        meta = f.metadata()
+    values = json.loads(meta["ckptfs.values"])
+    assert values["optimizer/lr"] == 0.1 and values["optimizer/betas/1"] == 0.999
+    assert meta["ckptfs.step"] == "1" and json.loads(meta["ckptfs.metadata"])["note"] == "step 1"
+    # Only the model, with its own keys (what the HF ecosystem expects).
+    code, _, _ = run(["export", local_backend.url, "--key", "model", str(out)], capsys)
+    assert code == 2  # exists
+    code, _, err = run(["export", local_backend.url, "--key", "model", "--force", str(out)],
+                       capsys)
+    assert code == 0, err
+    with safe_open(str(out), framework="pt") as f:
+        assert set(f.keys()) == {"w", "b"}
+        assert torch.equal(f.get_tensor("b"), src.load(2)["model"]["b"])  # latest
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_export_pt_and_usage(memory_backend: Backend, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    src = populate(memory_backend, (3,))
+    out = tmp_path / "state.pt"
+    code, out_text, err = run(["export", memory_backend.url, str(out), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out_text)["format"] == "pt"
+    loaded = torch.load(out, weights_only=False)
+    assert torch.equal(loaded["model"]["w"], src.load(3)["model"]["w"])
+    assert loaded["extras"]["out"] == pathlib.Path("runs/x")
+    code, _, err = run(["export", memory_backend.url, str(tmp_path / "x.bin")], capsys)
+    assert code == 2 and ".safetensors or .pt" in err
+    code, _, err = run(["export", memory_backend.url, "--key", "nope", str(tmp_path / "y.pt")],
+                       capsys)
+    assert code == 2 and "nope" in err and not (tmp_path / "y.pt").exists()
+
+
+def test_export_unregistered_type_as_plain_dict(memory_backend: Backend,
+                                                tmp_path: Path) -> None:
+    class Stage(enum.Enum):
+        A = 1
+
+    ckptfs.register_type(Stage, name="tests.Stage")
+    memory_backend.open().save(1, {"w": torch.ones(1), "stage": Stage.A})
+    extensions.unregister_type("tests.Stage")
+    out = tmp_path / "s.safetensors"
+    assert main(["export", memory_backend.url, str(out)]) == 0
+    with safe_open(str(out), framework="pt") as f:
+        values = json.loads(f.metadata()["ckptfs.values"])
+    assert values["stage"] == {"__ckptfs_type__": "tests.Stage", "value": "A"}
+
+
+# -- progress bars and bench options -------------------------------------------------------------
+
+
+def test_progress_only_on_a_terminal(local_backend: Backend, memory_backend: Backend,
+                                     monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    populate(local_backend, (1, 2))
+    code, _, err = run(["cp", local_backend.url, memory_backend.url, "--step", "1"], capsys)
+    assert code == 0 and "cp:" not in err  # not a TTY: no bar
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    code, _, err = run(["cp", local_backend.url, memory_backend.url, "--step", "2"], capsys)
+    assert code == 0 and "cp:" in err
+    ns = tools.argparse.Namespace(quiet=True, json=False)
+    assert not tools.show_progress(ns)
+    assert not tools.show_progress(tools.argparse.Namespace(quiet=False, json=True))
+
+
+def test_bench_subcommands_show_only_their_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "hash", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--hash-size" in text and "--sizes" not in text and "--counts" not in text
+    assert main(["bench", "report", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--docs" in text and "--reps" not in text
+    assert main(["bench", "latest", "--sizes", "1GiB"]) == 2
+    assert "unrecognized arguments: --sizes" in capsys.readouterr().err
+    assert main(["bench", "all", "--help"]) == 0
+    assert "--s3-max" in capsys.readouterr().out
