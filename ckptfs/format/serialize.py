@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import re
 import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -28,13 +29,38 @@ from typing import Any
 import msgpack
 import torch
 
-from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
+from ckptfs.errors import (
+    CorruptCheckpointError,
+    FormatVersionError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
+from ckptfs.format.extensions import (
+    EXT_TAG,
+    IN_PAYLOAD,
+    decode_extension,
+    encoder_for,
+    refusal,
+    reporting_key_paths,
+)
 from ckptfs.format.layout import STATE_NAME, check_relpath, tensor_file_name
+from ckptfs.format.limits import (
+    MAX_BIGINT_DIGITS,
+    MAX_DEPTH,
+    MAX_FILE_SIZE,
+    MAX_FILES,
+    MAX_HEADER_BYTES,
+    MAX_STATE_DOC_BYTES,
+)
+from ckptfs.format.manifest import bigint_text, unique_pairs
+from ckptfs.format.sharding_plan import plan_shards
 
 STATE_SCHEMA = "ckptfs.state"
-MAX_DEPTH = 256
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+STATE_FORMAT_VERSION = 1
 DEFAULT_SHARD_BYTES = 512 * 1024 * 1024
+#: A shard is closed once its estimated safetensors header reaches this, so many small tensors
+#: never make a header the reader (and the safetensors library) would refuse.
+SHARD_HEADER_BUDGET = MAX_HEADER_BYTES // 2
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("ckptfs format v1 stores little-endian tensors; big-endian hosts are "
@@ -80,84 +106,166 @@ class PlannedFile:
 
 
 def _key_str(path: tuple[Any, ...]) -> str:
-    return "/".join(str(p) for p in path) or "<root>"
+    """A key path for messages: ``model/layers/0/weight``; very deep paths are abbreviated."""
+    parts = [str(p) for p in path if p is not IN_PAYLOAD]
+    if len(parts) > 12:
+        parts = [*parts[:4], f"...({len(parts) - 8} more)...", *parts[-4:]]
+    text = "/".join(p if len(p) <= 80 else f"{p[:77]}..." for p in parts)
+    return text or "<root>"
+
+
+_BIGINT_RE = re.compile(r"-?(?:0|[1-9][0-9]*)")
 
 
 def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
+    """Everything that makes two tensor objects read the same values: the storage (by object,
+    not address: empty storages all have address 0), the view's geometry, and the lazy
+    conjugate/negative bits.  Two tensors with equal identities are one tensor to the format."""
     st = t.untyped_storage()
-    return (t.device, st.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (t.device, st._cdata, st.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+            t.dtype, t.is_conj(), t.is_neg())
+
+
+def _is_dispatch_subclass(t: torch.Tensor) -> bool:
+    """A tensor subclass with its own ``__torch_dispatch__`` (DTensor, FakeTensor, jagged
+    nested tensors, float8/quantized wrappers...): its Python object does not own plain memory,
+    so its bytes cannot be streamed.  Plain subclasses (``nn.Parameter``) are fine."""
+    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
 class _Flattener:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.names: list[str] = []
+        self.tops: list[Any] = []  # each tensor's top-level key (its file group)
         self._ids: dict[tuple[Any, ...], int] = {}
         self._stack: set[int] = set()
+        #: (size, key path) of the largest str/bytes value, for a too-large state.msgpack.
+        self.largest: tuple[int, str] = (0, "")
 
-    def encode(self, value: Any, path: tuple[Any, ...]) -> Any:
+    def encode(self, value: Any, path: tuple[Any, ...], in_key: bool = False) -> Any:
         if len(path) > MAX_DEPTH:
-            raise UnsupportedValueError(f"state nested deeper than {MAX_DEPTH} at {_key_str(path)}")
+            raise UnsupportedValueError(
+                f"state nested deeper than {MAX_DEPTH} levels at key path {_key_str(path)!r} "
+                f"(depth {len(path)}); flatten it or store the deep part as bytes")
+        if (ext := encoder_for(value)) is not None:  # registered extension type (extensions.py)
+            payload = ext.payload(value, lambda: _key_str(path))
+            return [EXT_TAG, [ext.name, self.encode(payload, (*path, IN_PAYLOAD), in_key)]]
         if isinstance(value, torch.Tensor):
+            if in_key:
+                raise UnsupportedValueError(
+                    f"a dict key at {_key_str(path)!r} contains a tensor; keys must be str, "
+                    "int, float, bool, None, bytes or tuples of those")
             return [_TENSOR, self._add_tensor(value, path)]
-        if value is None or isinstance(value, (bool, str, bytes)):
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, (str, bytes)):
+            if isinstance(value, str):
+                try:
+                    size = len(value.encode("utf-8"))
+                except UnicodeEncodeError as exc:
+                    raise UnsupportedValueError(
+                        f"string at key path {_key_str(path)!r} is not valid Unicode "
+                        f"({exc.reason} at index {exc.start}); it cannot be stored as UTF-8. "
+                        "Store it as bytes") from None
+                value = str(value)
+            else:
+                size = len(value)
+                value = bytes(value)
+            if size > self.largest[0]:
+                self.largest = (size, _key_str(path))
             return value
         if isinstance(value, int):
+            value = int(value)
             if _INT64_MIN <= value <= _UINT64_MAX:
-                return int(value)
-            return [_BIGINT, str(int(value))]
+                return value
+            text = bigint_text(value)
+            if text is None:
+                raise UnsupportedValueError(
+                    f"int at key path {_key_str(path)!r} has more than {MAX_BIGINT_DIGITS} "
+                    "decimal digits (the format's limit, Python's int/str conversion limit); "
+                    "store it as bytes (value.to_bytes(...)) or as a tensor")
+            return [_BIGINT, text]
         if isinstance(value, float):
             return float(value)
         if isinstance(value, torch.dtype):
             return [_DTYPE, str(value).removeprefix("torch.")]
         if isinstance(value, (Mapping, list, tuple)):
+            if in_key and not isinstance(value, tuple):
+                raise UnsupportedValueError(
+                    f"a dict key at {_key_str(path)!r} contains a {type(value).__name__}")
             if id(value) in self._stack:
-                raise UnsupportedValueError(f"state contains a reference cycle at {_key_str(path)}")
+                raise UnsupportedValueError(
+                    f"state contains a reference cycle at key path {_key_str(path)!r}: a "
+                    "container that contains itself cannot be stored")
             self._stack.add(id(value))
             try:
                 if isinstance(value, Mapping):
                     items = []
                     for k, v in value.items():
-                        if not isinstance(k, (str, int, float, bool, type(None), bytes, tuple)):
+                        if not isinstance(k, (str, int, float, bool, type(None), bytes, tuple)
+                                          ) and encoder_for(k) is None:
                             raise UnsupportedValueError(
-                                f"state key {k!r} at {_key_str(path)} has type "
+                                f"state key {k!r:.80} at {_key_str(path)!r} has type "
                                 f"{type(k).__name__}; keys must be str, int, float, bool, None, "
                                 "bytes or tuples of those"
                             )
-                        items.append([self.encode(k, (*path, "<key>")), self.encode(v, (*path, k))])
+                        items.append([self.encode(k, (*path, "<key>"), True),
+                                      self.encode(v, (*path, k))])
                     return [_DICT, items]
-                seq = [self.encode(v, (*path, i)) for i, v in enumerate(value)]
+                seq = [self.encode(v, (*path, i), in_key) for i, v in enumerate(value)]
                 if isinstance(value, torch.Size):
                     return [_SIZE, seq]
                 return [_TUPLE if isinstance(value, tuple) else _LIST, seq]
             finally:
                 self._stack.discard(id(value))
-        raise UnsupportedValueError(
-            f"cannot store value of type {type(value).__module__}.{type(value).__qualname__} at "
-            f"key path {_key_str(path)!r}: ckptfs stores tensors, dicts, lists, tuples, int, "
-            "float, bool, None, str and bytes (no pickle). Convert it (e.g. numpy scalars with "
-            ".item(), arrays with torch.from_numpy) or store its state_dict()"
-        )
+        if in_key:
+            raise UnsupportedValueError(
+                f"a dict key at {_key_str(path)!r} contains a {type(value).__name__}; keys must "
+                "be str, int, float, bool, None, bytes or tuples of those")
+        raise refusal(value, _key_str(path))
 
     def _add_tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
-        if t.dtype not in _DTYPES:
+        where = _key_str(path)
+        if _is_dispatch_subclass(t):
             raise UnsupportedValueError(
-                f"tensor at {_key_str(path)!r} has dtype {t.dtype}, which safetensors cannot "
-                f"store; supported: {sorted(str(d) for d in _DTYPES)}"
-            )
+                f"tensor at {where!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor "
+                "subclass that does not own plain memory; store plain tensors (a DTensor: "
+                ".full_tensor() or .to_local(); other wrappers: their inner tensors)")
+        if t.is_nested:
+            raise UnsupportedValueError(
+                f"tensor at {where!r} is a nested tensor; store its components "
+                "(t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedValueError(
-                f"tensor at {_key_str(path)!r} has layout {t.layout}; convert with .to_dense()"
+                f"tensor at {where!r} has layout {t.layout}; convert with .to_dense()")
+        if t.is_quantized or t.dtype not in _DTYPES:
+            raise UnsupportedValueError(
+                f"tensor at {where!r} has dtype {t.dtype}, which safetensors cannot "
+                f"store; supported: {sorted(str(d) for d in _DTYPES)}"
             )
         if t.device.type == "meta":
-            raise UnsupportedValueError(f"tensor at {_key_str(path)!r} is on the meta device")
-        ident = _tensor_identity(t)
+            raise UnsupportedValueError(
+                f"tensor at {where!r} is on the meta device (it has no data); materialize it "
+                "first (e.g. model.to_empty(device=...) and initialise it)")
+        names = tuple(getattr(t, "names", ()))  # named tensors (not in torch's stubs)
+        if any(n is not None for n in names):
+            raise UnsupportedValueError(
+                f"tensor at {where!r} has dimension names {names}, which the format does not "
+                "store; drop them with .rename(None)")
+        try:
+            ident = _tensor_identity(t)
+        except (RuntimeError, NotImplementedError) as exc:
+            raise UnsupportedValueError(
+                f"tensor at {where!r} ({type(t).__qualname__} on {t.device}) has no storage "
+                f"ckptfs can read ({exc}); store a plain CPU or CUDA tensor") from None
         index = self._ids.get(ident)
         if index is None:
             index = len(self.tensors)
             self._ids[ident] = index
             self.tensors.append(t)
-            self.names.append(_key_str(path))
+            self.names.append("/".join(str(p) for p in path if p is not IN_PAYLOAD))
+            self.tops.append(path[0] if path else None)
         return index
 
 
@@ -177,21 +285,24 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
             f"{type(state).__name__}"
         )
     flat = _Flattener()
-    tree = flat.encode(state, ())
+    try:
+        tree = flat.encode(state, ())
+    except RecursionError:
+        raise UnsupportedValueError(
+            "state is nested too deeply for Python's stack (the format allows "
+            f"{MAX_DEPTH} levels); flatten it") from None
 
-    # Shards: greedy by order of appearance, then sorted inside a shard by element size so every
-    # tensor's offset is aligned to its element size (safetensors forbids gaps between tensors).
-    shards: list[list[int]] = [[]]
-    acc = 0
-    for i, t in enumerate(flat.tensors):
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and acc + nbytes > shard_bytes:
-            shards.append([])
-            acc = 0
-        shards[-1].append(i)
-        acc += nbytes
-    if not shards[-1]:
-        shards.pop()
+    # Shards: by top-level key (format/sharding_plan.py: "model" alone is cheap to load), then
+    # sorted inside a shard by element size so every tensor's offset is aligned to its element
+    # size (safetensors forbids gaps).
+    shards = plan_shards([t.numel() * t.element_size() for t in flat.tensors],
+                         [_header_entry_estimate(n, t) for n, t in zip(flat.names, flat.tensors,
+                                                                        strict=True)],
+                         flat.tops, shard_bytes=shard_bytes, header_budget=SHARD_HEADER_BUDGET)
+    if len(shards) + 1 > MAX_FILES:
+        raise UnsupportedValueError(
+            f"the state would need {len(shards) + 1} files, more than the format's {MAX_FILES}; "
+            f"raise shard_bytes (now {shard_bytes})")
 
     slots: list[TensorSlot | None] = [None] * len(flat.tensors)
     files: list[PlannedFile] = []
@@ -199,7 +310,7 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
     for sidx, members in enumerate(shards):
         fname = tensor_file_name(sidx)
         members = sorted(members, key=lambda i: -flat.tensors[i].element_size())
-        used: set[str] = set()
+        used: set[str] = {_HEADER_METADATA}  # a tensor may not shadow the metadata entry
         entries: list[tuple[str, torch.Tensor]] = []
         for i in members:
             name = flat.names[i]
@@ -215,9 +326,11 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
         total += pf.size
         files.append(pf)
 
+    if flat.largest[0] > MAX_STATE_DOC_BYTES:
+        raise _state_doc_too_large(flat.largest[0], flat)
     doc = {
         "schema": STATE_SCHEMA,
-        "format_version": 1,
+        "format_version": STATE_FORMAT_VERSION,
         "tree": tree,
         "tensors": [[s.file, s.name, s.dtype, list(s.shape)] for s in slots if s is not None],
     }
@@ -225,8 +338,28 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
         blob = msgpack.packb(doc, use_bin_type=True)
     except (OverflowError, ValueError, TypeError) as exc:  # pragma: no cover - encode() checks
         raise UnsupportedValueError(f"state cannot be encoded as msgpack: {exc}") from exc
+    if len(blob) > MAX_STATE_DOC_BYTES:
+        raise _state_doc_too_large(len(blob), flat)
     files.insert(0, PlannedFile(STATE_NAME, len(blob), lambda: iter([memoryview(blob)])))
     return StatePlan(files, len(flat.tensors), total)
+
+
+_HEADER_METADATA = "__metadata__"
+
+
+def _header_entry_estimate(name: str, t: torch.Tensor) -> int:
+    """An upper bound of the bytes ``name``'s entry adds to a safetensors header (name as JSON,
+    a ``#n`` suffix, dtype, shape and two offsets)."""
+    return len(json.dumps(name)) + len(json.dumps(list(t.shape))) + 128
+
+
+def _state_doc_too_large(size: int, flat: _Flattener) -> UnsupportedValueError:
+    biggest, where = flat.largest
+    hint = (f"; its largest value is {biggest} B of str/bytes at key path {where!r}: store "
+            "large blobs as uint8 tensors (torch.frombuffer)" if biggest else "")
+    return UnsupportedValueError(
+        f"the state's non-tensor part (state.msgpack) would be at least {size} B, more than the "
+        f"format's {MAX_STATE_DOC_BYTES} B limit{hint}")
 
 
 def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -255,7 +388,7 @@ def tensor_memoryview(t: torch.Tensor) -> memoryview:
 
 
 def _plan_safetensors(fname: str, entries: list[tuple[str, torch.Tensor]]) -> PlannedFile:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "producer": "ckptfs"}}
+    header: dict[str, Any] = {_HEADER_METADATA: {"format": "pt", "producer": "ckptfs"}}
     offset = 0
     for name, t in entries:
         nbytes = t.numel() * t.element_size()
@@ -264,8 +397,18 @@ def _plan_safetensors(fname: str, entries: list[tuple[str, torch.Tensor]]) -> Pl
         offset += nbytes
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * (-len(hbytes) % 8)
+    if len(hbytes) > MAX_HEADER_BYTES:
+        longest = max((n for n, _ in entries), key=len)
+        raise UnsupportedValueError(
+            f"{fname}: its safetensors header would be {len(hbytes)} B, more than the "
+            f"{MAX_HEADER_BYTES}-byte limit; the longest tensor key path is "
+            f"{_key_str(tuple(longest.split('/')))!r} ({len(longest)} characters): shorten keys")
     prefix = struct.pack("<Q", len(hbytes)) + hbytes
     size = len(prefix) + offset
+    if size > MAX_FILE_SIZE:
+        raise UnsupportedValueError(
+            f"{fname} would be {size} B, more than the format's {MAX_FILE_SIZE}-byte file limit; "
+            "lower shard_bytes or split the largest tensor")
 
     def chunks() -> Iterator[memoryview]:
         yield memoryview(prefix)
@@ -284,15 +427,25 @@ def _plan_safetensors(fname: str, entries: list[tuple[str, torch.Tensor]]) -> Pl
 # Loading
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def decode_state_doc(data: bytes, *, where: str) -> tuple[Any, list[TensorSlot]]:
-    """Parse ``state.msgpack`` bytes into (tagged tree, tensor slots).  Typed errors only."""
+    """Parse ``state.msgpack`` bytes into (tagged tree, tensor slots).  Typed errors only:
+    :class:`FormatVersionError` for a newer state format, :class:`UnsafeCheckpointError` for
+    extension types or a document over the size limit, :class:`CorruptCheckpointError` else."""
+    if len(data) > MAX_STATE_DOC_BYTES:
+        raise UnsafeCheckpointError(
+            f"{where}: {len(data)} bytes exceeds the {MAX_STATE_DOC_BYTES}-byte limit")
 
     def no_ext(code: int, payload: bytes) -> Any:
         raise UnsafeCheckpointError(f"{where}: msgpack extension type {code} is not allowed")
 
     try:
         doc = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, ext_hook=no_ext, use_list=True)
+            data, raw=False, strict_map_key=True, ext_hook=no_ext, use_list=True,
+            object_pairs_hook=unique_pairs)
     except UnsafeCheckpointError:
         raise
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
@@ -300,21 +453,27 @@ def decode_state_doc(data: bytes, *, where: str) -> tuple[Any, list[TensorSlot]]
         raise CorruptCheckpointError(f"{where}: not a valid state document ({exc!r})") from None
     if not isinstance(doc, dict) or doc.get("schema") != STATE_SCHEMA:
         raise CorruptCheckpointError(f"{where}: not a ckptfs state document")
-    if doc.get("format_version") != 1:
-        raise CorruptCheckpointError(
-            f"{where}: unsupported state format {doc.get('format_version')!r}")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptCheckpointError(f"{where}: bad state format_version {version!r:.40}")
+    if version > STATE_FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: state written by format version {version}; this ckptfs reads up to "
+            f"{STATE_FORMAT_VERSION}: upgrade ckptfs")
+    if "tree" not in doc:
+        raise CorruptCheckpointError(f"{where}: the state document has no 'tree'")
     raw_slots = doc.get("tensors")
     if not isinstance(raw_slots, list):
         raise CorruptCheckpointError(f"{where}: 'tensors' is not a list")
     slots = []
     for raw in raw_slots:
         if (not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[1], str)
-                or raw[2] not in _CODES or not isinstance(raw[3], list)
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                           for d in raw[3])):
+                or raw[1] == _HEADER_METADATA or raw[2] not in _CODES
+                or not isinstance(raw[3], list)
+                or not all(_is_int(d) and d >= 0 for d in raw[3])):
             raise CorruptCheckpointError(f"{where}: malformed tensor slot {raw!r:.200}")
         slots.append(TensorSlot(check_relpath(raw[0]), raw[1], raw[2], tuple(raw[3])))
-    return doc.get("tree"), slots
+    return doc["tree"], slots
 
 
 def build_tree(tree: Any, tensors: list[torch.Tensor], *, where: str) -> Any:
@@ -323,7 +482,7 @@ def build_tree(tree: Any, tensors: list[torch.Tensor], *, where: str) -> Any:
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: malformed state tree ({what})")
 
-    def dec(node: Any, depth: int) -> Any:
+    def dec(node: Any, depth: int, in_key: bool = False) -> Any:
         if depth > MAX_DEPTH:
             raise UnsafeCheckpointError(f"{where}: state tree nested deeper than {MAX_DEPTH}")
         if node is None or isinstance(node, (bool, int, float, str, bytes)):
@@ -332,6 +491,8 @@ def build_tree(tree: Any, tensors: list[torch.Tensor], *, where: str) -> Any:
             raise bad(f"unexpected node {node!r:.80}")
         tag, payload = node
         if tag == _TENSOR:
+            if in_key:
+                raise bad("tensor reference inside a dict key")
             if not isinstance(payload, int) or isinstance(payload, bool) or not (
                 0 <= payload < len(tensors)
             ):
@@ -344,38 +505,44 @@ def build_tree(tree: Any, tensors: list[torch.Tensor], *, where: str) -> Any:
             for item in payload:
                 if not isinstance(item, list) or len(item) != 2:
                     raise bad("dict item")
-                key = dec(item[0], depth + 1)
+                key = dec(item[0], depth + 1, True)
                 try:
-                    out[key] = dec(item[1], depth + 1)
+                    if key in out:
+                        raise bad(f"duplicate key {key!r:.80}")
                 except TypeError:
                     raise bad(f"unhashable key {key!r:.80}") from None
+                out[key] = dec(item[1], depth + 1)
             return out
         if tag in (_LIST, _TUPLE, _SIZE):
             if not isinstance(payload, list):
                 raise bad("sequence payload")
-            items = [dec(v, depth + 1) for v in payload]
+            items = [dec(v, depth + 1, in_key) for v in payload]
             if tag == _LIST:
                 return items
             if tag == _SIZE:
-                if not all(isinstance(i, int) for i in items):
+                if not all(_is_int(i) and _INT64_MIN <= i < 2**63 for i in items):
                     raise bad("torch.Size of non-ints")
                 return torch.Size(items)
             return tuple(items)
         if tag == _BIGINT:
-            if not isinstance(payload, str) or len(payload) > 4300:
+            if (not isinstance(payload, str) or len(payload.lstrip("-")) > MAX_BIGINT_DIGITS
+                    or not _BIGINT_RE.fullmatch(payload)):
                 raise bad("big int")
             try:
                 return int(payload)
-            except ValueError:
-                raise bad("big int") from None
+            except ValueError:  # the process lowered sys.set_int_max_str_digits
+                raise bad(f"big int of {len(payload)} characters: this Python's int/str "
+                          "conversion limit is lower than the format's") from None
         if tag == _DTYPE:
-            dt = getattr(torch, str(payload), None)
+            dt = getattr(torch, payload, None) if isinstance(payload, str) else None
             if not isinstance(dt, torch.dtype):
                 raise bad(f"dtype {payload!r:.40}")
             return dt
+        if tag == EXT_TAG:  # an extension value: its type name must be registered here
+            return decode_extension(payload, lambda p: dec(p, depth + 1, in_key), node)
         raise bad(f"unknown tag {tag!r:.20}")
 
-    return dec(tree, 0)
+    return reporting_key_paths(lambda: dec(tree, 0), tree, where)
 
 
 @dataclass(frozen=True)
@@ -402,24 +569,29 @@ def parse_safetensors_header(buf: bytes | bytearray | memoryview, *, where: str
             f"{MAX_HEADER_BYTES}-byte limit"
         )
     try:
-        header = json.loads(bytes(buf[8:8 + hlen]).decode("utf-8"))
+        header = json.loads(bytes(buf[8:8 + hlen]).decode("utf-8"),
+                            object_pairs_hook=unique_pairs)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: safetensors header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: safetensors header is not an object")
+    meta = header.get(_HEADER_METADATA, {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError(
+            f"{where}: safetensors __metadata__ is not an object of strings")
     start = 8 + hlen
     data_len = size - start
     entries: dict[str, HeaderEntry] = {}
     spans = []
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == _HEADER_METADATA:
             continue
         try:
             dtype = info["dtype"]
             shape = tuple(info["shape"])
             begin, end = info["data_offsets"]
-            if (dtype not in _CODES or not all(isinstance(d, int) and d >= 0 for d in shape)
-                    or not isinstance(begin, int) or not isinstance(end, int)
+            if (dtype not in _CODES or not all(_is_int(d) and d >= 0 for d in shape)
+                    or not _is_int(begin) or not _is_int(end)
                     or not 0 <= begin <= end <= data_len):
                 raise ValueError
             nelem = math.prod(shape)

@@ -9,14 +9,21 @@ returned.  Nothing is unpickled: the tree is msgpack, the tensors safetensors.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import mmap as _mmap
+import os
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import torch
 
-from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptfs.errors import (
+    CorruptCheckpointError,
+    LoadOptionError,
+    StorageError,
+    UnsafeCheckpointError,
+)
 from ckptfs.format.hashing import (
     HASH_INLINE_BYTES,
     BackgroundHasher,
@@ -26,6 +33,7 @@ from ckptfs.format.hashing import (
     read_chunk_size,
 )
 from ckptfs.format.layout import MANIFEST_NAME, STATE_NAME
+from ckptfs.format.limits import MAX_STATE_DOC_BYTES
 from ckptfs.format.manifest import FileEntry
 from ckptfs.format.serialize import (
     build_tree,
@@ -34,13 +42,25 @@ from ckptfs.format.serialize import (
     tensor_memoryview,
     tensors_from_buffer,
 )
+from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
+from ckptfs.protocol.load_options import (
+    KeyPath,
+    MapLocation,
+    map_tensors,
+    parse_keys,
+    prune_state,
+    prune_tagged,
+    selection,
+    tensor_map,
+    tensor_refs,
+)
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
 
-MAX_STATE_DOC_BYTES = 2 * 1024 * 1024 * 1024
-MapLocation = str | torch.device | None
+__all__ = ["MapLocation", "VerifyReport", "load_checkpoint", "read_file_verified",
+           "verify_checkpoint"]
 T = TypeVar("T")
 
 
@@ -64,16 +84,21 @@ class VerifyReport:
                 "problems": list(self.problems)}
 
 
-def _check_not_link(storage: Storage, info: CheckpointInfo, relpath: str) -> None:
+def _links(storage: Storage, info: CheckpointInfo, *relpaths: str) -> list[str]:
+    """Which of the step directory, the attempt directory and ``relpaths`` (relative to the
+    attempt) are symbolic links, where the adapter can tell (local disk)."""
     is_link = getattr(storage, "is_symlink", None)
     if is_link is None:
-        return
-    for p in (info.path, f"{info.path}/{relpath}"):
-        if is_link(p):
-            raise UnsafeCheckpointError(
-                f"{storage_url(storage, p)} is a symbolic link; a checkpoint may not contain "
-                "links (they can point outside it). Refusing to read it",
-                step=info.step, path=p)
+        return []
+    paths = [info.paths.dir, info.path, *(f"{info.path}/{r}" for r in relpaths)]
+    return [p for p in paths if is_link(p)]
+
+
+def _check_not_link(storage: Storage, info: CheckpointInfo, relpath: str) -> None:
+    for p in _links(storage, info, relpath):
+        raise UnsafeCheckpointError(
+            f"{storage_url(storage, p)} is a symbolic link; a checkpoint may not contain "
+            "links (they can point outside it). Refusing to read it", step=info.step, path=p)
 
 
 class _NullHasher:
@@ -145,10 +170,22 @@ def _parallel(fn: Callable[[FileEntry], T], items: list[FileEntry], threads: int
 def _check_stored_sizes(storage: Storage, info: CheckpointInfo) -> None:
     """Compare every declared size with the stored object (one listing) before any buffer is
     allocated: a manifest that declares a 1 PiB file must fail as corrupt, not make the reader
-    allocate (or try to allocate) what it declares."""
+    allocate (or try to allocate) what it declares.  A symbolic link anywhere in the attempt
+    (local disk) is refused; files the manifest does not list are not read, and are logged
+    (``verify`` reports them as stray)."""
     prefix = info.path + "/"
-    found = {e.name[len(prefix):]: e.size for e in storage.list_tree(info.path)
-             if e.name.startswith(prefix)}
+    listing = [e for e in storage.list_tree(info.path) if e.name.startswith(prefix)]
+    for e in listing:
+        if e.is_link:
+            raise UnsafeCheckpointError(
+                f"{storage_url(storage, e.name)} is a symbolic link; a checkpoint may not "
+                "contain links (they can point outside it). Refusing to read it",
+                step=info.step, path=e.name)
+    found = {e.name[len(prefix):]: e.size for e in listing}
+    strays = sorted(set(found) - {f.path for f in info.manifest.files} - {MANIFEST_NAME})
+    if strays:
+        log.warning("%s: files not in the manifest are ignored by load (run 'ckptfs verify' "
+                    "to report them): %s", info.url, ", ".join(strays[:10]))
     for entry in info.manifest.files:
         size = found.get(entry.path)
         path = prefix + entry.path
@@ -162,8 +199,83 @@ def _check_stored_sizes(storage: Storage, info: CheckpointInfo) -> None:
                 f"{entry.size} B, found {size} B)", step=info.step, path=path)
 
 
+def map_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry, *,
+                      verify: bool = True) -> memoryview:
+    """Memory-map one manifest file of a local-disk checkpoint (copy-on-write: writing to a
+    tensor never changes the file) and, with ``verify``, hash every byte of the mapping and
+    compare with the manifest before returning.  The mapping lives as long as a view of it."""
+    _check_not_link(storage, info, entry.path)
+    path = f"{info.path}/{entry.path}"
+    where = storage_url(storage, path)
+    local = cast(Any, storage).full(path)
+    try:
+        fd = os.open(local, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: listed in the manifest but missing",
+                                     step=info.step, path=path) from None
+    except OSError as exc:
+        raise StorageError(f"{where}: cannot open for mapping: {exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry.size:
+            raise CorruptCheckpointError(
+                f"{where}: size differs from the manifest (declared {entry.size} B, found "
+                f"{size} B)", step=info.step, path=path)
+        if size == 0:
+            return memoryview(b"")
+        try:
+            mapping = _mmap.mmap(fd, size, access=_mmap.ACCESS_COPY)
+        except OSError as exc:
+            raise StorageError(f"{where}: cannot memory-map: {exc}") from exc
+    finally:
+        os.close(fd)
+    view = memoryview(mapping)
+    if verify:
+        hasher = new_hasher(entry.algorithm)
+        step = read_chunk_size(size)
+        for pos in range(0, size, step):
+            hasher.update(view[pos:pos + step])
+        actual = format_digest(entry.algorithm, hasher.hexdigest())
+        if actual != entry.digest:
+            raise CorruptCheckpointError(
+                f"{where}: content digest differs from the manifest (expected {entry.digest}, "
+                f"got {actual}): the file was modified or corrupted after commit",
+                step=info.step, path=path)
+    return view
+
+
+def _check_mmap_storage(storage: Storage, info: CheckpointInfo) -> None:
+    if storage.capabilities.protocol != "file" or not callable(getattr(storage, "full", None)):
+        raise LoadOptionError(
+            f"{info.url}: mmap=True maps files of a local-disk checkpoint; this store is "
+            f"{storage.capabilities.protocol}://. Load without mmap (or copy the checkpoint to "
+            "local disk first: ckptfs cp)")
+    if info.manifest.format_version == SHARDED_FORMAT_VERSION:
+        raise LoadOptionError(
+            f"{info.url}: mmap=True is supported for format v1 checkpoints; this one is "
+            "sharded (format v2, docs/sharded.md): load it without mmap")
+
+
 def load_checkpoint(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
-                    map_location: MapLocation = None, threads: int = 4) -> dict[Any, Any]:
+                    map_location: MapLocation = None, threads: int = 4,
+                    keys: Iterable[str | KeyPath] | None = None,
+                    mmap: bool = False) -> dict[Any, Any]:
+    """Load a committed checkpoint (docs/loading.md).
+
+    ``keys``: load only these key paths (format v1 reads and verifies only ``state.msgpack``
+    and the tensor files holding the selected tensors; format v2 loads everything, then
+    selects).  ``map_location``: as ``torch.load``.  ``mmap``: local disk, format v1: tensors
+    view copy-on-write mappings of the files instead of buffers read into memory."""
+    mapper = tensor_map(map_location)  # bad options fail before any I/O
+    paths = parse_keys(keys)
+    if mmap:
+        _check_mmap_storage(storage, info)
+    if info.manifest.format_version == SHARDED_FORMAT_VERSION:
+        from ckptfs.protocol.sharded import load_full  # format v2: ranks' files, DCP metadata
+        state = load_full(storage, info, verify=verify, threads=threads)
+        if paths is not None:
+            state = prune_state(state, selection(paths), info.url)
+        return cast(dict[Any, Any], map_tensors(state, mapper)) if mapper else state
     manifest = info.manifest
     by_path = {e.path: e for e in manifest.files}
     state_entry = by_path.get(STATE_NAME)
@@ -179,28 +291,36 @@ def load_checkpoint(storage: Storage, info: CheckpointInfo, *, verify: bool = Tr
     tree, slots = decode_state_doc(bytes(doc), where=where)
     del doc
 
-    needed = sorted({s.file for s in slots})
+    if paths is None:
+        wanted = list(range(len(slots)))
+    else:
+        tree = prune_tagged(tree, selection(paths),
+                            lambda k: build_tree(k, [], where=where), info.url)
+        wanted = sorted(i for i in tensor_refs(tree, set()) if 0 <= i < len(slots))
+    needed = sorted({slots[i].file for i in wanted})
     missing = [n for n in needed if n not in by_path]
     if missing:
         raise CorruptCheckpointError(f"{info.url}: state references files not in the manifest: "
                                      f"{missing}", step=info.step)
 
+    read = map_file_verified if mmap else read_file_verified
+
     def load_file(entry: FileEntry) -> dict[str, torch.Tensor]:
-        buf = read_file_verified(storage, info, entry, verify=verify)
+        buf = read(storage, info, entry, verify=verify)
         return tensors_from_buffer(buf, where=storage_url(storage, f"{info.path}/{entry.path}"))
 
     loaded = dict(zip(needed, _parallel(load_file, [by_path[n] for n in needed], threads),
                       strict=True))
-    tensors: list[torch.Tensor] = []
-    for slot in slots:
+    unselected = torch.empty(0)  # never reached: the pruned tree does not reference it
+    tensors: list[torch.Tensor] = [unselected] * len(slots)
+    for i in wanted:
+        slot = slots[i]
         t = loaded[slot.file].get(slot.name)
         if t is None or tuple(t.shape) != slot.shape or dtype_code(t.dtype) != slot.dtype:
             raise CorruptCheckpointError(
                 f"{info.url}/{slot.file}: tensor {slot.name!r} is missing or differs from the "
                 "state document", step=info.step)
-        if map_location is not None:
-            t = t.to(map_location)
-        tensors.append(t)
+        tensors[i] = mapper(t) if mapper is not None else t
     state = build_tree(tree, tensors, where=where)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where}: the state root is not a dict", step=info.step)
@@ -214,10 +334,19 @@ def verify_checkpoint(storage: Storage, info: CheckpointInfo, *, quick: bool = F
     quick: names and sizes from one listing of the attempt directory (missing, extra, resized
     files).  full: also re-reads and re-hashes every file.  Problems are collected (all of them,
     naming each file) in the report; the caller decides whether to raise."""
+    if info.manifest.format_version == SHARDED_FORMAT_VERSION:
+        from ckptfs.protocol.sharded import verify_sharded  # chunk digests, not file digests
+        return verify_sharded(storage, info, quick=quick, threads=threads)
     report = VerifyReport(info.step, info.attempt, info.url, "quick" if quick else "full")
     listing = {e.name: e for e in storage.list_tree(info.path)}
     prefix = info.path + "/"
-    found = {name[len(prefix):]: e.size for name, e in listing.items() if name.startswith(prefix)}
+    for p in _links(storage, info):
+        report.problems.append(f"{storage_url(storage, p)}: symbolic link (refused)")
+    for name, e in sorted(listing.items()):
+        if e.is_link:
+            report.problems.append(f"{name[len(prefix):]}: symbolic link (refused)")
+    found = {name[len(prefix):]: e.size for name, e in listing.items()
+             if name.startswith(prefix) and not e.is_link}
     found.pop(MANIFEST_NAME, None)
     for entry in info.manifest.files:
         size = found.pop(entry.path, None)
