@@ -3,28 +3,29 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ckptfs.errors import (
-    CheckpointNotFoundError,
-    CkptfsError,
-    CorruptCheckpointError,
-    FormatVersionError,
-)
+from ckptfs.errors import CheckpointNotFoundError, CorruptCheckpointError, LoadOptionError
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
-from ckptfs.format.layout import StepPaths, check_step
+from ckptfs.format.layout import StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES
+from ckptfs.protocol import async_save
 from ckptfs.protocol.commit import default_threads, save_checkpoint
+from ckptfs.protocol.load_options import KeyPath, parse_keys, tensor_map
 from ckptfs.protocol.reader import MapLocation, VerifyReport, load_checkpoint, verify_checkpoint
 from ckptfs.protocol.resolve import (
+    MAX_RESOLVE_PASSES,
+    CheckpointDeletedError,
     CheckpointInfo,
+    check_still_committed,
     committed_steps,
     existing_summary,
+    list_step_dirs,
     read_committed,
-    read_marker,
     resolve_latest,
     step_dirs,
+    walk_latest,
 )
 from ckptfs.storage.base import Capabilities, Storage
 from ckptfs.storage.fsspec import FsspecStorage
@@ -63,25 +64,37 @@ class CheckpointStore:
     # -- writing -------------------------------------------------------------------------------
 
     def save(self, step: int, state: Mapping[str, Any], *,
-             metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+             metadata: Mapping[str, Any] | None = None,
+             process_group: Any = None) -> CheckpointInfo:
         """Write ``state`` as the checkpoint of ``step`` and commit it.
 
         Returns the committed :class:`CheckpointInfo`.  Raises
         :class:`~ckptfs.UnsupportedValueError` (before writing anything) for values the format
         cannot hold, :class:`~ckptfs.CheckpointExistsError` if the step is already committed
-        (or another writer commits it first)."""
+        (or another writer commits it first).  Pending :meth:`save_async` saves are waited for
+        first (and an uncollected failure of one raises here)."""
+        async_save.before_sync_save(self)
+        from ckptfs.protocol import sharded  # format v2 when collective (docs/sharded.md)
+        if sharded.wants_sharded_save(state, process_group):
+            return sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
+                                        durable=self.durable, threads=self.threads,
+                                        metadata=metadata, process_group=process_group)
         return save_checkpoint(self.storage, step, state, algorithm=self.algorithm,
                                durable=self.durable, threads=self.threads, metadata=metadata,
                                shard_bytes=self.shard_bytes)
 
     def delete(self, step: int) -> None:
         """Delete a checkpoint: the marker first, so a half-deleted checkpoint never reads as
-        committed, then every attempt of the step."""
-        paths = StepPaths(check_step(step))
-        self.storage.delete(paths.marker)
-        if self.durable and self.capabilities.fsync and self.storage.exists(paths.dir):
-            self.storage.sync_dir(paths.dir)  # the marker's removal is durable before the rest
-        self.storage.delete_tree(paths.dir)
+        committed, then every attempt of the step.  Every directory of the step is deleted,
+        by its listed name (a non-canonical ``step-0000000000020`` included)."""
+        check_step(step)
+        names = list_step_dirs(self.storage).get(step) or [step_dir_name(step)]
+        for name in names:
+            paths = StepPaths(step, name)
+            self.storage.delete(paths.marker)
+            if self.durable and self.capabilities.fsync and self.storage.exists(paths.dir):
+                self.storage.sync_dir(paths.dir)  # the marker's removal is durable first
+            self.storage.delete_tree(paths.dir)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -100,62 +113,64 @@ class CheckpointStore:
         return resolve_latest(self.storage, allow_rollback=allow_rollback)
 
     def info(self, step: int) -> CheckpointInfo:
-        """The committed checkpoint of ``step``."""
+        """The committed checkpoint of ``step`` (its directory found by listing)."""
         check_step(step)
         try:
             return read_committed(self.storage, step)
         except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{exc}; {existing_summary(self.storage)}") from None
+            raise type(exc)(f"{exc}; {existing_summary(self.storage)}") from None
 
     def load(self, step: int | None = None, *, map_location: MapLocation = None,
-             verify: bool = True, allow_rollback: bool = False) -> dict[Any, Any]:
+             verify: bool = True, allow_rollback: bool = False,
+             into: dict[str, Any] | None = None, process_group: Any = None,
+             keys: Iterable[str | KeyPath] | None = None, mmap: bool = False
+             ) -> dict[Any, Any]:
         """Load a committed checkpoint (the latest if ``step`` is None).
 
         With ``verify`` (default) every file is hashed while it is read and compared with the
         manifest before anything is returned.  If the newest checkpoint fails, the error names it;
-        with ``allow_rollback`` the next older committed checkpoint is tried (and logged)."""
+        with ``allow_rollback`` the next older committed checkpoint is tried (and logged).
+
+        ``into``: fill this state dict in place from a sharded checkpoint and return it
+        (collective when torch.distributed is initialized, or on ``process_group``; its
+        tensors and DTensors define the placement: docs/sharded.md).
+
+        ``keys``: load only these key paths (``["model"]``, ``["model/layer.weight"]``,
+        ``[("model", 0)]`` for non-str keys); only the files holding them are read and verified.
+        ``map_location``: every form ``torch.load`` accepts (str, torch.device, dict, callable).
+        ``mmap``: local disk only, tensors view memory-mapped files.  See docs/loading.md."""
+        tensor_map(map_location)  # bad options fail before any I/O (LoadOptionError)
+        opts = {"keys": parse_keys(keys), "mmap": mmap}
+        if into is not None and (keys is not None or mmap):
+            raise LoadOptionError("load(into=...) fills the given state dict in place: keys "
+                                  "and mmap do not apply (the state dict selects what is read)")
+        if into is not None:
+            from ckptfs.protocol import sharded
+            return sharded.load_into(self.storage, step, into, process_group=process_group,
+                                     verify=verify, threads=self.threads,
+                                     allow_rollback=allow_rollback)
         if step is not None:
-            return self._load_info(self.info(step), verify, map_location)
+            return self._load_info(self.info(step), verify, map_location, **opts)
         tried: list[str] = []
-        for s in reversed(step_dirs(self.storage)):
-            try:
-                info = read_committed(self.storage, s)
-                return self._load_info(info, verify, map_location)
-            except CheckpointNotFoundError:
-                continue
-            except FormatVersionError:
-                raise
-            except CorruptCheckpointError as exc:
-                if not allow_rollback:
-                    raise CorruptCheckpointError(
-                        f"the newest committed checkpoint, step {s} at {self.url}, is corrupt: "
-                        f"{exc}. Refusing to fall back silently: run 'ckptfs verify {self.url} "
-                        f"--step {s}', delete it, or pass allow_rollback=True",
-                        step=s, path=exc.path) from exc
-                log.warning("allow_rollback: skipping corrupt checkpoint step %d at %s: %s",
-                            s, self.url, exc)
-                tried.append(f"step {s}: {exc}")
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint to load at {self.url}"
-            + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
+        found = walk_latest(self.storage,
+                            lambda i: self._load_info(i, verify, map_location, **opts),
+                            allow_rollback=allow_rollback, skipped=tried)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint to load at {self.url}"
+                + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
+        return found[1]
 
     def _load_info(self, info: CheckpointInfo, verify: bool,
-                   map_location: MapLocation) -> dict[Any, Any]:
+                   map_location: MapLocation, **opts: Any) -> dict[Any, Any]:
         """Load, telling a checkpoint deleted while it was read (a prune, another job) from a
         corrupt one: a file that went missing is only corruption if the marker still names
-        this attempt."""
+        this attempt (else :class:`~ckptfs.protocol.resolve.CheckpointDeletedError`)."""
         try:
             return load_checkpoint(self.storage, info, verify=verify, map_location=map_location,
-                                   threads=self.threads)
-        except CorruptCheckpointError as exc:
-            try:
-                marker = read_marker(self.storage, info.step)
-            except CkptfsError:
-                raise exc from None
-            if marker is None or marker.attempt != info.attempt:
-                raise CheckpointNotFoundError(
-                    f"step {info.step} at {self.url} was deleted or replaced while it was being "
-                    "loaded (a prune or another job); load again") from None
+                                   threads=self.threads, **opts)
+        except CorruptCheckpointError:
+            check_still_committed(self.storage, info.step, info.dir_name, info.attempt)
             raise
 
     def verify(self, step: int | None = None, *, quick: bool = False) -> VerifyReport:
@@ -164,18 +179,65 @@ class CheckpointStore:
         Full (default) re-hashes every file; ``quick`` compares names and sizes from one
         listing.  Returns the report if everything matches, else raises
         :class:`~ckptfs.CorruptCheckpointError` listing every problem."""
-        if step is None:
+        if step is not None:
+            return self._verify_info(self.info(step), quick)
+        for _ in range(MAX_RESOLVE_PASSES):
             info = self.latest()
             if info is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint at {self.url}")
-        else:
-            info = self.info(step)
+            try:
+                return self._verify_info(info, quick)
+            except CheckpointDeletedError as exc:
+                log.info("%s; resolving the latest again", exc)
+        raise CheckpointDeletedError(
+            f"the latest checkpoint at {self.url} kept being deleted while it was verified; "
+            "retry")
+
+    def _verify_info(self, info: CheckpointInfo, quick: bool) -> VerifyReport:
         report = verify_checkpoint(self.storage, info, quick=quick, threads=self.threads)
         if not report.ok:
+            check_still_committed(self.storage, info.step, info.dir_name, info.attempt)
             raise CorruptCheckpointError(
                 f"step {info.step} at {info.url} fails {report.mode} verification: "
                 + "; ".join(report.problems), step=info.step, path=info.path)
         return report
+
+    # -- asynchronous saves: thin hooks into ckptfs.protocol.async_save (docs/async.md) -------
+
+    def save_async(self, step: int, state: Mapping[str, Any], *,
+                   metadata: Mapping[str, Any] | None = None,
+                   max_in_flight: int = 1) -> async_save.SaveFuture:
+        """Snapshot ``state`` (tensors copied to reused host buffers) and return; write and
+        commit it on the store's background thread.  The future's ``result()`` is the
+        committed :class:`CheckpointInfo` or raises what went wrong; an uncollected failure
+        raises again from the next :meth:`save`, :meth:`save_async` or :meth:`wait`.  With
+        ``max_in_flight`` saves pending, this call first waits (logged, counted in
+        :attr:`async_stats`).  Invalid values raise here, naming their key path."""
+        return async_save.saver_for(self).submit(self, step, state, metadata=metadata,
+                                                 max_in_flight=max_in_flight)
+
+    def wait(self) -> None:
+        """Wait for every pending :meth:`save_async`; raise a failure nobody collected."""
+        async_save.wait(self)
+
+    def close(self) -> None:
+        """:meth:`wait`, then release the background thread and the staging buffers (a later
+        :meth:`save_async` starts them again)."""
+        async_save.close(self)
+
+    @property
+    def async_stats(self) -> async_save.AsyncStats:
+        """Counters of :meth:`save_async`: submitted, committed, failed, back-pressure waits,
+        snapshot time, staging memory."""
+        return async_save.stats_of(self)
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        async_save.exit_context(self, exc_type is not None)
+
+    # -- end of the async hooks ----------------------------------------------------------------
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"

@@ -1,0 +1,577 @@
+"""Asynchronous saves: the training loop blocks only while its state is snapshotted.
+
+Design decision: **snapshot on the caller's thread, then run the unchanged synchronous commit
+(:func:`ckptfs.protocol.commit.save_checkpoint`) on one background thread per store.**  The
+snapshot is a tree of the same shape as the state in which every tensor is replaced by a host
+copy in a staging buffer and every container is rebuilt (the leaves the format accepts are
+immutable), so after :meth:`~ckptfs.CheckpointStore.save_async` returns the caller may change or
+free anything; the background save has nothing else to share with it.  Reusing the synchronous
+path keeps one commit protocol and one proof (a background failure leaves no marker, exactly as
+a failed synchronous save does).
+
+::
+
+    caller thread                             "ckptfs-async-save" thread (one per store)
+    -------------                             -------------------------------------------
+    raise an uncollected failure
+    validate (plan_state: key-path errors)
+    back-pressure: wait while max_in_flight
+      saves are pending (logged, counted)
+    snapshot into the staging pool   ----->   save_checkpoint(snapshot): write, hash, commit
+      (CUDA: pinned, non-blocking,            buffers back to the pool
+       one synchronize per device)            future resolved (or failed: kept for the
+    return SaveFuture                           next save / save_async / wait to raise)
+
+The staging pool (:mod:`ckptfs.protocol.staging`) keeps one buffer per tensor of the last
+snapshot(s), so a run that saves the same shapes allocates nothing after its first save.  Extra
+memory is one copy of the state per save in flight (``max_in_flight``, default 1), held until
+:meth:`~ckptfs.CheckpointStore.close`.
+
+At interpreter exit (before ``concurrent.futures`` stops accepting work, so the commit can still
+use its writer threads) pending saves are completed and a failure nobody collected is logged as
+an error: never silent.  A killed process leaves an attempt without a marker, which readers skip
+and garbage collection removes.  Sharded states (several ranks, one commit) are snapshotted the
+same way but saved through ``dcp.async_save``: :mod:`ckptfs.protocol.async_sharded`.  See
+docs/async.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures.thread  # noqa: F401  (imported before our exit hook is registered)
+import copy
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+
+from ckptfs.errors import CheckpointExistsError, CkptfsError, UnsupportedValueError
+from ckptfs.format.hashing import new_hasher
+from ckptfs.format.layout import check_step, new_attempt_name
+from ckptfs.format.manifest import check_metadata
+from ckptfs.format.serialize import plan_state
+from ckptfs.protocol.commit import _check_documents, save_checkpoint
+from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.staging import PoolKey, Snapshot, StagingPool
+
+if TYPE_CHECKING:
+    from ckptfs.protocol.store import CheckpointStore
+
+log = logging.getLogger("ckptfs")
+
+R = TypeVar("R")
+
+
+class AsyncSaveError(CkptfsError, RuntimeError):
+    """An async-save call that cannot work where it was made (e.g. waiting for the store's
+    pending saves from the background save thread itself, which would deadlock)."""
+
+
+@dataclass
+class AsyncStats:
+    """Counters of one store's asynchronous saves (``store.async_stats``)."""
+
+    submitted: int = 0
+    committed: int = 0
+    failed: int = 0
+    #: save_async calls that had to wait for an earlier save (back-pressure), and how long.
+    waits: int = 0
+    wait_seconds: float = 0.0
+    last_wait_seconds: float = 0.0
+    #: Time the caller was blocked by the snapshot itself (validation + copies), last and total.
+    last_snapshot_seconds: float = 0.0
+    snapshot_seconds: float = 0.0
+    pool: StagingPool = field(default_factory=StagingPool, repr=False)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes the staging pool holds now (in use by pending saves, and idle)."""
+        return self.pool.nbytes
+
+    @property
+    def staging_allocations(self) -> int:
+        """Staging buffers allocated so far (constant once a run saves the same shapes)."""
+        return self.pool.allocations
+
+    @property
+    def staging_reuses(self) -> int:
+        return self.pool.reuses
+
+
+def _validate(store: CheckpointStore, step: int, state: Mapping[str, Any],
+              metadata: Mapping[str, Any] | None) -> None:
+    """What :func:`~ckptfs.protocol.commit.save_checkpoint` refuses before writing anything,
+    checked on the caller's thread so that ``save_async`` itself raises it (a value the format
+    cannot hold, naming its key path; bad metadata; a manifest too large to be read)."""
+    check_step(step)
+    new_hasher(store.algorithm)
+    plan = plan_state(state, shard_bytes=store.shard_bytes)  # also refuses cycles
+    _refuse_sharded(state, ())
+    meta = {"tensor_count": plan.tensor_count, **dict(metadata or {})}
+    check_metadata(meta)
+    _check_documents(step, new_attempt_name(), plan.files, store.algorithm, meta,
+                     {"host": socket.gethostname(), "pid": os.getpid()})
+
+
+def _refuse_sharded(value: Any, path: tuple[Any, ...]) -> None:
+    """A DTensor reaching the single-process save (torch.distributed is not initialized, so the
+    collective save cannot run): writing one rank's shards as a full state would be wrong."""
+    if isinstance(value, torch.Tensor):
+        if _is_dtensor(value):
+            where = "/".join(str(p) for p in path) or "<root>"
+            raise UnsupportedValueError(
+                f"save_async got a sharded tensor (DTensor) at key path {where!r} but "
+                "torch.distributed is not initialized: a sharded state is saved collectively "
+                "by every rank of its process group (docs/async.md, docs/sharded.md); "
+                "initialize it, or save a full state dict")
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _refuse_sharded(v, (*path, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _refuse_sharded(v, (*path, i))
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # No DTensor exists unless its module was imported (importing it costs seconds).
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(t, cls)
+
+
+def _sharded_module(state: Mapping[str, Any]) -> Any:
+    """:mod:`ckptfs.protocol.sharded` when this save is collective (as ``store.save`` decides:
+    torch.distributed initialized with world size > 1, or DTensors in the state), else None.
+    Imported only then: importing DCP costs seconds."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    from ckptfs.protocol import sharded
+
+    return sharded if sharded.wants_sharded_save(state) else None
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Clear the finished frames of ``exc``, its causes and DCP's per-rank failures."""
+    todo: list[Any] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple) and e:
+            e = e[0]
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__, *getattr(e, "_failures", {}).values()]
+
+
+# -- futures ---------------------------------------------------------------------------------------
+
+
+class SaveFuture(Future[CheckpointInfo]):
+    """The future of one async save: ``result()`` is the committed
+    :class:`~ckptfs.CheckpointInfo` or raises what went wrong.  A failure read through
+    ``result()`` or ``exception()`` counts as collected: the store's next call does not raise
+    it again."""
+
+    def __init__(self, step: int, url: str) -> None:
+        super().__init__()
+        self.step = step
+        self.url = url
+        self.collected = False
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        try:
+            return super().result(timeout)
+        except BaseException:
+            if self.done():
+                self.collected = True
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = super().exception(timeout)
+        if exc is not None:
+            self.collected = True
+        return exc
+
+    def failure(self) -> BaseException | None:
+        """The exception of a done save, without counting it as collected."""
+        return super().exception(0) if self.done() else None
+
+    def __repr__(self) -> str:
+        return (f"<SaveFuture step {self.step} at {self.url}: "
+                f"{'done' if self.done() else 'pending'}>")
+
+
+# -- the per-store saver -------------------------------------------------------------------------
+
+_worker = threading.local()
+
+
+class AsyncSaver:
+    """The async-save machinery of one store.  Holds no reference to the store (it lives in a
+    weak mapping keyed by the store), only what the background saves need."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.pool = StagingPool()
+        self.stats = AsyncStats(pool=self.pool)
+        self._submit_lock = threading.Lock()  # one save_async at a time per store
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._futures: list[SaveFuture] = []  # submitted, not yet known done and collected
+        self._warned_wait = False
+        self._async_group: tuple[int, Any] | None = None  # sharded saves (see _group)
+        self._last_dcp: Future[Any] | None = None  # the last sharded save's DCP future
+
+    # -- submitting ----------------------------------------------------------------------------
+
+    def submit(self, store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+               metadata: Mapping[str, Any] | None, max_in_flight: int) -> SaveFuture:
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        self._check_not_worker("save_async")
+        with self._submit_lock:
+            self.raise_uncollected()
+            sh = _sharded_module(state)
+            if sh is not None:
+                from ckptfs.protocol.async_sharded import submit_sharded
+
+                return submit_sharded(self, store, step, state, metadata, max_in_flight)
+            t0 = time.perf_counter()
+            _validate(store, step, state, metadata)
+            meta = copy.deepcopy(dict(metadata or {}))
+            self._check_step_free(step)
+            validated = time.perf_counter() - t0
+            self._wait_for_slot(step, max_in_flight)
+            self.raise_uncollected()  # a save that failed while we waited
+            t1 = time.perf_counter()
+            snap = Snapshot(self.pool)
+            try:
+                try:
+                    tree = snap.copy(state)
+                finally:
+                    snap.finish()
+            except BaseException:
+                self.pool.give_back(snap.buffers)
+                raise
+            self.pool.trim()
+            fut = SaveFuture(step, store.url)
+            job = _Job(self, fut, snap.buffers, tree, meta, store)
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptfs-async-save")
+                    _register_exit_hook()
+                self._futures.append(fut)
+                try:
+                    self._executor.submit(job.run)
+                except BaseException:
+                    self._futures.remove(fut)
+                    self.pool.give_back(snap.buffers)
+                    raise
+                self.stats.submitted += 1
+            blocked = validated + time.perf_counter() - t1
+            self.stats.last_snapshot_seconds = blocked
+            self.stats.snapshot_seconds += blocked
+            return fut
+
+    def _check_step_free(self, step: int) -> None:
+        if any(f.step == step and not f.done() for f in self._live()):
+            raise CheckpointExistsError(
+                f"step {step} at {self.url} already has an async save in flight; a step is "
+                "saved once: wait for it (store.wait()) or save under a new step")
+
+    def _live(self) -> list[SaveFuture]:
+        with self._lock:
+            return list(self._futures)
+
+    def _wait_for_slot(self, step: int, max_in_flight: int) -> None:
+        running = [f for f in self._live() if not f.done()]
+        if len(running) < max_in_flight:
+            return
+        t0 = time.perf_counter()
+        while len(running) >= max_in_flight:
+            wait_futures(running, return_when=FIRST_COMPLETED)
+            running = [f for f in running if not f.done()]
+        waited = time.perf_counter() - t0
+        self.stats.waits += 1
+        self.stats.wait_seconds += waited
+        self.stats.last_wait_seconds = waited
+        level = logging.INFO if self._warned_wait else logging.WARNING
+        self._warned_wait = True
+        log.log(level, "save_async(step %d) at %s waited %.3f s for an earlier async save to "
+                "finish (back-pressure, max_in_flight=%d; %d wait(s), %.3f s in total so far): "
+                "checkpoints are requested faster than they are written", step, self.url,
+                waited, max_in_flight, self.stats.waits, self.stats.wait_seconds)
+
+    # -- the background side -------------------------------------------------------------------
+
+    def _settle(self, fut: SaveFuture, exc: BaseException | None,
+                info: CheckpointInfo | None) -> None:
+        """Count, log and resolve a finished background save (on the thread that ran it)."""
+        if exc is not None:
+            _clear_frames(exc)  # frames hold views of the staging buffers
+            note = getattr(exc, "add_note", None)
+            if note is not None:
+                note(f"ckptfs: raised by the background save of step {fut.step} at {fut.url} "
+                     "(save_async); that save did not commit")
+            log.warning("async save of step %d at %s failed: %s: %s", fut.step, fut.url,
+                        type(exc).__name__, exc)
+        with self._lock:
+            if exc is None:
+                self.stats.committed += 1
+            else:
+                self.stats.failed += 1
+        if exc is None:
+            fut.set_result(info)  # type: ignore[arg-type]
+        else:
+            fut.set_exception(exc)
+
+    # -- flushing and errors -------------------------------------------------------------------
+
+    def raise_uncollected(self) -> None:
+        """Raise the first background failure nobody collected (then it counts as collected);
+        forget the futures that are done."""
+        with self._lock:
+            done = [f for f in self._futures if f.done()]
+            failed = [f for f in done if not f.collected and f.failure() is not None]
+            self._futures = [f for f in self._futures if not f.done()]
+        if not failed:
+            return
+        for f in failed:
+            f.collected = True
+        for f in failed[1:]:
+            log.error("async save of step %d at %s also failed: %r", f.step, self.url,
+                      f.failure())
+        exc = failed[0].failure()
+        assert exc is not None
+        raise exc
+
+    def wait(self) -> None:
+        """Wait for every pending save, then raise a failure nobody collected."""
+        self._check_not_worker("wait")
+        pending = [f for f in self._live() if not f.done()]
+        if pending:
+            wait_futures(pending)
+        self.raise_uncollected()
+
+    def close(self) -> None:
+        """Flush (raising an uncollected failure), then stop the thread and free the pool."""
+        try:
+            self.wait()
+        finally:
+            with self._lock:
+                executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)
+            self.pool.trim()
+
+    def _check_not_worker(self, what: str) -> None:
+        if getattr(_worker, "saver", None) is self:
+            raise AsyncSaveError(
+                f"{what}() on {self.url} was called from the store's background save thread "
+                "(a future's done callback?): it would wait for itself. Call it from the "
+                "training thread")
+
+    def exit_flush(self) -> None:
+        """Interpreter exit: complete what is pending, and report what failed uncollected."""
+        pending = [f for f in self._live() if not f.done()]
+        if pending:
+            log.warning("interpreter exit: waiting for %d pending async save(s) of %s (step "
+                        "%s) to commit; a process killed now leaves them uncommitted (no "
+                        "marker: readers skip them)", len(pending), self.url,
+                        ", ".join(str(f.step) for f in pending))
+            wait_futures(pending)
+        for f in self._live():
+            if not f.done():  # pragma: no cover - waited above
+                continue
+            exc = f.failure() if not f.collected else None
+            if exc is not None:
+                f.collected = True
+                log.error("async save of step %d at %s failed and nobody collected the error: "
+                          "%s: %s. It did not commit: readers skip it", f.step, self.url,
+                          type(exc).__name__, exc)
+            elif f in pending:
+                log.warning("async save of step %d at %s committed at interpreter exit",
+                            f.step, self.url)
+        with self._lock:
+            self._futures = []
+
+
+class _Job:
+    """One background save: the synchronous commit of a snapshot."""
+
+    def __init__(self, saver: AsyncSaver, fut: SaveFuture,
+                 buffers: list[tuple[PoolKey, torch.Tensor]], tree: Any,
+                 metadata: dict[str, Any], store: CheckpointStore) -> None:
+        self.saver = saver
+        self.fut = fut
+        self.buffers = buffers
+        self.tree = tree
+        self.metadata = metadata
+        # What the synchronous save uses, captured now (not the store: see AsyncSaver).
+        self.storage = store.storage
+        self.algorithm = store.algorithm
+        self.durable = store.durable
+        self.threads = store.threads
+        self.shard_bytes = store.shard_bytes
+
+    def run(self) -> None:
+        fut = self.fut
+        if not fut.set_running_or_notify_cancel():  # pragma: no cover - never cancelled
+            self._release()
+            return
+        _worker.saver = self.saver
+        try:
+            info = save_checkpoint(self.storage, fut.step, self.tree, metadata=self.metadata,
+                                   algorithm=self.algorithm, durable=self.durable,
+                                   threads=self.threads, shard_bytes=self.shard_bytes)
+        except BaseException as exc:
+            self._release()
+            self.saver._settle(fut, exc, None)
+        else:
+            self._release()
+            self.saver._settle(fut, None, info)
+        finally:
+            _worker.saver = None
+            # The exception's traceback keeps this frame (and so this job) alive: drop the
+            # job's references, so a failed future does not keep the saver's thread alive.
+            self.__dict__.clear()
+
+    def _release(self) -> None:
+        self.tree = None
+        self.saver.pool.give_back(self.buffers)
+        self.buffers = []
+
+
+# -- one saver per store, and the exit hook ------------------------------------------------------
+
+_SAVERS: weakref.WeakKeyDictionary[CheckpointStore, AsyncSaver] = weakref.WeakKeyDictionary()
+#: Every saver still alive, also one whose store was dropped while a save was pending (its jobs
+#: keep it alive): the exit hook flushes these.
+_ALL_SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+_SAVERS_LOCK = threading.Lock()
+_hook_registered = False
+
+
+def saver_for(store: CheckpointStore) -> AsyncSaver:
+    with _SAVERS_LOCK:
+        saver = _SAVERS.get(store)
+        if saver is None:
+            saver = _SAVERS[store] = AsyncSaver(store.url)
+            _ALL_SAVERS.add(saver)
+        return saver
+
+
+def existing_saver(store: CheckpointStore) -> AsyncSaver | None:
+    with _SAVERS_LOCK:
+        return _SAVERS.get(store)
+
+
+def stats_of(store: CheckpointStore) -> AsyncStats:
+    return saver_for(store).stats
+
+
+def before_sync_save(store: CheckpointStore) -> None:
+    """A synchronous save first waits for the store's async saves (so steps commit in the
+    order they were asked for) and raises a failure nobody collected."""
+    saver = existing_saver(store)
+    if saver is not None:
+        saver.wait()
+
+
+def wait(store: CheckpointStore) -> None:
+    saver = existing_saver(store)
+    if saver is not None:
+        saver.wait()
+
+
+def close(store: CheckpointStore) -> None:
+    saver = existing_saver(store)
+    if saver is not None:
+        saver.close()
+
+
+def exit_context(store: CheckpointStore, failing: bool) -> None:
+    """``with store:`` leaves: flush and close.  When the block is already raising, a flush
+    failure is logged, not raised over the block's own exception."""
+    if not failing:
+        close(store)
+        return
+    try:
+        close(store)
+    except BaseException as exc:
+        log.error("while leaving 'with %r' on an exception, a pending async save failed too: "
+                  "%s: %s", store, type(exc).__name__, exc)
+
+
+def _at_exit() -> None:
+    with _SAVERS_LOCK:
+        savers = list(_ALL_SAVERS)
+    for s in savers:
+        try:
+            s.exit_flush()
+        except BaseException:  # pragma: no cover - never let one store stop the others
+            log.exception("ckptfs: flushing async saves of %s at exit failed", s.url)
+
+
+def _register_exit_hook() -> None:
+    """Run :func:`_at_exit` before ``concurrent.futures`` shuts its executors down (after which
+    the commit could not start its writer threads): ``threading._register_atexit`` hooks run in
+    reverse order of registration, and ``concurrent.futures.thread`` registered its own when it
+    was imported, before this module.  ``atexit`` is the fallback."""
+    global _hook_registered
+    with _SAVERS_LOCK:
+        if _hook_registered:
+            return
+        _hook_registered = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(_at_exit)
+            return
+        except RuntimeError:  # pragma: no cover - the interpreter is already shutting down
+            pass
+    atexit.register(_at_exit)  # pragma: no cover - CPython >= 3.9 has _register_atexit
+
+
+# -- follow-up work on the caller's thread (CheckpointManager(async_save=True)) -----------------
+
+
+class DeferredCommits(Generic[R]):
+    """Async saves whose follow-up work (retention, pruning, the best record) runs on the
+    caller's thread once the save committed: at :meth:`finish`, which the owner calls before its
+    next save, its restore and in its ``wait``.  Never before the commit, never concurrently with
+    the owner's other methods, so the owner needs no locks."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self._pending: list[tuple[SaveFuture, Callable[[CheckpointInfo], R]]] = []
+
+    def submit(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None,
+               then: Callable[[CheckpointInfo], R]) -> SaveFuture:
+        fut = self.store.save_async(step, state, metadata=metadata)
+        self._pending.append((fut, then))
+        return fut
+
+    def finish(self) -> list[R]:
+        """Wait for each pending save in order and run its follow-up; a failed save raises its
+        error (its follow-up never runs)."""
+        out: list[R] = []
+        while self._pending:
+            fut, then = self._pending.pop(0)
+            out.append(then(fut.result()))
+        return out

@@ -1,0 +1,154 @@
+"""Asynchronous saves of sharded states (issue 10 part 5): ``store.save_async`` on every rank of
+a 2-rank gloo job with an FSDP2/DTensor state, through ``dcp.async_save`` on the store's own gloo
+group and ckptfs's ShardedWriter (one commit).
+
+One job (spawning ranks costs seconds on 2 shared cores) checks: the values at call time are
+what is committed (the DTensors are mutated while the background write is held at a gate),
+the training loop's collectives on the default group run while a save is in flight, both ranks
+get the same CheckpointInfo, two saves in flight commit in order, and a storage failure on rank
+1 is a typed error from ``result()`` on both ranks (and from the next ``wait`` when nobody
+collected it), with no marker."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from dist_util import run_ranks
+from test_sharded import FailingWrites, build_state, to_plain
+
+import ckptfs
+from ckptfs.errors import ShardedSaveError, UnsupportedValueError
+from ckptfs.format.layout import StepPaths
+from ckptfs.testing.conformance import assert_state_equal
+
+
+class GatedWrites:
+    """This rank's storage: data-file writes wait until ``gate`` is set (the background save
+    has not written a byte of its shards before the test mutated them)."""
+
+    def __init__(self, inner: Any, gate: threading.Event, reached: threading.Event) -> None:
+        self._inner = inner
+        self._gate = gate
+        self._reached = reached
+
+    def open_write(self, path: str) -> Any:
+        if "/rank-" in path:
+            self._reached.set()
+            assert self._gate.wait(60), "gate never opened"
+        return self._inner.open_write(path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def mutate(value: Any) -> None:
+    """Change every floating-point tensor and DTensor shard in place (the training loop)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        mutate(value._local_tensor)
+    elif isinstance(value, torch.Tensor):
+        with torch.no_grad():
+            if value.dtype.is_floating_point or value.dtype == torch.int64:
+                value.add_(100)
+    elif isinstance(value, dict):
+        for v in value.values():
+            mutate(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            mutate(v)
+
+
+def job_async_w2(rank: int, world: int, url: str) -> Any:
+    import torch.distributed as dist
+
+    from ckptfs.protocol import async_save, sharded
+
+    state, _ = build_state(world)
+    plain = copy.deepcopy(to_plain(state))  # the values at call time (full tensors, copies)
+    out: dict[str, Any] = {"plain": plain if rank == 0 else None}
+    gate, reached = threading.Event(), threading.Event()
+    store = ckptfs.open(url)
+    store.storage = GatedWrites(store.storage, gate, reached)  # type: ignore[assignment]
+    fut = store.save_async(10, state)
+    assert reached.wait(60), "the background save never reached its writes"
+    assert not fut.done()
+    mutate(state)  # after save_async returned, before the background write
+    total = torch.ones(1) * (rank + 1)
+    dist.all_reduce(total)  # the training loop's own collective, while the save is in flight
+    out["all_reduce"] = total.item()
+    mutated = to_plain(state["dt"]["a"])  # collective: every rank
+    out["mutated"] = mutated if rank == 0 else None
+    gate.set()
+    info = fut.result(timeout=60)
+    out["info"] = (info.step, info.attempt, info.manifest.format_version,
+                   info.manifest.world_size)
+    saver = async_save.existing_saver(store)
+    assert saver is not None and saver._async_group is not None
+    group = saver._async_group[1]
+    out["own_group"] = (group is not dist.group.WORLD
+                        and all(group is not g for g in sharded._GROUPS.values()))
+    # Two saves in flight (max_in_flight=2): they run one after the other on the group.
+    f11 = store.save_async(11, state, max_in_flight=2)
+    f12 = store.save_async(12, state, max_in_flight=2)
+    out["in_order"] = [f.result(timeout=60).step for f in (f11, f12)]
+    # A storage failure on rank 1: a typed error on both ranks, from result() ...
+    bad = ckptfs.open(url)
+    if rank == 1:
+        bad.storage = FailingWrites(bad.storage)  # type: ignore[assignment]
+    try:
+        bad.save_async(13, state).result(timeout=60)
+    except ShardedSaveError as exc:
+        out["failure"] = (type(exc).__name__, str(exc), sorted(exc.failures))
+    # ... and, when nobody collected it, from the store's next wait().
+    bad.save_async(14, state)
+    try:
+        bad.wait()
+    except ShardedSaveError as exc:
+        out["uncollected"] = sorted(exc.failures)
+    out["failed_count"] = bad.async_stats.failed
+    # A value the format cannot hold on rank 0 only: save_async returns on both ranks (rank 1
+    # must not be left waiting in the collective); result() raises it on both, naming rank 0.
+    odd = dict(state, extra={"x": object()}) if rank == 0 else state
+    try:
+        store.save_async(15, odd).result(timeout=60)
+    except UnsupportedValueError as exc:
+        out["bad_value"] = str(exc)
+    st = store.async_stats
+    out["stats"] = (st.submitted, st.committed, st.failed)
+    bad.close()
+    store.close()
+    return out
+
+
+def test_sharded_save_async_two_ranks(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    r0, r1 = run_ranks(job_async_w2, 2, url, timeout=120)
+    expected = r0["plain"]
+    # Both ranks: the same committed checkpoint, format v2, written by 2 ranks.
+    assert r0["info"] == r1["info"] and r0["info"][0] == 10
+    assert r0["info"][2:] == (2, 2)
+    assert r0["all_reduce"] == r1["all_reduce"] == 3.0
+    assert r0["own_group"] and r1["own_group"]
+    # The state was really changed before the write, yet the checkpoint holds the values at
+    # call time, bit-exact, in one process.
+    assert not torch.equal(r0["mutated"], expected["dt"]["a"])
+    store = ckptfs.open(url)
+    assert_state_equal(store.load(10), expected)
+    assert store.verify(10).ok
+    for r in (r0, r1):
+        assert r["in_order"] == [11, 12]
+        assert r["stats"] == (4, 3, 1)
+        name, text, ranks = r["failure"]
+        assert name == "ShardedSaveError" and ranks == [1] and "injected failure" in text
+        assert r["uncollected"] == [1]
+        assert r["failed_count"] == 2
+        assert "rank(s) [0]" in r["bad_value"] and "object" in r["bad_value"]
+    assert store.steps() == [10, 11, 12]
+    for step in (13, 14, 15):
+        assert not (tmp_path / "run" / StepPaths(step).marker).exists()
+    assert store.latest().step == 12  # type: ignore[union-attr]
