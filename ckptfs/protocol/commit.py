@@ -6,8 +6,10 @@ making the marker the commit everywhere keeps one protocol and one proof.
 
 A save of step N:
 
-1. validates and plans the whole state (a value the format cannot hold fails here, before any
-   byte is written) and fails fast if step N is already committed;
+1. validates and plans the whole state and the metadata, and checks every size and depth limit
+   a reader enforces (:mod:`ckptfs.format.limits`) on the manifest and marker it will write, so
+   a value the format cannot hold, or a checkpoint a reader would refuse, fails here before any
+   byte is written; and fails fast if step N is already committed;
 2. picks a fresh *attempt* name (UTC time + 64 random bits), so its files can never mix with a
    crashed earlier attempt or a concurrent writer of the same step (a zombie job and its
    replacement);
@@ -26,7 +28,6 @@ readers skip and garbage collection removes.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -35,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any, cast
 
-from ckptfs.errors import CheckpointExistsError, UnsupportedValueError
+from ckptfs.errors import CheckpointExistsError
 from ckptfs.format.hashing import (
     DEFAULT_ALGORITHM,
     HASH_INLINE_BYTES,
@@ -51,7 +52,15 @@ from ckptfs.format.layout import (
     check_step,
     new_attempt_name,
 )
-from ckptfs.format.manifest import MARKER_DIGEST_ALGORITHM, FileEntry, Manifest, Marker
+from ckptfs.format.limits import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
+from ckptfs.format.manifest import (
+    MARKER_DIGEST_ALGORITHM,
+    FileEntry,
+    Manifest,
+    Marker,
+    check_document_size,
+    check_metadata,
+)
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, PlannedFile, plan_state
 from ckptfs.protocol.resolve import CheckpointInfo, read_marker, storage_url
 from ckptfs.storage.base import Storage
@@ -67,6 +76,23 @@ def default_threads() -> int:
 #: own memory, so a lead costs no copies; the bound only matters for tensors that had to be
 #: copied (GPU, non-contiguous), which stay alive until hashed.
 MAX_HASH_LEAD = 256 * 1024 * 1024
+
+#: The most bytes a save's parallel streaming writes may hold in buffers at once (object
+#: stores: each open stream holds ``storage.stream_buffer_bytes``, its part buffers).  A save
+#: opens at most ``WRITE_BUFFER_BUDGET // stream_buffer_bytes`` files at a time (at least one),
+#: so its extra memory stays under the 64 MiB + 5% bound however many threads it has.
+WRITE_BUFFER_BUDGET = 64 * 1024 * 1024
+
+
+def write_streams(storage: Storage, nthreads: int, nfiles: int,
+                  budget: int = WRITE_BUFFER_BUDGET) -> int:
+    """How many files a save writes at once: the threads asked for, no more than the files, and
+    no more than the storage's streams that fit in ``budget`` bytes of part buffers."""
+    per_stream = int(getattr(storage, "stream_buffer_bytes", 0) or 0)
+    n = max(1, min(nthreads, nfiles))
+    if per_stream > 0:
+        n = min(n, max(1, budget // per_stream))
+    return n
 
 
 def _write_planned(storage: Storage, path: str, pf: PlannedFile, algorithm: str,
@@ -122,7 +148,10 @@ def save_checkpoint(
     plan = plan_state(state, shard_bytes=shard_bytes)
     meta = dict(metadata or {})
     manifest_meta = {"tensor_count": plan.tensor_count, **meta}
-    _check_metadata(manifest_meta)
+    check_metadata(manifest_meta)
+    attempt = new_attempt_name()
+    writer = {"host": socket.gethostname(), "pid": os.getpid()}
+    _check_documents(step, attempt, plan.files, algorithm, manifest_meta, writer)
 
     caps = storage.capabilities
     paths = StepPaths(step)
@@ -132,7 +161,6 @@ def save_checkpoint(
             "checkpoint is never overwritten: save under a new step, or delete it first "
             f"('store.delete({step})')")
 
-    attempt = new_attempt_name()
     final_dir = paths.attempt_dir(attempt)
     write_dir = paths.tmp_attempt_dir(attempt) if caps.atomic_rename else final_dir
     sync = durable and caps.fsync
@@ -143,10 +171,9 @@ def save_checkpoint(
             storage.sync_dir("")  # the run root may have just gained checkpoints/
             storage.sync_dir(CHECKPOINTS_DIR)
             storage.sync_dir(paths.dir)
-        nthreads = threads or default_threads()
-        if nthreads > 1 and len(plan.files) > 1:
-            with ThreadPoolExecutor(min(nthreads, len(plan.files)),
-                                    thread_name_prefix="ckptfs-save") as pool:
+        nthreads = write_streams(storage, threads or default_threads(), len(plan.files))
+        if nthreads > 1:
+            with ThreadPoolExecutor(nthreads, thread_name_prefix="ckptfs-save") as pool:
                 futures = [pool.submit(_write_file, storage, f"{write_dir}/{pf.path}", pf,
                                        algorithm, sync) for pf in plan.files]
                 entries = [fut.result() for fut in futures]
@@ -154,9 +181,10 @@ def save_checkpoint(
             entries = [_write_file(storage, f"{write_dir}/{pf.path}", pf, algorithm, sync)
                        for pf in plan.files]
 
-        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        created = _now()
         manifest = Manifest(step, attempt, tuple(entries), created, algorithm, manifest_meta)
         mbytes = manifest.to_bytes()
+        check_document_size(mbytes, MAX_MANIFEST_BYTES, "MANIFEST.json")  # predicted above
         storage.write_bytes(f"{write_dir}/{MANIFEST_NAME}", mbytes)
         if sync:
             storage.sync_dir(write_dir)
@@ -166,7 +194,7 @@ def save_checkpoint(
                 storage.sync_dir(paths.dir)
 
         marker = Marker(step, attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes),
-                        len(mbytes), created, {"host": socket.gethostname(), "pid": os.getpid()})
+                        len(mbytes), created, writer)
     except BaseException:
         _discard_attempt(storage, write_dir, final_dir)
         raise
@@ -201,12 +229,27 @@ def _marker_attempt(storage: Storage, step: int) -> str | None:
 
 
 def _check_metadata(meta: Mapping[str, Any]) -> None:
-    try:
-        json.dumps(meta, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedValueError(
-            f"checkpoint metadata must be plain JSON (str keys; str, int, finite float, bool, "
-            f"None, lists, dicts): {exc}") from None
+    """Kept for callers that validate before saving (async saves): :func:`check_metadata`."""
+    check_metadata(meta)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _check_documents(step: int, attempt: str, files: list[PlannedFile], algorithm: str,
+                     meta: dict[str, Any], writer: dict[str, Any]) -> None:
+    """Build the manifest and marker this save will write, with placeholder digests of the
+    right length (every file's size is already known from the plan), and refuse the save now,
+    before any write, if a reader would refuse either of them for its size."""
+    digest = digest_bytes(algorithm, b"")
+    entries = tuple(FileEntry(pf.path, pf.size, digest) for pf in files)
+    created = _now()
+    mbytes = Manifest(step, attempt, entries, created, algorithm, meta).to_bytes()
+    check_document_size(mbytes, MAX_MANIFEST_BYTES, "MANIFEST.json")
+    marker = Marker(step, attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, b""), len(mbytes),
+                    created, writer)
+    check_document_size(marker.to_bytes(), MAX_MARKER_BYTES, "the commit marker COMPLETE")
 
 
 def _discard_attempt(storage: Storage, *dirs: str) -> None:

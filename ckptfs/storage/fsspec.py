@@ -15,6 +15,7 @@ import io
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import urllib.parse
@@ -37,128 +38,16 @@ from ckptfs.errors import (
 )
 from ckptfs.storage.backends import BackendSpec, merge_options, spec_for
 from ckptfs.storage.base import Capabilities, Entry
+from ckptfs.storage.classify import _chain as _chain
+from ckptfs.storage.classify import _is_precondition_failure as _is_precondition_failure
+from ckptfs.storage.classify import _status_code as _status_code
+from ckptfs.storage.classify import classify as classify
+from ckptfs.storage.classify import describe_cause as describe_cause
+from ckptfs.storage.classify import permanent_advice
 
 log = logging.getLogger("ckptfs.storage")
 
 _MEMORY_LOCK = threading.Lock()
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        yield cur
-        cur = cur.__cause__ or cur.__context__
-
-
-def _status_code(exc: BaseException) -> tuple[int | None, str]:
-    """The HTTP status and service error code an exception carries, whatever the library:
-    botocore's ``response`` dict, azure-core's ``status_code``/``error_code``, gcsfs's
-    ``HttpError.code``, aiohttp's ``status``."""
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        meta = response.get("ResponseMetadata", {})
-        status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
-        err = response.get("Error", {})
-        code = err.get("Code", "") if isinstance(err, dict) else ""
-        return (status if isinstance(status, int) else None), str(code or "")
-    status = None
-    for attr in ("status_code", "code", "status"):
-        value = getattr(exc, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
-            status = value
-            break
-    code = getattr(exc, "error_code", None)
-    code = getattr(code, "value", code)  # azure's StorageErrorCode enum
-    return status, str(code or "")
-
-
-def _is_precondition_failure(exc: BaseException) -> bool:
-    """A create-only write refused because the object exists, whatever class the library used:
-    s3fs raises FileExistsError only when the 412 names ``If-None-Match``, else OSError(EINVAL)
-    (ministack); gcsfs maps 412 to FileExistsError; adlfs raises FileExistsError from azure's
-    ResourceExistsError (BlobAlreadyExists).  The exception chain is searched for an HTTP 412
-    status or a precondition error code; anything else (a 400, a 403, a 5xx, a timeout) is not
-    "exists", even when the library wraps it in the same OSError class."""
-    for cur in _chain(exc):
-        if isinstance(cur, FileExistsError):
-            return True
-        status, code = _status_code(cur)
-        if status == 412 or code in _PRECONDITION_CODES:
-            return True
-        text = str(cur)
-        if any(m in text for m in _PRECONDITION_TEXT):
-            return True
-    return False
-
-
-_PRECONDITION_CODES = {"PreconditionFailed", "ConditionNotMet", "BlobAlreadyExists",
-                       "conditionNotMet"}
-_PRECONDITION_TEXT = ("PreconditionFailed", "Precondition Failed", "ConditionNotMet",
-                      "pre-conditions you specified did not hold", "BlobAlreadyExists")
-_NOT_FOUND_CODES = {"NoSuchBucket", "NoSuchKey", "NotFound", "ContainerNotFound", "BlobNotFound",
-                    "ResourceNotFound", "NoSuchUpload"}
-_ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
-                 "ExpiredToken", "AllAccessDisabled", "AuthenticationFailed",
-                 "AuthorizationFailure", "AuthorizationPermissionMismatch",
-                 "InvalidAuthenticationInfo", "Forbidden"}
-
-
-def classify(exc: BaseException) -> type[StorageError]:
-    """The ckptfs error class for a storage library's exception, from the whole chain: a missing
-    bucket, container or object is :class:`StorageNotFoundError`; refused credentials or
-    permissions :class:`StorageAccessError`; anything else :class:`StorageError`."""
-    for cur in _chain(exc):
-        if isinstance(cur, StorageError):
-            return type(cur)
-        if isinstance(cur, FileNotFoundError):
-            return StorageNotFoundError
-        if isinstance(cur, PermissionError):
-            return StorageAccessError
-        status, code = _status_code(cur)
-        if status == 404 or code in _NOT_FOUND_CODES:
-            return StorageNotFoundError
-        if status in (401, 403) or code in _ACCESS_CODES:
-            return StorageAccessError
-        if type(cur).__name__ == "ClientAuthenticationError" or str(cur).startswith("Forbidden"):
-            return StorageAccessError
-    return StorageError
-
-
-def _first_lines(exc: BaseException) -> str:
-    """The message without the request ids, timestamps and XML bodies azure-core appends; a
-    first line ending in ``:`` (botocore's ParamValidationError) keeps the line after it."""
-    out: list[str] = []
-    for line in str(exc).strip().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if out and line.startswith(("RequestId:", "Time:", "ErrorCode:", "Content:", "<")):
-            break
-        out.append(line)
-        if not line.endswith(":"):
-            break
-    return " ".join(out)
-
-
-def describe_cause(exc: BaseException) -> str:
-    """One line naming the library's exception and the service's reason (code, HTTP status)."""
-    first = _first_lines(exc)
-    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    for cur in _chain(exc):
-        status, code = _status_code(cur)
-        if code or status:
-            parts = [code] if code and code != str(status) else []
-            parts += [f"HTTP {status}"] if status else []
-            extra = ", ".join(parts)
-            if extra and extra not in text:
-                text += f" ({extra})"
-            inner = _first_lines(cur)
-            if cur is not exc and inner and inner not in text:
-                text += f": {inner}"
-            break
-    return text if len(text) <= 400 else text[:397] + "..."
 
 
 #: Seconds the open-time probe waits for a refused or unroutable endpoint; one that accepts
@@ -209,6 +98,12 @@ class FsspecStorage:
         self._local = self.capabilities.protocol == "file"
         if probe and self.spec.probe_on_open:
             self.probe(probe_timeout)
+
+    @property
+    def stream_buffer_bytes(self) -> int:
+        """Peak bytes one open streaming write holds in this process (capability data, see
+        :class:`~ckptfs.storage.backends.BackendSpec`); the save bounds their sum."""
+        return 0 if self._local else self.spec.stream_buffer_bytes
 
     # -- reachability --------------------------------------------------------------------------
 
@@ -317,6 +212,9 @@ class FsspecStorage:
                     f"{op} {where}: access denied ({cause}); check the credentials and "
                     "permissions passed as storage options"
                 ) from exc
+            advice = permanent_advice(exc)
+            if advice is not None:  # not retried (ckptfs.storage.classify)
+                raise cls(f"{op} {where} failed: {cause}; {advice}") from exc
             raise cls(f"{op} {where} failed: {cause}") from exc
 
     # -- reads ---------------------------------------------------------------------------------
@@ -324,6 +222,13 @@ class FsspecStorage:
     def read_bytes(self, path: str) -> bytes:
         with self._errors("read", path):
             return cast(bytes, self.fs.cat_file(self.full(path), **self.spec.cat_options))
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """One ranged read (an HTTP range GET on object stores)."""
+        if length <= 0:
+            return b""
+        with self._errors("read", path):
+            return cast(bytes, self.fs.cat_file(self.full(path), start=start, end=start + length))
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
@@ -367,6 +272,9 @@ class FsspecStorage:
         return out
 
     def list_tree(self, path: str) -> list[Entry]:
+        if self._local:
+            with self._errors("list", path):
+                return self._list_tree_local(path)
         with self._errors("list", path):
             self._invalidate(path)
             try:
@@ -376,22 +284,74 @@ class FsspecStorage:
         return [Entry(self.rel(str(name)), int(info.get("size") or 0), False)
                 for name, info in raw.items() if info.get("type") != "directory"]
 
+    def _list_tree_local(self, path: str) -> list[Entry]:
+        """Local ``list_tree`` that never hides an error: fsspec's walk skips a directory it
+        cannot read, which made an unreadable attempt read as "files missing" (corruption)
+        instead of a permission error.  Symbolic links are listed (``is_link``), never
+        followed.  A subdirectory deleted during the walk is skipped (a concurrent delete)."""
+        top = self.full(path)
+
+        def onerror(exc: OSError) -> None:
+            if isinstance(exc, FileNotFoundError) and exc.filename != top:
+                return
+            raise exc
+
+        out: list[Entry] = []
+        try:
+            for dirpath, dirnames, filenames in os.walk(top, onerror=onerror):
+                for name in [*filenames, *dirnames]:
+                    full = os.path.join(dirpath, name)
+                    try:
+                        st = os.lstat(full)
+                    except FileNotFoundError:
+                        continue
+                    link = stat.S_ISLNK(st.st_mode)
+                    if link or not stat.S_ISDIR(st.st_mode):
+                        out.append(Entry(self.rel(full), st.st_size, False, link))
+        except FileNotFoundError as exc:
+            if exc.filename == top:
+                return []
+            raise
+        return out
+
     # -- writes --------------------------------------------------------------------------------
+
+    def _makedirs_local(self, full: str, *, sync_all: bool = False) -> None:
+        """``os.makedirs`` that makes the entries of the directories it creates durable (their
+        parents fsynced, top-down) for the run root and the directories above it, a brand-new
+        run root, which the commit protocol's own ``sync_dir`` calls (all inside the root)
+        cannot reach; ``sync_all``: for every directory it creates."""
+        missing: list[str] = []
+        d = os.path.abspath(full)
+        while not os.path.lexists(d):
+            missing.append(d)
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
+        os.makedirs(full, exist_ok=True)
+        root = os.path.abspath(self.full(""))
+        for created in reversed(missing):
+            if sync_all or created == root or root.startswith(created.rstrip(os.sep) + os.sep):
+                _fsync_dir(os.path.dirname(created))
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:
         full = self.full(path)
         with self._errors("write", path):
-            if self.capabilities.real_directories:
+            if self._local:
+                self._makedirs_local(os.path.dirname(full))
+            elif self.capabilities.real_directories:
                 self.fs.makedirs(self.fs._parent(full), exist_ok=True)
-            # Object stores: upload a part per 16 MiB written instead of buffering the
-            # library's default block (s3fs: 50 MiB, copied twice per part), which keeps a
-            # save's extra memory at ~40 MiB per file in flight instead of ~200 MiB, at the same
-            # speed.  (Limits one S3 object to 10,000 parts, about 160 GiB: far above a shard.)
-            # Local and memory files ignore it.
-            f = self.fs.open(full, "wb", block_size=16 * 1024 * 1024)
+            # Object stores: one part per ``spec.write_block_size`` written instead of the
+            # library's default block (s3fs: 50 MiB), and writes split at part boundaries (see
+            # _Translating), so a stream holds at most ``stream_buffer_bytes``.  Local and
+            # memory files have no block.
+            block = self.spec.write_block_size
+            f = (self.fs.open(full, "wb", block_size=block) if block and not self._local
+                 else self.fs.open(full, "wb"))
         try:
-            yield cast(BinaryIO, _Translating(f, self, path))
+            yield cast(BinaryIO, _Translating(f, self, path, None if self._local else block))
             with self._errors("write", path):
                 f.close()
         except BaseException:
@@ -444,16 +404,25 @@ class FsspecStorage:
         an empty or partial file under the final name (``O_EXCL`` + write could)."""
         full = self.full(path)
         parent = os.path.dirname(full)
-        os.makedirs(parent, exist_ok=True)
+        self._makedirs_local(parent, sync_all=True)
         tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+        try:  # the temporary file is removed however this ends (a full disk: every try)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._link_or_create(tmp, full, data)
         finally:
-            os.close(fd)
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self.sync_dir(os.path.dirname(path))
+
+    @staticmethod
+    def _link_or_create(tmp: str, full: str, data: bytes) -> None:
         try:
             os.link(tmp, full)
         except OSError as exc:
@@ -469,10 +438,6 @@ class FsspecStorage:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        finally:
-            with suppress(FileNotFoundError):
-                os.unlink(tmp)
-        self.sync_dir(os.path.dirname(path))
 
     def delete(self, path: str) -> None:
         with self._errors("delete", path), suppress(FileNotFoundError):
@@ -488,7 +453,10 @@ class FsspecStorage:
         if not self.capabilities.real_directories:
             return
         with self._errors("mkdir", path):
-            self.fs.makedirs(self.full(path), exist_ok=True)
+            if self._local:
+                self._makedirs_local(self.full(path))
+            else:
+                self.fs.makedirs(self.full(path), exist_ok=True)
 
     def rename_dir(self, src: str, dst: str) -> None:
         if not self.capabilities.atomic_rename:
@@ -503,11 +471,7 @@ class FsspecStorage:
         if not self.capabilities.fsync:
             return
         with self._errors("fsync", path):
-            fd = os.open(self.full(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_dir(self.full(path))
 
     def is_symlink(self, path: str) -> bool:
         """Only meaningful on local disk (a checkpoint may not contain symlinks)."""
@@ -518,6 +482,14 @@ class FsspecStorage:
 
 
 BACKENDS_HINT = ("file", "memory", "s3", "gs", "az")
+
+
+def _fsync_dir(full: str) -> None:
+    fd = os.open(full, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _make_fs(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str]:
@@ -610,14 +582,33 @@ def _discard(f: Any) -> None:
 class _Translating:
     """A file wrapper whose ``read``/``readinto``/``write`` raise ckptfs errors, plus ``fsync``."""
 
-    def __init__(self, f: Any, storage: FsspecStorage, path: str) -> None:
+    def __init__(self, f: Any, storage: FsspecStorage, path: str,
+                 block: int | None = None) -> None:
         self._f = f
         self._storage = storage
         self._path = path
+        #: Part size of a buffered streaming write: each write is split (as zero-copy views) at
+        #: part boundaries, so the library's buffer fills to exactly one part and is sent whole.
+        #: Unsplit, a 16 MiB write into a nearly full buffer grows it to two parts, and the
+        #: leftover is copied into a new buffer after each upload (~2x the memory per stream).
+        self._block = block
+        self._pos = 0
 
     def write(self, data: Any) -> int:
         with self._storage._errors("write", self._path):
-            return cast(int, self._f.write(data))
+            if not self._block:
+                return cast(int, self._f.write(data))
+            mv = memoryview(data)
+            if mv.ndim != 1 or mv.itemsize != 1:
+                mv = mv.cast("B")
+            total = len(mv)
+            while mv:
+                room = self._block - self._pos % self._block
+                part = mv[:room]
+                self._f.write(part)
+                self._pos += len(part)
+                mv = mv[room:]
+            return total
 
     def read(self, n: int = -1) -> bytes:
         with self._storage._errors("read", self._path):
