@@ -10,4 +10,7 @@ echo "lint: ruff + mypy (strict)"
 .venv/bin/mypy ckptfs
 echo "docs: mkdocs build --strict"
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q
-exec .venv/bin/python -m pytest "$@"
+# Two workers, one test file each at a time: most tests wait on servers, subprocesses and gloo
+# ranks rather than on the CPU (measured: 18.7 min serial, 11.6 min with -n 2 on 2 cores).  `-n 0` runs
+# serially.
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
