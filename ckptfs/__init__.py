@@ -11,7 +11,9 @@ The on-storage format is specified in docs/protocol.md.
 from ckptfs.errors import (
     ArtifactConflictError,
     ArtifactMismatchError,
+    AsyncSaveError,
     BackendUnavailableError,
+    CheckpointDeletedError,
     CheckpointExistsError,
     CheckpointKeyError,
     CheckpointNotFoundError,
@@ -39,6 +41,7 @@ from ckptfs.format.layout import FORMAT_VERSION
 from ckptfs.lifecycle.manager import CheckpointManager, SaveResult, TrainerState
 from ckptfs.lifecycle.provenance import Provenance
 from ckptfs.lifecycle.retention import Best, RetentionPolicy
+from ckptfs.protocol.async_save import AsyncStats, SaveFuture
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.store import CheckpointStore, open
@@ -52,9 +55,12 @@ __all__ = [
     "FORMAT_VERSION",
     "ArtifactConflictError",
     "ArtifactMismatchError",
+    "AsyncSaveError",
+    "AsyncStats",
     "BackendUnavailableError",
     "Best",
     "Capabilities",
+    "CheckpointDeletedError",
     "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointKeyError",
@@ -72,6 +78,7 @@ __all__ = [
     "ProvenanceMismatchError",
     "RetentionPolicy",
     "RngStateError",
+    "SaveFuture",
     "SaveResult",
     "ShardedCheckpointError",
     "ShardedLoadError",

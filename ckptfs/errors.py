@@ -49,6 +49,11 @@ class CheckpointNotFoundError(CkptfsError, FileNotFoundError):
     """The requested checkpoint does not exist or is not committed."""
 
 
+class CheckpointDeletedError(CheckpointNotFoundError):
+    """A committed checkpoint was deleted (or replaced by another attempt) while it was being
+    read: a prune or another job, not corruption.  Load again."""
+
+
 class CheckpointExistsError(CkptfsError, FileExistsError):
     """A committed checkpoint already exists for the step (possibly just committed by a
     concurrent writer)."""
@@ -136,3 +141,8 @@ class ShardedSaveError(ShardedCheckpointError):
 class ShardedLoadError(ShardedCheckpointError):
     """A sharded load failed on one or more ranks; the state passed as ``into`` may be
     partly filled."""
+
+
+class AsyncSaveError(CkptfsError, RuntimeError):
+    """An async-save call that cannot work where it was made (e.g. waiting for the store's
+    pending saves from the background save thread itself, which would deadlock)."""

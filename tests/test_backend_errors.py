@@ -79,7 +79,7 @@ def _dead_options(protocol: str) -> dict[str, Any]:
         return {"key": "k", "secret": "s", "endpoint_url": endpoint}
     if protocol == "gs":
         return {"token": "anon", "endpoint_url": endpoint, "project": "test"}
-    return {"connection_string": servers._azurite_connection_string(endpoint)}
+    return {"connection_string": servers.azurite_connection_string(endpoint)}
 
 
 @pytest.mark.parametrize("protocol", ["s3", "gs", "az"])

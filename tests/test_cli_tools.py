@@ -17,9 +17,9 @@ from safetensors import safe_open
 import ckptfs
 from ckptfs.cli import tools
 from ckptfs.cli.core import main
-from ckptfs.cli.transfer import copy_step
 from ckptfs.format import extensions
 from ckptfs.format.layout import StepPaths
+from ckptfs.protocol.copy import copy_step
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage, SimulatedCrash

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ckptfs.errors import (
+    CheckpointDeletedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StorageAccessError,
@@ -31,7 +32,6 @@ from ckptfs.format.layout import (
     parse_step_dir,
 )
 from ckptfs.lifecycle.gc import collect
-from ckptfs.protocol.resolve import CheckpointDeletedError
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.retry import RetryingStorage, is_retryable
 from ckptfs.testing.backend import Backend

@@ -13,7 +13,7 @@ from ckptfs.errors import CorruptCheckpointError
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability import (
     HOSTILE_MEMORY_LIMIT,
-    _Planter,
+    Planter,
     hostile_sweep,
     raw_storage,
     store_on,
@@ -39,7 +39,7 @@ def test_hostile_checkpoints(where: str, request: pytest.FixtureRequest) -> None
 def test_declared_size_is_not_allocated(local_backend: Backend, declared: int) -> None:
     """Regression: load allocated a buffer of the *declared* size before reading (8 GiB
     resident for a manifest declaring 8 GiB; a raw MemoryError for 1 TiB/1 PiB)."""
-    pl = _Planter(local_backend)
+    pl = Planter(local_backend)
     entries = pl.entries(pl.files)
     for e in entries:
         if e["path"].endswith(".safetensors"):

@@ -19,7 +19,7 @@ from ckptfs.bench.latest import CountingStorage
 from ckptfs.errors import CorruptCheckpointError, StorageError
 from ckptfs.format.hashing import HASH_INLINE_BYTES, digest_bytes
 from ckptfs.protocol.commit import save_checkpoint
-from ckptfs.protocol.reader import load_checkpoint
+from ckptfs.protocol.formats import load_checkpoint
 from ckptfs.protocol.resolve import resolve_latest
 from ckptfs.storage.fsspec import FsspecStorage
 

@@ -35,10 +35,10 @@ from ckptfs.format.sharded import (
     METADATA_NAME,
     ShardedManifest,
     chunk_list_digest,
-    decode_manifest,
     decode_value,
     encode_value,
 )
+from ckptfs.format.versions import decode_manifest
 from ckptfs.protocol.sharded import save_sharded
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal

@@ -21,7 +21,8 @@ from test_sharded import build_state, targets, to_plain
 import ckptfs
 from ckptfs.errors import CorruptCheckpointError
 from ckptfs.format.layout import StepPaths
-from ckptfs.format.sharded import METADATA_NAME, ShardedManifest, decode_manifest
+from ckptfs.format.sharded import METADATA_NAME, ShardedManifest
+from ckptfs.format.versions import decode_manifest
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal
 

@@ -30,9 +30,9 @@ from ckptfs.errors import (
 from ckptfs.storage.backends import BACKENDS, S3_CONFIG, capability_table, merge_options, spec_for
 from ckptfs.storage.fsspec import (
     FsspecStorage,
-    _is_precondition_failure,
     classify,
     describe_cause,
+    is_precondition_failure,
 )
 from ckptfs.testing.conformance import assert_state_equal, small_state
 from ckptfs.testing.servers import ServerInfo
@@ -161,7 +161,7 @@ def _second_create_error(info: ServerInfo) -> BaseException:
 def test_moto_412_is_file_exists(moto: ServerInfo) -> None:
     exc = _second_create_error(moto)
     assert isinstance(exc, FileExistsError)
-    assert _is_precondition_failure(exc)
+    assert is_precondition_failure(exc)
 
 
 def test_ministack_412_is_oserror_einval_and_recognised(ministack: ServerInfo) -> None:
@@ -170,20 +170,20 @@ def test_ministack_412_is_oserror_einval_and_recognised(ministack: ServerInfo) -
     exc = _second_create_error(ministack)
     assert type(exc) is OSError and exc.errno == errno.EINVAL
     assert not isinstance(exc, FileExistsError)
-    assert _is_precondition_failure(exc)
+    assert is_precondition_failure(exc)
 
 
 def test_gcsfs_412_recognised(fake_gcs: ServerInfo) -> None:
     exc = _second_create_error(fake_gcs)
     assert isinstance(exc, FileExistsError)
-    assert _is_precondition_failure(exc)
+    assert is_precondition_failure(exc)
 
 
 def test_adlfs_exists_recognised(azurite: ServerInfo) -> None:
     exc = _second_create_error(azurite)
     assert isinstance(exc, FileExistsError)
     assert type(exc.__cause__ or exc.__context__).__name__ == "ResourceExistsError"
-    assert _is_precondition_failure(exc)
+    assert is_precondition_failure(exc)
 
 
 @pytest.mark.parametrize("name", ["moto", "ministack", "fake_gcs", "azurite"])
@@ -205,7 +205,7 @@ def test_real_non_412_is_not_exists(request: pytest.FixtureRequest, name: str) -
     fs = info.filesystem()
     with pytest.raises(Exception) as ei:
         fs.pipe_file("no-such-bucket-ckptfs/m/COMPLETE", b"x", mode="create")
-    assert not _is_precondition_failure(ei.value)
+    assert not is_precondition_failure(ei.value)
     st = FsspecStorage(f"{info.protocol}://no-such-bucket-ckptfs/run", probe=False,
                        **info.storage_options)
     with pytest.raises(StorageError) as ei2:
@@ -283,12 +283,12 @@ NOT_PRECONDITION_SHAPES: dict[str, Callable[[], BaseException]] = {
 
 @pytest.mark.parametrize("shape", sorted(PRECONDITION_SHAPES))
 def test_precondition_shapes_recognised(shape: str) -> None:
-    assert _is_precondition_failure(PRECONDITION_SHAPES[shape]())
+    assert is_precondition_failure(PRECONDITION_SHAPES[shape]())
 
 
 @pytest.mark.parametrize("shape", sorted(NOT_PRECONDITION_SHAPES))
 def test_other_errors_not_mistaken_for_exists(shape: str) -> None:
-    assert not _is_precondition_failure(NOT_PRECONDITION_SHAPES[shape]())
+    assert not is_precondition_failure(NOT_PRECONDITION_SHAPES[shape]())
 
 
 def test_classify_and_describe() -> None:

@@ -130,7 +130,7 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ckptfs.protocol.reader import verify_checkpoint
+    from ckptfs.protocol.formats import verify_checkpoint
 
     store = open_from_args(args)
     info = store.latest() if args.step is None else store.info(args.step)

@@ -29,7 +29,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from ckptfs.errors import CheckpointExistsError, CkptfsError, StorageNotFoundError
-from ckptfs.storage.fsspec import FsspecStorage, _discard, _is_precondition_failure, describe_cause
+from ckptfs.storage.fsspec import (
+    FsspecStorage,
+    describe_cause,
+    discard_write,
+    is_precondition_failure,
+)
 
 Status = Literal["held", "not held", "n/a", "error"]
 
@@ -155,7 +160,7 @@ class _Doctor:
         if second is None:
             status: Status = "not held"
             detail = f"second create succeeded; object now {content!r}"
-        elif _is_precondition_failure(second):
+        elif is_precondition_failure(second):
             status = "held" if content == b"first" else "not held"
             state = "intact" if status == "held" else "changed"
             detail = f"refused with {_shape(second)}; object {state}"
@@ -278,7 +283,7 @@ class _Doctor:
             status: Status = "not held"
             state = "intact" if intact else "replaced"
             detail = f"second {size}-byte create-only upload succeeded (object {state})"
-        elif _is_precondition_failure(err):
+        elif is_precondition_failure(err):
             status = "held" if intact else "not held"
             detail = f"second {size}-byte upload refused with {_shape(err)}"
         else:
@@ -298,7 +303,7 @@ class _Doctor:
                 f.write(data[i:i + block // 2])
             f.close()
         except BaseException:
-            _discard(f)
+            discard_write(f)
             raise
 
     def empty_create(self) -> Check:
@@ -312,7 +317,7 @@ class _Doctor:
         except Exception as exc:
             err = exc
         content = self.a.read_bytes("empty/object.bin")
-        if err is not None and _is_precondition_failure(err):
+        if err is not None and is_precondition_failure(err):
             status: Status = "held"
             detail = f"refused with {_shape(err)}"
         elif err is not None:
@@ -375,14 +380,14 @@ class _Doctor:
 
 def _shape(exc: BaseException) -> str:
     """How the library reported a refused create-only write (class, errno, HTTP status)."""
-    from ckptfs.storage.fsspec import _chain, _status_code
+    from ckptfs.storage.fsspec import error_chain, status_code
 
     name = type(exc).__name__
     errno = getattr(exc, "errno", None)
     if errno:
         name += f"(errno {errno})"
-    for cur in _chain(exc):
-        status, code = _status_code(cur)
+    for cur in error_chain(exc):
+        status, code = status_code(cur)
         if status or code:
             return f"{name} carrying {' '.join(x for x in (str(status or ''), code) if x)}"
     return name

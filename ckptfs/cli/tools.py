@@ -284,7 +284,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    from ckptfs.cli.transfer import copy_step
+    from ckptfs.protocol.copy import copy_step
 
     shared = parse_options(args.option)
     src = open_store(args.src, **{**shared, **parse_options(args.src_option)})

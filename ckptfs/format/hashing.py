@@ -238,3 +238,51 @@ class BackgroundHasher:
         self._thread.join()
         if exc_type is None and self._error is not None:
             raise self._error
+
+
+class PieceHasher:
+    """A :class:`Hasher` that digests consecutive pieces of a stream separately: the pieces are
+    ``lengths`` bytes long, in order, whatever slices the stream is fed in (format v2 chunks:
+    a file's header, then each item).  :meth:`digests` gives each piece's hex digest once the
+    stream is complete; bytes beyond the last piece go into one more piece (the caller's size
+    check reports them)."""
+
+    def __init__(self, algorithm: str, lengths: list[int]) -> None:
+        self._algorithm = algorithm
+        self._lengths = list(lengths)
+        self._index = 0
+        self._hasher = new_hasher(algorithm)
+        self._left = self._lengths[0] if self._lengths else -1
+        self._done: list[str] = []
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None:
+        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+        while len(view):
+            self._close_empty()
+            if self._left < 0:  # past the last piece
+                self._hasher.update(view)
+                return
+            n = min(self._left, len(view))
+            self._hasher.update(view[:n])
+            view, self._left = view[n:], self._left - n
+
+    def _close_empty(self) -> None:
+        while self._left == 0:
+            self._done.append(self._hasher.hexdigest())
+            self._hasher = new_hasher(self._algorithm)
+            self._index += 1
+            self._left = self._lengths[self._index] if self._index < len(self._lengths) else -1
+
+    def hexdigest(self) -> str:
+        return ""
+
+    def digests(self) -> list[str]:
+        """Each piece's hex digest (a stream that ended early: the partial piece, then empty
+        ones; the caller's size check reports it)."""
+        self._close_empty()
+        out = list(self._done)
+        if self._index < len(self._lengths):
+            out.append(self._hasher.hexdigest())
+            empty = new_hasher(self._algorithm).hexdigest()
+            out += [empty] * (len(self._lengths) - len(out))
+        return out

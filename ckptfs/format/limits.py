@@ -1,4 +1,4 @@
-"""Every size, count and depth bound of format v1, in one place.
+"""Every size, count and depth bound of the formats (v1 and v2), in one place.
 
 A reader refuses a checkpoint beyond any of these bounds (hostile or corrupt metadata must not
 make it allocate, recurse or parse without limit), so the writer checks the same bounds, with the
@@ -35,3 +35,7 @@ MAX_BIGINT_DIGITS = 4300
 #: A safetensors header (the JSON after the 8-byte length): the ``safetensors`` library's own
 #: limit (100,000,000 bytes), so every file ckptfs writes opens with it.
 MAX_HEADER_BYTES = 100_000_000
+
+#: Format v2: ``dcp.msgpack`` (DCP's global metadata) and one encoded non-tensor value, largest
+#: documents in bytes, checked before anything is allocated.
+MAX_METADATA_BYTES = 2 * 1024 * 1024 * 1024

@@ -119,7 +119,7 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = "manifest") -> Manifest:
-        doc = _load_json(data, MAX_MANIFEST_BYTES, where)
+        doc = load_json(data, MAX_MANIFEST_BYTES, where)
         _check_header(doc, MANIFEST_SCHEMA, where)
         try:
             _require(doc, MANIFEST_KEYS, "manifest")
@@ -189,7 +189,7 @@ class Marker:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = "marker") -> Marker:
-        doc = _load_json(data, MAX_MARKER_BYTES, where)
+        doc = load_json(data, MAX_MARKER_BYTES, where)
         _check_header(doc, MARKER_SCHEMA, where)
         try:
             _require(doc, MARKER_KEYS, "commit marker")
@@ -300,7 +300,7 @@ def check_document_size(data: bytes, limit: int, what: str) -> None:
             "the state, as tensors or bytes)")
 
 
-def _load_json(data: bytes, limit: int, where: str) -> dict[str, Any]:
+def load_json(data: bytes, limit: int, where: str) -> dict[str, Any]:
     if len(data) > limit:
         raise UnsafeCheckpointError(f"{where}: {len(data)} bytes exceeds the {limit}-byte limit")
     if not data:

@@ -79,7 +79,7 @@ for _name, _code in [
 ]:
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _code
-_CODES: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
+CODE_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
 
 # Tags of the tree encoding (docs/protocol.md, "state.msgpack").
 _DICT, _LIST, _TUPLE, _TENSOR, _BIGINT, _SIZE, _DTYPE = "d", "l", "t", "T", "i", "S", "dt"
@@ -133,7 +133,7 @@ def _is_dispatch_subclass(t: torch.Tensor) -> bool:
     return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
-class _Flattener:
+class Flattener:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.names: list[str] = []
@@ -284,7 +284,7 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
             "state must be a dict (e.g. {'model': model.state_dict()}), got "
             f"{type(state).__name__}"
         )
-    flat = _Flattener()
+    flat = Flattener()
     try:
         tree = flat.encode(state, ())
     except RecursionError:
@@ -353,7 +353,7 @@ def _header_entry_estimate(name: str, t: torch.Tensor) -> int:
     return len(json.dumps(name)) + len(json.dumps(list(t.shape))) + 128
 
 
-def _state_doc_too_large(size: int, flat: _Flattener) -> UnsupportedValueError:
+def _state_doc_too_large(size: int, flat: Flattener) -> UnsupportedValueError:
     biggest, where = flat.largest
     hint = (f"; its largest value is {biggest} B of str/bytes at key path {where!r}: store "
             "large blobs as uint8 tensors (torch.frombuffer)" if biggest else "")
@@ -468,7 +468,7 @@ def decode_state_doc(data: bytes, *, where: str) -> tuple[Any, list[TensorSlot]]
     slots = []
     for raw in raw_slots:
         if (not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[1], str)
-                or raw[1] == _HEADER_METADATA or raw[2] not in _CODES
+                or raw[1] == _HEADER_METADATA or raw[2] not in CODE_DTYPES
                 or not isinstance(raw[3], list)
                 or not all(_is_int(d) and d >= 0 for d in raw[3])):
             raise CorruptCheckpointError(f"{where}: malformed tensor slot {raw!r:.200}")
@@ -590,12 +590,12 @@ def parse_safetensors_header(buf: bytes | bytearray | memoryview, *, where: str
             dtype = info["dtype"]
             shape = tuple(info["shape"])
             begin, end = info["data_offsets"]
-            if (dtype not in _CODES or not all(_is_int(d) and d >= 0 for d in shape)
+            if (dtype not in CODE_DTYPES or not all(_is_int(d) and d >= 0 for d in shape)
                     or not _is_int(begin) or not _is_int(end)
                     or not 0 <= begin <= end <= data_len):
                 raise ValueError
             nelem = math.prod(shape)
-            if nelem * torch.empty((), dtype=_CODES[dtype]).element_size() != end - begin:
+            if nelem * torch.empty((), dtype=CODE_DTYPES[dtype]).element_size() != end - begin:
                 raise ValueError
         except (KeyError, TypeError, ValueError):
             raise CorruptCheckpointError(
@@ -619,7 +619,7 @@ def tensors_from_buffer(buf: bytearray | memoryview, *, where: str) -> dict[str,
     start, entries = parse_safetensors_header(buf, where=where)
     out = {}
     for name, e in entries.items():
-        dtype = _CODES[e.dtype]
+        dtype = CODE_DTYPES[e.dtype]
         if e.end == e.begin:
             out[name] = torch.empty(e.shape, dtype=dtype)
         else:

@@ -38,11 +38,11 @@ from ckptfs.errors import (
 )
 from ckptfs.format.hashing import digest_bytes, parse_digest
 from ckptfs.format.layout import check_relpath, is_attempt_name
-from ckptfs.format.limits import MAX_DEPTH, MAX_FILE_SIZE, MAX_FILES, MAX_MANIFEST_BYTES
-from ckptfs.format.manifest import MANIFEST_SCHEMA, FileEntry, Manifest, _load_json
+from ckptfs.format.limits import MAX_DEPTH, MAX_FILE_SIZE, MAX_FILES
+from ckptfs.format.manifest import MANIFEST_SCHEMA, FileEntry, Manifest
 from ckptfs.format.serialize import (
-    _CODES,
-    _Flattener,
+    CODE_DTYPES,
+    Flattener,
     build_tree,
     dtype_code,
     tensor_memoryview,
@@ -56,10 +56,6 @@ SHARDED_LAYOUT = "sharded"
 METADATA_NAME = "dcp.msgpack"
 METADATA_SCHEMA = "ckptfs.dcp"
 VALUE_SCHEMA = "ckptfs.value"
-#: Bound on ``dcp.msgpack`` and on one encoded value, checked before anything is allocated.
-MAX_METADATA_BYTES = 2 * 1024 * 1024 * 1024
-#: Highest manifest format version this ckptfs reads.
-MAX_READ_VERSION = SHARDED_FORMAT_VERSION
 
 
 def rank_file_name(rank: int, index: int = 0) -> str:
@@ -232,23 +228,6 @@ def _decode_entry(raw: Any, seen: set[str], where: str) -> ChunkedFileEntry:
     return entry
 
 
-def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
-    """Decode a manifest of any version this ckptfs reads: v1 (:class:`Manifest`) or v2
-    (:class:`ShardedManifest`).  A newer version raises :class:`FormatVersionError`."""
-    doc = _load_json(data, MAX_MANIFEST_BYTES, where)  # bounded: size, depth, duplicate keys
-    version = doc.get("format_version")
-    if version != SHARDED_FORMAT_VERSION:
-        if isinstance(version, int) and not isinstance(version, bool) \
-                and version > MAX_READ_VERSION:
-            raise FormatVersionError(
-                f"{where}: written by format version {version}; this ckptfs reads up to "
-                f"{MAX_READ_VERSION}: upgrade ckptfs")
-        return Manifest.from_bytes(data, where=where)  # v1: its own strict codec
-    if doc.get("schema") != MANIFEST_SCHEMA:
-        raise CorruptCheckpointError(f"{where}: schema is {doc.get('schema')!r}")
-    return ShardedManifest.from_doc(doc, where=where)
-
-
 # ----------------------------------------------------------------------------------------------
 # A rank's data file: a safetensors file whose header is known before any data is resolved
 
@@ -293,7 +272,7 @@ def plan_header(items: list[PlannedItem], rank: int) -> tuple[bytes, list[int]]:
 
 
 def element_size(code: str) -> int:
-    return torch.empty((), dtype=_CODES[code]).element_size()
+    return torch.empty((), dtype=CODE_DTYPES[code]).element_size()
 
 
 def tensor_code(dtype: torch.dtype, where: str) -> str:
@@ -313,7 +292,7 @@ def encode_value(value: Any, *, key: str) -> bytes:
     """Encode one non-tensor value of the state (an int, a list of param names, a tuple of
     betas...) with the v1 tagged tree; tensors inside it are stored inline.  Raises
     :class:`UnsupportedValueError` naming ``key`` for what the format cannot hold."""
-    flat = _Flattener()
+    flat = Flattener()
     tree = flat.encode(value, (key,))
     tensors = []
     for t in flat.tensors:
@@ -340,11 +319,11 @@ def decode_value(data: bytes | bytearray | memoryview, *, where: str) -> Any:
         raise CorruptCheckpointError(f"{where}: malformed value")
     tensors = []
     for r in raw:
-        if (not isinstance(r, list) or len(r) != 3 or r[0] not in _CODES
+        if (not isinstance(r, list) or len(r) != 3 or r[0] not in CODE_DTYPES
                 or not isinstance(r[1], list) or not all(_is_int(d) and d >= 0 for d in r[1])
                 or not isinstance(r[2], bytes)):
             raise CorruptCheckpointError(f"{where}: malformed tensor in value")
-        dtype = _CODES[r[0]]
+        dtype = CODE_DTYPES[r[0]]
         n = 1
         for d in r[1]:
             n *= d

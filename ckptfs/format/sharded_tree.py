@@ -23,7 +23,7 @@ import torch
 
 from ckptfs.errors import CorruptCheckpointError, UnsupportedValueError
 from ckptfs.format.limits import MAX_DEPTH
-from ckptfs.format.serialize import _Flattener, build_tree
+from ckptfs.format.serialize import Flattener, build_tree
 
 _LEAF = "v"
 _KEY_TYPES = (str, int, float, bool, type(None), bytes, tuple)
@@ -50,7 +50,7 @@ def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
         raise UnsupportedValueError(
             f"state must be a dict (e.g. {{'model': ..., 'optimizer': ...}}), got "
             f"{type(state).__name__}")
-    keys = _Flattener()
+    keys = Flattener()
     seen: set[int] = set()
 
     def walk(value: Any, path: tuple[Any, ...]) -> tuple[Any, Any]:

@@ -45,7 +45,7 @@ from ckptfs.errors import (
 from ckptfs.format.hashing import ALGORITHMS, digest_bytes
 from ckptfs.format.layout import MAX_STEP, parse_step_dir, step_dir_name
 from ckptfs.lifecycle.records import LIFECYCLE_DIR, CorruptRecordError, parse_json
-from ckptfs.protocol.reader import MapLocation
+from ckptfs.protocol.load_options import MapLocation
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.base import Capabilities, Entry, Storage
 

@@ -43,6 +43,7 @@ from ckptfs.format.layout import check_step
 from ckptfs.lifecycle import provenance as prov
 from ckptfs.lifecycle import rng
 from ckptfs.lifecycle.retention import PruneReport, RetentionPlan, record_metrics
+from ckptfs.protocol.load_options import select_and_map, tensor_map
 
 if TYPE_CHECKING:
     from ckptfs.lifecycle.manager import CheckpointManager, SaveResult, Stateful
@@ -386,8 +387,8 @@ def _small_state(mgr: CheckpointManager, g: Group, step: int, names: list[str],
         return mgr.store.load(step, map_location=map_location), False
     from ckptfs.protocol import sharded
     keys = {"trainer", "manager", "rng.world_size", f"rng.ranks.{g.rank}", *names}
-    state = sharded.load_full(mgr.store.storage, info, keys=keys, map_location=map_location,
-                              threads=mgr.store.threads)
+    state = sharded.load_full(mgr.store.storage, info, keys=keys, threads=mgr.store.threads)
+    state = select_and_map(state, info.url, None, tensor_map(map_location))
     where = f"{info.url}/dcp.msgpack"
     present = info.metadata.get("rng_ranks")
     entry = state.get("rng")

@@ -70,7 +70,7 @@ from ckptfs.lifecycle.retention import (
 )
 from ckptfs.lifecycle.rng import decode_rng, dist_gather, encode_rng
 from ckptfs.protocol.async_save import DeferredCommits
-from ckptfs.protocol.reader import MapLocation
+from ckptfs.protocol.load_options import MapLocation
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store

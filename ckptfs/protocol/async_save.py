@@ -41,8 +41,6 @@ import atexit
 import concurrent.futures.thread  # noqa: F401  (imported before our exit hook is registered)
 import copy
 import logging
-import os
-import socket
 import sys
 import threading
 import time
@@ -56,12 +54,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from ckptfs.errors import CheckpointExistsError, CkptfsError, UnsupportedValueError
+from ckptfs.errors import AsyncSaveError, CheckpointExistsError, UnsupportedValueError
 from ckptfs.format.hashing import new_hasher
-from ckptfs.format.layout import check_step, new_attempt_name
-from ckptfs.format.manifest import check_metadata
-from ckptfs.format.serialize import plan_state
-from ckptfs.protocol.commit import _check_documents, save_checkpoint
+from ckptfs.format.layout import check_step
+from ckptfs.protocol.collective import wants_sharded_save
+from ckptfs.protocol.commit import check_plan, plan_v1, save_checkpoint
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.staging import PoolKey, Snapshot, StagingPool
 
@@ -71,11 +68,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptfs")
 
 R = TypeVar("R")
-
-
-class AsyncSaveError(CkptfsError, RuntimeError):
-    """An async-save call that cannot work where it was made (e.g. waiting for the store's
-    pending saves from the background save thread itself, which would deadlock)."""
 
 
 @dataclass
@@ -116,12 +108,9 @@ def _validate(store: CheckpointStore, step: int, state: Mapping[str, Any],
     cannot hold, naming its key path; bad metadata; a manifest too large to be read)."""
     check_step(step)
     new_hasher(store.algorithm)
-    plan = plan_state(state, shard_bytes=store.shard_bytes)  # also refuses cycles
+    plan, meta = plan_v1(state, metadata=metadata, shard_bytes=store.shard_bytes)
     _refuse_sharded(state, ())
-    meta = {"tensor_count": plan.tensor_count, **dict(metadata or {})}
-    check_metadata(meta)
-    _check_documents(step, new_attempt_name(), plan.files, store.algorithm, meta,
-                     {"host": socket.gethostname(), "pid": os.getpid()})
+    check_plan(step, plan, meta, store.algorithm)
 
 
 def _refuse_sharded(value: Any, path: tuple[Any, ...]) -> None:
@@ -154,12 +143,11 @@ def _sharded_module(state: Mapping[str, Any]) -> Any:
     """:mod:`ckptfs.protocol.sharded` when this save is collective (as ``store.save`` decides:
     torch.distributed initialized with world size > 1, or DTensors in the state), else None.
     Imported only then: importing DCP costs seconds."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if not wants_sharded_save(state):
         return None
     from ckptfs.protocol import sharded
 
-    return sharded if sharded.wants_sharded_save(state) else None
+    return sharded
 
 
 def _clear_frames(exc: BaseException) -> None:

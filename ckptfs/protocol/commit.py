@@ -1,29 +1,44 @@
-"""The commit protocol: how a save becomes a committed checkpoint.
+"""The commit protocol: how a save becomes a committed checkpoint.  **The one place a commit
+marker is created.**
 
 Design decision: **the commit is the exclusive creation of one small marker, on every backend.**
 Rename is not atomic on object stores (it is copy + delete), so it cannot be the commit there;
 making the marker the commit everywhere keeps one protocol and one proof.
 
-A save of step N:
+Every writer (the single-process save, the coordinator of a sharded save, ``ckptfs cp``, the
+background thread of an async save) goes through one object, an :class:`Attempt`::
 
-1. validates and plans the whole state and the metadata, and checks every size and depth limit
-   a reader enforces (:mod:`ckptfs.format.limits`) on the manifest and marker it will write, so
-   a value the format cannot hold, or a checkpoint a reader would refuse, fails here before any
-   byte is written; and fails fast if step N is already committed;
-2. picks a fresh *attempt* name (UTC time + 64 random bits), so its files can never mix with a
-   crashed earlier attempt or a concurrent writer of the same step (a zombie job and its
-   replacement);
-3. writes the data files into the attempt directory, hashing every byte from memory as it is
-   written (files in parallel), then ``MANIFEST.json`` listing every file's size and digest.  On
-   local disk the attempt is written under a hidden ``.tmp-`` name, every file fsynced, then
-   renamed into place and the step directory fsynced, so no partial attempt is ever visible;
-4. creates ``step-N/COMPLETE`` *exclusively* (``link`` on local disk, ``If-None-Match: *`` on
-   S3, ``ifGenerationMatch=0`` on GCS, ``If-None-Match`` on Azure) in one request.  The marker
-   records the attempt and the manifest's digest, so it can only vouch for that manifest.
+    attempt = Attempt.open(storage, step, algorithm=..., durable=...)   # 1, 2
+    entry = attempt.write_file("tensors-00000.safetensors", size, chunks) # 3 (any rank)
+    info = attempt.commit(manifest)                                        # 4
+    # on any failure before commit: attempt.discard()  (the context manager does it)
 
-Exactly one writer's marker creation succeeds; the others get :class:`CheckpointExistsError` and
-their attempt directory is removed.  A crash before step 4 leaves an uncommitted attempt that
-readers skip and garbage collection removes.
+1. ``open`` fails fast if step N is already committed and picks a fresh *attempt* name (UTC
+   time + 64 random bits), so its files can never mix with a crashed earlier attempt or a
+   concurrent writer of the same step (a zombie job and its replacement).  On local disk the
+   attempt is written under a hidden ``.tmp-`` name.  Other ranks of a sharded save get a
+   handle on the same attempt with :meth:`Attempt.join` (no I/O).
+2. Before anything is written, a writer that knows its files' sizes calls :meth:`Attempt.check`
+   with a manifest of placeholder digests: every reader limit (manifest and marker size,
+   documents a reader bounds: :mod:`ckptfs.format.versions`) is checked, so a checkpoint a
+   reader would refuse fails here.
+3. ``write_file`` streams a file into the attempt, hashing every byte from memory as it is
+   written (on a helper thread), fsyncing it when durable, repeated from its first byte under
+   the storage's bounded retries (:class:`~ckptfs.storage.base.Retrying`).  Nothing written is
+   read back.
+4. ``commit`` checks the final manifest again with the reader's own decoder (so nothing is
+   committed that a reader refuses, for every writer), writes ``MANIFEST.json``, fsyncs and
+   renames the attempt into place (local disk), and creates ``step-N/COMPLETE`` *exclusively*
+   in one request (``link`` on local disk, ``If-None-Match: *`` on S3, ``ifGenerationMatch=0``
+   on GCS, ``If-None-Match`` on Azure).  The marker records the attempt and the manifest's
+   digest, so it can only vouch for that manifest.
+
+The outcome of the marker request itself can be ambiguous; it is settled here, once: the
+marker is re-read, and if it names this attempt the commit succeeded (a retried request whose
+first try took effect); if another writer's marker is there, this attempt is discarded and
+:class:`CheckpointExistsError` raised; if the outcome is unknown, the attempt is kept (a marker
+may still name it) and the error propagates.  A crash before step 4 leaves an uncommitted
+attempt that readers skip and garbage collection removes.
 """
 
 from __future__ import annotations
@@ -31,16 +46,19 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
-from ckptfs.errors import CheckpointExistsError
+from ckptfs.errors import CheckpointExistsError, CorruptCheckpointError
 from ckptfs.format.hashing import (
     DEFAULT_ALGORITHM,
     HASH_INLINE_BYTES,
     BackgroundHasher,
+    Hasher,
+    PieceHasher,
     digest_bytes,
     format_digest,
     new_hasher,
@@ -52,7 +70,7 @@ from ckptfs.format.layout import (
     check_step,
     new_attempt_name,
 )
-from ckptfs.format.limits import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
+from ckptfs.format.limits import MAX_MARKER_BYTES
 from ckptfs.format.manifest import (
     MARKER_DIGEST_ALGORITHM,
     FileEntry,
@@ -61,26 +79,31 @@ from ckptfs.format.manifest import (
     check_document_size,
     check_metadata,
 )
-from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, PlannedFile, plan_state
-from ckptfs.protocol.resolve import CheckpointInfo, read_marker, storage_url
-from ckptfs.storage.base import Storage
+from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, StatePlan, plan_state
+from ckptfs.format.versions import check_committable
+from ckptfs.protocol.resolve import CheckpointInfo, read_committed, read_marker, storage_url
+from ckptfs.storage.base import Storage, retry_call
 
 log = logging.getLogger("ckptfs")
+
+Chunks = Callable[[], Iterable[memoryview]]
 
 
 def default_threads() -> int:
     return max(2, min(8, (os.cpu_count() or 2)))
 
 
-#: How far (in bytes) the writer may run ahead of the hasher.  Chunks are views of the tensors'
+#: How far (in bytes) a writer may run ahead of its hasher.  Chunks are views of the tensors'
 #: own memory, so a lead costs no copies; the bound only matters for tensors that had to be
 #: copied (GPU, non-contiguous), which stay alive until hashed.
 MAX_HASH_LEAD = 256 * 1024 * 1024
+#: Largest slice handed to one ``write`` call.
+WRITE_SLICE = 16 * 1024 * 1024
 
 #: The most bytes a save's parallel streaming writes may hold in buffers at once (object
-#: stores: each open stream holds ``storage.stream_buffer_bytes``, its part buffers).  A save
-#: opens at most ``WRITE_BUFFER_BUDGET // stream_buffer_bytes`` files at a time (at least one),
-#: so its extra memory stays under the 64 MiB + 5% bound however many threads it has.
+#: stores: each open stream holds ``capabilities.stream_buffer_bytes``, its part buffers).  A
+#: save opens at most ``WRITE_BUFFER_BUDGET // stream_buffer_bytes`` files at a time (at least
+#: one), so its extra memory stays under the 64 MiB + 5% bound however many threads it has.
 WRITE_BUFFER_BUDGET = 64 * 1024 * 1024
 
 
@@ -88,48 +111,307 @@ def write_streams(storage: Storage, nthreads: int, nfiles: int,
                   budget: int = WRITE_BUFFER_BUDGET) -> int:
     """How many files a save writes at once: the threads asked for, no more than the files, and
     no more than the storage's streams that fit in ``budget`` bytes of part buffers."""
-    per_stream = int(getattr(storage, "stream_buffer_bytes", 0) or 0)
+    per_stream = storage.capabilities.stream_buffer_bytes
     n = max(1, min(nthreads, nfiles))
     if per_stream > 0:
         n = min(n, max(1, budget // per_stream))
     return n
 
 
-def _write_planned(storage: Storage, path: str, pf: PlannedFile, algorithm: str,
-                   durable: bool) -> FileEntry:
-    """Write one planned file and hash every byte from memory as it is written.
-
-    Writing and hashing overlap: this thread writes, fsyncs (durable) and closes (the last
-    part upload and its completion on object stores) while a helper thread hashes the same
-    chunks, so the hash hides behind the write, the upload or the fsync wait instead of adding
-    to it.  Nothing written is ever read back."""
-    hasher = new_hasher(algorithm)
-    written = 0
-    with BackgroundHasher(hasher, max_lead=MAX_HASH_LEAD,
-                          background=pf.size > HASH_INLINE_BYTES) as bg, \
-            storage.open_write(path) as f:
-        for chunk in pf.chunks():
-            bg.feed(chunk)
-            f.write(chunk)
-            written += len(chunk)
-        if durable and storage.capabilities.fsync:
-            f.fsync()  # type: ignore[attr-defined]
-    if written != pf.size:  # pragma: no cover - a planning bug, never user input
-        raise AssertionError(f"{path}: planned {pf.size} bytes, wrote {written}")
-    return FileEntry(pf.path, written, format_digest(algorithm, hasher.hexdigest()))
+def writer_identity(**extra: Any) -> dict[str, Any]:
+    """What a marker records of its writer: host, pid, and ``extra`` (world size, source)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), **extra}
 
 
-def _write_file(storage: Storage, path: str, pf: PlannedFile, algorithm: str,
-                durable: bool) -> FileEntry:
-    """:func:`_write_planned`, repeated from the first byte when the storage offers bounded
-    retries (:class:`~ckptfs.storage.retry.RetryingStorage`) and the failure is transient.  A
-    planned file regenerates its chunks from memory, so a failed stream is replayed without
-    having kept a copy of it."""
-    retry = getattr(storage, "retry_call", None)
-    if retry is None:
-        return _write_planned(storage, path, pf, algorithm, durable)
-    return cast(FileEntry, retry("write", path,
-                                 lambda: _write_planned(storage, path, pf, algorithm, durable)))
+def now_text() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A file written into an attempt: its manifest entry (whole-file digest, or ``""`` when
+    written by pieces) and, when written by pieces, the hex digest of each piece in order."""
+
+    path: str
+    size: int
+    digest: str
+    pieces: tuple[str, ...] = ()
+
+    def entry(self, algorithm: str) -> FileEntry:
+        return FileEntry(self.path, self.size, format_digest(algorithm, self.digest))
+
+
+def _hex(algorithm: str, data: memoryview | bytes) -> str:
+    return digest_bytes(algorithm, data).split(":", 1)[1]
+
+
+class Attempt:
+    """One attempt at committing one step: open, write files, commit; or discard.
+
+    Use :meth:`open` (the writer that commits) or :meth:`join` (another rank writing into the
+    same attempt).  As a context manager, leaving on an exception before :meth:`commit`
+    discards what was written (best effort; garbage collection removes what a crash leaves)."""
+
+    def __init__(self, storage: Storage, step: int, name: str, *, algorithm: str,
+                 durable: bool) -> None:
+        self.storage = storage
+        self.step = check_step(step)
+        self.name = name
+        self.algorithm = algorithm
+        self.durable = durable
+        self.paths = StepPaths(self.step)
+        caps = storage.capabilities
+        self.final_dir = self.paths.attempt_dir(name)
+        self.write_dir = self.paths.tmp_attempt_dir(name) if caps.atomic_rename \
+            else self.final_dir
+        self.sync = durable and caps.fsync
+        self.committed: CheckpointInfo | None = None
+        self._outcome_unknown = False
+
+    # -- opening -------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, storage: Storage, step: int, *, algorithm: str = DEFAULT_ALGORITHM,
+             durable: bool = True) -> Attempt:
+        """Start a new attempt of ``step``: :class:`CheckpointExistsError` if the step is
+        already committed; else a fresh attempt name and its (hidden, on local disk)
+        directory."""
+        check_step(step)
+        new_hasher(algorithm)  # unknown/missing algorithm: fail before writing
+        att = cls(storage, step, new_attempt_name(), algorithm=algorithm, durable=durable)
+        att.refuse_if_committed()
+        storage.makedirs(att.write_dir)
+        if att.sync:
+            storage.sync_dir("")  # the run root may have just gained checkpoints/
+            storage.sync_dir(CHECKPOINTS_DIR)
+            storage.sync_dir(att.paths.dir)
+        return att
+
+    @classmethod
+    def join(cls, storage: Storage, step: int, name: str, *,
+             algorithm: str = DEFAULT_ALGORITHM, durable: bool = True) -> Attempt:
+        """A handle on the attempt ``name`` another process opened (a rank of a sharded save
+        writing its own files into the coordinator's attempt).  No I/O; it never commits."""
+        new_hasher(algorithm)
+        return cls(storage, step, name, algorithm=algorithm, durable=durable)
+
+    def refuse_if_committed(self) -> None:
+        if self.storage.exists(self.paths.marker):
+            raise CheckpointExistsError(
+                f"step {self.step} is already committed at "
+                f"{storage_url(self.storage, self.paths.dir)}; a committed checkpoint is never "
+                f"overwritten: save under a new step, or delete it first "
+                f"('store.delete({self.step})')")
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None and self.committed is None and not self._outcome_unknown:
+            self.discard()
+
+    # -- checks before writing -----------------------------------------------------------------
+
+    def check(self, manifest: Manifest, **writer: Any) -> None:
+        """Refuse now, before any byte is written, a checkpoint a reader would refuse:
+        ``manifest`` is the one this attempt will commit, with placeholder digests of the right
+        length (:func:`placeholder_digest`)."""
+        if manifest.step != self.step or manifest.attempt != self.name:
+            raise AssertionError("the manifest is not this attempt's")  # pragma: no cover
+        check_manifest(manifest, writer_identity(**writer))
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def file_path(self, relpath: str) -> str:
+        return f"{self.write_dir}/{relpath}"
+
+    def write_file(self, relpath: str, size: int, chunks: Chunks, *,
+                   pieces: Sequence[int] | None = None) -> WrittenFile:
+        """Stream ``chunks()`` (views of memory, regenerated from the start on a retry) into
+        ``relpath`` of the attempt and return its size and digest.  ``pieces``: the file is
+        consecutive pieces of these lengths, each with its own digest (format v2 chunks),
+        whatever slices ``chunks()`` yields; else one digest of the whole file.  Writing and
+        hashing overlap (a helper thread hashes while this one writes, fsyncs and closes), and
+        the whole file is repeated from its first byte under the storage's bounded retries
+        when a write fails transiently.  ``size``: the planned size (-1: unknown), checked."""
+        path = self.file_path(relpath)
+        written, digest, piece_digests = retry_call(
+            self.storage, "write", path, lambda: self._write_once(path, size, chunks, pieces))
+        if size >= 0 and written != size:
+            raise CorruptCheckpointError(
+                f"{storage_url(self.storage, path)}: {written} bytes were streamed, {size} "
+                "were planned or declared", step=self.step, path=path)
+        return WrittenFile(relpath, written, digest, tuple(piece_digests))
+
+    def _write_once(self, path: str, size: int, chunks: Chunks,
+                    pieces: Sequence[int] | None) -> tuple[int, str, list[str]]:
+        hasher: Hasher | PieceHasher = new_hasher(self.algorithm) if pieces is None \
+            else PieceHasher(self.algorithm, list(pieces))
+        written = 0
+        with BackgroundHasher(hasher, max_lead=MAX_HASH_LEAD,
+                              background=size < 0 or size > HASH_INLINE_BYTES) as bg, \
+                self.storage.open_write(path) as f:
+            for chunk in chunks():
+                bg.feed(chunk)
+                for start in range(0, len(chunk), WRITE_SLICE):
+                    f.write(chunk[start:start + WRITE_SLICE])
+                written += len(chunk)
+                del chunk
+            if self.sync:
+                f.fsync()  # type: ignore[attr-defined]
+        if isinstance(hasher, PieceHasher):
+            return written, "", hasher.digests()
+        return written, hasher.hexdigest(), []
+
+    def write_files(self, files: Sequence[tuple[str, int, Chunks]], *, threads: int
+                    ) -> list[WrittenFile]:
+        """:meth:`write_file` of each ``(relpath, size, chunks)`` (whole-file digests), several
+        at once (bounded by ``threads`` and the storage's write-memory budget)."""
+        n = write_streams(self.storage, threads, len(files))
+        if n <= 1:
+            return [self.write_file(p, s, c) for p, s, c in files]
+        with ThreadPoolExecutor(n, thread_name_prefix="ckptfs-save") as pool:
+            futures = [pool.submit(self.write_file, p, s, c) for p, s, c in files]
+            return [fut.result() for fut in futures]
+
+    def write_document(self, relpath: str, data: bytes) -> WrittenFile:
+        """A small whole document (one request), hashed."""
+        self.storage.write_bytes(self.file_path(relpath), data)
+        return WrittenFile(relpath, len(data), _hex(self.algorithm, data))
+
+    def sync_file_dir(self, relpath: str) -> None:
+        """Make the directory entry of ``relpath`` durable (a rank's own subdirectory)."""
+        if self.sync:
+            self.storage.sync_dir(self.file_path(relpath).rsplit("/", 1)[0])
+
+    # -- committing ----------------------------------------------------------------------------
+
+    def commit(self, manifest: Manifest, **writer: Any) -> CheckpointInfo:
+        """Write ``manifest`` and create the marker exclusively: the checkpoint is committed
+        when this returns.  ``writer``: extra facts the marker records (``world_size``,
+        ``copied_from``).  See the module docstring for the outcomes."""
+        if manifest.step != self.step or manifest.attempt != self.name:
+            raise AssertionError("the manifest is not this attempt's")  # pragma: no cover
+        who = writer_identity(**writer)
+        try:
+            mbytes = check_manifest(manifest, who)
+            self.storage.write_bytes(f"{self.write_dir}/{MANIFEST_NAME}", mbytes)
+            if self.sync:
+                self.storage.sync_dir(self.write_dir)
+            if self.write_dir != self.final_dir:
+                self.storage.rename_dir(self.write_dir, self.final_dir)
+                if self.sync:
+                    self.storage.sync_dir(self.paths.dir)
+            marker = Marker(self.step, self.name, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes),
+                            len(mbytes), manifest.created, who)
+        except BaseException:
+            self.discard()
+            raise
+        try:
+            self.storage.create_exclusive(self.paths.marker, marker.to_bytes())
+        except BaseException as exc:
+            owner = self._marker_attempt()
+            if owner == self.name:
+                log.info("commit of step %d reported %r but the marker is ours", self.step, exc)
+            elif isinstance(exc, CheckpointExistsError):
+                self.discard()
+                raise CheckpointExistsError(
+                    f"step {self.step} at {storage_url(self.storage, self.paths.dir)} was "
+                    f"committed by another writer while this one was saving; this attempt "
+                    f"({self.name}) was discarded. If two jobs write the same run, stop the "
+                    "stale one") from exc
+            else:
+                # Unknown outcome: keep the attempt (a marker may still name it); GC collects it.
+                self._outcome_unknown = True
+                raise
+        self.committed = CheckpointInfo(self.step, self.name,
+                                        storage_url(self.storage, self.final_dir), manifest,
+                                        marker)
+        log.info("committed step %d at %s (%d files, %d bytes)", self.step, self.storage.url,
+                 len(manifest.files), manifest.total_bytes)
+        return self.committed
+
+    def _marker_attempt(self) -> str | None:
+        try:
+            marker = read_marker(self.storage, self.step)
+        except Exception:
+            return None
+        return marker.attempt if marker is not None else None
+
+    def discard(self) -> None:
+        """Best effort: remove what this attempt wrote (GC catches what a crash leaves)."""
+        for d in dict.fromkeys((self.write_dir, self.final_dir)):
+            try:
+                self.storage.delete_tree(d)
+            except Exception:  # pragma: no cover - best effort, garbage collection retries
+                log.warning("could not remove failed attempt %s",
+                            storage_url(self.storage, d), exc_info=True)
+
+    def reread(self) -> CheckpointInfo:
+        """The committed checkpoint as a reader sees it (after :meth:`commit`)."""
+        return read_committed(self.storage, self.step)
+
+
+def placeholder_digest(algorithm: str) -> str:
+    """A digest of the right length, for :meth:`Attempt.check` before the real one is known."""
+    return digest_bytes(algorithm, b"")
+
+
+def check_manifest(manifest: Manifest, writer: Mapping[str, Any]) -> bytes:
+    """Encode ``manifest`` and refuse it, with :class:`~ckptfs.UnsupportedValueError`, if a
+    reader would refuse it or the marker that commits it (every limit of
+    :mod:`ckptfs.format.limits`, decoded by the reader's own decoder).  Returns its bytes."""
+    mbytes = manifest.to_bytes()
+    check_committable(manifest, mbytes, where=f"MANIFEST.json of step {manifest.step}")
+    marker = Marker(manifest.step, manifest.attempt,
+                    digest_bytes(MARKER_DIGEST_ALGORITHM, b""), len(mbytes), manifest.created,
+                    dict(writer))
+    check_document_size(marker.to_bytes(), MAX_MARKER_BYTES, "the commit marker COMPLETE")
+    return mbytes
+
+
+# -- format v1: the single-process save -----------------------------------------------------------
+
+
+def plan_v1(state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None,
+            shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[StatePlan, dict[str, Any]]:
+    """Validate and plan a single-process save: the serializer's plan (every value the format
+    cannot hold refused, naming its key path) and the manifest metadata."""
+    plan = plan_state(state, shard_bytes=shard_bytes)
+    meta = {"tensor_count": plan.tensor_count, **dict(metadata or {})}
+    check_metadata(meta)
+    return plan, meta
+
+
+def check_plan(step: int, plan: StatePlan, meta: Mapping[str, Any], algorithm: str) -> None:
+    """:meth:`Attempt.check` of a planned v1 save, without opening an attempt (an async save
+    checks on the caller's thread, before it returns)."""
+    check_manifest(v1_manifest(step, new_attempt_name(), algorithm, meta, now_text(),
+                               [(pf.path, pf.size, placeholder_digest(algorithm))
+                                for pf in plan.files]), writer_identity())
+
+
+def v1_manifest(step: int, attempt: str, algorithm: str, meta: Mapping[str, Any],
+                created: str, files: list[tuple[str, int, str]]) -> Manifest:
+    """The format v1 manifest of ``files`` (path, size, ``"algorithm:hex"`` digest)."""
+    return Manifest(step, attempt, tuple(FileEntry(p, s, d) for p, s, d in files), created,
+                    algorithm, dict(meta))
+
+
+def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,
+              algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
+              threads: int | None = None) -> CheckpointInfo:
+    """Write and commit a planned single-process (format v1) save."""
+    with Attempt.open(storage, step, algorithm=algorithm, durable=durable) as att:
+        created = now_text()
+        att.check(v1_manifest(step, att.name, algorithm, meta, created,
+                              [(pf.path, pf.size, placeholder_digest(algorithm))
+                               for pf in plan.files]))
+        written = att.write_files([(pf.path, pf.size, pf.chunks) for pf in plan.files],
+                                  threads=threads or default_threads())
+        return att.commit(v1_manifest(step, att.name, algorithm, meta, created,
+                                      [(w.path, w.size, w.entry(algorithm).digest)
+                                       for w in written]))
 
 
 def save_checkpoint(
@@ -143,120 +425,9 @@ def save_checkpoint(
     metadata: Mapping[str, Any] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> CheckpointInfo:
+    """Validate, plan, write and commit ``state`` as the format v1 checkpoint of ``step``."""
     check_step(step)
-    new_hasher(algorithm)  # unknown/missing algorithm: fail before writing
-    plan = plan_state(state, shard_bytes=shard_bytes)
-    meta = dict(metadata or {})
-    manifest_meta = {"tensor_count": plan.tensor_count, **meta}
-    check_metadata(manifest_meta)
-    attempt = new_attempt_name()
-    writer = {"host": socket.gethostname(), "pid": os.getpid()}
-    _check_documents(step, attempt, plan.files, algorithm, manifest_meta, writer)
-
-    caps = storage.capabilities
-    paths = StepPaths(step)
-    if storage.exists(paths.marker):
-        raise CheckpointExistsError(
-            f"step {step} is already committed at {storage_url(storage, paths.dir)}; a committed "
-            "checkpoint is never overwritten: save under a new step, or delete it first "
-            f"('store.delete({step})')")
-
-    final_dir = paths.attempt_dir(attempt)
-    write_dir = paths.tmp_attempt_dir(attempt) if caps.atomic_rename else final_dir
-    sync = durable and caps.fsync
-
-    try:
-        storage.makedirs(write_dir)
-        if sync:
-            storage.sync_dir("")  # the run root may have just gained checkpoints/
-            storage.sync_dir(CHECKPOINTS_DIR)
-            storage.sync_dir(paths.dir)
-        nthreads = write_streams(storage, threads or default_threads(), len(plan.files))
-        if nthreads > 1:
-            with ThreadPoolExecutor(nthreads, thread_name_prefix="ckptfs-save") as pool:
-                futures = [pool.submit(_write_file, storage, f"{write_dir}/{pf.path}", pf,
-                                       algorithm, sync) for pf in plan.files]
-                entries = [fut.result() for fut in futures]
-        else:
-            entries = [_write_file(storage, f"{write_dir}/{pf.path}", pf, algorithm, sync)
-                       for pf in plan.files]
-
-        created = _now()
-        manifest = Manifest(step, attempt, tuple(entries), created, algorithm, manifest_meta)
-        mbytes = manifest.to_bytes()
-        check_document_size(mbytes, MAX_MANIFEST_BYTES, "MANIFEST.json")  # predicted above
-        storage.write_bytes(f"{write_dir}/{MANIFEST_NAME}", mbytes)
-        if sync:
-            storage.sync_dir(write_dir)
-        if caps.atomic_rename:
-            storage.rename_dir(write_dir, final_dir)
-            if sync:
-                storage.sync_dir(paths.dir)
-
-        marker = Marker(step, attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes),
-                        len(mbytes), created, writer)
-    except BaseException:
-        _discard_attempt(storage, write_dir, final_dir)
-        raise
-    try:
-        storage.create_exclusive(paths.marker, marker.to_bytes())
-    except BaseException as exc:
-        # The outcome of the commit request itself can be ambiguous (a retried PUT whose first
-        # try succeeded answers 412; a timeout may hide a success): the marker decides.
-        owner = _marker_attempt(storage, step)
-        if owner == attempt:
-            log.info("commit of step %d reported %r but the marker is ours", step, exc)
-        elif isinstance(exc, CheckpointExistsError):
-            _discard_attempt(storage, final_dir)
-            raise CheckpointExistsError(
-                f"step {step} at {storage_url(storage, paths.dir)} was committed by another "
-                f"writer while this one was saving; this attempt ({attempt}) was discarded. If "
-                "two jobs write the same run, stop the stale one") from exc
-        else:
-            # Unknown outcome: keep the attempt (a marker may still name it); GC collects it.
-            raise
-    log.info("committed step %d at %s (%d files, %d bytes)", step, storage.url, len(entries),
-             manifest.total_bytes)
-    return CheckpointInfo(step, attempt, storage_url(storage, final_dir), manifest, marker)
-
-
-def _marker_attempt(storage: Storage, step: int) -> str | None:
-    try:
-        marker = read_marker(storage, step)
-    except Exception:
-        return None
-    return marker.attempt if marker is not None else None
-
-
-def _check_metadata(meta: Mapping[str, Any]) -> None:
-    """Kept for callers that validate before saving (async saves): :func:`check_metadata`."""
-    check_metadata(meta)
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _check_documents(step: int, attempt: str, files: list[PlannedFile], algorithm: str,
-                     meta: dict[str, Any], writer: dict[str, Any]) -> None:
-    """Build the manifest and marker this save will write, with placeholder digests of the
-    right length (every file's size is already known from the plan), and refuse the save now,
-    before any write, if a reader would refuse either of them for its size."""
-    digest = digest_bytes(algorithm, b"")
-    entries = tuple(FileEntry(pf.path, pf.size, digest) for pf in files)
-    created = _now()
-    mbytes = Manifest(step, attempt, entries, created, algorithm, meta).to_bytes()
-    check_document_size(mbytes, MAX_MANIFEST_BYTES, "MANIFEST.json")
-    marker = Marker(step, attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, b""), len(mbytes),
-                    created, writer)
-    check_document_size(marker.to_bytes(), MAX_MARKER_BYTES, "the commit marker COMPLETE")
-
-
-def _discard_attempt(storage: Storage, *dirs: str) -> None:
-    """Best effort: a failed save removes what it wrote (GC catches what a crash leaves)."""
-    for d in dict.fromkeys(dirs):
-        try:
-            storage.delete_tree(d)
-        except Exception:  # pragma: no cover - best effort, garbage collection retries
-            log.warning("could not remove failed attempt %s", storage_url(storage, d),
-                        exc_info=True)
+    new_hasher(algorithm)
+    plan, meta = plan_v1(state, metadata=metadata, shard_bytes=shard_bytes)
+    return save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
+                     threads=threads)

@@ -13,7 +13,7 @@ descend through dicts only: a list or tuple is selected whole.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -273,3 +273,11 @@ def map_tensors(value: Any, fn: TensorMap, memo: dict[int, torch.Tensor] | None 
     if type(value) is tuple:
         return tuple(map_tensors(v, fn, memo) for v in value)
     return value
+
+
+def select_and_map(state: dict[Any, Any], url: str, keys: list[KeyPath] | None,
+                   mapper: TensorMap | None) -> dict[Any, Any]:
+    """For a format whose loader returns the whole state: keep ``keys``, apply ``mapper``."""
+    if keys is not None:
+        state = prune_state(state, selection(keys), url)
+    return cast(dict[Any, Any], map_tensors(state, mapper)) if mapper is not None else state

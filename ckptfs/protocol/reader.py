@@ -1,4 +1,5 @@
-"""Reading committed checkpoints: load with streaming verification, and verify.
+"""Reading committed format v1 checkpoints: load with streaming verification, and verify.
+The format table (:mod:`ckptfs.protocol.formats`) dispatches here for version 1.
 
 Every byte is hashed as it is read, in the same pass that fills the buffer the tensors will view
 (no second read); sizes come from the manifest, are bounded, and are checked before anything is
@@ -8,10 +9,11 @@ returned.  Nothing is unpickled: the tree is msgpack, the tensors safetensors.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap as _mmap
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -32,7 +34,7 @@ from ckptfs.format.hashing import (
     new_hasher,
     read_chunk_size,
 )
-from ckptfs.format.layout import MANIFEST_NAME, STATE_NAME
+from ckptfs.format.layout import FORMAT_VERSION, STATE_NAME
 from ckptfs.format.limits import MAX_STATE_DOC_BYTES
 from ckptfs.format.manifest import FileEntry
 from ckptfs.format.serialize import (
@@ -42,25 +44,21 @@ from ckptfs.format.serialize import (
     tensor_memoryview,
     tensors_from_buffer,
 )
-from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
+from ckptfs.protocol.listing import check_listing, problems
 from ckptfs.protocol.load_options import (
     KeyPath,
-    MapLocation,
-    map_tensors,
-    parse_keys,
-    prune_state,
+    TensorMap,
     prune_tagged,
     selection,
-    tensor_map,
     tensor_refs,
 )
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
-from ckptfs.storage.base import Storage
+from ckptfs.storage.base import LocalFiles, Storage, supports
 
 log = logging.getLogger("ckptfs")
 
-__all__ = ["MapLocation", "VerifyReport", "load_checkpoint", "read_file_verified",
-           "verify_checkpoint"]
+__all__ = ["VerifyReport", "check_mmap_storage", "load_v1", "map_file_verified",
+           "read_file_verified", "verify_v1"]
 T = TypeVar("T")
 
 
@@ -84,23 +82,6 @@ class VerifyReport:
                 "problems": list(self.problems)}
 
 
-def _links(storage: Storage, info: CheckpointInfo, *relpaths: str) -> list[str]:
-    """Which of the step directory, the attempt directory and ``relpaths`` (relative to the
-    attempt) are symbolic links, where the adapter can tell (local disk)."""
-    is_link = getattr(storage, "is_symlink", None)
-    if is_link is None:
-        return []
-    paths = [info.paths.dir, info.path, *(f"{info.path}/{r}" for r in relpaths)]
-    return [p for p in paths if is_link(p)]
-
-
-def _check_not_link(storage: Storage, info: CheckpointInfo, relpath: str) -> None:
-    for p in _links(storage, info, relpath):
-        raise UnsafeCheckpointError(
-            f"{storage_url(storage, p)} is a symbolic link; a checkpoint may not contain "
-            "links (they can point outside it). Refusing to read it", step=info.step, path=p)
-
-
 class _NullHasher:
     def update(self, data: bytes | bytearray | memoryview, /) -> None:
         pass
@@ -121,8 +102,8 @@ def read_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry,
     has been read and checked.  The returned view keeps its memory alive.
 
     Raises :class:`CorruptCheckpointError` (naming the file) if the file is shorter or longer
-    than declared or, with ``verify``, its digest differs."""
-    _check_not_link(storage, info, entry.path)
+    than declared or, with ``verify``, its digest differs.  The caller checked the listing
+    first (:func:`~ckptfs.protocol.listing.check_listing`: links, sizes)."""
     path = f"{info.path}/{entry.path}"
     where = storage_url(storage, path)
     view = tensor_memoryview(torch.empty(entry.size, dtype=torch.uint8))
@@ -167,53 +148,27 @@ def _parallel(fn: Callable[[FileEntry], T], items: list[FileEntry], threads: int
         return list(pool.map(fn, items))
 
 
-def _check_stored_sizes(storage: Storage, info: CheckpointInfo) -> None:
-    """Compare every declared size with the stored object (one listing) before any buffer is
-    allocated: a manifest that declares a 1 PiB file must fail as corrupt, not make the reader
-    allocate (or try to allocate) what it declares.  A symbolic link anywhere in the attempt
-    (local disk) is refused; files the manifest does not list are not read, and are logged
-    (``verify`` reports them as stray)."""
-    prefix = info.path + "/"
-    listing = [e for e in storage.list_tree(info.path) if e.name.startswith(prefix)]
-    for e in listing:
-        if e.is_link:
-            raise UnsafeCheckpointError(
-                f"{storage_url(storage, e.name)} is a symbolic link; a checkpoint may not "
-                "contain links (they can point outside it). Refusing to read it",
-                step=info.step, path=e.name)
-    found = {e.name[len(prefix):]: e.size for e in listing}
-    strays = sorted(set(found) - {f.path for f in info.manifest.files} - {MANIFEST_NAME})
-    if strays:
-        log.warning("%s: files not in the manifest are ignored by load (run 'ckptfs verify' "
-                    "to report them): %s", info.url, ", ".join(strays[:10]))
-    for entry in info.manifest.files:
-        size = found.get(entry.path)
-        path = prefix + entry.path
-        if size is None:
-            raise CorruptCheckpointError(
-                f"{storage_url(storage, path)}: listed in the manifest but missing",
-                step=info.step, path=path)
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"{storage_url(storage, path)}: size differs from the manifest (declared "
-                f"{entry.size} B, found {size} B)", step=info.step, path=path)
-
-
 def map_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry, *,
                       verify: bool = True) -> memoryview:
     """Memory-map one manifest file of a local-disk checkpoint (copy-on-write: writing to a
     tensor never changes the file) and, with ``verify``, hash every byte of the mapping and
-    compare with the manifest before returning.  The mapping lives as long as a view of it."""
-    _check_not_link(storage, info, entry.path)
+    compare with the manifest before returning.  The mapping lives as long as a view of it.
+    ``O_NOFOLLOW``: a file replaced by a link after the listing is refused too."""
     path = f"{info.path}/{entry.path}"
     where = storage_url(storage, path)
-    local = cast(Any, storage).full(path)
+    if not supports(storage, LocalFiles):
+        raise LoadOptionError(f"{where}: this storage has no local files to map")
+    local = cast(LocalFiles, storage).local_path(path)
     try:
         fd = os.open(local, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: listed in the manifest but missing",
                                      step=info.step, path=path) from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeCheckpointError(
+                f"{where} is a symbolic link; a checkpoint may not contain links. Refusing to "
+                "read it", step=info.step, path=path) from None
         raise StorageError(f"{where}: cannot open for mapping: {exc}") from exc
     try:
         size = os.fstat(fd).st_size
@@ -244,38 +199,29 @@ def map_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry, 
     return view
 
 
-def _check_mmap_storage(storage: Storage, info: CheckpointInfo) -> None:
-    if storage.capabilities.protocol != "file" or not callable(getattr(storage, "full", None)):
+def check_mmap_storage(storage: Storage, info: CheckpointInfo) -> None:
+    """``mmap=True`` needs local files (:class:`~ckptfs.storage.base.LocalFiles`) and format
+    v1; else :class:`LoadOptionError`, before any I/O."""
+    if not supports(storage, LocalFiles):
         raise LoadOptionError(
             f"{info.url}: mmap=True maps files of a local-disk checkpoint; this store is "
             f"{storage.capabilities.protocol}://. Load without mmap (or copy the checkpoint to "
             "local disk first: ckptfs cp)")
-    if info.manifest.format_version == SHARDED_FORMAT_VERSION:
+    if info.manifest.format_version != FORMAT_VERSION:
         raise LoadOptionError(
             f"{info.url}: mmap=True is supported for format v1 checkpoints; this one is "
-            "sharded (format v2, docs/sharded.md): load it without mmap")
+            f"format v{info.manifest.format_version} (docs/sharded.md): load it without mmap")
 
 
-def load_checkpoint(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
-                    map_location: MapLocation = None, threads: int = 4,
-                    keys: Iterable[str | KeyPath] | None = None,
-                    mmap: bool = False) -> dict[Any, Any]:
-    """Load a committed checkpoint (docs/loading.md).
+def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
+            mapper: TensorMap | None = None, threads: int = 4,
+            keys: list[KeyPath] | None = None, mmap: bool = False) -> dict[Any, Any]:
+    """Load a committed format v1 checkpoint (docs/loading.md); the options are checked by
+    :func:`ckptfs.protocol.formats.load_checkpoint`.
 
-    ``keys``: load only these key paths (format v1 reads and verifies only ``state.msgpack``
-    and the tensor files holding the selected tensors; format v2 loads everything, then
-    selects).  ``map_location``: as ``torch.load``.  ``mmap``: local disk, format v1: tensors
-    view copy-on-write mappings of the files instead of buffers read into memory."""
-    mapper = tensor_map(map_location)  # bad options fail before any I/O
-    paths = parse_keys(keys)
-    if mmap:
-        _check_mmap_storage(storage, info)
-    if info.manifest.format_version == SHARDED_FORMAT_VERSION:
-        from ckptfs.protocol.sharded import load_full  # format v2: ranks' files, DCP metadata
-        state = load_full(storage, info, verify=verify, threads=threads)
-        if paths is not None:
-            state = prune_state(state, selection(paths), info.url)
-        return cast(dict[Any, Any], map_tensors(state, mapper)) if mapper else state
+    ``keys``: read and verify only ``state.msgpack`` and the tensor files holding the selected
+    tensors.  ``mmap``: tensors view copy-on-write mappings of the files."""
+    paths = keys
     manifest = info.manifest
     by_path = {e.path: e for e in manifest.files}
     state_entry = by_path.get(STATE_NAME)
@@ -286,7 +232,7 @@ def load_checkpoint(storage: Storage, info: CheckpointInfo, *, verify: bool = Tr
     if state_entry.size > MAX_STATE_DOC_BYTES:
         raise UnsafeCheckpointError(f"{where}: declared size {state_entry.size} exceeds "
                                     f"{MAX_STATE_DOC_BYTES} B", step=info.step)
-    _check_stored_sizes(storage, info)
+    listing = check_listing(storage, info, [state_entry])
     doc = read_file_verified(storage, info, state_entry, verify=verify)
     tree, slots = decode_state_doc(bytes(doc), where=where)
     del doc
@@ -302,6 +248,10 @@ def load_checkpoint(storage: Storage, info: CheckpointInfo, *, verify: bool = Tr
     if missing:
         raise CorruptCheckpointError(f"{info.url}: state references files not in the manifest: "
                                      f"{missing}", step=info.step)
+    # The files this load reads: present with their declared sizes (from the same listing).
+    for p in problems(info, listing, [by_path[n] for n in needed]):
+        if p.kind != "stray":
+            raise p.error(storage, info)
 
     read = map_file_verified if mmap else read_file_verified
 
@@ -327,39 +277,10 @@ def load_checkpoint(storage: Storage, info: CheckpointInfo, *, verify: bool = Tr
     return state
 
 
-def verify_checkpoint(storage: Storage, info: CheckpointInfo, *, quick: bool = False,
-                      threads: int = 4) -> VerifyReport:
-    """Check a committed checkpoint against its manifest.
-
-    quick: names and sizes from one listing of the attempt directory (missing, extra, resized
-    files).  full: also re-reads and re-hashes every file.  Problems are collected (all of them,
-    naming each file) in the report; the caller decides whether to raise."""
-    if info.manifest.format_version == SHARDED_FORMAT_VERSION:
-        from ckptfs.protocol.sharded import verify_sharded  # chunk digests, not file digests
-        return verify_sharded(storage, info, quick=quick, threads=threads)
-    report = VerifyReport(info.step, info.attempt, info.url, "quick" if quick else "full")
-    listing = {e.name: e for e in storage.list_tree(info.path)}
-    prefix = info.path + "/"
-    for p in _links(storage, info):
-        report.problems.append(f"{storage_url(storage, p)}: symbolic link (refused)")
-    for name, e in sorted(listing.items()):
-        if e.is_link:
-            report.problems.append(f"{name[len(prefix):]}: symbolic link (refused)")
-    found = {name[len(prefix):]: e.size for name, e in listing.items()
-             if name.startswith(prefix) and not e.is_link}
-    found.pop(MANIFEST_NAME, None)
-    for entry in info.manifest.files:
-        size = found.pop(entry.path, None)
-        if size is None:
-            report.problems.append(f"{entry.path}: missing")
-        elif size != entry.size:
-            report.problems.append(f"{entry.path}: size {size} B, manifest says {entry.size} B")
-    for stray in sorted(found):
-        report.problems.append(f"{stray}: not in the manifest (stray file)")
-    report.files = len(info.manifest.files)
-    report.bytes = info.manifest.total_bytes
-    if quick:
-        return report
+def verify_v1(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
+              threads: int = 4) -> None:
+    """Full verification of a format v1 checkpoint, after the shared listing checks: every
+    file the listing did not already condemn is re-read and re-hashed."""
 
     def check(entry: FileEntry) -> str | None:
         try:
@@ -373,4 +294,3 @@ def verify_checkpoint(storage: Storage, info: CheckpointInfo, *, quick: bool = F
     for problem in _parallel(check, todo, threads):
         if problem:
             report.problems.append(problem)
-    return report

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ckptfs.errors import (
+    CheckpointDeletedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
@@ -35,7 +36,7 @@ from ckptfs.errors import (
 )
 from ckptfs.format.layout import CHECKPOINTS_DIR, MARKER_NAME, StepPaths, parse_step_dir
 from ckptfs.format.manifest import Manifest, Marker
-from ckptfs.format.sharded import decode_manifest
+from ckptfs.format.versions import decode_manifest
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
@@ -44,11 +45,6 @@ T = TypeVar("T")
 #: How many times resolving "latest" lists ``checkpoints/`` again after the step it was reading
 #: was deleted under it (or a newer step appeared while it skipped incomplete ones).
 MAX_RESOLVE_PASSES = 4
-
-
-class CheckpointDeletedError(CheckpointNotFoundError):
-    """A committed checkpoint was deleted (or replaced by another attempt) while it was being
-    read: a prune or another job, not corruption.  Load again."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -41,7 +40,6 @@ from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, 
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.tensor import DTensor
 
 from ckptfs.errors import (
     CheckpointExistsError,
@@ -60,9 +58,12 @@ from ckptfs.format.hashing import DEFAULT_ALGORITHM
 from ckptfs.format.layout import check_step
 from ckptfs.format.manifest import check_metadata
 from ckptfs.format.serialize import build_tree
-from ckptfs.format.sharded import decode_value, encode_value
+from ckptfs.format.sharded import ChunkedFileEntry, decode_value, encode_value
 from ckptfs.format.sharded_tree import dcp_view, restore, write_back
-from ckptfs.protocol.reader import MapLocation, VerifyReport
+from ckptfs.protocol.collective import is_distributed
+from ckptfs.protocol.listing import check_listing
+from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
+from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url
 from ckptfs.protocol.sharded_io import MAX_RANGE, ShardedWriter
 from ckptfs.protocol.sharded_read import ShardedReader, read_chunks, read_document
@@ -247,31 +248,6 @@ class FullLoadPlanner(_EmptyStateDictLoadPlanner):
 
 # ----------------------------------------------------------------------------------------------
 # Collectives
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _has_dtensor(value: Any) -> bool:
-    if isinstance(value, DTensor):
-        return True
-    if isinstance(value, Mapping):
-        return any(_has_dtensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_dtensor(v) for v in value)
-    return False
-
-
-def wants_sharded_save(state: Any, process_group: Any = None) -> bool:
-    """Whether ``store.save`` is collective: a ``process_group`` was given, or
-    torch.distributed is initialized and the world has more than one rank (or the state holds
-    DTensors)."""
-    if process_group is not None:
-        return True
-    if not is_distributed():
-        return False
-    return dist.get_world_size() > 1 or _has_dtensor(state)
 
 
 def collective_group(process_group: Any = None) -> Any:
@@ -557,8 +533,7 @@ def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
 
 
 def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
-              map_location: MapLocation = None, threads: int | None = None,
-              keys: set[str] | None = None) -> dict[Any, Any]:
+              threads: int | None = None, keys: set[str] | None = None) -> dict[Any, Any]:
     """The whole checkpoint in this process, as plain full-size tensors, in the structure the
     user saved (no collectives, whatever the world size).  ``keys``: only these entries
     (dotted paths of dict keys as DCP names them, e.g. ``{"trainer", "rng.ranks.1"}``); only
@@ -574,51 +549,33 @@ def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
     if tree is not None and keys is not None:
         tree = _select(tree, set(keys)) or ["d", []]
     state = restore(tree, flat, where=where) if tree is not None else flat
-    if map_location is not None:
-        state = _map(state, map_location)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where}: the state root is not a dict", step=info.step)
     return state
 
 
-def _map(value: Any, device: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _map(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_map(v, device) for v in value]
-    if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        return tuple(_map(v, device) for v in value)
-    return value
+def load_v2(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
+            mapper: TensorMap | None = None, threads: int | None = None,
+            keys: list[KeyPath] | None = None, mmap: bool = False) -> dict[Any, Any]:
+    """The format table's load of version 2 (:mod:`ckptfs.protocol.formats`): the listing
+    checks, then :func:`load_full`, then ``keys`` and ``map_location``."""
+    check_listing(storage, info)
+    state = load_full(storage, info, verify=verify, threads=threads)
+    return select_and_map(state, info.url, keys, mapper)
 
 
-def verify_sharded(storage: Storage, info: CheckpointInfo, *, quick: bool = False,
-                   threads: int | None = None) -> VerifyReport:
-    """Quick: names and sizes from one listing (missing, resized, stray files).  Full: also
-    every chunk of every file re-read and checked, and ``dcp.msgpack`` decoded."""
-    report = VerifyReport(info.step, info.attempt, info.url, "quick" if quick else "full")
-    prefix = info.path + "/"
-    found = {e.name[len(prefix):]: e.size for e in storage.list_tree(info.path)
-             if e.name.startswith(prefix)}
-    found.pop("MANIFEST.json", None)
-    for entry in info.manifest.files:
-        size = found.pop(entry.path, None)
-        if size is None:
-            report.problems.append(f"{entry.path}: missing")
-        elif size != entry.size:
-            report.problems.append(f"{entry.path}: size {size} B, manifest says {entry.size} B")
-    report.problems += [f"{s}: not in the manifest (stray file)" for s in sorted(found)]
-    report.files = len(info.manifest.files)
-    report.bytes = info.manifest.total_bytes
-    if quick or report.problems:
-        return report
+def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
+              threads: int | None = None) -> None:
+    """The format table's full verification of version 2, after the shared listing checks:
+    ``dcp.msgpack`` decoded, every chunk of every file re-read and checked."""
+    if report.problems:
+        return
     try:
         read_document(storage, info)
     except (CorruptCheckpointError, FormatVersionError, UnsafeCheckpointError) as exc:
         report.problems.append(str(exc))
     for entry in info.manifest.files:
-        chunks = getattr(entry, "chunks", ())
+        chunks = entry.chunks if isinstance(entry, ChunkedFileEntry) else ()
         start, end = 0, 0
         try:
             for c in chunks:
@@ -630,4 +587,3 @@ def verify_sharded(storage: Storage, info: CheckpointInfo, *, quick: bool = Fals
                 read_chunks(storage, info, entry, start, end - start)  # type: ignore[arg-type]
         except CorruptCheckpointError as exc:
             report.problems.append(f"{entry.path}: {exc}")
-    return report

@@ -12,8 +12,15 @@ How DCP drives the writer (torch.distributed.checkpoint, ``use_collectives=True`
    the ``WriteResult``s carry each item's (file, offset, length, digest) and the file's header
    chunk to the coordinator;
 4. the coordinator: ``finish`` checks that the reported chunks tile every file and that every
-   file is there with its size (one listing), writes ``dcp.msgpack`` and ``MANIFEST.json``,
-   then creates ``COMPLETE`` exclusively, once.  Any rank failing before that means no marker.
+   file is there with its size (one listing), writes ``dcp.msgpack``, and commits the attempt
+   (:meth:`~ckptfs.protocol.commit.Attempt.commit`: ``MANIFEST.json`` checked by the reader's
+   own decoder, then ``COMPLETE`` created exclusively, once).  Any rank failing before that
+   means no marker.
+
+Every file goes through the one commit object, :class:`~ckptfs.protocol.commit.Attempt`: the
+coordinator opens it in ``prepare_global_plan``, every rank joins it in ``write_data`` and
+streams its file through it (each item's bytes hashed once, as one piece), and the coordinator
+commits it.
 
 The reader resolves the step through the marker and manifest (``latest`` if none is given),
 reads ``dcp.msgpack``, and for each DCP read item reads exactly the byte range of the stored
@@ -27,13 +34,9 @@ import dataclasses
 import io
 import logging
 import os
-import socket
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future as CFuture
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,15 +51,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptfs.errors import (
-    CheckpointExistsError,
     CorruptCheckpointError,
     InvalidStepError,
     UnsupportedValueError,
 )
-from ckptfs.format.hashing import DEFAULT_ALGORITHM, digest_bytes, new_hasher
-from ckptfs.format.layout import CHECKPOINTS_DIR, MANIFEST_NAME, StepPaths, check_step
-from ckptfs.format.layout import new_attempt_name as _new_attempt_name
-from ckptfs.format.manifest import MARKER_DIGEST_ALGORITHM, Marker
+from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
+from ckptfs.format.layout import StepPaths, check_step
 from ckptfs.format.serialize import tensor_memoryview
 from ckptfs.format.sharded import (
     METADATA_NAME,
@@ -75,35 +75,25 @@ from ckptfs.format.sharded import (
     rank_file_name,
     tensor_code,
 )
+from ckptfs.protocol.commit import Attempt, default_threads, now_text
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
-    read_committed,
-    read_marker,
     storage_url,
 )
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
 
-#: Bytes one rank may have written but not yet hashed (copies of GPU or non-contiguous tensors
-#: stay alive until hashed).
-MAX_HASH_LEAD = 256 * 1024 * 1024
-#: Slice of one ``write`` call.
-WRITE_SLICE = 16 * 1024 * 1024
 #: Largest ranged read: adjacent chunks a rank needs are fetched together up to this size.
 MAX_RANGE = 64 * 1024 * 1024
 
 
-def default_threads() -> int:
-    return max(2, min(8, (os.cpu_count() or 2)))
-
-
 @dataclass(frozen=True)
 class AttemptPlan:
-    """What the coordinator sends every rank in ``SavePlan.storage_data``."""
+    """What the coordinator sends every rank in ``SavePlan.storage_data``: the attempt every
+    rank writes into (:meth:`~ckptfs.protocol.commit.Attempt.join`) and the rank's index."""
 
     attempt: str
-    write_dir: str  # relative to the run root: the attempt dir, or its .tmp- twin on local disk
     rank: int
 
 
@@ -119,10 +109,6 @@ class ItemReport:
     rank: int
     file_size: int = -1  # -1: not the first item of its file
     header: Chunk | None = None
-
-
-def _hex(algorithm: str, data: memoryview | bytes) -> str:
-    return digest_bytes(algorithm, data).split(":", 1)[1]
 
 
 def _world_size() -> int:
@@ -163,7 +149,7 @@ class ShardedWriter(StorageWriter):
         self.rank = 0
         self.info: CheckpointInfo | None = None
         self._paths = StepPaths(self.step)
-        self._attempt_plan: tuple[str, str] | None = None
+        self._attempt: Attempt | None = None  # the coordinator's open attempt
 
     @property
     def checkpoint_id(self) -> str:
@@ -180,7 +166,7 @@ class ShardedWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
         self.info = None
-        self._attempt_plan = None
+        self._attempt = None
         if not kwargs.get("use_collectives", True) and _world_size() > 1:
             raise UnsupportedValueError(
                 f"{self.checkpoint_id}: use_collectives=False writes per-rank metadata with no "
@@ -210,21 +196,9 @@ class ShardedWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._check_same_step(plans)
-        paths = self._paths
-        if self.storage.exists(paths.marker):
-            raise CheckpointExistsError(
-                f"step {self.step} is already committed at {self.checkpoint_id}; a committed "
-                "checkpoint is never overwritten: save under a new step, or delete it first")
-        attempt = _new_attempt_name()
-        caps = self.storage.capabilities
-        write_dir = paths.tmp_attempt_dir(attempt) if caps.atomic_rename else \
-            paths.attempt_dir(attempt)
-        self.storage.makedirs(write_dir)
-        if self.durable and caps.fsync:
-            for d in ("", CHECKPOINTS_DIR, paths.dir):
-                self.storage.sync_dir(d)
-        self._attempt_plan = (attempt, write_dir)
-        return [dataclasses.replace(p, storage_data=AttemptPlan(attempt, write_dir, i))
+        self._attempt = Attempt.open(self.storage, self.step, algorithm=self.algorithm,
+                                     durable=self.durable)
+        return [dataclasses.replace(p, storage_data=AttemptPlan(self._attempt.name, i))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -270,7 +244,8 @@ class ShardedWriter(StorageWriter):
         planned.sort(key=lambda p: -element_size(p[1].dtype))
         header, offsets = plan_header([p for _, p in planned], ap.rank)
         relpath = rank_file_name(ap.rank)
-        path = f"{ap.write_dir}/{relpath}"
+        att = Attempt.join(self.storage, self.step, ap.attempt, algorithm=self.algorithm,
+                           durable=self.durable)
 
         def chunks() -> Any:
             for (item, pi), _ in zip(planned, offsets, strict=True):
@@ -288,14 +263,15 @@ class ShardedWriter(StorageWriter):
                         f"resolved {ct.dtype}{list(ct.shape)}")
                 yield tensor_memoryview(ct)
 
-        def write_once() -> list[str]:
-            return self._stream(path, memoryview(header), chunks)
+        def pieces() -> Any:
+            yield memoryview(header)
+            yield from chunks()
 
-        retry = getattr(self.storage, "retry_call", None)
-        digests = cast(list[str], retry("write", path, write_once)) if retry else write_once()
-        if self.durable and self.storage.capabilities.fsync:
-            self.storage.sync_dir(path.rsplit("/", 1)[0])
         size = offsets[-1] + planned[-1][1].nbytes if planned else len(header)
+        written = att.write_file(relpath, size, pieces,
+                                 pieces=[len(header), *(p.nbytes for _, p in planned)])
+        att.sync_file_dir(relpath)
+        digests = list(written.pieces)
         head = Chunk(0, len(header), digests[0])
         results = []
         for i, ((item, pi), off) in enumerate(zip(planned, offsets, strict=True)):
@@ -305,38 +281,17 @@ class ShardedWriter(StorageWriter):
             results.append(WriteResult(item.index, pi.nbytes, report))
         return results
 
-    def _stream(self, path: str, header: memoryview,
-                chunks: Callable[[], Any]) -> list[str]:
-        """Write the header, then every chunk; hash each chunk once on a helper thread while
-        the next is written.  Returns the hex digests, header first."""
-        algo = self.algorithm
-        futures: list[CFuture[str]] = []
-        lead: list[tuple[CFuture[str], int]] = []
-        pending = 0
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptfs-hash") as pool, \
-                self.storage.open_write(path) as f:
-            futures.append(pool.submit(_hex, algo, header))
-            f.write(header)
-            for view in chunks():
-                fut = pool.submit(_hex, algo, view)
-                futures.append(fut)
-                lead.append((fut, len(view)))
-                pending += len(view)
-                for start in range(0, len(view), WRITE_SLICE):
-                    f.write(view[start:start + WRITE_SLICE])
-                while pending > MAX_HASH_LEAD and lead:
-                    done, n = lead.pop(0)
-                    done.result()
-                    pending -= n
-                del view
-            if self.durable and self.storage.capabilities.fsync:
-                f.fsync()  # type: ignore[attr-defined]
-            return [fut.result() for fut in futures]
-
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        if self._attempt_plan is None:
+        att = self._attempt
+        if att is None:
             raise UnsupportedValueError("finish() before prepare_global_plan()")
-        attempt, write_dir = self._attempt_plan
+        with att:  # any failure before the marker discards the attempt
+            self.info = self._finish(att, metadata, results)
+        metadata._ckptfs_info = self.info  # type: ignore[attr-defined]  # broadcast by DCP
+
+    def _finish(self, att: Attempt, metadata: Metadata,
+                results: list[list[WriteResult]]) -> CheckpointInfo:
+        attempt = att.name
         storage_data: dict[MetadataIndex, ItemLocation] = {}
         per_file: dict[str, list[ItemReport]] = {}
         for rank_results in results:
@@ -360,12 +315,18 @@ class ShardedWriter(StorageWriter):
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id, save_id=attempt)
         blob = encode_metadata(DcpDocument(metadata, self.tree))
-        self.storage.write_bytes(f"{write_dir}/{METADATA_NAME}", blob)
-        entries.append(make_entry(METADATA_NAME, len(blob), self.algorithm,
-                                  [Chunk(0, len(blob), _hex(self.algorithm, blob))], None))
-        self._check_files(write_dir, entries)
-        self.info = self._commit(attempt, write_dir, entries, len(results))
-        metadata._ckptfs_info = self.info  # type: ignore[attr-defined]  # broadcast by DCP
+        doc = att.write_document(METADATA_NAME, blob)
+        entries.append(make_entry(METADATA_NAME, doc.size, self.algorithm,
+                                  [Chunk(0, doc.size, doc.digest)], None))
+        self._check_files(att.write_dir, entries)
+        world = len(results)
+        meta = {"tensor_count": 0, **self.metadata}
+        manifest = ShardedManifest(self.step, attempt, tuple(entries), now_text(),
+                                   self.algorithm, meta, world_size=world)
+        info = att.commit(manifest, world_size=world)
+        log.info("committed sharded step %d at %s (%d ranks, %d files)", self.step,
+                 self.storage.url, world, len(entries))
+        return info
 
     def _check_files(self, write_dir: str, entries: list[ChunkedFileEntry]) -> None:
         """Every reported file is visible to the coordinator with its size: catches ranks
@@ -380,50 +341,6 @@ class ShardedWriter(StorageWriter):
                     f"reported {entry.size} B, the coordinator sees "
                     f"{found.get(entry.path, 'no file')}; every rank must write to storage "
                     "the coordinator shares (not a node-local disk)", step=self.step)
-
-    def _commit(self, attempt: str, write_dir: str, entries: list[ChunkedFileEntry],
-                world: int) -> CheckpointInfo:
-        paths = self._paths
-        caps = self.storage.capabilities
-        sync = self.durable and caps.fsync
-        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        meta = {"tensor_count": 0, **self.metadata}
-        manifest = ShardedManifest(self.step, attempt, tuple(entries), created, self.algorithm,
-                                   meta, world_size=world)
-        mbytes = manifest.to_bytes()
-        self.storage.write_bytes(f"{write_dir}/{MANIFEST_NAME}", mbytes)
-        final_dir = paths.attempt_dir(attempt)
-        if sync:
-            self.storage.sync_dir(write_dir)
-        if caps.atomic_rename:
-            self.storage.rename_dir(write_dir, final_dir)
-            if sync:
-                self.storage.sync_dir(paths.dir)
-        marker = Marker(self.step, attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes),
-                        len(mbytes), created, {"host": socket.gethostname(), "pid": os.getpid(),
-                                               "world_size": world})
-        try:
-            self.storage.create_exclusive(paths.marker, marker.to_bytes())
-        except BaseException as exc:
-            try:
-                owner = read_marker(self.storage, self.step)
-            except Exception:
-                owner = None
-            if owner is not None and owner.attempt == attempt:
-                log.info("commit of step %d reported %r but the marker is ours", self.step, exc)
-            elif isinstance(exc, CheckpointExistsError):
-                try:
-                    self.storage.delete_tree(final_dir)
-                except Exception:  # pragma: no cover - best effort; GC collects it
-                    log.warning("could not remove attempt %s", final_dir, exc_info=True)
-                raise CheckpointExistsError(
-                    f"step {self.step} at {self.checkpoint_id} was committed by another writer "
-                    f"while this one was saving; this attempt ({attempt}) was discarded") from exc
-            else:
-                raise  # unknown outcome: keep the attempt (a marker may yet name it)
-        log.info("committed sharded step %d at %s (%d ranks, %d files)", self.step,
-                 self.storage.url, world, len(entries))
-        return read_committed(self.storage, self.step)
 
 
 def check_checkpoint_id(expected: str, checkpoint_id: str | os.PathLike[str] | None) -> None:

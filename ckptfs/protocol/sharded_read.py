@@ -41,8 +41,8 @@ from ckptfs.errors import (
 )
 from ckptfs.format.hashing import digest_bytes
 from ckptfs.format.layout import StepPaths, check_step
+from ckptfs.format.limits import MAX_METADATA_BYTES
 from ckptfs.format.sharded import (
-    MAX_METADATA_BYTES,
     METADATA_NAME,
     Chunk,
     ChunkedFileEntry,
@@ -53,8 +53,9 @@ from ckptfs.format.sharded import (
     element_size,
     tensor_code,
 )
+from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
-from ckptfs.protocol.sharded_io import MAX_RANGE, check_checkpoint_id, default_threads
+from ckptfs.protocol.sharded_io import MAX_RANGE, check_checkpoint_id
 from ckptfs.storage.base import Storage, read_range
 
 

@@ -6,17 +6,22 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ckptfs.errors import CheckpointNotFoundError, CorruptCheckpointError, LoadOptionError
+from ckptfs.errors import (
+    CheckpointDeletedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LoadOptionError,
+)
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES
 from ckptfs.protocol import async_save
+from ckptfs.protocol.collective import wants_sharded_save
 from ckptfs.protocol.commit import default_threads, save_checkpoint
-from ckptfs.protocol.load_options import KeyPath, parse_keys, tensor_map
-from ckptfs.protocol.reader import MapLocation, VerifyReport, load_checkpoint, verify_checkpoint
+from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verify_checkpoint
+from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
 from ckptfs.protocol.resolve import (
     MAX_RESOLVE_PASSES,
-    CheckpointDeletedError,
     CheckpointInfo,
     check_still_committed,
     committed_steps,
@@ -49,9 +54,10 @@ class CheckpointStore:
         self.durable = durable
         self.threads = threads or default_threads()
         self.shard_bytes = shard_bytes
-        caveat = getattr(getattr(storage, "spec", None), "caveat", "")
-        if storage.capabilities.exclusive_create == "none":
-            log.warning("%s: %s", storage.url, caveat or "no exclusive create on this backend")
+        caps = storage.capabilities
+        if caps.exclusive_create == "none":
+            log.warning("%s: %s", storage.url, caps.caveat or "no exclusive create on this "
+                        "backend")
 
     @property
     def url(self) -> str:
@@ -74,8 +80,8 @@ class CheckpointStore:
         (or another writer commits it first).  Pending :meth:`save_async` saves are waited for
         first (and an uncollected failure of one raises here)."""
         async_save.before_sync_save(self)
-        from ckptfs.protocol import sharded  # format v2 when collective (docs/sharded.md)
-        if sharded.wants_sharded_save(state, process_group):
+        if wants_sharded_save(state, process_group):  # format v2 (docs/sharded.md)
+            from ckptfs.protocol import sharded  # imports DCP (~1 s): only when collective
             return sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
                                         durable=self.durable, threads=self.threads,
                                         metadata=metadata, process_group=process_group)
@@ -165,7 +171,7 @@ class CheckpointStore:
                    map_location: MapLocation, **opts: Any) -> dict[Any, Any]:
         """Load, telling a checkpoint deleted while it was read (a prune, another job) from a
         corrupt one: a file that went missing is only corruption if the marker still names
-        this attempt (else :class:`~ckptfs.protocol.resolve.CheckpointDeletedError`)."""
+        this attempt (else :class:`~ckptfs.CheckpointDeletedError`)."""
         try:
             return load_checkpoint(self.storage, info, verify=verify, map_location=map_location,
                                    threads=self.threads, **opts)

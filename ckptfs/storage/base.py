@@ -13,9 +13,11 @@ weaker guarantee instead of pretending.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import BinaryIO, Literal, Protocol, runtime_checkable
+from datetime import datetime
+from typing import BinaryIO, Literal, Protocol, TypeVar, runtime_checkable
 
 ExclusiveCreate = Literal["os_excl", "server_precondition", "process_lock", "none"]
 
@@ -47,6 +49,13 @@ class Capabilities:
     #: large file.  ckptfs does not need it (the marker is small and goes up in one request);
     #: recorded so the doctor and the docs can say so.
     exclusive_multipart: bool = False
+    #: Peak bytes one open streaming write holds in this process (object stores: the part
+    #: buffers; 0 where a write goes straight to the OS or to a dict).  A save bounds the sum
+    #: over its parallel streams (``ckptfs.protocol.commit.WRITE_BUFFER_BUDGET``).
+    stream_buffer_bytes: int = 0
+    #: The weaker guarantee, in words, where exclusive create is not enforced across processes
+    #: (logged when a store is opened); empty otherwise.
+    caveat: str = ""
 
     @property
     def exclusive_across_processes(self) -> bool:
@@ -55,7 +64,11 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Entry:
-    """One listing entry; ``name`` is the path relative to the store root."""
+    """One listing entry; ``name`` is the path relative to the store root.
+
+    Note for implementers: ``is_link`` is a safety check, not a detail.  Where the backend has
+    symbolic links (local disk), ``list_dir`` and ``list_tree`` must report them (and never
+    follow them): the reader refuses a checkpoint containing one, from the listing alone."""
 
     name: str
     size: int
@@ -101,11 +114,14 @@ class Storage(Protocol):
         ...
 
     def list_dir(self, path: str) -> list[Entry]:
-        """Direct children of ``path``, bypassing every listing cache.  [] if absent."""
+        """Direct children of ``path``, bypassing every listing cache.  [] if absent.
+        Symbolic links are listed with ``is_link=True`` (a link to a directory included)."""
         ...
 
     def list_tree(self, path: str) -> list[Entry]:
-        """Every file under ``path`` (recursive, files only), bypassing listing caches."""
+        """Every file under ``path`` (recursive, files only), bypassing listing caches.
+        Symbolic links (to files or directories) are listed with ``is_link=True``, never
+        followed."""
         ...
 
     def exists(self, path: str) -> bool: ...
@@ -133,11 +149,21 @@ class Storage(Protocol):
         ...
 
 
+
+# -- optional capabilities ---------------------------------------------------------------------
+#
+# Each is a small protocol the core asks for with :func:`supports` (never a ``getattr`` probe),
+# and each is delegated explicitly by :class:`StorageWrapper`.  A storage that implements only
+# :class:`Storage` keeps every safety check; it just loses the optimisation or the extra.
+
+T = TypeVar("T")
+
+
 @runtime_checkable
 class RangedRead(Protocol):
-    """Optional: read a byte range in one request (an HTTP ranged GET on object stores).  Used
-    by sharded loads, which read only the chunks a rank needs; :func:`read_range` falls back to
-    a streaming read for a :class:`Storage` without it."""
+    """Read a byte range in one request (an HTTP ranged GET on object stores).  Used by sharded
+    loads, which read only the chunks a rank needs; :func:`read_range` falls back to a
+    streaming read for a :class:`Storage` without it."""
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """Up to ``length`` bytes at ``start`` (fewer only at the end of the object);
@@ -145,10 +171,98 @@ class RangedRead(Protocol):
         ...
 
 
+@runtime_checkable
+class LocalFiles(Protocol):
+    """Objects are files on this machine's filesystem (``mmap=True`` loads map them)."""
+
+    def local_path(self, path: str) -> str:
+        """The OS path of ``path``."""
+        ...
+
+
+@runtime_checkable
+class Retrying(Protocol):
+    """Bounded retries of a whole operation that the caller can replay from its first byte (a
+    streamed file regenerated from memory).  :func:`retry_call` runs ``fn`` once without it."""
+
+    def retry_call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        ...
+
+
+@runtime_checkable
+class ModifiedTimes(Protocol):
+    """Modification times of objects (garbage collection ages temporary files by them)."""
+
+    def modified(self, path: str) -> datetime | None:
+        """When ``path`` was last written (timezone-aware), or ``None`` if unknown/absent."""
+        ...
+
+
+@runtime_checkable
+class EmptyDirRemoval(Protocol):
+    """Remove a directory only if it is empty (real directories: local disk)."""
+
+    def remove_empty_dir(self, path: str) -> bool:
+        """Remove ``path`` if empty.  True if removed, False if it is not empty (a writer put
+        something in it); ``FileNotFoundError`` if it is gone already."""
+        ...
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """An unfinished multi-part upload under the store root (S3)."""
+
+    path: str          # relative to the store root
+    upload_id: str
+    initiated: datetime | None
+    size: int          # bytes in the parts uploaded so far (0 if unknown)
+
+
+@runtime_checkable
+class MultipartUploads(Protocol):
+    """List and abort unfinished multi-part uploads (S3): what a killed writer leaves behind
+    that no listing of objects shows."""
+
+    def list_uploads(self, path: str) -> list[PendingUpload]:
+        """The unfinished uploads under ``path`` (relative to the root)."""
+        ...
+
+    def abort_upload(self, upload: PendingUpload) -> bool:
+        """Abort ``upload``.  False if it was gone already (aborted or completed)."""
+        ...
+
+
+@runtime_checkable
+class DeclaresCapabilities(Protocol):
+    """A storage whose class has the members of several optional capabilities but offers only
+    some of them on a given backend (the fsspec adapter: local files only on local disk,
+    multi-part uploads only on S3), and every :class:`StorageWrapper`.  :func:`supports` asks
+    it instead of looking at its members."""
+
+    def offers(self, capability: type) -> bool:
+        ...
+
+
+#: Every optional capability, for wrappers and the conformance suite.
+OPTIONAL_CAPABILITIES: tuple[type, ...] = (RangedRead, LocalFiles, Retrying, ModifiedTimes,
+                                           EmptyDirRemoval, MultipartUploads)
+
+
+def supports(storage: Storage, capability: type) -> bool:
+    """Whether ``storage`` offers the optional ``capability`` (one of
+    :data:`OPTIONAL_CAPABILITIES`).  A :class:`StorageWrapper` declares every member, so for a
+    wrapper this asks the wrapper what it really offers (usually: what its inner storage
+    offers).  A storage that declares its capabilities (:class:`DeclaresCapabilities`) is
+    asked; any other is checked for the capability's members."""
+    if isinstance(storage, DeclaresCapabilities):
+        return isinstance(storage, capability) and storage.offers(capability)
+    return isinstance(storage, capability)
+
+
 def read_range(storage: Storage, path: str, start: int, length: int) -> bytes:
     """``length`` bytes at ``start`` of ``path`` (fewer if the object is shorter)."""
-    if isinstance(storage, RangedRead):
-        return storage.read_range(path, start, length)
+    if supports(storage, RangedRead):
+        return storage.read_range(path, start, length)  # type: ignore[attr-defined, no-any-return]
     with storage.open_read(path) as f:
         skip = start
         while skip > 0:
@@ -157,3 +271,128 @@ def read_range(storage: Storage, path: str, start: int, length: int) -> bytes:
                 return b""
             skip -= len(got)
         return f.read(length) if length else b""
+
+
+def retry_call(storage: Storage, op: str, path: str, fn: Callable[[], T]) -> T:
+    """``fn`` under ``storage``'s bounded retries where it offers them (:class:`Retrying`),
+    else once."""
+    if supports(storage, Retrying):
+        return storage.retry_call(op, path, fn)  # type: ignore[attr-defined, no-any-return]
+    return fn()
+
+
+class CapabilityUnavailableError(NotImplementedError):
+    """An optional capability was used on a storage that does not offer it (a bug in the
+    caller: ask :func:`supports` first)."""
+
+
+class StorageWrapper:
+    """Base of every storage that wraps another (retries, a sub-root, fault injection).
+
+    Every member of :class:`Storage` and of each optional capability is delegated here
+    *explicitly*, through two hooks a subclass may override: :meth:`inner_path` (the inner
+    storage's path of one of ours) and :meth:`outer_entry` (the reverse, for listings).  There
+    is no ``__getattr__`` forwarding: a member a wrapper forgets fails a test instead of
+    silently dropping a check.  :meth:`offers` says which optional capabilities this wrapper
+    really has: those of its inner storage, unless a subclass adds one (retries)."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url: str = inner.url
+        self.capabilities: Capabilities = inner.capabilities
+
+    # -- the two hooks -------------------------------------------------------------------------
+
+    def inner_path(self, path: str) -> str:
+        return path
+
+    def outer_entry(self, entry: Entry) -> Entry:
+        return entry
+
+    def outer_path(self, path: str) -> str:
+        return self.outer_entry(Entry(path, 0, False)).name
+
+    def offers(self, capability: type) -> bool:
+        return supports(self.inner, capability)
+
+    # -- Storage -------------------------------------------------------------------------------
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.inner.read_bytes(self.inner_path(path))
+
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.inner.open_read(self.inner_path(path))
+
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.inner.open_write(self.inner_path(path))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.inner.write_bytes(self.inner_path(path), data)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self.inner.create_exclusive(self.inner_path(path), data)
+
+    def list_dir(self, path: str) -> list[Entry]:
+        return [self.outer_entry(e) for e in self.inner.list_dir(self.inner_path(path))]
+
+    def list_tree(self, path: str) -> list[Entry]:
+        return [self.outer_entry(e) for e in self.inner.list_tree(self.inner_path(path))]
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(self.inner_path(path))
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(self.inner_path(path))
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(self.inner_path(path))
+
+    def makedirs(self, path: str) -> None:
+        self.inner.makedirs(self.inner_path(path))
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        self.inner.rename_dir(self.inner_path(src), self.inner_path(dst))
+
+    def sync_dir(self, path: str) -> None:
+        self.inner.sync_dir(self.inner_path(path))
+
+    # -- optional capabilities (each raises CapabilityUnavailableError where not offered) ------
+
+    def _need(self, capability: type) -> None:
+        if not self.offers(capability):
+            raise CapabilityUnavailableError(
+                f"{self!r} does not offer {capability.__name__} (check supports() first)")
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        # Always available: the inner storage's ranged read, or its streaming fallback.
+        return read_range(self.inner, self.inner_path(path), start, length)
+
+    def local_path(self, path: str) -> str:
+        self._need(LocalFiles)
+        return self.inner.local_path(self.inner_path(path))  # type: ignore[attr-defined, no-any-return]
+
+    def retry_call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        return retry_call(self.inner, op, self.inner_path(path), fn)
+
+    def modified(self, path: str) -> datetime | None:
+        self._need(ModifiedTimes)
+        return self.inner.modified(self.inner_path(path))  # type: ignore[attr-defined, no-any-return]
+
+    def remove_empty_dir(self, path: str) -> bool:
+        self._need(EmptyDirRemoval)
+        return self.inner.remove_empty_dir(self.inner_path(path))  # type: ignore[attr-defined, no-any-return]
+
+    def list_uploads(self, path: str) -> list[PendingUpload]:
+        self._need(MultipartUploads)
+        ups = self.inner.list_uploads(self.inner_path(path))  # type: ignore[attr-defined]
+        return [PendingUpload(self.outer_path(u.path), u.upload_id, u.initiated, u.size)
+                for u in ups]
+
+    def abort_upload(self, upload: PendingUpload) -> bool:
+        self._need(MultipartUploads)
+        inner = PendingUpload(self.inner_path(upload.path), upload.upload_id, upload.initiated,
+                              upload.size)
+        return self.inner.abort_upload(inner)  # type: ignore[attr-defined, no-any-return]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"

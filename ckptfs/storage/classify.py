@@ -48,7 +48,7 @@ PERMANENT_ERRNOS: Mapping[int, str] = {
 
 def permanent_errno(exc: BaseException) -> int | None:
     """The errno of the first permanent OS error in ``exc``'s chain, or ``None``."""
-    for cur in _chain(exc):
+    for cur in error_chain(exc):
         code = getattr(cur, "errno", None) if isinstance(cur, OSError) else None
         if isinstance(code, int) and code in PERMANENT_ERRNOS:
             return code
@@ -61,7 +61,7 @@ def permanent_advice(exc: BaseException) -> str | None:
     return None if code is None else PERMANENT_ERRNOS[code]
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def error_chain(exc: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
@@ -70,7 +70,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         cur = cur.__cause__ or cur.__context__
 
 
-def _status_code(exc: BaseException) -> tuple[int | None, str]:
+def status_code(exc: BaseException) -> tuple[int | None, str]:
     """The HTTP status and service error code an exception carries, whatever the library:
     botocore's ``response`` dict, azure-core's ``status_code``/``error_code``, gcsfs's
     ``HttpError.code``, aiohttp's ``status``."""
@@ -92,17 +92,17 @@ def _status_code(exc: BaseException) -> tuple[int | None, str]:
     return status, str(code or "")
 
 
-def _is_precondition_failure(exc: BaseException) -> bool:
+def is_precondition_failure(exc: BaseException) -> bool:
     """A create-only write refused because the object exists, whatever class the library used:
     s3fs raises FileExistsError only when the 412 names ``If-None-Match``, else OSError(EINVAL)
     (ministack); gcsfs maps 412 to FileExistsError; adlfs raises FileExistsError from azure's
     ResourceExistsError (BlobAlreadyExists).  The exception chain is searched for an HTTP 412
     status or a precondition error code; anything else (a 400, a 403, a 5xx, a timeout) is not
     "exists", even when the library wraps it in the same OSError class."""
-    for cur in _chain(exc):
+    for cur in error_chain(exc):
         if isinstance(cur, FileExistsError):
             return True
-        status, code = _status_code(cur)
+        status, code = status_code(cur)
         if status == 412 or code in _PRECONDITION_CODES:
             return True
         text = str(cur)
@@ -127,14 +127,14 @@ def classify(exc: BaseException) -> type[StorageError]:
     """The ckptfs error class for a storage library's exception, from the whole chain: a missing
     bucket, container or object is :class:`StorageNotFoundError`; refused credentials or
     permissions :class:`StorageAccessError`; anything else :class:`StorageError`."""
-    for cur in _chain(exc):
+    for cur in error_chain(exc):
         if isinstance(cur, StorageError):
             return type(cur)
         if isinstance(cur, FileNotFoundError):
             return StorageNotFoundError
         if isinstance(cur, PermissionError):
             return StorageAccessError
-        status, code = _status_code(cur)
+        status, code = status_code(cur)
         if status == 404 or code in _NOT_FOUND_CODES:
             return StorageNotFoundError
         if status in (401, 403) or code in _ACCESS_CODES:
@@ -164,8 +164,8 @@ def describe_cause(exc: BaseException) -> str:
     """One line naming the library's exception and the service's reason (code, HTTP status)."""
     first = _first_lines(exc)
     text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    for cur in _chain(exc):
-        status, code = _status_code(cur)
+    for cur in error_chain(exc):
+        status, code = status_code(cur)
         if code or status:
             parts = [code] if code and code != str(status) else []
             parts += [f"HTTP {status}"] if status else []

@@ -10,6 +10,7 @@ backend's :class:`~ckptfs.storage.base.Capabilities` say.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import io
 import logging
@@ -37,13 +38,19 @@ from ckptfs.errors import (
     StorageNotFoundError,
 )
 from ckptfs.storage.backends import BackendSpec, merge_options, spec_for
-from ckptfs.storage.base import Capabilities, Entry
-from ckptfs.storage.classify import _chain as _chain
-from ckptfs.storage.classify import _is_precondition_failure as _is_precondition_failure
-from ckptfs.storage.classify import _status_code as _status_code
+from ckptfs.storage.base import (
+    Capabilities,
+    CapabilityUnavailableError,
+    Entry,
+    LocalFiles,
+    RangedRead,
+)
 from ckptfs.storage.classify import classify as classify
 from ckptfs.storage.classify import describe_cause as describe_cause
+from ckptfs.storage.classify import error_chain as error_chain
+from ckptfs.storage.classify import is_precondition_failure as is_precondition_failure
 from ckptfs.storage.classify import permanent_advice
+from ckptfs.storage.classify import status_code as status_code
 
 log = logging.getLogger("ckptfs.storage")
 
@@ -93,7 +100,10 @@ class FsspecStorage:
             raise classify(exc)(f"cannot open {url}: {describe_cause(exc)}") from exc
         self.fs = fs
         self.spec = spec_for(fs.protocol)
-        self.capabilities: Capabilities = self.spec.capabilities
+        self.capabilities: Capabilities = dataclasses.replace(
+            self.spec.capabilities, caveat=self.spec.caveat,
+            stream_buffer_bytes=0 if self.spec.capabilities.protocol == "file"
+            else self.spec.stream_buffer_bytes)
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._local = self.capabilities.protocol == "file"
         if probe and self.spec.probe_on_open:
@@ -267,8 +277,10 @@ class FsspecStorage:
             name = str(info["name"]).rstrip("/")
             if name == me or (self.capabilities.protocol == "memory" and "/" + name == me):
                 continue
-            out.append(Entry(self.rel(name), int(info.get("size") or 0),
-                             info.get("type") == "directory"))
+            link = bool(info.get("islink"))  # local disk: listed, never followed
+            is_dir = info.get("type") == "directory" or (link and self._local
+                                                         and os.path.isdir(name))
+            out.append(Entry(self.rel(name), int(info.get("size") or 0), is_dir, link))
         return out
 
     def list_tree(self, path: str) -> list[Entry]:
@@ -357,7 +369,7 @@ class FsspecStorage:
         except BaseException:
             # An exception in the block, or a failed close (e.g. CompleteMultipartUpload
             # refused): abort the multipart upload / resumable session, commit nothing.
-            _discard(f)
+            discard_write(f)
             if self.spec.partial_visible:
                 with suppress(Exception):
                     self.fs.rm_file(full)
@@ -381,7 +393,7 @@ class FsspecStorage:
                 try:
                     self.fs.pipe_file(self.full(path), data, mode="create")
                 except Exception as exc:
-                    if _is_precondition_failure(exc):
+                    if is_precondition_failure(exc):
                         raise CheckpointExistsError(
                             f"create {self.describe(path)}: already exists (another writer "
                             "created it first)"
@@ -473,9 +485,19 @@ class FsspecStorage:
         with self._errors("fsync", path):
             _fsync_dir(self.full(path))
 
-    def is_symlink(self, path: str) -> bool:
-        """Only meaningful on local disk (a checkpoint may not contain symlinks)."""
-        return self._local and os.path.islink(self.full(path))
+    # -- optional capabilities (ckptfs.storage.base) ------------------------------------------
+
+    def offers(self, capability: type) -> bool:
+        """Which optional capabilities this backend really has (capability data)."""
+        if capability is LocalFiles:
+            return self._local
+        return capability is RangedRead
+
+    def local_path(self, path: str) -> str:
+        """The OS path of ``path`` (local disk only: :class:`~ckptfs.storage.base.LocalFiles`)."""
+        if not self._local:
+            raise CapabilityUnavailableError(f"{self.url} is not on local disk")
+        return self.full(path)
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r}, {self.capabilities.protocol})"
@@ -560,7 +582,7 @@ def _reachability(fs: Any) -> str:
         return f" from {endpoint} (cannot connect: {exc.strerror or exc})"
 
 
-def _discard(f: Any) -> None:
+def discard_write(f: Any) -> None:
     """Abandon a partially written file: abort the multipart upload / resumable session where
     the library supports it, and never commit it."""
     try:

@@ -40,7 +40,7 @@ from ckptfs.testing.reliability.crash import (
     sweep_save_crashes,
 )
 from ckptfs.testing.reliability.hostile import HOSTILE_MEMORY_LIMIT, hostile_cases, hostile_sweep
-from ckptfs.testing.reliability.hostile import _Planter as _Planter  # used by tests/test_hostile.py
+from ckptfs.testing.reliability.hostile import Planter as Planter  # used by tests/test_hostile.py
 from ckptfs.testing.reliability.power import sweep_power_cut_delete, sweep_power_cuts
 from ckptfs.testing.reliability.races import (
     all_race_sweeps,

@@ -63,7 +63,7 @@ def store_on(storage: Storage, threads: int = 1) -> CheckpointStore:
 
 
 @contextlib.contextmanager
-def _scenario(sweep: Sweep, scenario: str) -> Iterator[None]:
+def scenario_guard(sweep: Sweep, scenario: str) -> Iterator[None]:
     """Run one check; an unexpected exception is a violation, not a crash of the sweep."""
     try:
         yield
@@ -82,7 +82,7 @@ def check_store(sweep: Sweep, scenario: str, backend: Backend, committed: set[in
     verifies (quick; full with ``full_all``; only the steps in ``recheck`` when given, the
     others having been verified after they were written and untouched since)."""
     reader = backend.open()
-    with _scenario(sweep, scenario):
+    with scenario_guard(sweep, scenario):
         latest = reader.latest()
         got = None if latest is None else latest.step
         if got != expect_latest:
@@ -102,7 +102,7 @@ def check_store(sweep: Sweep, scenario: str, backend: Backend, committed: set[in
     return reader
 
 
-def _prune_and_gc() -> tuple[Any, Any] | None:
+def prune_and_gc_api() -> tuple[Any, Any] | None:
     try:
         from ckptfs.lifecycle import gc, retention
     except ImportError:  # pragma: no cover - both ship with ckptfs now
@@ -110,7 +110,7 @@ def _prune_and_gc() -> tuple[Any, Any] | None:
     return retention, gc
 
 
-def _state_equal(a: Any, b: Any) -> bool:
+def states_equal(a: Any, b: Any) -> bool:
     try:
         assert_state_equal(a, b)
     except AssertionError:

@@ -14,10 +14,10 @@ from ckptfs.protocol.resolve import read_committed
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability.common import (
     Sweep,
-    _scenario,
-    _state_equal,
     raw_storage,
+    scenario_guard,
     state_for,
+    states_equal,
     store_on,
 )
 
@@ -129,7 +129,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
         # load
         try:
             loaded = reader.load(t_step, verify=True)
-            if stray and _state_equal(loaded, state_for(t_step)):
+            if stray and states_equal(loaded, state_for(t_step)):
                 sweep.count("load_unaffected_by_stray")  # the files it reads are intact
             else:
                 sweep.bad(name, "load(verify=True) returned")
@@ -142,7 +142,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
         # return the older checkpoint (a stray file changes nothing load reads)
         try:
             latest = reader.load()
-            if not (stray and _state_equal(latest, state_for(t_step))):
+            if not (stray and states_equal(latest, state_for(t_step))):
                 sweep.bad(name, "load() of the latest returned instead of raising")
         except CorruptCheckpointError:
             sweep.count("latest_raised")
@@ -175,7 +175,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
                 sweep.count("marker_flips_detected")
         restore([marker_rel])
     reader = backend.open()
-    with _scenario(sweep, "after the matrix"):
+    with scenario_guard(sweep, "after the matrix"):
         reader.verify(1)
         reader.verify(2)
     return sweep

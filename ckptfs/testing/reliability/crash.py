@@ -17,10 +17,10 @@ from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
 from ckptfs.testing.reliability.common import (
     Sweep,
-    _prune_and_gc,
-    _scenario,
     check_store,
+    prune_and_gc_api,
     raw_storage,
+    scenario_guard,
     state_for,
     store_on,
 )
@@ -77,7 +77,7 @@ def sweep_save_crashes(backend: Backend, *, tear: bool | None = None,
             committed.add(step)
         again = check_store(sweep, scenario, backend, committed, max(committed),
                             recheck={step - 1, step})
-        with _scenario(sweep, scenario + ", then saving again"):
+        with scenario_guard(sweep, scenario + ", then saving again"):
             try:
                 again.save(step, state_for(step))
                 if took_effect:
@@ -122,7 +122,7 @@ def sweep_delete_crashes(backend: Backend) -> Sweep:
         still = victim in store_on(inner).steps()
         reader = check_store(sweep, scenario, backend, committed | ({victim} if still else set()),
                              victim if still else max(committed), full_all=still)
-        with _scenario(sweep, scenario):
+        with scenario_guard(sweep, scenario):
             if still:
                 sweep.count("still_committed")  # its full verification ran in check_store
             else:
@@ -131,7 +131,7 @@ def sweep_delete_crashes(backend: Backend) -> Sweep:
                     sweep.bad(scenario, "step reads as committed but is not listed")
                 except CheckpointNotFoundError:
                     pass
-        with _scenario(sweep, scenario + ", then deleting again"):
+        with scenario_guard(sweep, scenario + ", then deleting again"):
             reader.delete(victim)
             if victim in reader.steps() or backend.raw_files(StepPaths(victim).dir):
                 sweep.bad(scenario, "the second delete left files behind")
@@ -144,7 +144,7 @@ def sweep_prune_crashes(backend: Backend) -> Sweep:
     and verify, each pruned one is either still fully committed or reads as not committed, and a
     clean prune afterwards finishes the job."""
     sweep = Sweep(backend.name, "prune-crash")
-    mods = _prune_and_gc()
+    mods = prune_and_gc_api()
     assert mods is not None
     retention, _ = mods
     policy = retention.RetentionPolicy(keep_last=2)
@@ -181,7 +181,7 @@ def sweep_prune_crashes(backend: Backend) -> Sweep:
         # full verification of every step that still reads as committed: none is half-deleted
         reader = check_store(sweep, scenario, backend, keep | remaining, max(before),
                              full_all=True)
-        with _scenario(sweep, scenario + ", then pruning again"):
+        with scenario_guard(sweep, scenario + ", then pruning again"):
             retention.prune(reader, policy)
             if set(reader.steps()) != keep:
                 sweep.bad(scenario, f"a clean prune left {reader.steps()}, expected {keep}")
@@ -193,7 +193,7 @@ def sweep_gc_crashes(backend: Backend) -> Sweep:
     committed checkpoints: no committed checkpoint is touched, and a clean collection afterwards
     removes the rest."""
     sweep = Sweep(backend.name, "gc-crash")
-    mods = _prune_and_gc()
+    mods = prune_and_gc_api()
     assert mods is not None
     _, gc = mods
     from datetime import datetime, timedelta, timezone
@@ -238,7 +238,7 @@ def sweep_gc_crashes(backend: Backend) -> Sweep:
             sweep.bad(scenario, f"gc raised {type(exc).__name__}: {exc}")
         reader = check_store(sweep, scenario, backend, committed, max(committed),
                              full_all=True)
-        with _scenario(sweep, scenario + ", then collecting again"):
+        with scenario_guard(sweep, scenario + ", then collecting again"):
             collect(reader.storage)
             again = collect(reader.storage)
             left = [i.path for i in again.items if i.kind != "empty-step"]

@@ -23,7 +23,7 @@ from ckptfs.testing.reliability.common import Sweep, raw_storage, state_for, sto
 HOSTILE_MEMORY_LIMIT = 64 * 1024 * 1024
 
 
-class _Planter:
+class Planter:
     """Writes hostile checkpoints through the backdoor, each with a *valid* marker: the marker
     binds whatever manifest bytes the attacker chose, as an attacker can always arrange."""
 
@@ -105,7 +105,7 @@ class _Evil:
         return (open, (self.sentinel, "w"))
 
 
-def hostile_cases(pl: _Planter, sentinel: str, *, local: bool
+def hostile_cases(pl: Planter, sentinel: str, *, local: bool
                   ) -> list[tuple[str, Callable[[], int], str]]:
     """(name, plant -> step, expected) for every hostile input; ``expected`` is what load must
     raise: "unsafe" (:class:`UnsafeCheckpointError`), "typed" (any CkptfsError), or "" (may
@@ -267,7 +267,7 @@ def hostile_cases(pl: _Planter, sentinel: str, *, local: bool
     return cases
 
 
-def _symlinked(pl: _Planter, rel: str | None, target: str | None) -> int:
+def _symlinked(pl: Planter, rel: str | None, target: str | None) -> int:
     """Plant a valid checkpoint, then replace a file (or the attempt directory) by a symlink."""
     import shutil as _shutil
 
@@ -300,7 +300,7 @@ def hostile_sweep(backend: Backend) -> Sweep:
 
     sweep = Sweep(backend.name, "hostile")
     local = backend.protocol == "file"
-    pl = _Planter(backend)
+    pl = Planter(backend)
     inner = raw_storage(backend)
     with tempfile.TemporaryDirectory() as tmp:
         sentinel = os.path.join(tmp, "EXECUTED")

@@ -11,9 +11,9 @@ from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
 from ckptfs.testing.reliability.common import (
     Sweep,
-    _scenario,
     check_store,
     raw_storage,
+    scenario_guard,
     state_for,
     store_on,
 )
@@ -56,7 +56,7 @@ def sweep_power_cuts(backend: Backend) -> Sweep:
             sweep.count("entries_rolled_back", lost_counts["rolled_back_entries"])
             committed = {1, 2} if k >= marker_k else {1}
             check_store(sweep, scenario, b, committed, max(committed), full_all=True)
-            with _scenario(sweep, scenario + ", then saving again"):
+            with scenario_guard(sweep, scenario + ", then saving again"):
                 again = b.open()
                 if 2 not in committed:
                     again.save(2, state_for(2))

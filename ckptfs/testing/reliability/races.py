@@ -15,12 +15,12 @@ from ckptfs.testing.conformance import assert_state_equal
 from ckptfs.testing.faults import FaultyStorage
 from ckptfs.testing.reliability.common import (
     Sweep,
-    _prune_and_gc,
-    _scenario,
-    _state_equal,
     check_store,
+    prune_and_gc_api,
     raw_storage,
+    scenario_guard,
     state_for,
+    states_equal,
     store_on,
 )
 
@@ -93,7 +93,7 @@ def sweep_zombie(backend: Backend) -> Sweep:
         committed.add(step)
         reader = check_store(sweep, scenario, backend, committed, max(committed),
                              states={step: early_state})
-        with _scenario(sweep, scenario):
+        with scenario_guard(sweep, scenario):
             attempts = {k.split("/")[2] for k in backend.raw_files(StepPaths(step).dir)
                         if k.count("/") >= 3}
             if len(attempts) != 1:
@@ -131,7 +131,7 @@ def sweep_zombie(backend: Backend) -> Sweep:
         sweep.bad(scenario, f"a writer failed: {ez + en!r}")
     committed |= {13, 14}
     reader = check_store(sweep, scenario, backend, committed, 14, full_all=True)
-    with _scenario(sweep, scenario):
+    with scenario_guard(sweep, scenario):
         assert_state_equal(reader.load(13), zombie_state(13))
     return sweep
 
@@ -170,11 +170,11 @@ def sweep_free_race(backend: Backend, *, trials: int = 3, writers: int = 2) -> S
         committed.add(step)
         states = {step: state_for(step + 1000 * winners[0])} if len(winners) == 1 else None
         reader = check_store(sweep, scenario, backend, committed, step, states=states)
-        with _scenario(sweep, scenario):
+        with scenario_guard(sweep, scenario):
             loaded = reader.load(step)
             marker_attempt = reader.info(step).attempt
             matches = [i for i in range(writers)
-                       if _state_equal(loaded, state_for(step + 1000 * i))]
+                       if states_equal(loaded, state_for(step + 1000 * i))]
             if len(matches) != 1:
                 sweep.bad(scenario, f"the committed checkpoint ({marker_attempt}) is not exactly "
                           "one writer's state")
@@ -205,7 +205,7 @@ def sweep_reader_during_saves(backend: Backend, *, saves: int = 5) -> Sweep:
                 continue
             finally:
                 progress.release()
-            if not _state_equal(loaded, state_for(info.step)):
+            if not states_equal(loaded, state_for(info.step)):
                 sweep.bad("reader", f"load({info.step}) returned a different state")
             seen.append(info.step)
 
@@ -232,7 +232,7 @@ def sweep_prune_during_save(backend: Backend) -> Sweep:
     """Prune (keep the last 1) and a deletion of an old step while a save is paused just before
     its commit: the checkpoint resumed from and the one being written both survive."""
     sweep = Sweep(backend.name, "race-prune")
-    mods = _prune_and_gc()
+    mods = prune_and_gc_api()
     assert mods is not None
     retention, gc = mods
     base = store_on(raw_storage(backend))
@@ -247,7 +247,7 @@ def sweep_prune_during_save(backend: Backend) -> Sweep:
         writer = store_on(FaultyStorage(raw_storage(backend), hook=gate))
         t, errors = _run(lambda: writer.save(step, state_for(step)))  # noqa: B023
         gate.reached.wait(120)
-        with _scenario(sweep, scenario):
+        with scenario_guard(sweep, scenario):
             retention.prune(store_on(raw_storage(backend)), retention.RetentionPolicy(keep_last=1))
             gc.collect(raw_storage(backend))  # default grace: a running writer is young
             if resumed not in base.steps():

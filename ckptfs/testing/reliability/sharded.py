@@ -40,10 +40,10 @@ from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
 from ckptfs.testing.reliability.common import (
     Sweep,
-    _prune_and_gc,
-    _scenario,
     check_store,
+    prune_and_gc_api,
     raw_storage,
+    scenario_guard,
     state_for,
 )
 
@@ -110,7 +110,7 @@ def sweep_sharded_save_crashes(backend: Backend, *, world: int = WORLD) -> Sweep
     its last call, and at every call of rank 1 alone; check the invariants after each (module
     docstring)."""
     sweep = Sweep(backend.name, "sharded-save-crash")
-    mods = _prune_and_gc()
+    mods = prune_and_gc_api()
     assert mods is not None
     _, gc = mods
     later = datetime.now(timezone.utc) + timedelta(days=1)
@@ -160,7 +160,7 @@ def sweep_sharded_save_crashes(backend: Backend, *, world: int = WORLD) -> Sweep
             sweep.bad(scenario, "a marker exists for the crashed save")
         check_store(sweep, scenario, backend, committed, max(committed),
                     recheck={step - 2, step})
-        with _scenario(sweep, scenario + ", then saving again and collecting"):
+        with scenario_guard(sweep, scenario + ", then saving again and collecting"):
             again = None
             if not took_effect:
                 again = simulated_save([inner] * world, step, state_for(step))

@@ -58,7 +58,7 @@ Layout (everything public is re-exported here):
 - ``python -m ckptfs.testing.servers [name ...]``: smoke test of each available server.
 """
 
-from ckptfs.testing.servers.azure import _azurite_connection_string as _azurite_connection_string
+from ckptfs.testing.servers.azure import azurite_connection_string as azurite_connection_string
 from ckptfs.testing.servers.azure import azurite_server
 from ckptfs.testing.servers.gcs import fake_gcs_server
 from ckptfs.testing.servers.info import DEFAULT_BUCKET, ServerInfo, ServerStartError

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfs.testing.servers.info import DEFAULT_BUCKET, ServerInfo, ServerStartError
-from ckptfs.testing.servers.process import _run_server
+from ckptfs.testing.servers.process import run_server
 
 # Azurite's well-known development account (published in Azure's docs; not a
 # secret).
@@ -25,7 +25,7 @@ _AZURITE_KEY = (
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def _azurite_binary() -> Path | str:
+def azurite_binary() -> Path | str:
     """Find ``azurite-blob``: ``$CKPTFS_AZURITE``, then
     ``<repo>/.tools/node_modules/.bin/azurite-blob``, then ``PATH``.  Returns
     a reason string if none is found."""
@@ -48,7 +48,7 @@ def _azurite_binary() -> Path | str:
     )
 
 
-def _azurite_connection_string(endpoint: str) -> str:
+def azurite_connection_string(endpoint: str) -> str:
     return (
         "DefaultEndpointsProtocol=http;"
         f"AccountName={_AZURITE_ACCOUNT};"
@@ -60,7 +60,7 @@ def _azurite_connection_string(endpoint: str) -> str:
 def _az_options(endpoint: str) -> dict[str, Any]:
     # adlfs ignores ls(refresh=True); use_listings_cache=False is what works.
     return {
-        "connection_string": _azurite_connection_string(endpoint),
+        "connection_string": azurite_connection_string(endpoint),
         "account_name": _AZURITE_ACCOUNT,
         "skip_instance_cache": True,
         "use_listings_cache": False,
@@ -73,7 +73,7 @@ def _az_container(endpoint: str, bucket: str, *, delete_first: bool) -> None:
     from azure.core.exceptions import ResourceExistsError, ResourceNotFoundError
     from azure.storage.blob import BlobServiceClient
 
-    with BlobServiceClient.from_connection_string(_azurite_connection_string(endpoint)) as svc:
+    with BlobServiceClient.from_connection_string(azurite_connection_string(endpoint)) as svc:
         if delete_first:
             with contextlib.suppress(ResourceNotFoundError):
                 svc.delete_container(bucket)
@@ -95,15 +95,15 @@ def _az_container(endpoint: str, bucket: str, *, delete_first: bool) -> None:
 def azurite_server(bucket: str = DEFAULT_BUCKET) -> Iterator[ServerInfo]:
     """Run azurite's blob service (npm ``azurite@3``) in memory.
 
-    Found via :func:`_azurite_binary`.  ``--skipApiVersionCheck`` because the
+    Found via :func:`azurite_binary`.  ``--skipApiVersionCheck`` because the
     Azure SDK installed with adlfs is usually newer than the API versions
     azurite knows and would otherwise be refused.  ``reset()`` deletes and
     re-creates the container, which also drops uncommitted blocks.
     """
-    binary = _azurite_binary()
+    binary = azurite_binary()
     if isinstance(binary, str):
         raise ServerStartError(binary)
-    with _run_server(
+    with run_server(
         "azurite",
         lambda port, _wd: [
             str(binary),
@@ -127,7 +127,7 @@ def azurite_server(bucket: str = DEFAULT_BUCKET) -> Iterator[ServerInfo]:
             endpoint=f"{endpoint}/{_AZURITE_ACCOUNT}",
             storage_options=_az_options(endpoint),
             bucket=bucket,
-            env={"AZURE_STORAGE_CONNECTION_STRING": _azurite_connection_string(endpoint)},
+            env={"AZURE_STORAGE_CONNECTION_STRING": azurite_connection_string(endpoint)},
             reset=lambda: _az_container(endpoint, bucket, delete_first=True),
             pid=proc.pid,
             log_path=str(log_path),

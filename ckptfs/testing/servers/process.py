@@ -2,7 +2,7 @@
 its own process group with its output in a log file, waiting until it answers over HTTP
 (retrying on a port lost to another process), and stopping the whole group.
 
-:func:`_run_server` reads :data:`START_TIMEOUT` from this module at call time, so tests can lower
+:func:`run_server` reads :data:`START_TIMEOUT` from this module at call time, so tests can lower
 it here (``ckptfs.testing.servers.process.START_TIMEOUT``)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     The OS picks it (bind to port 0) because fixed ports collide between
     parallel test runs.  Another process may take it before the server binds
-    it; :func:`_run_server` retries on "address in use".
+    it; :func:`run_server` retries on "address in use".
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -51,7 +51,7 @@ def _log_tail(path: Path, limit: int = 4000) -> str:
     return data[-limit:].decode("utf-8", errors="replace")
 
 
-def _http(
+def http_request(
     method: str,
     url: str,
     body: bytes | None = None,
@@ -72,7 +72,7 @@ def _http(
 def _answers(url: str) -> bool:
     """True if an HTTP server answers at ``url`` with any status."""
     try:
-        _http("GET", url, timeout=2.0)
+        http_request("GET", url, timeout=2.0)
     except (OSError, urllib.error.URLError):
         return False
     return True
@@ -105,7 +105,7 @@ def _stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def _run_server(
+def run_server(
     name: str,
     make_cmd: Callable[[int, Path], Sequence[str]],
     ready_path: str,

@@ -9,8 +9,8 @@ import os
 import shutil
 from collections.abc import Callable
 
-from ckptfs.testing.servers.azure import _azurite_binary, azurite_server
-from ckptfs.testing.servers.gcs import _fake_gcs_binary, fake_gcs_server
+from ckptfs.testing.servers.azure import azurite_binary, azurite_server
+from ckptfs.testing.servers.gcs import fake_gcs_binary, fake_gcs_server
 from ckptfs.testing.servers.info import ServerInfo
 from ckptfs.testing.servers.s3 import ministack_server, moto_server
 
@@ -73,13 +73,13 @@ def available(name: str) -> str | None:
         if not _has_module(module):
             return f"Python package {dist} is not installed (module {module} not importable)"
     if name == "gcs":
-        binary = _fake_gcs_binary()
+        binary = fake_gcs_binary()
         if isinstance(binary, str):
             return binary
         if not os.access(binary, os.X_OK):
             return f"{binary} is not executable"
     if name == "azurite":
-        binary = _azurite_binary()
+        binary = azurite_binary()
         if isinstance(binary, str):
             return binary
         if not os.access(binary, os.X_OK):

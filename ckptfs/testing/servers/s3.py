@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfs.testing.servers.info import DEFAULT_BUCKET, ServerInfo, ServerStartError
-from ckptfs.testing.servers.process import _http, _run_server
+from ckptfs.testing.servers.process import http_request, run_server
 
 # Test-only credentials.  S3 emulators accept anything; keys must be
 # non-empty so botocore signs requests instead of looking for real
@@ -47,7 +47,7 @@ def _s3_create_bucket(endpoint: str, bucket: str) -> None:
     Both emulators accept unsigned requests, and doing it with urllib keeps
     server start independent of the client library under test.
     """
-    status, body = _http("PUT", f"{endpoint}/{bucket}", body=b"")
+    status, body = http_request("PUT", f"{endpoint}/{bucket}", body=b"")
     if status not in (200, 409):
         raise ServerStartError(
             f"creating bucket {bucket!r} at {endpoint}: HTTP {status}: {body[:500]!r}"
@@ -56,7 +56,7 @@ def _s3_create_bucket(endpoint: str, bucket: str) -> None:
 
 def _s3_reset(endpoint: str, reset_path: str, bucket: str) -> Callable[[], None]:
     def reset() -> None:
-        status, body = _http("POST", f"{endpoint}{reset_path}", body=b"")
+        status, body = http_request("POST", f"{endpoint}{reset_path}", body=b"")
         if status != 200:
             raise RuntimeError(f"reset {endpoint}{reset_path}: HTTP {status}: {body[:500]!r}")
         _s3_create_bucket(endpoint, bucket)
@@ -81,7 +81,7 @@ def moto_server(
     ``{"INITIAL_NO_AUTH_ACTION_COUNT": "1"}`` for a server that checks
     credentials after its first request (moto accepts any key by default).
     """
-    with _run_server(
+    with run_server(
         "moto",
         lambda port, _wd: [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         "/moto-api/",
@@ -129,7 +129,7 @@ def ministack_server(bucket: str = DEFAULT_BUCKET) -> Iterator[ServerInfo]:
             "LOG_LEVEL": "WARNING",
         }
 
-    with _run_server(
+    with run_server(
         "ministack",
         lambda _port, _wd: [sys.executable, "-m", "ministack"],
         "/_ministack/health",

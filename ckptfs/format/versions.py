@@ -1,0 +1,79 @@
+"""The format table, pure half: which manifest versions this ckptfs reads, how each is decoded,
+and which of its documents have a reader limit.
+
+Every manifest is read through :func:`decode_manifest` (the reader) and every manifest a writer
+is about to commit is checked through :func:`check_committable` (the commit object), so the
+writer refuses exactly what the reader would.  The I/O half of the table (how each version is
+loaded and verified) is :mod:`ckptfs.protocol.formats`.
+
+========  ===========  ============================================  =====================
+version   layout       documents with a size limit (before reading)  spec
+========  ===========  ============================================  =====================
+1         single       ``state.msgpack``: ``MAX_STATE_DOC_BYTES``    docs/protocol.md §2-5
+2         sharded      ``dcp.msgpack``: ``MAX_METADATA_BYTES``        docs/protocol.md §8
+========  ===========  ============================================  =====================
+"""
+
+from __future__ import annotations
+
+from ckptfs.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
+from ckptfs.format.layout import FORMAT_VERSION, STATE_NAME
+from ckptfs.format.limits import MAX_MANIFEST_BYTES, MAX_METADATA_BYTES, MAX_STATE_DOC_BYTES
+from ckptfs.format.manifest import MANIFEST_SCHEMA, Manifest, check_document_size, load_json
+from ckptfs.format.sharded import METADATA_NAME, SHARDED_FORMAT_VERSION, ShardedManifest
+
+#: Manifest format versions this ckptfs reads (and writes).
+READ_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION)
+#: Highest manifest format version this ckptfs reads.
+MAX_READ_VERSION = max(READ_VERSIONS)
+
+#: Per version: the documents a reader bounds by size before reading them.
+DOCUMENT_LIMITS: dict[int, dict[str, int]] = {
+    FORMAT_VERSION: {STATE_NAME: MAX_STATE_DOC_BYTES},
+    SHARDED_FORMAT_VERSION: {METADATA_NAME: MAX_METADATA_BYTES},
+}
+
+
+def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
+    """Decode a manifest of any version this ckptfs reads: v1 (:class:`Manifest`) or v2
+    (:class:`ShardedManifest`).  A newer version raises :class:`FormatVersionError`; anything
+    malformed :class:`CorruptCheckpointError` (or :class:`UnsafeCheckpointError`)."""
+    doc = load_json(data, MAX_MANIFEST_BYTES, where)  # bounded: size, depth, duplicate keys
+    version = doc.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) \
+            and version > MAX_READ_VERSION:
+        raise FormatVersionError(
+            f"{where}: written by format version {version}; this ckptfs reads up to "
+            f"{MAX_READ_VERSION}: upgrade ckptfs")
+    if version != SHARDED_FORMAT_VERSION:
+        return Manifest.from_bytes(data, where=where)  # v1: its own strict codec
+    if doc.get("schema") != MANIFEST_SCHEMA:
+        raise CorruptCheckpointError(f"{where}: schema is {doc.get('schema')!r}")
+    return ShardedManifest.from_doc(doc, where=where)
+
+
+def document_limits(manifest: Manifest) -> dict[str, int]:
+    """The documents of ``manifest``'s format whose size a reader bounds, with their limits."""
+    return DOCUMENT_LIMITS.get(manifest.format_version, {})
+
+
+def check_committable(manifest: Manifest, data: bytes, *, where: str) -> None:
+    """Refuse (with :class:`UnsupportedValueError`, before anything is committed) a manifest a
+    reader would refuse: ``data`` (its encoding) is decoded with the reader's own decoder, and
+    every document with a reader limit is checked against it.  The commit object calls this for
+    every writer; a save calls it earlier too, with placeholder digests, before writing."""
+    check_document_size(data, MAX_MANIFEST_BYTES, "MANIFEST.json")
+    try:
+        decoded = decode_manifest(data, where=where)
+    except CorruptCheckpointError as exc:
+        raise UnsupportedValueError(
+            f"{where}: this checkpoint would not be readable, so it is not committed: {exc}"
+        ) from exc
+    if decoded.format_version != manifest.format_version:  # pragma: no cover - codec bug
+        raise UnsupportedValueError(f"{where}: manifest did not round-trip its format version")
+    for path, limit in document_limits(manifest).items():
+        entry = next((e for e in manifest.files if e.path == path), None)
+        if entry is not None and entry.size > limit:
+            raise UnsupportedValueError(
+                f"{where}: {path} would be {entry.size} B, more than the {limit}-byte limit "
+                "a reader enforces; the checkpoint is not committed")

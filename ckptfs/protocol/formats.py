@@ -1,0 +1,110 @@
+"""The format table, I/O half: one ``load`` and one ``verify`` per manifest format version, and
+the one dispatch every reader goes through (``CheckpointStore.load``/``verify``, the CLI, the
+manager, the integrations).
+
+=======  =====================================  ==========================================
+version  load                                   full verify (after the shared listing)
+=======  =====================================  ==========================================
+1        :func:`ckptfs.protocol.reader.load_v1`  every file re-read and re-hashed
+2        :func:`ckptfs.protocol.sharded.         every chunk re-read and checked,
+         load_full` (imported only then: DCP     ``dcp.msgpack`` and every value document
+         costs ~1 s to import)                   decoded
+=======  =====================================  ==========================================
+
+What every version shares lives here, once: the options are checked before any I/O
+(``map_location`` in every ``torch.load`` form, ``keys``, ``mmap``), the listing checks
+(:mod:`ckptfs.protocol.listing`: links, missing, resized, stray), and ``map_location`` is applied
+by one implementation (:func:`ckptfs.protocol.load_options.tensor_map`).  The pure half of the
+table (which versions exist, how each manifest decodes, which documents a reader bounds) is
+:mod:`ckptfs.format.versions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from ckptfs.errors import FormatVersionError
+from ckptfs.format.layout import FORMAT_VERSION
+from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
+from ckptfs.protocol.listing import check_listing, listing_report
+from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
+from ckptfs.protocol.reader import VerifyReport, check_mmap_storage, load_v1, verify_v1
+from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.storage.base import Storage
+
+Loader = Callable[..., dict[Any, Any]]
+Verifier = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class FormatOps:
+    """How one manifest format version is loaded and fully verified."""
+
+    version: int
+    load: Callable[[], Loader]
+    verify: Callable[[], Verifier]
+
+
+def _v2_load() -> Loader:
+    from ckptfs.protocol.sharded import load_v2
+
+    return cast(Loader, load_v2)
+
+
+def _v2_verify() -> Verifier:
+    from ckptfs.protocol.sharded import verify_v2
+
+    return cast(Verifier, verify_v2)
+
+
+FORMATS: dict[int, FormatOps] = {
+    FORMAT_VERSION: FormatOps(FORMAT_VERSION, lambda: load_v1, lambda: verify_v1),
+    SHARDED_FORMAT_VERSION: FormatOps(SHARDED_FORMAT_VERSION, _v2_load, _v2_verify),
+}
+
+
+def ops_for(info: CheckpointInfo) -> FormatOps:
+    ops = FORMATS.get(info.manifest.format_version)
+    if ops is None:  # pragma: no cover - decode_manifest refuses unknown versions first
+        raise FormatVersionError(f"{info.url}: format version "
+                                 f"{info.manifest.format_version} has no reader here")
+    return ops
+
+
+def load_checkpoint(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
+                    map_location: MapLocation = None, threads: int = 4,
+                    keys: Iterable[str | KeyPath] | None = None,
+                    mmap: bool = False) -> dict[Any, Any]:
+    """Load a committed checkpoint of any format version (docs/loading.md).
+
+    ``keys``: load only these key paths (a damaged file holding none of them does not stop the
+    load).  ``map_location``: as ``torch.load``.  ``mmap``: local disk, format v1: tensors view
+    copy-on-write mappings of the files instead of buffers read into memory."""
+    mapper = tensor_map(map_location)  # bad options fail before any I/O
+    paths = parse_keys(keys)
+    if mmap:
+        check_mmap_storage(storage, info)
+    return ops_for(info).load()(storage, info, verify=verify, mapper=mapper, threads=threads,
+                                keys=paths, mmap=mmap)
+
+
+def verify_checkpoint(storage: Storage, info: CheckpointInfo, *, quick: bool = False,
+                      threads: int = 4) -> VerifyReport:
+    """Check a committed checkpoint against its manifest.
+
+    quick: the listing checks only (links, missing, resized, stray files).  full: also the
+    format's own checks (every byte re-read and re-hashed).  Problems are collected (all of
+    them, naming each file) in the report; the caller decides whether to raise."""
+    report = VerifyReport(info.step, info.attempt, info.url, "quick" if quick else "full")
+    _, report.problems = listing_report(storage, info)
+    report.files = len(info.manifest.files)
+    report.bytes = info.manifest.total_bytes
+    if not quick and not any("symbolic link" in p for p in report.problems):
+        ops_for(info).verify()(storage, info, report, threads=threads)
+    return report
+
+
+__all__ = ["FORMATS", "FormatOps", "VerifyReport", "check_listing", "load_checkpoint",
+           "ops_for", "verify_checkpoint"]

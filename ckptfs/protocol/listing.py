@@ -1,0 +1,132 @@
+"""The listing checks of a committed checkpoint, shared by every format, by load, verify and
+copy: one listing of the attempt, compared with the manifest, before any file is read.
+
+What a listing can show, and what each reader does with it:
+
+==============================  =====================================  ======================
+finding                         load / copy (:func:`check_listing`)    verify (report)
+==============================  =====================================  ======================
+a symbolic link (the step or    :class:`UnsafeCheckpointError`         "symbolic link
+attempt directory, any file)                                           (refused)"
+a listed file missing           :class:`CorruptCheckpointError`        "missing"
+a listed file of another size   :class:`CorruptCheckpointError`        "size ..."
+a file the manifest does not    ignored, logged                        "not in the manifest
+list (stray)                                                           (stray file)"
+==============================  =====================================  ======================
+
+Sizes are compared here, from the listing, before any buffer is allocated: a manifest that
+declares a 1 PiB file fails as corrupt instead of making a reader allocate (or request) what it
+declares.  Links are found from the listing alone (``Entry.is_link``, part of the
+:class:`~ckptfs.storage.base.Storage` interface), so a storage wrapper that implements exactly
+that interface keeps the refusal.  Directory links are looked for where directories are real
+(``capabilities.real_directories``): object stores have none.
+
+``files``: the files a selective load will read (``keys=``); a missing or resized file it will
+not read does not stop it (verify still reports it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptfs.format.layout import CHECKPOINTS_DIR, MANIFEST_NAME
+from ckptfs.format.manifest import FileEntry
+from ckptfs.protocol.resolve import CheckpointInfo, storage_url
+from ckptfs.storage.base import Storage
+
+log = logging.getLogger("ckptfs")
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str  # "link" | "missing" | "size" | "stray"
+    path: str  # relative to the run root
+    text: str  # for a verify report: "<relpath>: <what>"
+
+    def error(self, storage: Storage, info: CheckpointInfo) -> CorruptCheckpointError:
+        where = storage_url(storage, self.path)
+        if self.kind == "link":
+            return UnsafeCheckpointError(
+                f"{where} is a symbolic link; a checkpoint may not contain links (they can "
+                "point outside it). Refusing to read it", step=info.step, path=self.path)
+        what = self.text.split(": ", 1)[1]
+        return CorruptCheckpointError(f"{where}: {what}", step=info.step, path=self.path)
+
+
+@dataclass
+class AttemptListing:
+    """One listing of a committed attempt: every file's size, and every symbolic link."""
+
+    sizes: dict[str, int] = field(default_factory=dict)  # relpath -> size (links excluded)
+    links: list[str] = field(default_factory=list)       # paths relative to the run root
+
+
+def list_attempt(storage: Storage, info: CheckpointInfo) -> AttemptListing:
+    out = AttemptListing()
+    if storage.capabilities.real_directories:
+        for parent, name in ((CHECKPOINTS_DIR, info.paths.dir_name),
+                             (info.paths.dir, info.attempt)):
+            for e in storage.list_dir(parent):
+                if e.basename == name and e.is_link:
+                    out.links.append(f"{parent}/{name}")
+        if out.links:
+            return out  # never list through a linked directory
+    prefix = info.path + "/"
+    for e in storage.list_tree(info.path):
+        if not e.name.startswith(prefix):
+            continue
+        if e.is_link:
+            out.links.append(e.name)
+        else:
+            out.sizes[e.name[len(prefix):]] = e.size
+    return out
+
+
+def problems(info: CheckpointInfo, listing: AttemptListing,
+             files: Iterable[FileEntry] | None = None) -> list[Problem]:
+    """Every finding of the table above, links first, then in manifest order, strays last."""
+    prefix = info.path + "/"
+    out = [Problem("link", p, f"{p.removeprefix(prefix)}: symbolic link (refused)")
+           for p in listing.links]
+    found = dict(listing.sizes)
+    found.pop(MANIFEST_NAME, None)
+    wanted = None if files is None else {e.path for e in files}
+    for entry in info.manifest.files:
+        size = found.pop(entry.path, None)
+        if wanted is not None and entry.path not in wanted:
+            continue
+        if size is None:
+            out.append(Problem("missing", prefix + entry.path,
+                               f"{entry.path}: listed in the manifest but missing"))
+        elif size != entry.size:
+            out.append(Problem("size", prefix + entry.path,
+                               f"{entry.path}: size differs from the manifest (declared "
+                               f"{entry.size} B, found {size} B)"))
+    out += [Problem("stray", prefix + s, f"{s}: not in the manifest (stray file)")
+            for s in sorted(found)]
+    return out
+
+
+def check_listing(storage: Storage, info: CheckpointInfo,
+                  files: Iterable[FileEntry] | None = None) -> AttemptListing:
+    """For load and copy: raise the first finding (links first) as its typed error; strays are
+    logged and ignored.  Returns the listing."""
+    listing = list_attempt(storage, info)
+    found = problems(info, listing, files)
+    for p in found:
+        if p.kind != "stray":
+            raise p.error(storage, info)
+    strays = [p.text.split(":", 1)[0] for p in found]
+    if strays:
+        log.warning("%s: files not in the manifest are ignored by load (run 'ckptfs verify' "
+                    "to report them): %s", info.url, ", ".join(strays[:10]))
+    return listing
+
+
+def listing_report(storage: Storage, info: CheckpointInfo) -> tuple[AttemptListing, list[str]]:
+    """For verify: the listing and every finding, as report lines."""
+    listing = list_attempt(storage, info)
+    return listing, [p.text for p in problems(info, listing)]
