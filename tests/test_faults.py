@@ -15,7 +15,6 @@ from ckptfs.testing.reliability import raw_storage, state_for, store_on
 def test_is_a_storage_and_forwards_extras(local_backend: Backend) -> None:
     fs = FaultyStorage(raw_storage(local_backend))
     assert isinstance(fs, Storage)
-    assert fs.is_symlink("nothing") is False  # adapter extra, forwarded
     assert fs.capabilities == fs.inner.capabilities
 
 

@@ -80,8 +80,7 @@ class FakeObjectStore:
         self.capabilities = Capabilities("fake-s3", exclusive_create="process_lock",
                                          atomic_rename=False, fsync=False,
                                          empty_create_safe=True, real_directories=False,
-                                         shared=False)
-        self.stream_buffer_bytes = block * copies
+                                         shared=False, stream_buffer_bytes=block * copies)
         self.block = block
         self.url = "fake://bucket/run"
         self.meter = _Meter()
@@ -194,8 +193,8 @@ def test_object_stores_declare_their_stream_buffers(protocol: str) -> None:
 def test_local_and_memory_streams_are_unbounded_by_the_budget(tmp_path: Any) -> None:
     local = FsspecStorage(str(tmp_path))
     mem = FsspecStorage("memory://write-budget")
-    assert local.stream_buffer_bytes == 0
-    assert mem.stream_buffer_bytes == 0
+    assert local.capabilities.stream_buffer_bytes == 0
+    assert mem.capabilities.stream_buffer_bytes == 0
     assert write_streams(local, 4, 10) == 4  # type: ignore[arg-type]
 
 

@@ -38,7 +38,7 @@ from ckptfs.errors import (
     StorageError,
     StorageNotFoundError,
 )
-from ckptfs.storage.base import Capabilities, Entry, Storage, read_range
+from ckptfs.storage.base import Capabilities, Entry, Retrying, Storage, read_range, supports
 from ckptfs.storage.classify import permanent_errno
 
 log = logging.getLogger("ckptfs.storage")
@@ -187,6 +187,9 @@ class RetryingStorage:
 
     def sync_dir(self, path: str) -> None:
         self._retry("fsync", path, lambda: self.inner.sync_dir(path))
+
+    def offers(self, capability: type) -> bool:
+        return capability is Retrying or supports(self.inner, capability)
 
     def __getattr__(self, name: str) -> Any:
         # Adapter extras probed with getattr by the core (is_symlink, spec): forwarded.
