@@ -10,8 +10,15 @@ splits it in two:
   (no intermediate copy of the state), in files the ``safetensors`` library opens itself.
 
 Tensors that are the same view of the same storage (tied weights) are stored once and come back
-as one tensor object in every place they appeared.  Other aliasing (overlapping but different
-views) is not preserved: each view is stored and loaded as an independent tensor.
+as one tensor object in every place they appeared (:func:`tensor_identity` is the one definition
+of "the same tensor", used by every writer).  Other aliasing (overlapping but different views)
+is not preserved: each view is stored and loaded as an independent tensor.
+
+:func:`plan_state` does all the work that reads the state, once: every non-tensor value
+(extension types included) is encoded into the ``state.msgpack`` bytes, and the tensors are
+collected in a :class:`StatePlan`, whose files read only the plan's own tensors when written.
+An asynchronous save copies exactly those tensors and rebinds the plan to the copies
+(:meth:`StatePlan.rebind`), so nothing of the caller's state is read after it returns.
 """
 
 from __future__ import annotations
@@ -22,8 +29,8 @@ import math
 import re
 import struct
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -117,10 +124,11 @@ def _key_str(path: tuple[Any, ...]) -> str:
 _BIGINT_RE = re.compile(r"-?(?:0|[1-9][0-9]*)")
 
 
-def _tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
+def tensor_identity(t: torch.Tensor) -> tuple[Any, ...]:
     """Everything that makes two tensor objects read the same values: the storage (by object,
     not address: empty storages all have address 0), the view's geometry, and the lazy
-    conjugate/negative bits.  Two tensors with equal identities are one tensor to the format."""
+    conjugate/negative bits.  Two tensors with equal identities are one tensor to the format
+    (stored once, loaded as one object); this is the only definition of it in ckptfs."""
     st = t.untyped_storage()
     return (t.device, st._cdata, st.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
             t.dtype, t.is_conj(), t.is_neg())
@@ -254,7 +262,7 @@ class Flattener:
                 f"tensor at {where!r} has dimension names {names}, which the format does not "
                 "store; drop them with .rename(None)")
         try:
-            ident = _tensor_identity(t)
+            ident = tensor_identity(t)
         except (RuntimeError, NotImplementedError) as exc:
             raise UnsupportedValueError(
                 f"tensor at {where!r} ({type(t).__qualname__} on {t.device}) has no storage "
@@ -269,16 +277,67 @@ class Flattener:
         return index
 
 
-@dataclass
+@dataclass(frozen=True)
+class TensorFile:
+    """One planned safetensors file: its header (with the 8-byte length prefix), then the data
+    of the plan's tensors ``members`` (indices into :attr:`StatePlan.tensors`), in order."""
+
+    path: str
+    prefix: bytes
+    members: tuple[int, ...]
+    size: int
+
+
+@dataclass(frozen=True, eq=False)
 class StatePlan:
-    files: list[PlannedFile]
-    tensor_count: int
-    tensor_bytes: int
+    """A validated state, ready to write: ``document`` (the bytes of ``state.msgpack``, every
+    non-tensor value already encoded), the tensor files' layout, and ``tensors`` (one per
+    distinct :func:`tensor_identity`, index order), the only part of the state it still reads.
+
+    :attr:`files` stream the tensors' bytes when written (nothing is copied at planning).
+    :meth:`rebind` gives the same plan over other tensors of the same dtypes and shapes (an
+    asynchronous save's staged copies)."""
+
+    document: bytes
+    tensor_files: tuple[TensorFile, ...]
+    tensors: tuple[torch.Tensor, ...]
+    files: list[PlannedFile] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tensors = self.tensors
+        doc = self.document
+        files = [PlannedFile(STATE_NAME, len(doc), lambda: iter([memoryview(doc)]))]
+        files += [PlannedFile(tf.path, tf.size, _tensor_chunks(tf, tensors))
+                  for tf in self.tensor_files]
+        object.__setattr__(self, "files", files)
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of the tensor files (headers included)."""
+        return sum(tf.size for tf in self.tensor_files)
+
+    def rebind(self, tensors: Sequence[torch.Tensor]) -> StatePlan:
+        """This plan over ``tensors`` instead of :attr:`tensors`: the same document and files,
+        the bytes read from ``tensors[i]`` in place of ``self.tensors[i]``.  Each must have the
+        same dtype and shape (the layout depends on nothing else)."""
+        if len(tensors) != len(self.tensors):
+            raise ValueError(f"rebind: {len(tensors)} tensors for a plan of "
+                             f"{len(self.tensors)}")
+        for i, (new, old) in enumerate(zip(tensors, self.tensors, strict=True)):
+            if new.dtype != old.dtype or new.shape != old.shape:
+                raise ValueError(f"rebind: tensor {i} is {new.dtype}{list(new.shape)}, the "
+                                 f"plan's is {old.dtype}{list(old.shape)}")
+        return StatePlan(self.document, self.tensor_files, tuple(tensors))
 
 
 def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePlan:
     """Validate ``state`` and plan its files.  Raises :class:`UnsupportedValueError` naming the
-    key path of the first value the format cannot hold, before any byte is written."""
+    key path of the first value the format cannot hold, before any byte is written.  The state
+    is traversed once; afterwards the plan reads only :attr:`StatePlan.tensors`."""
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(
             "state must be a dict (e.g. {'model': model.state_dict()}), got "
@@ -305,8 +364,7 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
             f"raise shard_bytes (now {shard_bytes})")
 
     slots: list[TensorSlot | None] = [None] * len(flat.tensors)
-    files: list[PlannedFile] = []
-    total = 0
+    tensor_files: list[TensorFile] = []
     for sidx, members in enumerate(shards):
         fname = tensor_file_name(sidx)
         members = sorted(members, key=lambda i: -flat.tensors[i].element_size())
@@ -322,9 +380,8 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
             t = flat.tensors[i]
             slots[i] = TensorSlot(fname, name, _DTYPES[t.dtype], tuple(t.shape))
             entries.append((name, t))
-        pf = _plan_safetensors(fname, entries)
-        total += pf.size
-        files.append(pf)
+        prefix, size = _safetensors_prefix(fname, entries)
+        tensor_files.append(TensorFile(fname, prefix, tuple(members), size))
 
     if flat.largest[0] > MAX_STATE_DOC_BYTES:
         raise _state_doc_too_large(flat.largest[0], flat)
@@ -340,8 +397,7 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
         raise UnsupportedValueError(f"state cannot be encoded as msgpack: {exc}") from exc
     if len(blob) > MAX_STATE_DOC_BYTES:
         raise _state_doc_too_large(len(blob), flat)
-    files.insert(0, PlannedFile(STATE_NAME, len(blob), lambda: iter([memoryview(blob)])))
-    return StatePlan(files, len(flat.tensors), total)
+    return StatePlan(blob, tuple(tensor_files), tuple(flat.tensors))
 
 
 _HEADER_METADATA = "__metadata__"
@@ -387,7 +443,10 @@ def tensor_memoryview(t: torch.Tensor) -> memoryview:
     return memoryview(buf).cast("B")
 
 
-def _plan_safetensors(fname: str, entries: list[tuple[str, torch.Tensor]]) -> PlannedFile:
+def _safetensors_prefix(fname: str, entries: list[tuple[str, torch.Tensor]]
+                        ) -> tuple[bytes, int]:
+    """The length prefix and header of a safetensors file holding ``entries`` in order, and
+    the file's size."""
     header: dict[str, Any] = {_HEADER_METADATA: {"format": "pt", "producer": "ckptfs"}}
     offset = 0
     for name, t in entries:
@@ -409,18 +468,24 @@ def _plan_safetensors(fname: str, entries: list[tuple[str, torch.Tensor]]) -> Pl
         raise UnsupportedValueError(
             f"{fname} would be {size} B, more than the format's {MAX_FILE_SIZE}-byte file limit; "
             "lower shard_bytes or split the largest tensor")
+    return prefix, size
+
+
+def _tensor_chunks(tf: TensorFile, tensors: tuple[torch.Tensor, ...]
+                   ) -> Callable[[], Iterator[memoryview]]:
+    """The bytes of ``tf``, streamed from ``tensors`` (regenerated from the start on a retry)."""
 
     def chunks() -> Iterator[memoryview]:
-        yield memoryview(prefix)
-        for _, t in entries:
-            ct = _cpu_contiguous(t)  # one tensor at a time: copies only if non-contiguous/GPU
+        yield memoryview(tf.prefix)
+        for i in tf.members:
+            ct = _cpu_contiguous(tensors[i])  # one at a time: copies only if non-contiguous/GPU
             view = tensor_memoryview(ct)
             step = 16 * 1024 * 1024
             for start in range(0, len(view), step):
                 yield view[start:start + step]
             del view, ct
 
-    return PlannedFile(fname, size, chunks)
+    return chunks
 
 
 # ----------------------------------------------------------------------------------------------
