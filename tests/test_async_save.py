@@ -171,14 +171,15 @@ def test_invalid_input_raises_from_save_async(memory_backend: Backend) -> None:
 
 def test_sharded_state_is_refused_by_name(monkeypatch: pytest.MonkeyPatch,
                                           memory_backend: Backend) -> None:
-    """A DTensor (stood in for by float64 here) without torch.distributed initialized cannot be
-    saved collectively: save_async refuses it, naming the key path, rather than writing one
-    rank's shards as a full state (the collective form: tests/test_async_sharded.py)."""
-    monkeypatch.setattr(async_save, "_is_dtensor", lambda t: t.dtype == torch.float64)
+    """A DTensor (stood in for by a meta tensor here, which the serializer refuses as it
+    refuses a DTensor) without torch.distributed initialized cannot be saved collectively:
+    save_async refuses it, naming the key path and why, rather than writing one rank's shards
+    as a full state (the collective form: tests/test_async_sharded.py)."""
+    monkeypatch.setattr(async_save, "is_dtensor", lambda t: t.device.type == "meta")
     store = memory_backend.open()
     with pytest.raises(UnsupportedValueError, match=r"'model/layers/1/w'.*not initialized"):
         store.save_async(1, {"model": {"layers": [{"w": torch.ones(1)},
-                                                  {"w": torch.ones(1, dtype=torch.float64)}]}})
+                                                  {"w": torch.ones(1, device="meta")}]}})
     assert store.all_steps() == []
 
 

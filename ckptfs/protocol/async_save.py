@@ -1,37 +1,48 @@
-"""Asynchronous saves: the training loop blocks only while its state is snapshotted.
+"""Asynchronous saves: the training loop blocks only while its state is planned and copied.
 
-Design decision: **snapshot on the caller's thread, then run the unchanged synchronous commit
-(:func:`ckptfs.protocol.commit.save_checkpoint`) on one background thread per store.**  The
-snapshot is a tree of the same shape as the state in which every tensor is replaced by a host
-copy in a staging buffer and every container is rebuilt (the leaves the format accepts are
-immutable), so after :meth:`~ckptfs.CheckpointStore.save_async` returns the caller may change or
-free anything; the background save has nothing else to share with it.  Reusing the synchronous
-path keeps one commit protocol and one proof (a background failure leaves no marker, exactly as
-a failed synchronous save does).
+Design decision: **plan on the caller's thread with the serializer, copy exactly the plan's
+tensors, then commit the plan on one background thread per store.**  The serializer's plan
+(:func:`ckptfs.protocol.commit.plan_v1`) already holds everything but the tensors' bytes as
+bytes (the tree and every non-tensor value, extension types included, encoded into
+``state.msgpack``) and the tensors themselves, one per distinct tensor by the serializer's own
+identity (:func:`ckptfs.format.serialize.tensor_identity`).  Those tensors are copied into
+staging buffers (:mod:`ckptfs.protocol.staging`) and the plan is rebound to the copies
+(:meth:`~ckptfs.format.serialize.StatePlan.rebind`), so the background save writes exactly the
+bytes the synchronous save would have written at the time of the call, and after
+:meth:`~ckptfs.CheckpointStore.save_async` returns nothing of the caller's objects is read
+again.  The background thread runs the unchanged commit (:func:`ckptfs.protocol.commit.save_plan`):
+one commit protocol and one proof (a background failure leaves no marker, exactly as a failed
+synchronous save does).
 
 ::
 
     caller thread                             "ckptfs-async-save" thread (one per store)
     -------------                             -------------------------------------------
-    raise an uncollected failure
-    validate (plan_state: key-path errors)
+    raise uncollected failures
+    plan_v1 + check_plan (key-path errors;
+      every non-tensor value encoded now)
     back-pressure: wait while max_in_flight
       saves are pending (logged, counted)
-    snapshot into the staging pool   ----->   save_checkpoint(snapshot): write, hash, commit
-      (CUDA: pinned, non-blocking,            buffers back to the pool
+    stage the plan's tensors      ----->      save_plan(plan over the copies): write, hash,
+      (CUDA: pinned, non-blocking,              commit; buffers back to the pool
        one synchronize per device)            future resolved (or failed: kept for the
     return SaveFuture                           next save / save_async / wait to raise)
 
-The staging pool (:mod:`ckptfs.protocol.staging`) keeps one buffer per tensor of the last
-snapshot(s), so a run that saves the same shapes allocates nothing after its first save.  Extra
-memory is one copy of the state per save in flight (``max_in_flight``, default 1), held until
+The staging pool keeps one buffer per tensor of the last snapshot(s), so a run that saves the
+same shapes allocates nothing after its first save.  Extra memory is one copy of the state's
+tensors per save in flight (``max_in_flight``, default 1), held until
 :meth:`~ckptfs.CheckpointStore.close`.
 
 At interpreter exit (before ``concurrent.futures`` stops accepting work, so the commit can still
 use its writer threads) pending saves are completed and a failure nobody collected is logged as
 an error: never silent.  A killed process leaves an attempt without a marker, which readers skip
-and garbage collection removes.  Sharded states (several ranks, one commit) are snapshotted the
-same way but saved through ``dcp.async_save``: :mod:`ckptfs.protocol.async_sharded`.  See
+and garbage collection removes.  A process forked while saves are in flight (a data-loader
+worker, say) starts with none: in the child, the parent's pending futures fail with
+:class:`~ckptfs.AsyncSaveError` (the parent completes them) and the store works as new.
+
+Sharded states (several ranks, one commit) are saved through ``dcp.async_save``:
+:mod:`ckptfs.protocol.async_sharded`, which uses the saver's small internal API (the methods of
+:class:`AsyncSaver` without a leading underscore) and nothing else of this module.  See
 docs/async.md.
 """
 
@@ -39,14 +50,15 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  (imported before our exit hook is registered)
+import contextlib
 import copy
 import logging
-import sys
+import os
 import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -57,10 +69,11 @@ import torch
 from ckptfs.errors import AsyncSaveError, CheckpointExistsError, UnsupportedValueError
 from ckptfs.format.hashing import new_hasher
 from ckptfs.format.layout import check_step
-from ckptfs.protocol.collective import wants_sharded_save
-from ckptfs.protocol.commit import check_plan, plan_v1, save_checkpoint
+from ckptfs.format.serialize import StatePlan
+from ckptfs.protocol.collective import is_dtensor, wants_sharded_save
+from ckptfs.protocol.commit import check_plan, plan_v1, save_plan
 from ckptfs.protocol.resolve import CheckpointInfo
-from ckptfs.protocol.staging import PoolKey, Snapshot, StagingPool
+from ckptfs.protocol.staging import PoolKey, StagingPool, stage
 
 if TYPE_CHECKING:
     from ckptfs.protocol.store import CheckpointStore
@@ -81,7 +94,7 @@ class AsyncStats:
     waits: int = 0
     wait_seconds: float = 0.0
     last_wait_seconds: float = 0.0
-    #: Time the caller was blocked by the snapshot itself (validation + copies), last and total.
+    #: Time the caller was blocked by the snapshot itself (planning + copies), last and total.
     last_snapshot_seconds: float = 0.0
     snapshot_seconds: float = 0.0
     pool: StagingPool = field(default_factory=StagingPool, repr=False)
@@ -101,53 +114,48 @@ class AsyncStats:
         return self.pool.reuses
 
 
-def _validate(store: CheckpointStore, step: int, state: Mapping[str, Any],
-              metadata: Mapping[str, Any] | None) -> None:
-    """What :func:`~ckptfs.protocol.commit.save_checkpoint` refuses before writing anything,
-    checked on the caller's thread so that ``save_async`` itself raises it (a value the format
-    cannot hold, naming its key path; bad metadata; a manifest too large to be read)."""
+def _plan(store: CheckpointStore, step: int, state: Mapping[str, Any],
+          metadata: Mapping[str, Any] | None) -> tuple[StatePlan, dict[str, Any]]:
+    """The serializer's plan of ``state`` and the manifest metadata, with everything
+    :func:`~ckptfs.protocol.commit.save_plan` would refuse before writing checked now, so that
+    ``save_async`` itself raises it (a value the format cannot hold, naming its key path; bad
+    metadata; a manifest too large to be read).  The metadata is a deep copy (plain JSON)."""
     check_step(step)
     new_hasher(store.algorithm)
-    plan, meta = plan_v1(state, metadata=metadata, shard_bytes=store.shard_bytes)
-    _refuse_sharded(state, ())
+    try:
+        plan, meta = plan_v1(state, metadata=metadata, shard_bytes=store.shard_bytes)
+    except UnsupportedValueError:
+        refusal = _sharded_refusal(state, ())  # only on failure: no second walk of a good state
+        if refusal is not None:
+            raise refusal from None
+        raise
     check_plan(step, plan, meta, store.algorithm)
+    return plan, copy.deepcopy(meta)
 
 
-def _refuse_sharded(value: Any, path: tuple[Any, ...]) -> None:
+def _sharded_refusal(value: Any, path: tuple[Any, ...]) -> UnsupportedValueError | None:
     """A DTensor reaching the single-process save (torch.distributed is not initialized, so the
-    collective save cannot run): writing one rank's shards as a full state would be wrong."""
+    collective save cannot run): writing one rank's shards as a full state would be wrong, and
+    the error says why rather than only that the serializer cannot hold a DTensor."""
     if isinstance(value, torch.Tensor):
-        if _is_dtensor(value):
-            where = "/".join(str(p) for p in path) or "<root>"
-            raise UnsupportedValueError(
-                f"save_async got a sharded tensor (DTensor) at key path {where!r} but "
-                "torch.distributed is not initialized: a sharded state is saved collectively "
-                "by every rank of its process group (docs/async.md, docs/sharded.md); "
-                "initialize it, or save a full state dict")
-        return
+        if not is_dtensor(value):
+            return None
+        where = "/".join(str(p) for p in path) or "<root>"
+        return UnsupportedValueError(
+            f"save_async got a sharded tensor (DTensor) at key path {where!r} but "
+            "torch.distributed is not initialized: a sharded state is saved collectively "
+            "by every rank of its process group (docs/async.md, docs/sharded.md); "
+            "initialize it, or save a full state dict")
+    items: Any = ()
     if isinstance(value, Mapping):
-        for k, v in value.items():
-            _refuse_sharded(v, (*path, k))
+        items = value.items()
     elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _refuse_sharded(v, (*path, i))
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # No DTensor exists unless its module was imported (importing it costs seconds).
-    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return cls is not None and isinstance(t, cls)
-
-
-def _sharded_module(state: Mapping[str, Any]) -> Any:
-    """:mod:`ckptfs.protocol.sharded` when this save is collective (as ``store.save`` decides:
-    torch.distributed initialized with world size > 1, or DTensors in the state), else None.
-    Imported only then: importing DCP costs seconds."""
-    if not wants_sharded_save(state):
-        return None
-    from ckptfs.protocol import sharded
-
-    return sharded
+        items = enumerate(value)
+    for k, v in items:
+        found = _sharded_refusal(v, (*path, k))
+        if found is not None:
+            return found
+    return None
 
 
 def _clear_frames(exc: BaseException) -> None:
@@ -164,6 +172,16 @@ def _clear_frames(exc: BaseException) -> None:
         if e.__traceback__ is not None:
             traceback.clear_frames(e.__traceback__)
         todo += [e.__cause__, e.__context__, *getattr(e, "_failures", {}).values()]
+
+
+def _add_note(exc: BaseException, text: str) -> None:
+    """``exc.add_note(text)``; on Python 3.10 the same ``__notes__`` list, set by hand."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(text)
+        return
+    notes = getattr(exc, "__notes__", None) or []  # pragma: no cover - Python 3.10
+    exc.__notes__ = [*notes, text]  # type: ignore[attr-defined]  # pragma: no cover
 
 
 # -- futures ---------------------------------------------------------------------------------------
@@ -199,6 +217,19 @@ class SaveFuture(Future[CheckpointInfo]):
         """The exception of a done save, without counting it as collected."""
         return super().exception(0) if self.done() else None
 
+    def fail_in_forked_child(self, parent: int) -> None:
+        """In a process forked while this save was pending: the save runs in the parent only,
+        so here it fails with :class:`AsyncSaveError` (counted as collected).  The threads
+        that could hold this future's lock at the fork do not exist here: it gets a new one."""
+        self._condition = threading.Condition()
+        self._waiters = []
+        self.collected = True
+        self.set_exception(AsyncSaveError(
+            f"the async save of step {self.step} at {self.url} was in flight when this process "
+            f"was forked from process {parent}; it is written and committed by that process "
+            "only, and this one cannot wait for it (look for the step with store.steps() "
+            "later)"))
+
     def __repr__(self) -> str:
         return (f"<SaveFuture step {self.step} at {self.url}: "
                 f"{'done' if self.done() else 'pending'}>")
@@ -211,7 +242,12 @@ _worker = threading.local()
 
 class AsyncSaver:
     """The async-save machinery of one store.  Holds no reference to the store (it lives in a
-    weak mapping keyed by the store), only what the background saves need."""
+    weak mapping keyed by the store), only what the background saves need.
+
+    The internal API of the collective form (:mod:`ckptfs.protocol.async_sharded`), in call
+    order: :meth:`check_step_free`, :meth:`wait_for_slot`, :meth:`raise_uncollected`,
+    :attr:`pool` (staging), :meth:`track` (a submitted future), then on the thread that runs
+    the save :meth:`background_thread` around :meth:`settle`, and :meth:`record_blocked`."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -222,8 +258,6 @@ class AsyncSaver:
         self._executor: ThreadPoolExecutor | None = None
         self._futures: list[SaveFuture] = []  # submitted, not yet known done and collected
         self._warned_wait = False
-        self._async_group: tuple[int, Any] | None = None  # sharded saves (see _group)
-        self._last_dcp: Future[Any] | None = None  # the last sharded save's DCP future
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -234,59 +268,63 @@ class AsyncSaver:
         self._check_not_worker("save_async")
         with self._submit_lock:
             self.raise_uncollected()
-            sh = _sharded_module(state)
-            if sh is not None:
-                from ckptfs.protocol.async_sharded import submit_sharded
+            if wants_sharded_save(state):
+                from ckptfs.protocol.async_sharded import submit_sharded  # imports DCP
 
                 return submit_sharded(self, store, step, state, metadata, max_in_flight)
             t0 = time.perf_counter()
-            _validate(store, step, state, metadata)
-            meta = copy.deepcopy(dict(metadata or {}))
-            self._check_step_free(step)
-            validated = time.perf_counter() - t0
-            self._wait_for_slot(step, max_in_flight)
+            plan, meta = _plan(store, step, state, metadata)
+            self.check_step_free(step)
+            planned = time.perf_counter() - t0
+            self.wait_for_slot(step, max_in_flight)
             self.raise_uncollected()  # a save that failed while we waited
             t1 = time.perf_counter()
-            snap = Snapshot(self.pool)
-            try:
-                try:
-                    tree = snap.copy(state)
-                finally:
-                    snap.finish()
-            except BaseException:
-                self.pool.give_back(snap.buffers)
-                raise
+            staged = stage(self.pool, plan.tensors)
             self.pool.trim()
             fut = SaveFuture(step, store.url)
-            job = _Job(self, fut, snap.buffers, tree, meta, store)
+            job = _Job(self, fut, plan.rebind(staged.tensors), meta, staged.buffers, store)
+            del plan  # the caller's tensors: not read again
             with self._lock:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptfs-async-save")
-                    _register_exit_hook()
                 self._futures.append(fut)
                 try:
                     self._executor.submit(job.run)
                 except BaseException:
                     self._futures.remove(fut)
-                    self.pool.give_back(snap.buffers)
+                    self.pool.give_back(staged.buffers)
                     raise
                 self.stats.submitted += 1
-            blocked = validated + time.perf_counter() - t1
-            self.stats.last_snapshot_seconds = blocked
-            self.stats.snapshot_seconds += blocked
+            _register_exit_hook()
+            self.record_blocked(planned + time.perf_counter() - t1)
             return fut
 
-    def _check_step_free(self, step: int) -> None:
+    def check_step_free(self, step: int) -> None:
+        """Refuse a step that already has a save of this store in flight."""
         if any(f.step == step and not f.done() for f in self._live()):
             raise CheckpointExistsError(
                 f"step {step} at {self.url} already has an async save in flight; a step is "
                 "saved once: wait for it (store.wait()) or save under a new step")
 
+    def track(self, fut: SaveFuture) -> None:
+        """Count ``fut`` as submitted: ``wait``, ``close``, the next call's re-raise and the
+        exit hook follow it (the collective form's futures, resolved by :meth:`settle`)."""
+        with self._lock:
+            self._futures.append(fut)
+            self.stats.submitted += 1
+        _register_exit_hook()
+
+    def record_blocked(self, seconds: float) -> None:
+        """The caller was blocked ``seconds`` by a snapshot (planning and copies)."""
+        self.stats.last_snapshot_seconds = seconds
+        self.stats.snapshot_seconds += seconds
+
     def _live(self) -> list[SaveFuture]:
         with self._lock:
             return list(self._futures)
 
-    def _wait_for_slot(self, step: int, max_in_flight: int) -> None:
+    def wait_for_slot(self, step: int, max_in_flight: int) -> None:
+        """Back-pressure: wait while ``max_in_flight`` saves are pending (counted, logged)."""
         running = [f for f in self._live() if not f.done()]
         if len(running) < max_in_flight:
             return
@@ -307,15 +345,24 @@ class AsyncSaver:
 
     # -- the background side -------------------------------------------------------------------
 
-    def _settle(self, fut: SaveFuture, exc: BaseException | None,
-                info: CheckpointInfo | None) -> None:
+    @contextlib.contextmanager
+    def background_thread(self) -> Iterator[None]:
+        """Marks the current thread as running this saver's background save: ``save_async``,
+        ``wait`` and ``close`` of the store called from it (a done callback) raise
+        :class:`AsyncSaveError` instead of waiting for themselves."""
+        _worker.saver = self
+        try:
+            yield
+        finally:
+            _worker.saver = None
+
+    def settle(self, fut: SaveFuture, exc: BaseException | None,
+               info: CheckpointInfo | None) -> None:
         """Count, log and resolve a finished background save (on the thread that ran it)."""
         if exc is not None:
             _clear_frames(exc)  # frames hold views of the staging buffers
-            note = getattr(exc, "add_note", None)
-            if note is not None:
-                note(f"ckptfs: raised by the background save of step {fut.step} at {fut.url} "
-                     "(save_async); that save did not commit")
+            _add_note(exc, f"ckptfs: raised by the background save of step {fut.step} at "
+                      f"{fut.url} (save_async); that save did not commit")
             log.warning("async save of step %d at %s failed: %s: %s", fut.step, fut.url,
                         type(exc).__name__, exc)
         with self._lock:
@@ -331,8 +378,11 @@ class AsyncSaver:
     # -- flushing and errors -------------------------------------------------------------------
 
     def raise_uncollected(self) -> None:
-        """Raise the first background failure nobody collected (then it counts as collected);
-        forget the futures that are done."""
+        """Raise the background failures nobody collected (then they count as collected) and
+        forget the futures that are done.  One exception is raised, the oldest failure itself
+        (so ``except`` clauses written for ``save`` keep working); each other uncollected
+        failure is named in a note added to it (``__notes__``), and its own future still
+        holds it."""
         with self._lock:
             done = [f for f in self._futures if f.done()]
             failed = [f for f in done if not f.collected and f.failure() is not None]
@@ -341,15 +391,17 @@ class AsyncSaver:
             return
         for f in failed:
             f.collected = True
-        for f in failed[1:]:
-            log.error("async save of step %d at %s also failed: %r", f.step, self.url,
-                      f.failure())
         exc = failed[0].failure()
         assert exc is not None
+        for f in failed[1:]:
+            other = f.failure()
+            _add_note(exc, f"ckptfs: the background save of step {f.step} at {self.url} failed "
+                      f"too (uncollected): {type(other).__name__}: {other}; that save did not "
+                      "commit, its future holds the exception")
         raise exc
 
     def wait(self) -> None:
-        """Wait for every pending save, then raise a failure nobody collected."""
+        """Wait for every pending save, then raise the failures nobody collected."""
         self._check_not_worker("wait")
         pending = [f for f in self._live() if not f.done()]
         if pending:
@@ -357,7 +409,10 @@ class AsyncSaver:
         self.raise_uncollected()
 
     def close(self) -> None:
-        """Flush (raising an uncollected failure), then stop the thread and free the pool."""
+        """Flush (raising uncollected failures), then stop the thread and free the pool.
+        From the background thread itself (a done callback) it raises
+        :class:`AsyncSaveError` before touching anything."""
+        self._check_not_worker("close")
         try:
             self.wait()
         finally:
@@ -398,54 +453,68 @@ class AsyncSaver:
         with self._lock:
             self._futures = []
 
+    def after_fork_in_child(self, parent: int) -> None:
+        """In a forked child: no thread of the parent exists here.  Fresh locks, no executor,
+        an empty pool; the parent's pending saves fail here (:meth:`SaveFuture.
+        fail_in_forked_child`) and every future of the parent is forgotten, so the child's
+        ``save``, ``wait``, ``close`` and exit never wait for them nor raise their errors."""
+        self._submit_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._executor = None  # its thread is the parent's: work queued here would never run
+        self.pool = self.stats.pool = StagingPool()
+        futures, self._futures = self._futures, []
+        for f in futures:
+            if not f.done():
+                f.fail_in_forked_child(parent)
+
 
 class _Job:
-    """One background save: the synchronous commit of a snapshot."""
+    """One background save: the commit of a plan over staged copies."""
 
-    def __init__(self, saver: AsyncSaver, fut: SaveFuture,
-                 buffers: list[tuple[PoolKey, torch.Tensor]], tree: Any,
-                 metadata: dict[str, Any], store: CheckpointStore) -> None:
+    def __init__(self, saver: AsyncSaver, fut: SaveFuture, plan: StatePlan,
+                 meta: dict[str, Any], buffers: list[tuple[PoolKey, torch.Tensor]],
+                 store: CheckpointStore) -> None:
         self.saver = saver
         self.fut = fut
+        self.plan: StatePlan | None = plan
+        self.meta = meta
         self.buffers = buffers
-        self.tree = tree
-        self.metadata = metadata
         # What the synchronous save uses, captured now (not the store: see AsyncSaver).
         self.storage = store.storage
         self.algorithm = store.algorithm
         self.durable = store.durable
         self.threads = store.threads
-        self.shard_bytes = store.shard_bytes
 
     def run(self) -> None:
         fut = self.fut
+        saver = self.saver
         if not fut.set_running_or_notify_cancel():  # pragma: no cover - never cancelled
             self._release()
             return
-        _worker.saver = self.saver
-        try:
-            info = save_checkpoint(self.storage, fut.step, self.tree, metadata=self.metadata,
-                                   algorithm=self.algorithm, durable=self.durable,
-                                   threads=self.threads, shard_bytes=self.shard_bytes)
-        except BaseException as exc:
-            self._release()
-            self.saver._settle(fut, exc, None)
-        else:
-            self._release()
-            self.saver._settle(fut, None, info)
-        finally:
-            _worker.saver = None
-            # The exception's traceback keeps this frame (and so this job) alive: drop the
-            # job's references, so a failed future does not keep the saver's thread alive.
-            self.__dict__.clear()
+        with saver.background_thread():
+            try:
+                assert self.plan is not None
+                info = save_plan(self.storage, fut.step, self.plan, self.meta,
+                                 algorithm=self.algorithm, durable=self.durable,
+                                 threads=self.threads)
+            except BaseException as exc:
+                self._release()
+                saver.settle(fut, exc, None)
+            else:
+                self._release()
+                saver.settle(fut, None, info)
+            finally:
+                # The exception's traceback keeps this frame (and so this job) alive: drop the
+                # job's references, so a failed future does not keep the saver's thread alive.
+                self.__dict__.clear()
 
     def _release(self) -> None:
-        self.tree = None
+        self.plan = None
         self.saver.pool.give_back(self.buffers)
         self.buffers = []
 
 
-# -- one saver per store, and the exit hook ------------------------------------------------------
+# -- one saver per store, the exit hook, fork ----------------------------------------------------
 
 _SAVERS: weakref.WeakKeyDictionary[CheckpointStore, AsyncSaver] = weakref.WeakKeyDictionary()
 #: Every saver still alive, also one whose store was dropped while a save was pending (its jobs
@@ -475,7 +544,7 @@ def stats_of(store: CheckpointStore) -> AsyncStats:
 
 def before_sync_save(store: CheckpointStore) -> None:
     """A synchronous save first waits for the store's async saves (so steps commit in the
-    order they were asked for) and raises a failure nobody collected."""
+    order they were asked for) and raises the failures nobody collected."""
     saver = existing_saver(store)
     if saver is not None:
         saver.wait()
@@ -534,6 +603,23 @@ def _register_exit_hook() -> None:
         except RuntimeError:  # pragma: no cover - the interpreter is already shutting down
             pass
     atexit.register(_at_exit)  # pragma: no cover - CPython >= 3.9 has _register_atexit
+
+
+def _after_fork_in_child() -> None:
+    """``os.fork()`` copies this module's state but only the forking thread: reset every
+    saver (see :meth:`AsyncSaver.after_fork_in_child`) and the registry's lock, which a thread
+    of the parent may have held.  The exit hook stays registered (it then has nothing to do
+    for the parent's saves)."""
+    global _SAVERS_LOCK
+    _SAVERS_LOCK = threading.Lock()
+    _worker.saver = None
+    parent = os.getppid()
+    for saver in list(_ALL_SAVERS):
+        saver.after_fork_in_child(parent)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- follow-up work on the caller's thread (CheckpointManager(async_save=True)) -----------------

@@ -2,25 +2,44 @@
 :meth:`~ckptfs.CheckpointStore.save_async`.
 
 Design decision: **ckptfs snapshots, DCP runs the save, ckptfs's writer commits.**  Every rank
-snapshots its part of the state on the caller's thread into the store's staging pool (a
-DTensor's local shard, wrapped in a DTensor of the same spec), then hands the snapshot to
+snapshots its part of the state on the caller's thread, then hands the snapshot to
 ``torch.distributed.checkpoint.async_save`` (thread mode) with
 :class:`~ckptfs.protocol.sharded_io.ShardedWriter` and the pickle-free planner: planning,
 writing, hashing and the one exclusive marker (by the coordinator, after every rank reported)
-run on DCP's thread exactly as in a synchronous sharded save.  The collectives run on a gloo
-group of the store's own (created once per store, collectively), never on the training loop's
-group (sharing it hung) nor on the synchronous saves' group; a store's sharded saves run one
-after the other on it.  The returned :class:`~ckptfs.protocol.async_save.SaveFuture` is the
-store's like any other: back-pressure, ``wait``/``close``, re-raised uncollected failures and
-the exit hook all apply.  See docs/async.md.
+run on DCP's thread exactly as in a synchronous sharded save.
+
+The snapshot is the state's DCP view with nothing of the caller's left in it, because DCP plans
+(and so reads every value) on its own thread:
+
+* every tensor and every DTensor's local shard is copied into the store's staging pool
+  (:func:`ckptfs.protocol.staging.stage`), once per distinct tensor by the serializer's identity
+  (:func:`ckptfs.format.serialize.tensor_identity`); a DTensor is rebuilt around its staged
+  shard with the same spec;
+* containers are rebuilt; plain immutable values are shared;
+* every other value (a NumPy array, a set, a ``Namespace``, a registered dataclass or
+  container, with the tensors inside it) is replaced by its own copy, decoded from the bytes the
+  format stores for it (:func:`ckptfs.format.sharded.encode_value` then ``decode_value``), so
+  DCP's planner encodes, on its thread, a value that only it holds.  A value the format cannot
+  hold is left in place: the planner refuses it inside DCP, on every rank together.
+
+The collectives run on a gloo group of the store's own (created once per store, collectively),
+never on the training loop's group (sharing it hung) nor on the synchronous saves' group; a
+store's sharded saves run one after the other on it.  The returned
+:class:`~ckptfs.protocol.async_save.SaveFuture` is the store's like any other: back-pressure,
+``wait``/``close``, re-raised uncollected failures and the exit hook all apply, through the
+saver's internal API (:class:`~ckptfs.protocol.async_save.AsyncSaver`).  See docs/async.md.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import time
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,120 +50,205 @@ from torch.distributed.tensor import DTensor
 
 from ckptfs.errors import ShardedSaveError
 from ckptfs.format.layout import check_step
+from ckptfs.format.serialize import tensor_identity
+from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.protocol import sharded as sh
-from ckptfs.protocol.async_save import (
-    AsyncSaver,
-    SaveFuture,
-    _register_exit_hook,
-    _worker,
-)
+from ckptfs.protocol.async_save import AsyncSaver, SaveFuture
 from ckptfs.protocol.resolve import CheckpointInfo
-from ckptfs.protocol.staging import Snapshot
+from ckptfs.protocol.staging import stage
 
 if TYPE_CHECKING:
     from ckptfs.protocol.store import CheckpointStore
 
+log = logging.getLogger("ckptfs")
+
+
+@dataclass
+class _Collective:
+    """What the collective form keeps per saver: the store's own gloo group (with the default
+    group it was made under) and the DCP future of its last save."""
+
+    group: tuple[int, Any] | None = None
+    last: Future[Any] | None = None
+
+
+_STATE: weakref.WeakKeyDictionary[AsyncSaver, _Collective] = weakref.WeakKeyDictionary()
+
+
+def _state_of(saver: AsyncSaver) -> _Collective:
+    st = _STATE.get(saver)
+    if st is None:
+        st = _STATE[saver] = _Collective()
+    return st
+
+
+def async_group(saver: AsyncSaver) -> Any:
+    """The saver's own gloo group of async saves (None before its first sharded save)."""
+    st = _STATE.get(saver)
+    return None if st is None or st.group is None else st.group[1]
+
+
+# A forked child holds none of the parent's groups' peers nor DCP's threads.
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_STATE.clear)
+
 
 def submit_sharded(saver: AsyncSaver, store: CheckpointStore, step: int,
-                    state: Mapping[str, Any], metadata: Mapping[str, Any] | None,
-                    max_in_flight: int) -> SaveFuture:
+                   state: Mapping[str, Any], metadata: Mapping[str, Any] | None,
+                   max_in_flight: int) -> SaveFuture:
     """Collective: every rank of the job calls it (docs/async.md, "Sharded states").  The
-    snapshot (DTensors: their local shards) is taken here, then ``dcp.async_save`` runs
-    DCP's planning, ckptfs's ShardedWriter and the one commit on DCP's thread, on this
-    store's own gloo group."""
+    snapshot (module docstring) is taken here, then ``dcp.async_save`` runs DCP's planning,
+    ckptfs's ShardedWriter and the one commit on DCP's thread, on this store's own gloo
+    group."""
     t0 = time.perf_counter()
     check_step(step)
-    saver._check_step_free(step)
+    saver.check_step_free(step)
     try:
         meta: Mapping[str, Any] | None = copy.deepcopy(dict(metadata or {}))
     except Exception:  # not copyable, so not JSON either: the planner refuses it on all ranks
         meta = metadata
-    group = _group(saver)
+    coll = _state_of(saver)
+    group = _group(coll)
     prep = sh.prepare_save(store.storage, step, state, group=group, kind="async-save",
                            algorithm=store.algorithm, durable=store.durable,
                            threads=store.threads, metadata=meta)
     validated = time.perf_counter() - t0
-    saver._wait_for_slot(step, max_in_flight)
+    saver.wait_for_slot(step, max_in_flight)
     saver.raise_uncollected()
     t1 = time.perf_counter()
-    snap = Snapshot(saver.pool)
+    snap = _Snapshot()
+    tree = snap.walk(prep.view, ())
+    staged = stage(saver.pool, snap.tensors)
     try:
-        try:
-            view = _stage_view(snap, prep.view)
-        finally:
-            snap.finish()
+        view = snap.fill(tree, staged.tensors)
+        del tree, snap  # the caller's tensors: not read again
         out: Any = dcp_async_save(view, storage_writer=prep.writer, planner=prep.planner,
-                                  process_group=group,
-                                  async_stager=_Staged(saver._last_dcp))
+                                  process_group=group, async_stager=_Staged(coll.last))
     except BaseException:
-        saver.pool.give_back(snap.buffers)
+        saver.pool.give_back(staged.buffers)
         raise
     saver.pool.trim()
     dcp_fut: Future[Any] = getattr(out, "upload_completion", None) or out
-    saver._last_dcp = dcp_fut
+    coll.last = dcp_fut
     fut = SaveFuture(step, store.url)
-    with saver._lock:
-        _register_exit_hook()
-        saver._futures.append(fut)
-        saver.stats.submitted += 1
-    buffers = snap.buffers
+    saver.track(fut)
+    buffers = staged.buffers
 
     def done(f: Future[Any]) -> None:
-        _worker.saver = saver
-        info: CheckpointInfo | None = None
-        exc = f.exception()
-        try:
-            if exc is None:
-                info = prep.info(f.result())  # the committed checkpoint, on every rank
-                prep.live.done()
-        except BaseException as e:
-            exc = e
-        saver.pool.give_back(buffers)
-        buffers.clear()
-        if exc is not None:
-            try:  # DCP's CheckpointException (a BaseException) -> ckptfs's typed error
-                err = sh.failure(exc, prep.what, ShardedSaveError, prep.live)
-            except BaseException as e:  # pragma: no cover - never leave the future unresolved
-                err = e
-            if err is not exc:
-                err.__cause__ = exc
-            exc = err
-        try:
-            saver._settle(fut, exc, info)
-        finally:
-            _worker.saver = None
+        with saver.background_thread():
+            info: CheckpointInfo | None = None
+            exc = f.exception()
+            try:
+                if exc is None:
+                    info = prep.info(f.result())  # the committed checkpoint, on every rank
+                    prep.live.done()
+            except BaseException as e:
+                exc = e
+            saver.pool.give_back(buffers)
+            buffers.clear()
+            if exc is not None:
+                try:  # DCP's CheckpointException (a BaseException) -> ckptfs's typed error
+                    err = sh.failure(exc, prep.what, ShardedSaveError, prep.live)
+                except BaseException as e:  # pragma: no cover - never leave it unresolved
+                    err = e
+                if err is not exc:
+                    err.__cause__ = exc
+                exc = err
+            saver.settle(fut, exc, info)
 
     dcp_fut.add_done_callback(done)
-    blocked = validated + time.perf_counter() - t1
-    saver.stats.last_snapshot_seconds = blocked
-    saver.stats.snapshot_seconds += blocked
+    saver.record_blocked(validated + time.perf_counter() - t1)
     return fut
 
 
-def _group(saver: AsyncSaver) -> Any:
+def _group(coll: _Collective) -> Any:
     """This store's dedicated gloo group for async saves, created once (collectively: every
     rank creates its stores' groups in the same order), so that a background save's
     collectives never share a group with the training loop's or a synchronous save's."""
     world = id(dist.group.WORLD)
-    if saver._async_group is None or saver._async_group[0] != world:
-        group = dist.new_group(backend="gloo", timeout=sh.COLLECTIVE_TIMEOUT)
-        saver._async_group = (world, group)
-    return saver._async_group[1]
+    if coll.group is None or coll.group[0] != world:
+        coll.group = (world, dist.new_group(backend="gloo", timeout=sh.COLLECTIVE_TIMEOUT))
+    return coll.group[1]
 
 
-def _stage_view(snap: Snapshot, value: Any) -> Any:
-    """The snapshot of a DCP view (dicts, lists, leaves): a DTensor's local shard is staged and
-    wrapped in a DTensor of the same spec (placements, global shape), as DCP's own stager does."""
-    if isinstance(value, torch.Tensor):
-        if isinstance(value, DTensor):
-            local = snap.copy(value._local_tensor)
-            return DTensor(local, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
-        return snap.copy(value)
-    if isinstance(value, dict):
-        return {k: _stage_view(snap, v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_stage_view(snap, v) for v in value]
-    return value  # immutable leaves (validated by the planner on every rank)
+#: Values shared, not copied, by the snapshot: immutable, and stored as themselves.
+_IMMUTABLE = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size)
+
+
+class _Slot:
+    """Where staged tensor ``index`` goes in the snapshot (``spec``: a DTensor's, to rebuild
+    it around its staged local shard)."""
+
+    __slots__ = ("index", "spec")
+
+    def __init__(self, index: int, spec: Any) -> None:
+        self.index = index
+        self.spec = spec
+
+
+class _Snapshot:
+    """The snapshot of a DCP view (module docstring), in two steps: :meth:`walk` copies every
+    value and collects the tensors to stage (one per :func:`tensor_identity`), :meth:`fill`
+    puts the staged copies in their places."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[tuple[Any, ...], int] = {}
+
+    def walk(self, value: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, torch.Tensor):
+            spec = None
+            if isinstance(value, DTensor):
+                spec = value._spec
+                value = value._local_tensor
+            ident = tensor_identity(value)
+            index = self._index.get(ident)
+            if index is None:
+                index = self._index[ident] = len(self.tensors)
+                self.tensors.append(value)
+            return _Slot(index, spec)
+        if type(value) is dict:  # the view's own containers (dcp_view builds them)
+            return {k: self.walk(v, (*path, k)) for k, v in value.items()}
+        if type(value) is list:
+            return [self.walk(v, (*path, i)) for i, v in enumerate(value)]
+        if type(value) is tuple:
+            return tuple(self.walk(v, (*path, i)) for i, v in enumerate(value))
+        if type(value) in _IMMUTABLE:
+            return value
+        return _own_copy(value, path)
+
+    def fill(self, value: Any, staged: list[torch.Tensor]) -> Any:
+        if isinstance(value, _Slot):
+            local = staged[value.index]
+            if value.spec is None:
+                return local
+            return DTensor(local, value.spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        if type(value) is dict:
+            return {k: self.fill(v, staged) for k, v in value.items()}
+        if type(value) is list:
+            return [self.fill(v, staged) for v in value]
+        if type(value) is tuple:
+            return tuple(self.fill(v, staged) for v in value)
+        return value
+
+
+def _own_copy(value: Any, path: tuple[Any, ...]) -> Any:
+    """A copy of a non-tensor value that shares nothing with it: decoded from the bytes the
+    format stores for it (so it is exactly what would be stored, and of the same registered
+    type).  A value the format cannot hold is returned as it is: DCP's planner refuses it on
+    every rank (raising here would leave the other ranks waiting in the collective)."""
+    key = ".".join(str(p) for p in path)
+    try:
+        blob = encode_value(value, key=key)
+    except Exception:
+        return value
+    try:
+        return decode_value(blob, where=f"snapshot of {key!r}")
+    except Exception as exc:  # a registered decode function that refuses its own encoding
+        log.warning("save_async: the value at %r could not be copied (its registered decode "
+                    "refused its own encoding: %s: %s); the background save reads it as it is "
+                    "then", key, type(exc).__name__, exc)
+        return value
 
 
 class _Staged(AsyncStager):

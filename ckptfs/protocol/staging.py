@@ -1,18 +1,22 @@
-"""Snapshots of a state tree for asynchronous saves, and the host buffers they are copied into.
+"""Host copies of a plan's tensors for asynchronous saves, and the buffers they are copied into.
 
-A snapshot is a tree of the same shape as the state in which every tensor is replaced by a host
-copy in a staging buffer and every container is rebuilt; the leaves the format accepts are
-immutable and shared.  After :meth:`Snapshot.finish` the caller's tensors may change or be freed.
+:func:`stage` copies a list of tensors (the tensors of the serializer's plan,
+:attr:`ckptfs.format.serialize.StatePlan.tensors`, one per distinct tensor) into buffers of a
+:class:`StagingPool`, one buffer per tensor, and returns once every copy is complete: then the
+caller may change or free its tensors.  Which tensors are "the same" (tied weights) is decided
+by the serializer, not here: a caller stages each plan tensor once.
 
-The :class:`StagingPool` keeps the buffers between saves, keyed by dtype, shape and pinning, so a
-run that saves the same shapes allocates nothing after its first save (buffer identity, i.e.
-``data_ptr``, is stable).  After each snapshot the idle buffers it did not use are freed, so the
-pool never holds more than one copy of the state per save in flight.
+The pool keeps the buffers between saves, keyed by dtype, shape and pinning, so a run that saves
+the same shapes allocates nothing after its first save (buffer identity, i.e. ``data_ptr``, is
+stable).  After each staging the idle buffers it did not use are freed (:meth:`StagingPool.trim`),
+so the pool never holds more than one copy of the state per save in flight.
 
 CUDA tensors are copied into *pinned* buffers with non-blocking copies, queued on each device's
-current stream (after the kernels that produced the tensors), and :meth:`Snapshot.finish`
-synchronizes those streams once per device before returning.  Other devices copy synchronously;
-contiguous CPU tensors with one ``memmove`` each (see :func:`_copy_into`).
+current stream (after the kernels that produced the tensors), and :func:`stage` synchronizes
+those streams once per device before returning.  Other devices copy synchronously; contiguous
+CPU tensors with one ``memmove`` each (see :func:`_copy_into`).  A copy is always a plain,
+contiguous tensor holding the values the view reads (a conjugate or negative view's values,
+resolved), which is what the serializer writes for that view.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import collections
 import ctypes
 import logging
 import threading
-from collections.abc import Hashable, Mapping
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -113,47 +117,35 @@ class StagingPool:
             return [b for free in self._free.values() for b in free]
 
 
-class Snapshot:
-    """Copies a state tree: tensors into staging buffers, containers rebuilt, immutable leaves
-    shared.  The same view of the same storage (tied weights) maps to one buffer, as the
-    serializer stores it once."""
+@dataclass
+class Staged:
+    """The copies made by :func:`stage` (``tensors[i]`` is the copy of the i-th tensor given)
+    and the pool buffers they live in, to give back once the save no longer reads them."""
 
-    def __init__(self, pool: StagingPool) -> None:
-        self.pool = pool
-        self.buffers: list[tuple[PoolKey, torch.Tensor]] = []
-        self.devices: set[torch.device] = set()
-        self._staged: dict[Hashable, torch.Tensor] = {}
+    tensors: list[torch.Tensor]
+    buffers: list[tuple[PoolKey, torch.Tensor]]
 
-    def copy(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return self._stage(value)
-        if isinstance(value, Mapping):
-            return {k: self.copy(v) for k, v in value.items()}
-        if isinstance(value, torch.Size):
-            return value
-        if isinstance(value, list):
-            return [self.copy(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(self.copy(v) for v in value)
-        return value  # None, bool, int, float, str, bytes, torch.dtype: immutable (validated)
 
-    def _stage(self, t: torch.Tensor) -> torch.Tensor:
-        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                 t.stride(), t.dtype)
-        buf = self._staged.get(ident)
-        if buf is not None:
-            return buf
-        pinned = _needs_pinned(t)
-        key: PoolKey = (t.dtype, tuple(t.shape), pinned)
-        buf = self.pool.take(key)
-        self.buffers.append((key, buf))
-        if pinned:
-            self.devices.add(t.device)
-        _copy_into(buf, t, non_blocking=pinned)
-        self._staged[ident] = buf
-        return buf
-
-    def finish(self) -> None:
-        """Make every copy complete (CUDA) before the caller may touch its tensors again."""
-        if self.devices:
-            _synchronize(self.devices)
+def stage(pool: StagingPool, tensors: Sequence[torch.Tensor]) -> Staged:
+    """Copy each of ``tensors`` into a buffer of ``pool`` and wait until every copy is complete
+    (CUDA: one synchronize per device, after the last copy).  On failure the buffers taken so
+    far go back to the pool."""
+    buffers: list[tuple[PoolKey, torch.Tensor]] = []
+    devices: set[torch.device] = set()
+    try:
+        try:
+            for t in tensors:
+                pinned = _needs_pinned(t)
+                key: PoolKey = (t.dtype, tuple(t.shape), pinned)
+                buf = pool.take(key)
+                buffers.append((key, buf))
+                if pinned:
+                    devices.add(t.device)
+                _copy_into(buf, t, non_blocking=pinned)
+        finally:
+            if devices:  # also on failure: no copy may still be writing into a buffer
+                _synchronize(devices)
+    except BaseException:
+        pool.give_back(buffers)
+        raise
+    return Staged([b for _, b in buffers], buffers)
