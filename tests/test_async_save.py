@@ -4,30 +4,39 @@ staging-buffer reuse, exit and kill behaviour; ``CheckpointManager(async_save=Tr
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
+import enum
 import gc
 import logging
 import os
+import pathlib
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
 import ckptfs
 from ckptfs.errors import (
+    AsyncSaveError,
     CheckpointExistsError,
     InvalidStepError,
     StorageError,
     UnsupportedValueError,
 )
+from ckptfs.format import extensions
+from ckptfs.format.serialize import plan_state, supported_dtypes
 from ckptfs.lifecycle.manager import CheckpointManager
 from ckptfs.protocol import async_save, staging
 from ckptfs.protocol.store import CheckpointStore
@@ -152,6 +161,270 @@ def test_snapshot_matches_sync_save_bytes(local_backend: Backend) -> None:
     a = {e.path: e.digest for e in sync.manifest.files}
     b = {e.path: e.digest for e in asyn.manifest.files}
     assert a == b and len(a) >= 2
+
+
+# -- every value type the sync save accepts, snapshotted at the call ------------------------------
+
+
+class Point(NamedTuple):
+    """A registered container type (a NamedTuple)."""
+
+    x: Any
+    y: Any
+
+
+class Config(dict):  # type: ignore[type-arg]
+    """A registered container type (a dict subclass)."""
+
+
+@dataclasses.dataclass
+class OptCfg:
+    lr: float
+    w: torch.Tensor
+    hist: list[int]
+
+
+class Mood(enum.Enum):
+    OK = "ok"
+    BAD = "bad"
+
+
+class Perm(enum.Flag):
+    R = 1
+    W = 2
+
+
+_REGISTERED = {"tests.async.Point": Point, "tests.async.Config": Config,
+               "tests.async.OptCfg": OptCfg, "tests.async.Mood": Mood, "tests.async.Perm": Perm}
+
+
+@pytest.fixture
+def registered() -> Iterator[None]:
+    ckptfs.register_type(Point, lambda p: list(p), lambda v: Point(*v), name="tests.async.Point")
+    ckptfs.register_type(Config, lambda c: dict(c), Config, name="tests.async.Config")
+    for name in ("tests.async.OptCfg", "tests.async.Mood", "tests.async.Perm"):
+        ckptfs.register_type(_REGISTERED[name], name=name)
+    yield
+    for name in _REGISTERED:
+        extensions.unregister_type(name)
+
+
+def _sample(dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(3, 5, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        base = torch.randn(3, 5, generator=g) * 3
+        return (torch.complex(base, -base) if dtype.is_complex else base).to(dtype)
+    return torch.randint(0, 100, (3, 5), generator=g).to(dtype)
+
+
+def every_value(seed: int) -> dict[str, Any]:
+    """Every kind of value the synchronous save accepts (tests/test_roundtrip.py,
+    tests/test_extension_types.py), built the same way each call."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g)
+
+    w, z, base = rnd(8, 4), torch.complex(rnd(5), rnd(5)), rnd(6, 8)
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4) + seed
+    return {
+        "tensors": {**{str(dt): _sample(dt, g) for dt in supported_dtypes()},
+                    "scalar": rnd(), "empty_a": torch.empty(0), "empty_b": torch.empty(0),
+                    "empty_2d": torch.empty(0, 4, dtype=torch.int64)},
+        "views": {"t": base.t(), "strided": base[::2, 1::3], "offset": base.view(-1)[5:20],
+                  "expanded": rnd(1, 3).expand(4, 3), "z": z, "conj": z.conj(),
+                  "neg": z.conj().imag, "grad": rnd(4).requires_grad_()},
+        "tied": {"w": w, "w_again": w, "w_row": w[0], "in_list": [w]},
+        "values": {"int_keys": {0: "a", -5: 2**70}, "list": [1, [2, 3], (4, [5])],
+                   "mixed": {1: "i", "1": "s", 1.5: None, b"k": True, (1, "a"): (2, 3)},
+                   "bytes": b"\x00\xff", "str": "héllo", "none": None, "f": 0.1, "b": False,
+                   "size": torch.Size([2, 3]), "dtype": torch.bfloat16,
+                   "ordered": OrderedDict(a=1, b=[2])},
+        "ext": {"path": pathlib.Path("a/b"), "posix": pathlib.PurePosixPath("/x"),
+                "win": pathlib.PureWindowsPath(r"C:\t"), "set": {3, 1, 2},
+                "fset": frozenset({"a", "b"}), "device": torch.device("cpu"),
+                "ns": argparse.Namespace(lr=0.1, w=rnd(3), tags=["a"]),
+                "np": arr, "np_list": [arr[0].copy(), np.arange(3)],
+                "np_big_endian": np.arange(4, dtype=">i4"), "np_strided": np.arange(12.0)[::-2],
+                "np_str": np.array(["ab", "c"]), "np_scalar": np.float32(1.5),
+                "np_int": np.int64(-7), "np_date": np.datetime64("2024-01-02"),
+                "mood": Mood.OK, "perm": Perm.R | Perm.W,
+                "dataclass": OptCfg(0.1, rnd(2), [1]),
+                "point": Point(rnd(2), [1, 2]), "config": Config(lr=0.1, w=rnd(2), hist=[1])},
+    }
+
+
+def mutate_everything(value: Any) -> None:
+    """Change in place every mutable object of ``value`` (every tensor's bytes included)."""
+    if isinstance(value, torch.Tensor):
+        raw = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
+        raw.fill_(0x5A)
+    elif isinstance(value, np.ndarray):
+        value[...] = value.flat[-1] if value.size else value
+    elif isinstance(value, dict):
+        for v in list(value.values()):
+            mutate_everything(v)
+        value["mutated"] = 1
+    elif isinstance(value, list):
+        for v in value:
+            mutate_everything(v)
+        value.append("mutated")
+    elif isinstance(value, tuple):
+        for v in value:
+            mutate_everything(v)
+    elif isinstance(value, set):
+        value.add(99)
+    elif isinstance(value, argparse.Namespace) or dataclasses.is_dataclass(value):
+        for v in list(vars(value).values()):
+            mutate_everything(v)
+        value.lr = -1.0  # type: ignore[union-attr]
+
+
+def _digests(info: Any) -> dict[str, str]:
+    return {e.path: e.digest for e in info.manifest.files}
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "s3"])
+def test_every_value_type_mutated_after_return_loads_as_at_call(
+        where: str, request: pytest.FixtureRequest, registered: None) -> None:
+    """Every value type the synchronous save accepts, changed in place right after save_async
+    returned (the background write held at its first storage call meanwhile): the checkpoint
+    is byte for byte the synchronous save of the same state, unchanged, and loads with the
+    same types and the same tied/distinct tensors (conj/neg views as their values, two empty
+    tensors as two tensors, registered containers as themselves)."""
+    backend: Backend = request.getfixturevalue(f"{where}_backend")
+    sync = backend.open().save(100, every_value(7), metadata={"tags": ["a"]})
+    gate = Gate()
+    store = gated_store(backend, gate)
+    state = every_value(7)
+    meta = {"tags": ["a"]}
+    gate.close()
+    fut = store.save_async(1, state, metadata=meta)
+    assert gate.reached.wait(30)  # the background save has not written a byte yet
+    mutate_everything(state)
+    meta["tags"].append("mutated")
+    gate.open()
+    info = fut.result(timeout=120)
+    store.close()
+    assert _digests(info) == _digests(sync)
+    assert info.metadata == sync.metadata and info.metadata["tags"] == ["a"]
+    out = backend.open().load(1)
+    ext, tied, tensors = out["ext"], out["tied"], out["tensors"]
+    assert type(ext["point"]) is Point and type(ext["config"]) is Config
+    assert type(ext["dataclass"]) is OptCfg and type(ext["ns"]) is argparse.Namespace
+    assert ext["set"] == {1, 2, 3} and ext["ns"].tags == ["a"] and ext["dataclass"].hist == [1]
+    assert [type(a) for a in ext["np_list"]] == [np.ndarray, np.ndarray]
+    assert np.array_equal(ext["np"], every_value(7)["ext"]["np"])
+    assert tied["w"] is tied["w_again"] is tied["in_list"][0] and tied["w_row"] is not tied["w"]
+    assert tensors["empty_a"] is not tensors["empty_b"]
+    assert_same(out, backend.open().load(100))
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Equal values of exactly the same types, tensors and arrays bit for bit."""
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, np.ndarray):
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, argparse.Namespace) or dataclasses.is_dataclass(a):
+        assert_same(vars(a), vars(b), path)
+    else:
+        assert a == b or (a != a and b != b), path
+
+
+def test_extension_values_are_snapshotted(memory_backend: Backend, registered: None) -> None:
+    """NumPy arrays (also inside a list), sets, Namespaces and registered dataclasses, with the
+    tensors inside them, changed after save_async returned: the checkpoint holds them as they
+    were at the call (before: as they were when the background thread read them)."""
+    gate = Gate()
+    store = gated_store(memory_backend, gate)
+    arr = np.arange(4, dtype=np.float32)
+    state = {"np": [arr], "set": {1, 2}, "ns": argparse.Namespace(w=torch.ones(2), k=[1]),
+             "dc": OptCfg(0.5, torch.zeros(2), [7])}
+    gate.close()
+    fut = store.save_async(1, state)
+    assert gate.reached.wait(30)
+    arr += 10
+    state["set"].add(3)
+    state["ns"].w.add_(5)
+    state["ns"].k.append(2)
+    state["dc"].lr = 9.0
+    state["dc"].w.fill_(3)
+    gate.open()
+    fut.result(timeout=60)
+    out = memory_backend.open().load(1)
+    assert np.array_equal(out["np"][0], np.arange(4, dtype=np.float32))
+    assert out["set"] == {1, 2} and out["ns"].k == [1] and torch.equal(out["ns"].w, torch.ones(2))
+    assert out["dc"].lr == 0.5 and torch.equal(out["dc"].w, torch.zeros(2))
+    assert memory_backend.open().verify(1).ok
+
+
+def test_conj_and_neg_views_are_stored_as_their_values(memory_backend: Backend) -> None:
+    """A conjugate or negative view next to its base is a different tensor: save_async
+    stores each as the synchronous save does (before: as the base)."""
+    z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1)
+    state = {"z": z, "conj": z.conj(), "neg": z.conj().imag, "imag": z.imag}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    store = memory_backend.open()
+    info = store.save_async(1, state).result()
+    assert _digests(info) == _digests(store.save(2, state))
+    out = store.load(1)
+    for k, v in state.items():
+        assert torch.equal(out[k], v.resolve_conj().resolve_neg()), k
+    assert info.metadata["tensor_count"] == 4
+
+
+def test_distinct_empty_tensors_stay_distinct(memory_backend: Backend) -> None:
+    """Two empty tensors (both at address 0) are two tensors, as in the synchronous save."""
+    state = {"a": torch.empty(0), "b": torch.empty(0), "c": torch.empty(0, 3)}
+    store = memory_backend.open()
+    info = store.save_async(1, state).result()
+    assert info.metadata["tensor_count"] == store.save(2, state).metadata["tensor_count"] == 3
+    out = store.load(1)
+    assert out["a"] is not out["b"] and out["c"].shape == (0, 3)
+
+
+def test_registered_containers_keep_their_type(memory_backend: Backend,
+                                               registered: None) -> None:
+    """A registered NamedTuple and dict subclass come back as themselves through save_async,
+    as through save (before: as a plain tuple and dict)."""
+    state = {"p": Point(torch.ones(2), [1]), "c": Config(a=1, t=torch.zeros(1))}
+    store = memory_backend.open()
+    store.save_async(1, state).result()
+    out = store.load(1)
+    assert type(out["p"]) is Point and type(out["c"]) is Config
+    assert out["c"]["a"] == 1 and torch.equal(out["p"].x, torch.ones(2))
+
+
+def test_only_the_plans_tensors_are_staged(memory_backend: Backend,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """One identity function: the tensors staged are exactly the serializer's plan tensors
+    (numpy data included), one buffer each, and nothing else of the state is traversed."""
+    staged: list[list[torch.Tensor]] = []
+    real = async_save.stage
+
+    def spy(pool: staging.StagingPool, tensors: Any) -> staging.Staged:
+        staged.append(list(tensors))
+        return real(pool, tensors)
+
+    monkeypatch.setattr(async_save, "stage", spy)
+    w = torch.ones(3, dtype=torch.complex64)
+    state = {"w": w, "w2": w, "c": w.conj(), "e1": torch.empty(0), "e2": torch.empty(0),
+             "arr": [np.zeros(2, dtype=np.float32)], "n": 1}
+    memory_backend.open().save_async(1, state).result()
+    [tensors] = staged
+    assert len(tensors) == plan_state(state).tensor_count == 5
 
 
 def test_invalid_input_raises_from_save_async(memory_backend: Backend) -> None:
@@ -488,6 +761,116 @@ def test_callback_on_the_background_thread_cannot_deadlock(memory_backend: Backe
     assert ran.wait(30)
     assert len(seen) == 1 and isinstance(seen[0], async_save.AsyncSaveError), seen
     store.wait()
+
+
+def test_close_from_a_done_callback_is_refused_before_touching_anything(
+        memory_backend: Backend) -> None:
+    """close() from a done callback (the background thread) raises AsyncSaveError at once,
+    the store keeps its background thread and works on; close() from the caller then stops
+    it (before: RuntimeError 'cannot join current thread', after detaching the thread)."""
+    store = memory_backend.open()
+    seen: list[BaseException] = []
+    ran = threading.Event()
+
+    def callback(_fut: Any) -> None:
+        try:
+            store.close()
+        except BaseException as exc:
+            seen.append(exc)
+        ran.set()
+
+    before = _save_threads()
+    fut = store.save_async(1, state_for(1))
+    fut.add_done_callback(callback)
+    assert fut.result(timeout=60).step == 1
+    assert ran.wait(30)
+    assert len(seen) == 1 and type(seen[0]) is AsyncSaveError, seen
+    assert "close()" in str(seen[0]) and "background save thread" in str(seen[0])
+    assert _save_threads() == before + 1  # still attached
+    assert store.save_async(2, state_for(2)).result(timeout=60).step == 2
+    assert _save_threads() == before + 1  # the same thread saved step 2
+    store.close()
+    assert _save_threads() == before
+    assert store.steps() == [1, 2]
+
+
+def test_every_uncollected_failure_is_raised(memory_backend: Backend) -> None:
+    """Two background saves fail and nobody collects either: the next call raises the first
+    (its own exception object, so `except StorageError` works), with a note naming the
+    second; both count as collected (before: the second was only logged)."""
+    store = CheckpointStore(FailingStorage(memory_backend.open().storage, fail=2))
+    f1 = store.save_async(1, state_for(1), max_in_flight=2)
+    f2 = store.save_async(2, state_for(2), max_in_flight=2)
+    while not (f1.done() and f2.done()):
+        time.sleep(0.01)
+    with pytest.raises(StorageError, match="injected") as ei:
+        store.wait()
+    assert ei.value is f1.failure()
+    notes = getattr(ei.value, "__notes__", [])
+    [also] = [n for n in notes if "failed too" in n]
+    assert "step 2" in also and "StorageError" in also and "injected" in also
+    assert f1.collected and f2.collected
+    store.wait()  # nothing left to raise
+    assert store.save_async(3, state_for(3)).result().step == 3
+    assert store.steps() == [3] and store.async_stats.failed == 2
+
+
+def test_fork_while_a_save_is_in_flight(local_backend: Backend) -> None:
+    """os.fork() while a save is held in its background write.  The child: the parent's
+    future fails with AsyncSaveError at once (it is the parent's save), store.save and
+    save_async work, wait/close return, and the child exits (before: the child hung at exit
+    and in store.save).  The parent: its save commits as if nothing happened."""
+    code = CHILD_PRELUDE.format(url=local_backend.url) + """
+    import os
+    from ckptfs.errors import AsyncSaveError
+    parent = os.getpid()
+    release = threading.Event()
+    def hook(op, path):
+        if os.getpid() == parent and threading.current_thread() is not threading.main_thread():
+            release.wait(60)
+    store = CheckpointStore(FaultyStorage(open_store(url).storage, hook=hook))
+    fut = store.save_async(1, {"w": torch.ones(100), "step": 1})
+    pid = os.fork()
+    if pid == 0:
+        t0 = time.monotonic()
+        try:
+            fut.result(timeout=30)
+            print("CHILD result returned", flush=True)
+        except AsyncSaveError as exc:
+            print("CHILD AsyncSaveError", "forked" in str(exc), flush=True)
+        print("CHILD quick", time.monotonic() - t0 < 5, flush=True)
+        store.save(2, {"w": torch.ones(3), "step": 2})
+        print("CHILD saved", store.save_async(3, {"w": torch.ones(3)}).result(timeout=60).step,
+              flush=True)
+        store.wait()
+        store.close()
+        sys.exit(0)  # a normal exit: the exit hook runs
+    deadline = time.monotonic() + 90
+    status = None
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print("PARENT child hung", flush=True)
+    print("PARENT child exit", status, flush=True)
+    release.set()
+    print("PARENT committed", fut.result(timeout=60).step, flush=True)
+    """
+    child = _run_child(code)
+    try:
+        out, err = child.communicate(timeout=240)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    lines = [ln for ln in out.splitlines() if ln.startswith(("CHILD", "PARENT"))]
+    assert lines == ["CHILD AsyncSaveError True", "CHILD quick True", "CHILD saved 3",
+                     "PARENT child exit 0", "PARENT committed 1"], (out, err)
+    assert local_backend.open().steps() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("where", ["local", "memory", "s3"])
