@@ -3,7 +3,9 @@ a 2-rank gloo job with an FSDP2/DTensor state, through ``dcp.async_save`` on the
 group and ckptfs's ShardedWriter (one commit).
 
 One job (spawning ranks costs seconds on 2 shared cores) checks: the values at call time are
-what is committed (the DTensors are mutated while the background write is held at a gate),
+what is committed (the DTensors, and NumPy arrays, a set, a Namespace with a tensor, a list, a
+conjugate view, are mutated while the background write is held at a gate, and for a second
+save before DCP has even planned it),
 the training loop's collectives on the default group run while a save is in flight, both ranks
 get the same CheckpointInfo, two saves in flight commit in order, and a storage failure on rank
 1 is a typed error from ``result()`` on both ranks (and from the next ``wait`` when nobody
@@ -11,11 +13,13 @@ collected it), with no marker."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from dist_util import run_ranks
 from test_sharded import FailingWrites, build_state, to_plain
@@ -63,21 +67,47 @@ def mutate(value: Any) -> None:
             mutate(v)
 
 
+def extra_values() -> dict[str, Any]:
+    """Values beside the DTensors, identical on every rank: what DCP plans (and so reads) on
+    its own thread unless the snapshot copied them."""
+    return {"np": np.arange(4, dtype=np.float32), "np_list": [np.ones(2)], "set": {1, 2},
+            "ns": argparse.Namespace(w=torch.ones(2), tags=["a"]), "ints": [1, 2],
+            "z": torch.complex(torch.ones(3), torch.arange(3.0)), "e1": torch.empty(0),
+            "e2": torch.empty(0)}
+
+
+def mutate_extra(extra: dict[str, Any]) -> None:
+    extra["np"] += 100
+    extra["np_list"][0][:] = 7
+    extra["set"].add(3)
+    extra["ns"].w.add_(5)
+    extra["ns"].tags.append("b")
+    extra["ints"].append(3)
+    extra["z"].mul_(2)
+
+
 def job_async_w2(rank: int, world: int, url: str) -> Any:
     import torch.distributed as dist
 
-    from ckptfs.protocol import async_save, sharded
+    from ckptfs.protocol import async_save, async_sharded, sharded
 
     state, _ = build_state(world)
+    extra = extra_values()
+    extra["zc"] = extra["z"].conj()  # a conjugate view beside its base: two tensors
+    state["extra"] = extra
     plain = copy.deepcopy(to_plain(state))  # the values at call time (full tensors, copies)
     out: dict[str, Any] = {"plain": plain if rank == 0 else None}
     gate, reached = threading.Event(), threading.Event()
     store = ckptfs.open(url)
     store.storage = GatedWrites(store.storage, gate, reached)  # type: ignore[assignment]
-    fut = store.save_async(10, state)
+    fut = store.save_async(10, state, max_in_flight=2)
     assert reached.wait(60), "the background save never reached its writes"
     assert not fut.done()
+    # Step 11 is snapshotted now, but DCP plans it (reads its values) only once step 10 has
+    # finished, after the changes below: what it stores must be the snapshot's.
+    fut11 = store.save_async(11, state, max_in_flight=2)
     mutate(state)  # after save_async returned, before the background write
+    mutate_extra(extra)
     total = torch.ones(1) * (rank + 1)
     dist.all_reduce(total)  # the training loop's own collective, while the save is in flight
     out["all_reduce"] = total.item()
@@ -87,25 +117,26 @@ def job_async_w2(rank: int, world: int, url: str) -> Any:
     info = fut.result(timeout=60)
     out["info"] = (info.step, info.attempt, info.manifest.format_version,
                    info.manifest.world_size)
+    out["info11"] = fut11.result(timeout=60).step
     saver = async_save.existing_saver(store)
-    assert saver is not None and saver._async_group is not None
-    group = saver._async_group[1]
-    out["own_group"] = (group is not dist.group.WORLD
+    assert saver is not None
+    group = async_sharded.async_group(saver)
+    out["own_group"] = (group is not None and group is not dist.group.WORLD
                         and all(group is not g for g in sharded._GROUPS.values()))
     # Two saves in flight (max_in_flight=2): they run one after the other on the group.
-    f11 = store.save_async(11, state, max_in_flight=2)
     f12 = store.save_async(12, state, max_in_flight=2)
-    out["in_order"] = [f.result(timeout=60).step for f in (f11, f12)]
+    f13 = store.save_async(13, state, max_in_flight=2)
+    out["in_order"] = [f.result(timeout=60).step for f in (f12, f13)]
     # A storage failure on rank 1: a typed error on both ranks, from result() ...
     bad = ckptfs.open(url)
     if rank == 1:
         bad.storage = FailingWrites(bad.storage)  # type: ignore[assignment]
     try:
-        bad.save_async(13, state).result(timeout=60)
+        bad.save_async(14, state).result(timeout=60)
     except ShardedSaveError as exc:
         out["failure"] = (type(exc).__name__, str(exc), sorted(exc.failures))
     # ... and, when nobody collected it, from the store's next wait().
-    bad.save_async(14, state)
+    bad.save_async(15, state)
     try:
         bad.wait()
     except ShardedSaveError as exc:
@@ -113,9 +144,9 @@ def job_async_w2(rank: int, world: int, url: str) -> Any:
     out["failed_count"] = bad.async_stats.failed
     # A value the format cannot hold on rank 0 only: save_async returns on both ranks (rank 1
     # must not be left waiting in the collective); result() raises it on both, naming rank 0.
-    odd = dict(state, extra={"x": object()}) if rank == 0 else state
+    odd = dict(state, bad={"x": object()}) if rank == 0 else state
     try:
-        store.save_async(15, odd).result(timeout=60)
+        store.save_async(16, odd).result(timeout=60)
     except UnsupportedValueError as exc:
         out["bad_value"] = str(exc)
     st = store.async_stats
@@ -125,30 +156,50 @@ def job_async_w2(rank: int, world: int, url: str) -> Any:
     return out
 
 
+def check_extra(loaded: dict[str, Any]) -> None:
+    """The values beside the DTensors, as they were at the call."""
+    expected = extra_values()
+    assert np.array_equal(loaded["np"], expected["np"]) and loaded["np"].dtype == np.float32
+    assert type(loaded["np_list"][0]) is np.ndarray
+    assert np.array_equal(loaded["np_list"][0], np.ones(2))
+    assert loaded["set"] == {1, 2} and loaded["ints"] == [1, 2]
+    assert type(loaded["ns"]) is argparse.Namespace and loaded["ns"].tags == ["a"]
+    assert torch.equal(loaded["ns"].w, torch.ones(2))
+    assert loaded["e1"].shape == loaded["e2"].shape == (0,)
+    assert torch.equal(loaded["z"], expected["z"])
+    assert torch.equal(loaded["zc"], expected["z"].conj().resolve_conj())
+
+
 def test_sharded_save_async_two_ranks(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    r0, r1 = run_ranks(job_async_w2, 2, url, timeout=120)
+    r0, r1 = run_ranks(job_async_w2, 2, url, timeout=180)
     expected = r0["plain"]
+    expected_extra = expected.pop("extra")
     # Both ranks: the same committed checkpoint, format v2, written by 2 ranks.
     assert r0["info"] == r1["info"] and r0["info"][0] == 10
     assert r0["info"][2:] == (2, 2)
+    assert r0["info11"] == r1["info11"] == 11
     assert r0["all_reduce"] == r1["all_reduce"] == 3.0
     assert r0["own_group"] and r1["own_group"]
-    # The state was really changed before the write, yet the checkpoint holds the values at
-    # call time, bit-exact, in one process.
+    # The state was really changed before the write (and, for step 11, before DCP planned
+    # it), yet both checkpoints hold the values at call time, bit-exact, in one process.
     assert not torch.equal(r0["mutated"], expected["dt"]["a"])
     store = ckptfs.open(url)
-    assert_state_equal(store.load(10), expected)
-    assert store.verify(10).ok
+    for step in (11, 10):
+        loaded = store.load(step)
+        check_extra(loaded.pop("extra"))
+        assert_state_equal(loaded, expected)
+        assert store.verify(step).ok
+    assert torch.equal(expected_extra["zc"], expected_extra["z"].conj())
     for r in (r0, r1):
-        assert r["in_order"] == [11, 12]
-        assert r["stats"] == (4, 3, 1)
+        assert r["in_order"] == [12, 13]
+        assert r["stats"] == (5, 4, 1)
         name, text, ranks = r["failure"]
         assert name == "ShardedSaveError" and ranks == [1] and "injected failure" in text
         assert r["uncollected"] == [1]
         assert r["failed_count"] == 2
         assert "rank(s) [0]" in r["bad_value"] and "object" in r["bad_value"]
-    assert store.steps() == [10, 11, 12]
-    for step in (13, 14, 15):
+    assert store.steps() == [10, 11, 12, 13]
+    for step in (14, 15, 16):
         assert not (tmp_path / "run" / StepPaths(step).marker).exists()
-    assert store.latest().step == 12  # type: ignore[union-attr]
+    assert store.latest().step == 13  # type: ignore[union-attr]
