@@ -246,8 +246,9 @@ class AsyncSaver:
 
     The internal API of the collective form (:mod:`ckptfs.protocol.async_sharded`), in call
     order: :meth:`check_step_free`, :meth:`wait_for_slot`, :meth:`raise_uncollected`,
-    :attr:`pool` (staging), :meth:`track` (a submitted future), then on the thread that runs
-    the save :meth:`background_thread` around :meth:`settle`, and :meth:`record_blocked`."""
+    :attr:`pool` (staging), :meth:`track` (the future of a submitted save),
+    :meth:`record_blocked`, then on the thread that runs the save :meth:`settle` inside
+    :meth:`background_thread`.  (It imports nothing of this module at run time: no cycle.)"""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -306,13 +307,16 @@ class AsyncSaver:
                 f"step {step} at {self.url} already has an async save in flight; a step is "
                 "saved once: wait for it (store.wait()) or save under a new step")
 
-    def track(self, fut: SaveFuture) -> None:
-        """Count ``fut`` as submitted: ``wait``, ``close``, the next call's re-raise and the
-        exit hook follow it (the collective form's futures, resolved by :meth:`settle`)."""
+    def track(self, step: int) -> SaveFuture:
+        """A new future of a save of ``step``, counted as submitted: ``wait``, ``close``, the
+        next call's re-raise and the exit hook follow it (the collective form's futures,
+        resolved by :meth:`settle`)."""
+        fut = SaveFuture(step, self.url)
         with self._lock:
             self._futures.append(fut)
             self.stats.submitted += 1
         _register_exit_hook()
+        return fut
 
     def record_blocked(self, seconds: float) -> None:
         """The caller was blocked ``seconds`` by a snapshot (planning and copies)."""

@@ -53,11 +53,11 @@ from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import tensor_identity
 from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.protocol import sharded as sh
-from ckptfs.protocol.async_save import AsyncSaver, SaveFuture
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.staging import stage
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # async_save imports this module (lazily): annotations only, no cycle
+    from ckptfs.protocol.async_save import AsyncSaver, SaveFuture
     from ckptfs.protocol.store import CheckpointStore
 
 log = logging.getLogger("ckptfs")
@@ -130,8 +130,7 @@ def submit_sharded(saver: AsyncSaver, store: CheckpointStore, step: int,
     saver.pool.trim()
     dcp_fut: Future[Any] = getattr(out, "upload_completion", None) or out
     coll.last = dcp_fut
-    fut = SaveFuture(step, store.url)
-    saver.track(fut)
+    fut = saver.track(step)
     buffers = staged.buffers
 
     def done(f: Future[Any]) -> None:
@@ -176,14 +175,14 @@ _IMMUTABLE = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size)
 
 
 class _Slot:
-    """Where staged tensor ``index`` goes in the snapshot (``spec``: a DTensor's, to rebuild
-    it around its staged local shard)."""
+    """Where staged tensor ``index`` goes in the snapshot (``like``: the DTensor whose local
+    shard it is, to rebuild one of the same spec around the staged shard)."""
 
-    __slots__ = ("index", "spec")
+    __slots__ = ("index", "like")
 
-    def __init__(self, index: int, spec: Any) -> None:
+    def __init__(self, index: int, like: DTensor | None) -> None:
         self.index = index
-        self.spec = spec
+        self.like = like
 
 
 class _Snapshot:
@@ -197,16 +196,14 @@ class _Snapshot:
 
     def walk(self, value: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
-            spec = None
-            if isinstance(value, DTensor):
-                spec = value._spec
-                value = value._local_tensor
-            ident = tensor_identity(value)
+            like = value if isinstance(value, DTensor) else None
+            local: torch.Tensor = value if like is None else like._local_tensor
+            ident = tensor_identity(local)
             index = self._index.get(ident)
             if index is None:
                 index = self._index[ident] = len(self.tensors)
-                self.tensors.append(value)
-            return _Slot(index, spec)
+                self.tensors.append(local)
+            return _Slot(index, like)
         if type(value) is dict:  # the view's own containers (dcp_view builds them)
             return {k: self.walk(v, (*path, k)) for k, v in value.items()}
         if type(value) is list:
@@ -220,9 +217,11 @@ class _Snapshot:
     def fill(self, value: Any, staged: list[torch.Tensor]) -> Any:
         if isinstance(value, _Slot):
             local = staged[value.index]
-            if value.spec is None:
+            if value.like is None:
                 return local
-            return DTensor(local, value.spec, requires_grad=False)  # type: ignore[no-untyped-call]
+            # as DCP's own stager does: the same spec (mesh, placements, global shape)
+            return DTensor(local, value.like._spec,  # type: ignore[no-untyped-call]
+                           requires_grad=False)
         if type(value) is dict:
             return {k: self.fill(v, staged) for k, v in value.items()}
         if type(value) is list:
