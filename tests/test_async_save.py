@@ -770,27 +770,32 @@ def test_close_from_a_done_callback_is_refused_before_touching_anything(
     it (before: RuntimeError 'cannot join current thread', after detaching the thread)."""
     store = memory_backend.open()
     seen: list[BaseException] = []
+    threads: list[threading.Thread] = []
     ran = threading.Event()
 
     def callback(_fut: Any) -> None:
+        threads.append(threading.current_thread())
         try:
             store.close()
         except BaseException as exc:
             seen.append(exc)
         ran.set()
 
-    before = _save_threads()
     fut = store.save_async(1, state_for(1))
     fut.add_done_callback(callback)
     assert fut.result(timeout=60).step == 1
     assert ran.wait(30)
     assert len(seen) == 1 and type(seen[0]) is AsyncSaveError, seen
     assert "close()" in str(seen[0]) and "background save thread" in str(seen[0])
-    assert _save_threads() == before + 1  # still attached
-    assert store.save_async(2, state_for(2)).result(timeout=60).step == 2
-    assert _save_threads() == before + 1  # the same thread saved step 2
+    [worker] = threads
+    assert worker.name.startswith("ckptfs-async-save") and worker.is_alive()  # still attached
+    fut2 = store.save_async(2, state_for(2))
+    fut2.add_done_callback(lambda _f: threads.append(threading.current_thread()))
+    assert fut2.result(timeout=60).step == 2
+    assert threads[1:] == [worker]  # the same thread saved step 2
     store.close()
-    assert _save_threads() == before
+    worker.join(30)
+    assert not worker.is_alive()  # close() from the caller stopped it
     assert store.steps() == [1, 2]
 
 
@@ -830,6 +835,8 @@ def test_fork_while_a_save_is_in_flight(local_backend: Backend) -> None:
             release.wait(60)
     store = CheckpointStore(FaultyStorage(open_store(url).storage, hook=hook))
     fut = store.save_async(1, {"w": torch.ones(100), "step": 1})
+    called = []
+    fut.add_done_callback(lambda f: called.append(os.getpid() == parent))
     pid = os.fork()
     if pid == 0:
         t0 = time.monotonic()
@@ -839,6 +846,7 @@ def test_fork_while_a_save_is_in_flight(local_backend: Backend) -> None:
         except AsyncSaveError as exc:
             print("CHILD AsyncSaveError", "forked" in str(exc), flush=True)
         print("CHILD quick", time.monotonic() - t0 < 5, flush=True)
+        print("CHILD callbacks", called, flush=True)  # the parent's: not run here
         store.save(2, {"w": torch.ones(3), "step": 2})
         print("CHILD saved", store.save_async(3, {"w": torch.ones(3)}).result(timeout=60).step,
               flush=True)
@@ -859,6 +867,10 @@ def test_fork_while_a_save_is_in_flight(local_backend: Backend) -> None:
     print("PARENT child exit", status, flush=True)
     release.set()
     print("PARENT committed", fut.result(timeout=60).step, flush=True)
+    deadline = time.monotonic() + 30
+    while not called and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("PARENT callbacks", called, flush=True)
     """
     child = _run_child(code)
     try:
@@ -868,8 +880,9 @@ def test_fork_while_a_save_is_in_flight(local_backend: Backend) -> None:
             child.kill()
             child.wait()
     lines = [ln for ln in out.splitlines() if ln.startswith(("CHILD", "PARENT"))]
-    assert lines == ["CHILD AsyncSaveError True", "CHILD quick True", "CHILD saved 3",
-                     "PARENT child exit 0", "PARENT committed 1"], (out, err)
+    assert lines == ["CHILD AsyncSaveError True", "CHILD quick True", "CHILD callbacks []",
+                     "CHILD saved 3", "PARENT child exit 0", "PARENT committed 1",
+                     "PARENT callbacks [True]"], (out, err)
     assert local_backend.open().steps() == [1, 2, 3]
 
 

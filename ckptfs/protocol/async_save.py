@@ -220,9 +220,12 @@ class SaveFuture(Future[CheckpointInfo]):
     def fail_in_forked_child(self, parent: int) -> None:
         """In a process forked while this save was pending: the save runs in the parent only,
         so here it fails with :class:`AsyncSaveError` (counted as collected).  The threads
-        that could hold this future's lock at the fork do not exist here: it gets a new one."""
+        that could hold this future's lock at the fork do not exist here: it gets a new one.
+        Its done callbacks are the parent's (they run there when the save ends), not run here:
+        this runs inside ``os.fork()``, and the save did not fail."""
         self._condition = threading.Condition()
         self._waiters = []
+        self._done_callbacks: list[Callable[[Future[Any]], object]] = []  # Future's own
         self.collected = True
         self.set_exception(AsyncSaveError(
             f"the async save of step {self.step} at {self.url} was in flight when this process "
@@ -404,9 +407,10 @@ class AsyncSaver:
                       "commit, its future holds the exception")
         raise exc
 
-    def wait(self) -> None:
-        """Wait for every pending save, then raise the failures nobody collected."""
-        self._check_not_worker("wait")
+    def wait(self, what: str = "wait") -> None:
+        """Wait for every pending save, then raise the failures nobody collected (``what``:
+        the store method that waits, for the error raised on the background thread)."""
+        self._check_not_worker(what)
         pending = [f for f in self._live() if not f.done()]
         if pending:
             wait_futures(pending)
@@ -551,7 +555,7 @@ def before_sync_save(store: CheckpointStore) -> None:
     order they were asked for) and raises the failures nobody collected."""
     saver = existing_saver(store)
     if saver is not None:
-        saver.wait()
+        saver.wait("save")
 
 
 def wait(store: CheckpointStore) -> None:

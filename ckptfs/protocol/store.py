@@ -213,11 +213,27 @@ class CheckpointStore:
     def save_async(self, step: int, state: Mapping[str, Any], *,
                    metadata: Mapping[str, Any] | None = None,
                    max_in_flight: int = 1) -> async_save.SaveFuture:
-        """Snapshot ``state`` (tensors copied to reused host buffers) and return; write and
-        commit it on the store's background thread.  The future's ``result()`` is the
-        committed :class:`CheckpointInfo` or raises what went wrong; an uncollected failure
-        raises again from the next :meth:`save`, :meth:`save_async` or :meth:`wait`.  With
-        ``max_in_flight`` saves pending, this call first waits (logged, counted in
+        """Snapshot ``state`` and return; write and commit it on the store's background thread.
+
+        The snapshot is taken on the calling thread, during this call, and after it returns
+        nothing of ``state`` or ``metadata`` is read again: the caller may change, free or
+        reuse every tensor, array, container and value at once.  First the state is planned
+        exactly as :meth:`save` plans it: every non-tensor value (the tree, keys, numbers,
+        strings, and extension values such as NumPy arrays' dtype and shape, sets,
+        ``Namespace`` objects, registered dataclasses and containers; a registered ``encode``
+        function runs here) is encoded into the checkpoint's bytes, and ``metadata`` is
+        deep-copied.  Then, after any back-pressure wait, the bytes of every tensor of the
+        plan (NumPy array data and tensors inside extension values included; one per distinct
+        tensor as :meth:`save` stores them: tied weights once, a conjugate or negative view and
+        an empty tensor each on its own) are copied into reused host buffers (CUDA: pinned,
+        synchronized before returning).  The checkpoint is byte for byte what :meth:`save`
+        would have written during this call.  A collective (sharded) state is snapshotted the
+        same way on every rank (docs/async.md, section 7).
+
+        The future's ``result()`` is the committed :class:`CheckpointInfo` or raises what went
+        wrong; uncollected failures raise again from the next :meth:`save`,
+        :meth:`save_async` or :meth:`wait` (the oldest, with a note naming each other one).
+        With ``max_in_flight`` saves pending, this call first waits (logged, counted in
         :attr:`async_stats`).  Invalid values raise here, naming their key path."""
         return async_save.saver_for(self).submit(self, step, state, metadata=metadata,
                                                  max_in_flight=max_in_flight)
