@@ -747,10 +747,12 @@ def test_callback_on_the_background_thread_cannot_deadlock(memory_backend: Backe
     ran = threading.Event()
 
     def callback(_fut: Any) -> None:
-        try:
-            store.save_async(2, state_for(2))
-        except BaseException as exc:
-            seen.append(exc)
+        for call in (lambda: store.save_async(2, state_for(2)), store.wait,
+                     lambda: store.save(2, state_for(2))):
+            try:
+                call()
+            except BaseException as exc:
+                seen.append(exc)
         ran.set()
 
     gate.close()
@@ -759,8 +761,10 @@ def test_callback_on_the_background_thread_cannot_deadlock(memory_backend: Backe
     gate.open()
     assert fut.result().step == 1
     assert ran.wait(30)
-    assert len(seen) == 1 and isinstance(seen[0], async_save.AsyncSaveError), seen
+    assert [type(e) for e in seen] == [AsyncSaveError] * 3, seen
+    assert [str(e).split("(")[0] for e in seen] == ["save_async", "wait", "save"]
     store.wait()
+    assert store.steps() == [1]
 
 
 def test_close_from_a_done_callback_is_refused_before_touching_anything(

@@ -286,19 +286,19 @@ class AsyncSaver:
             staged = stage(self.pool, plan.tensors)
             self.pool.trim()
             fut = SaveFuture(step, store.url)
-            job = _Job(self, fut, plan.rebind(staged.tensors), meta, staged.buffers, store)
-            del plan  # the caller's tensors: not read again
-            with self._lock:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptfs-async-save")
-                self._futures.append(fut)
-                try:
+            try:
+                job = _Job(self, fut, plan.rebind(staged.tensors), meta, staged.buffers, store)
+                del plan  # the caller's tensors: not read again
+                with self._lock:
+                    if self._executor is None:
+                        self._executor = ThreadPoolExecutor(
+                            1, thread_name_prefix="ckptfs-async-save")
                     self._executor.submit(job.run)
-                except BaseException:
-                    self._futures.remove(fut)
-                    self.pool.give_back(staged.buffers)
-                    raise
-                self.stats.submitted += 1
+                    self._futures.append(fut)
+                    self.stats.submitted += 1
+            except BaseException:
+                self.pool.give_back(staged.buffers)
+                raise
             _register_exit_hook()
             self.record_blocked(planned + time.perf_counter() - t1)
             return fut
