@@ -127,7 +127,7 @@ def test_gcs_endpoint_works_whatever_gcsfs_env(fake_gcs: ServerInfo) -> None:
         "opts = json.loads(sys.argv[2])\n"
         "store = ckptfs.open(sys.argv[1], **opts)\n"
         "store.save(3, {'x': [1, 2, 3]})\n"
-        "fs = store.storage.fs\n"
+        "fs = store.storage.inner.fs\n"
         "print(json.dumps({'cls': type(fs).__module__ + '.' + type(fs).__name__,\n"
         "                  'default': gcsfs.GCSFileSystem.__name__,\n"
         "                  'steps': ckptfs.open(sys.argv[1], **opts).steps()}))\n"

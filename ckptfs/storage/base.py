@@ -358,7 +358,8 @@ class StorageWrapper:
 
     # -- optional capabilities (each raises CapabilityUnavailableError where not offered) ------
 
-    def _need(self, capability: type) -> None:
+    def require(self, capability: type) -> None:
+        """Raise :class:`CapabilityUnavailableError` unless this wrapper offers ``capability``."""
         if not self.offers(capability):
             raise CapabilityUnavailableError(
                 f"{self!r} does not offer {capability.__name__} (check supports() first)")
@@ -368,28 +369,28 @@ class StorageWrapper:
         return read_range(self.inner, self.inner_path(path), start, length)
 
     def local_path(self, path: str) -> str:
-        self._need(LocalFiles)
+        self.require(LocalFiles)
         return self.inner.local_path(self.inner_path(path))  # type: ignore[attr-defined, no-any-return]
 
     def retry_call(self, op: str, path: str, fn: Callable[[], T]) -> T:
         return retry_call(self.inner, op, self.inner_path(path), fn)
 
     def modified(self, path: str) -> datetime | None:
-        self._need(ModifiedTimes)
+        self.require(ModifiedTimes)
         return self.inner.modified(self.inner_path(path))  # type: ignore[attr-defined, no-any-return]
 
     def remove_empty_dir(self, path: str) -> bool:
-        self._need(EmptyDirRemoval)
+        self.require(EmptyDirRemoval)
         return self.inner.remove_empty_dir(self.inner_path(path))  # type: ignore[attr-defined, no-any-return]
 
     def list_uploads(self, path: str) -> list[PendingUpload]:
-        self._need(MultipartUploads)
+        self.require(MultipartUploads)
         ups = self.inner.list_uploads(self.inner_path(path))  # type: ignore[attr-defined]
         return [PendingUpload(self.outer_path(u.path), u.upload_id, u.initiated, u.size)
                 for u in ups]
 
     def abort_upload(self, upload: PendingUpload) -> bool:
-        self._need(MultipartUploads)
+        self.require(MultipartUploads)
         inner = PendingUpload(self.inner_path(upload.path), upload.upload_id, upload.initiated,
                               upload.size)
         return self.inner.abort_upload(inner)  # type: ignore[attr-defined, no-any-return]
