@@ -149,7 +149,7 @@ def make_manager(store: CheckpointStore, save_every: int) -> CheckpointManager:
                              run_seed=RUN_SEED)
 
 
-class _PauseBeforeCommit(StorageWrapper):
+class PauseBeforeCommit(StorageWrapper):
     """Wraps a store's storage: when the commit marker of step ``step`` is about to be created
     (every data file and the manifest are written), say so on stdout and wait to be killed."""
 
@@ -170,7 +170,7 @@ class _PauseBeforeCommit(StorageWrapper):
 def _child(args: argparse.Namespace) -> int:
     store = open_store(args.root, **parse_options(args.option))
     if args.kill_at is not None:
-        store.storage = _PauseBeforeCommit(store.storage, args.kill_at)
+        store.storage = PauseBeforeCommit(store.storage, args.kill_at)
     task = ToyTask()
     mgr = make_manager(store, args.save_every)
     start = mgr.restore_latest(model=task.model, optimizer=task.opt, scheduler=task.sched,
