@@ -119,7 +119,7 @@ class FsspecStorage:
                                  (LocalFiles, self._local),
                                  (EmptyDirRemoval, self.capabilities.real_directories),
                                  (ModifiedTimes, bool(self.spec.mtime_keys)),
-                                 (MultipartUploads, _has_multipart_api(fs)))
+                                 (MultipartUploads, has_multipart_api(fs)))
             if has)
         if probe and self.spec.probe_on_open:
             self.probe(probe_timeout)
@@ -604,7 +604,7 @@ def _fsync_dir(full: str) -> None:
         os.close(fd)
 
 
-def _has_multipart_api(fs: Any) -> bool:
+def has_multipart_api(fs: Any) -> bool:
     """The filesystem can list and abort multi-part uploads (s3fs): a check of what the object
     offers, never of the URL (an S3-compatible endpoint under another protocol name counts)."""
     return all(callable(getattr(fs, name, None))
