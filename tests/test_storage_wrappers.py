@@ -21,6 +21,8 @@ from ckptfs.storage.base import (
     OPTIONAL_CAPABILITIES,
     Entry,
     LocalFiles,
+    ModifiedTimes,
+    MultipartUploads,
     RangedRead,
     Retrying,
     Storage,
@@ -282,3 +284,17 @@ def test_sub_storage_maps_local_files(local_backend: Backend) -> None:
     assert torch.equal(loaded["w"], state["w"])
     path = sub.local_path(f"{store.info(1).path}/{store.info(1).manifest.files[0].path}")
     assert path.startswith(str(local_backend.raw_root)) and "/artifacts/ref/" in path
+
+
+@pytest.mark.parametrize("name", ["gcs", "azure", "ministack"])
+def test_optional_capabilities_work_on_the_other_backends(request: pytest.FixtureRequest,
+                                                          name: str) -> None:
+    """What the adapter offers on GCS, Azure and ministack (modification times from their own
+    ``info`` keys, ranged reads; multi-part uploads on ministack's S3) works, through the retry
+    layer as ``ckptfs.open`` builds it."""
+    backend: Backend = request.getfixturevalue(f"{name}_backend")
+    raw = FsspecStorage(backend.url, **backend.options)
+    assert supports(raw, RangedRead) and supports(raw, ModifiedTimes)
+    assert supports(raw, MultipartUploads) == (name == "ministack")
+    check_wrapper(raw, RetryingStorage(raw, base_delay=0.001, max_delay=0.004),
+                  adds=(Retrying,))
