@@ -8,6 +8,11 @@ A backend's test module provides one fixture, ``backend``, returning a fresh
 A known gap of an emulator is marked at that backend's subclass (override the test and mark it
 ``xfail`` with the reason), never by skipping the backend.  Users can run the suite against
 their own bucket the same way.
+
+Storage wrappers have their own check (the end of this module): :func:`check_wrapper` for one
+wrapper over one storage, :class:`WrapperConformance` / :class:`LocalWrapperConformance` as
+test classes (fixtures ``backend`` and ``case``), and :func:`shipped_wrappers`, the wrappers
+ckptfs ships, typed so that mypy checks each is a :class:`~ckptfs.storage.base.Storage`.
 """
 
 from __future__ import annotations
