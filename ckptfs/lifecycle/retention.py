@@ -144,6 +144,15 @@ class PruneReport:
                 "errors": {str(k): v for k, v in self.errors.items()},
                 "refused": self.refused, "already_gone": self.already_gone}
 
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> PruneReport:
+        """The report :meth:`as_dict` wrote (sent to the other ranks of a distributed job)."""
+        plan = RetentionPlan({int(k): list(v) for k, v in doc["keep"].items()},
+                             [int(s) for s in doc["delete"]])
+        return cls(plan, [int(s) for s in doc["deleted"]], bool(doc["dry_run"]),
+                   {int(k): str(v) for k, v in doc["errors"].items()}, doc["refused"],
+                   [int(s) for s in doc["already_gone"]])
+
 
 def newest_problem(store: CheckpointStore, step: int) -> str | None:
     """Why the newest committed checkpoint ``step`` cannot serve as the one to resume from
@@ -309,7 +318,11 @@ def record_metrics(metrics: Mapping[str, Any] | None, tracked: str | None = None
                 out[key] = v if flag is None else flag
                 continue
         value = metric_value(v, key=key)
-        out[key] = value if value is not None and math.isfinite(value) else None
+        if value is not None and not math.isfinite(value):
+            log.warning("metric %r is %s (not finite, e.g. a diverged loss): recorded as null; "
+                        "it never enters the best pool", key, value)
+            value = None
+        out[key] = value
     return out
 
 
