@@ -68,11 +68,13 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ckptfs.errors import (
+    CheckpointDeletedError,
     CorruptCheckpointError,
     ProvenanceMismatchError,
     ShardedCheckpointError,
 )
-from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.resolve import CheckpointInfo, read_committed
+from ckptfs.storage.base import Storage
 
 T = TypeVar("T")
 
@@ -103,6 +105,16 @@ class Candidate:
     def from_doc(cls, doc: Any) -> Candidate:
         step, dir_name, attempt = doc
         return cls(int(step), str(dir_name), str(attempt))
+
+    def read(self, storage: Storage) -> CheckpointInfo:
+        """Another rank's reading of it: the same attempt, or
+        :class:`~ckptfs.CheckpointDeletedError` (replaced meanwhile: the walk lists again)."""
+        info = read_committed(storage, self.step, self.dir_name)
+        if info.attempt != self.attempt:
+            raise CheckpointDeletedError(
+                f"step {self.step} at {storage.url} was replaced while it was being restored "
+                f"(attempt {info.attempt}, not {self.attempt}); resolving again")
+        return info
 
 
 #: ``lead(try_one)`` runs on the writer: it calls ``try_one(info)`` for each checkpoint it
@@ -194,6 +206,17 @@ class Solo:
         if chosen is None:
             return None
         return _chosen(last, Candidate.of(chosen), what, error)
+
+
+def check_ranks(coord: Coordinator, *, rank: int, world_size: int, writer_rank: int) -> None:
+    """The rank arguments a manager was made with match the coordinator's (``ValueError``)."""
+    if (rank, world_size) != (coord.rank, coord.world_size):
+        raise ValueError(f"the manager was made for rank {rank} of {world_size}, but this "
+                         f"process is rank {coord.rank} of {coord.world_size} in "
+                         "torch.distributed: leave rank/world_size unset")
+    if coord.collective and writer_rank != 0:
+        raise ValueError(f"writer_rank={writer_rank}: in a distributed job rank 0 commits and "
+                         "keeps the records; leave writer_rank at 0")
 
 
 def _chosen(last: list[tuple[Candidate, T]], chosen: Candidate, what: str,
@@ -438,4 +461,5 @@ class ProcessGroup:
                                    for r, d in failures.items()}) from own
 
 
-__all__ = ["Candidate", "Coordinator", "ProcessGroup", "Solo", "describe", "rebuild"]
+__all__ = ["Candidate", "Coordinator", "ProcessGroup", "Solo", "check_ranks", "describe",
+           "rebuild"]

@@ -41,9 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from ckptfs.errors import (
-    CheckpointDeletedError,
     CheckpointNotFoundError,
-    CkptfsError,
     CorruptCheckpointError,
     ShardedLoadError,
     ShardedSaveError,
@@ -52,16 +50,13 @@ from ckptfs.format.layout import check_step
 from ckptfs.lifecycle import distributed, rng, schema
 from ckptfs.lifecycle import provenance as prov
 from ckptfs.lifecycle.artifacts import RunArtifacts, SideOutputs, SideOutputStatus
-from ckptfs.lifecycle.coordinator import Candidate, Coordinator, ProcessGroup, Solo
+from ckptfs.lifecycle.coordinator import Candidate, Coordinator, ProcessGroup, Solo, check_ranks
 from ckptfs.lifecycle.gc import DEFAULT_GRACE, GcReport, collect
-from ckptfs.lifecycle.records import RecordLog
 from ckptfs.lifecycle.retention import (
-    BEST_RECORD,
     Best,
-    BestTracker,
+    BestPool,
     PruneReport,
     RetentionPolicy,
-    best_steps_of,
     prune,
     record_metrics,
 )
@@ -69,17 +64,13 @@ from ckptfs.lifecycle.rng import decode_rng, encode_rng
 from ckptfs.lifecycle.schema import TrainerState
 from ckptfs.protocol.async_save import SaveFuture
 from ckptfs.protocol.load_options import MapLocation, tensor_map
-from ckptfs.protocol.resolve import CheckpointInfo, read_committed, walk_latest
+from ckptfs.protocol.resolve import CheckpointInfo, walk_latest
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 
 log = logging.getLogger("ckptfs")
 
 __all__ = ["CheckpointManager", "SaveResult", "TrainerState", "decode_rng", "encode_rng"]
-
-#: Kept for callers of the former name; the schema lives in :mod:`ckptfs.lifecycle.schema`.
-MANAGER_STATE_VERSION = schema.MANAGER_STATE_VERSION
-
 
 class Stateful(Protocol):
     def state_dict(self) -> Any: ...
@@ -177,10 +168,8 @@ class CheckpointManager:
         self.save_every = save_every
         self.policy = RetentionPolicy(keep_last, keep_every)
         self.best_config = best
-        self.tracker = BestTracker(best) if best is not None else None
-        self._best_record = RecordLog(self.store.storage, BEST_RECORD)
-        self._best_generation: int | None = None
-        self._best_loaded = False
+        self._best = BestPool(self.store, best)
+        self.tracker = self._best.tracker
         self.protected: set[int] = {check_step(s) for s in protect}
         d_rank, d_world = _default_rank()
         self.rank = d_rank if rank is None else rank
@@ -229,15 +218,6 @@ class CheckpointManager:
             return ProcessGroup()
         return Solo(self.rank, self.world_size)
 
-    def _check_coordinator(self, coord: Coordinator) -> None:
-        if (self.rank, self.world_size) != (coord.rank, coord.world_size):
-            raise ValueError(f"the manager was made for rank {self.rank} of {self.world_size}, "
-                             f"but this process is rank {coord.rank} of {coord.world_size} in "
-                             "torch.distributed: leave rank/world_size unset")
-        if coord.collective and self.writer_rank != 0:
-            raise ValueError(f"writer_rank={self.writer_rank}: in a distributed job rank 0 "
-                             "commits and keeps the records; leave writer_rank at 0")
-
     # -- saving --------------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
@@ -277,14 +257,17 @@ class CheckpointManager:
 
         def prepare() -> dict[str, Any]:
             """Every rank: check, capture, build; the metrics and RNG ranks go to all."""
-            self._check_coordinator(coord)
+            check_ranks(coord, rank=self.rank, world_size=self.world_size,
+                        writer_rank=self.writer_rank)
             if coord.collective and optimizer is not None and model is None:
                 raise ValueError("a distributed save of an optimizer needs model= too (DCP "
                                  "names the optimizer's state by parameter name)")
             schema.check_stateful_names(stateful or {})
             tracked = self.best_config.metric if self.best_config is not None else None
             recorded = record_metrics(metrics, tracked)
-            states = dict(rng_states) if rng_states is not None else self._own_rng(coord)
+            states = dict(rng_states) if rng_states is not None else rng.states_for_save(
+                collective=coord.collective, rank=self.rank, world_size=self.world_size,
+                gather=self._rng_gather)
             if writes:
                 built.append(self._build(coord, step, states, model=model, optimizer=optimizer,
                                          scheduler=scheduler, stateful=stateful, extra=extra,
@@ -317,20 +300,6 @@ class CheckpointManager:
             return SaveResult(None, future=future)
         info = self.store.save(step, state, metadata=metadata)  # collective under a group
         return self._after_commit(coord, step, info, side, merged, what)
-
-    def _own_rng(self, coord: Coordinator) -> dict[int, dict[str, Any]]:
-        """This save's RNG states: each rank its own under a process group (every rank
-        writes its own), else what ``rng_gather`` gathers (or this rank's only, logged)."""
-        mine = rng.capture()
-        if coord.collective:
-            return {coord.rank: mine}
-        if self._rng_gather is not None:
-            return {int(r): dict(s) for r, s in self._rng_gather(mine).items()}
-        if self.world_size > 1:
-            log.warning("world size %d but torch.distributed is not initialized and no "
-                        "rng_gather was given: only rank %d's RNG state is saved",
-                        self.world_size, self.rank)
-        return {self.rank: mine}
 
     def _build(self, coord: Coordinator, step: int, states: Mapping[int, Mapping[str, Any]],
                *, model: torch.nn.Module | None, optimizer: Stateful | None,
@@ -425,64 +394,19 @@ class CheckpointManager:
     # -- best ----------------------------------------------------------------------------------
 
     def _ensure_best_loaded(self) -> None:
-        if self._best_loaded or self.tracker is None:
-            self._best_loaded = True
-            return
-        rec = self._best_record.read()
-        steps = self.store.steps()
-        if rec is not None:
-            self._best_generation = rec.generation
-            # a malformed record raises (typed) and stays unloaded: never overwritten by a
-            # fresh pool that would let retention delete what it protected
-            self.tracker.load_doc(rec.doc, existing=steps, where=f"{self.url}/{rec.path}")
-        self._best_loaded = True
-        # Replay committed checkpoints the record has not seen (a crash between a commit and
-        # the record's update, or a record that was lost): their metrics are in the metadata.
-        seen = self.tracker.last_step
-        changed = False
-        for s in steps:
-            if seen is not None and s <= seen:
-                continue
-            try:
-                metrics = self.store.info(s).metadata.get("metrics")
-            except CheckpointNotFoundError:
-                continue
-            except CorruptCheckpointError as exc:  # its metrics are unknown: not a best
-                log.warning("best: cannot read the metrics of step %d at %s (%s); it is not "
-                            "considered for the best pool", s, self.url, exc)
-                continue
-            improved, _ = self.tracker.observe(s, metrics if isinstance(metrics, dict) else {})
-            changed = changed or improved
-        if changed or (rec is not None and rec.doc != self.tracker.to_doc()):
-            try:
-                self._persist_best()
-            except CkptfsError as exc:  # the in-memory pool is right; the next update retries
-                log.warning("best: could not update the best record at %s (%s); it is "
-                            "rewritten at the next improvement, and replayed on resume",
-                            self.url, exc)
+        self._best.ensure_loaded()
 
     def _persist_best(self) -> None:
-        assert self.tracker is not None
-        doc = self.tracker.to_doc()
-        self._best_record.update(lambda _cur: doc)
-        rec = self._best_record.read()
-        self._best_generation = rec.generation if rec else None
+        self._best.persist()
 
     def best(self) -> dict[str, Any] | None:
         """The best checkpoint so far: ``{"step", "value"}``, or None."""
-        self._ensure_best_loaded()
-        return self.tracker.best if self.tracker is not None else None
+        return self._best.best()
 
     def best_steps(self) -> list[int]:
         """The running-best pool; without ``best=``, the pool a previous configuration of the
         run persisted (so dropping ``best=`` never silently deletes those checkpoints)."""
-        self._ensure_best_loaded()
-        if self.tracker is not None:
-            return self.tracker.steps
-        rec = self._best_record.read()
-        if rec is None:
-            return []
-        return best_steps_of(rec.doc, f"{self.url}/{rec.path}")
+        return self._best.steps()
 
     # -- retention and GC ------------------------------------------------------------------------
 
@@ -558,7 +482,8 @@ class CheckpointManager:
             tensor_map(map_location)  # LoadOptionError before any I/O
             if step is not None:
                 check_step(step)
-            self._check_coordinator(coord)
+            check_ranks(coord, rank=self.rank, world_size=self.world_size,
+                        writer_rank=self.writer_rank)
             if coord.collective and optimizer is not None and model is None:
                 raise ValueError("a distributed restore of an optimizer needs model= too (DCP "
                                  "names the optimizer's state by parameter name)")
@@ -620,7 +545,7 @@ class CheckpointManager:
                             step, ch["key"], ch["from"], ch["to"])
 
         def entries() -> tuple[CheckpointInfo, dict[Any, Any], bool]:
-            found = info if info is not None else self._read_candidate(candidate)
+            found = info if info is not None else candidate.read(self.store.storage)
             if coord.collective and distributed.is_sharded(found):
                 state = distributed.load_entries(self.store, found, coord.rank, names,
                                                  map_location)
@@ -642,16 +567,6 @@ class CheckpointManager:
             coord.agree(lambda: self.store.load(step, into=into), what, ShardedLoadError)
             state = {**state, **into}  # verified: every byte was checked before it returned
         return _Loaded(found, state)
-
-    def _read_candidate(self, candidate: Candidate) -> CheckpointInfo:
-        """Another rank's reading of the writer's candidate: the same attempt, or
-        :class:`~ckptfs.CheckpointDeletedError` (replaced meanwhile: the walk lists again)."""
-        info = read_committed(self.store.storage, candidate.step, candidate.dir_name)
-        if info.attempt != candidate.attempt:
-            raise CheckpointDeletedError(
-                f"step {candidate.step} at {self.url} was replaced while it was being restored "
-                f"(attempt {info.attempt}, not {candidate.attempt}); resolving again")
-        return info
 
     def _check_provenance(self, info: CheckpointInfo, expect: prov.Provenance,
                           mode: prov.ProvenanceMode) -> list[dict[str, Any]]:
@@ -699,8 +614,7 @@ class CheckpointManager:
     def _after_resume(self, discard_uncommitted: bool) -> None:
         if not self.is_writer:
             return
-        self._best_loaded = False
-        self._ensure_best_loaded()
+        self._best.reload()
         self.side_outputs.reconcile()
         if discard_uncommitted:
             gone = self.side_outputs.discard_uncommitted()
