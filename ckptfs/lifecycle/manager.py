@@ -544,28 +544,29 @@ class CheckpointManager:
                 log.warning("resuming step %d with a declared execution change: %s %r -> %r",
                             step, ch["key"], ch["from"], ch["to"])
 
-        def entries() -> tuple[CheckpointInfo, dict[Any, Any], bool]:
+        def entries() -> tuple[CheckpointInfo, dict[Any, Any], dict[str, Any] | None]:
+            """(info, small entries, fresh model/optimizer state dicts for the collective
+            load, or None: none wanted, a v1 checkpoint, or not saved: named at apply)."""
             found = info if info is not None else candidate.read(self.store.storage)
+            into = None
             if coord.collective and distributed.is_sharded(found):
                 state = distributed.load_entries(self.store, found, coord.rank, names,
                                                  map_location)
-                sharded = True
+                saved = schema.saved_entries(state)
+                if wanted and (saved is None or all(n in saved for n in wanted)):
+                    into = distributed.fresh(distributed.state_dicts(model, optimizer))
             else:  # one process, or a one-process (v1) checkpoint: loaded whole
                 state = self.store.load(step, map_location=map_location)
-                sharded = False
             schema.check_manager_entries(state, found.url, step)
             if state.get("rng") is not None:
                 rng.check_entry(state["rng"])  # RngStateError before any object is touched
-            return found, state, sharded
+            return found, state, into
 
-        found, state, sharded = coord.agree(entries, what, ShardedLoadError)
-        saved = schema.saved_entries(state)
         wanted = [n for n, o in (("model", model), ("optimizer", optimizer)) if o is not None]
-        if sharded and wanted and (saved is None or all(n in saved for n in wanted)):
-            into = coord.agree(lambda: distributed.fresh(distributed.state_dicts(model, optimizer)),
-                               what, ShardedLoadError)
+        found, state, into = coord.agree(entries, what, ShardedLoadError)
+        if into is not None:  # collective; verified: every byte checked before it returns
             coord.agree(lambda: self.store.load(step, into=into), what, ShardedLoadError)
-            state = {**state, **into}  # verified: every byte was checked before it returned
+            state = {**state, **into}
         return _Loaded(found, state)
 
     def _check_provenance(self, info: CheckpointInfo, expect: prov.Provenance,
