@@ -38,7 +38,9 @@ The call sequence of a collective restore (``restore_latest``/``restore``, every
        a) (writer -> all)  the candidate (step, directory, attempt)
        b) (writer -> all)  on_writer: the provenance check, its accepted changes
        c) (all ranks)      agree: read the manifest, load the small entries (trainer,
-                           manager, this rank's RNG state, scheduler, stateful; map_location)
+                           manager, this rank's RNG state, scheduler, stateful; map_location),
+                           or a one-process checkpoint whole; build fresh state dicts of
+                           today's placement for d)
        d) (all ranks)      agree: the collective load of model/optimizer into fresh tensors of
                            today's placement (every byte verified)
        A failure in a)-d) raises on every rank; the writer's walk decides what follows: the
@@ -49,7 +51,9 @@ The call sequence of a collective restore (``restore_latest``/``restore``, every
                     this rank's RNG state; the writer runs the resume bookkeeping
 
 With :class:`Solo` the same sequence runs in this process: agree and on_writer call the
-function, agree_gather returns this process's result, drive runs the walk here.
+function, agree_gather returns this process's result, drive runs the walk here.  A non-writer
+rank of a job without torch.distributed (``rank``/``world_size`` given) stops a save after 1):
+it writes nothing, and its metrics are not recorded (logged).
 
 The messages of :class:`ProcessGroup` are JSON in uint8 tensors (no pickle, a few hundred
 bytes per rank) on ckptfs's dedicated gloo group (``ckptfs.protocol.sharded.collective_group``,
