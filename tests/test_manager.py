@@ -156,16 +156,16 @@ def test_restore_walks_like_the_store_when_a_newer_step_lands(backend: Backend,
         mgr.save(step, model=torch.nn.Linear(2, 2))
     other = ckptfs.CheckpointManager(backend.open(), keep_last=1)
     newest = torch.nn.Linear(2, 2)
-    real_load = store.load
+    real_load = store.load_info
     seen: list[int | None] = []
 
-    def load(step: int | None = None, **kw: object) -> dict[object, object]:
-        seen.append(step)
-        if step == 2 and len(seen) == 1:
+    def load_info(info: ckptfs.CheckpointInfo, **kw: object) -> dict[object, object]:
+        seen.append(info.step)
+        if info.step == 2 and len(seen) == 1:
             other.save(3, model=newest)  # commits 3, prunes 1 and 2
-        return real_load(step, **kw)  # type: ignore[arg-type]
+        return real_load(info, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(store, "load", load)
+    monkeypatch.setattr(store, "load_info", load_info)
     model = torch.nn.Linear(2, 2)
     assert ckptfs.CheckpointManager(store).restore_latest(model=model) == 4
     assert torch.equal(model.weight, newest.weight)

@@ -556,7 +556,7 @@ class CheckpointManager:
                 if wanted and (saved is None or all(n in saved for n in wanted)):
                     into = distributed.fresh(distributed.state_dicts(model, optimizer))
             else:  # one process, or a one-process (v1) checkpoint: loaded whole
-                state = self.store.load(step, map_location=map_location)
+                state = self.store.load_info(found, map_location=map_location)
             schema.check_manager_entries(state, found.url, step)
             if state.get("rng") is not None:
                 rng.check_entry(state["rng"])  # RngStateError before any object is touched
