@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import json
 import pathlib
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from ckptfs.protocol.copy import copy_step
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
+from ckptfs.testing.reliability import Planter, hostile_cases, raw_storage, store_on
 
 
 def state(step: int) -> dict[str, Any]:
@@ -121,6 +123,143 @@ def test_inspect_missing_step_fails(memory_backend: Backend,
     populate(memory_backend, (1,))
     code, _, err = run(["inspect", memory_backend.url, "--step", "7"], capsys)
     assert code == 1 and "step 7" in err and "Traceback" not in err
+
+
+def test_inspect_rows_are_bounded_and_summarized(memory_backend: Backend,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Long containers show their first --max-items children and one summary row with the
+    counts of the rest; --max-rows bounds the rows in all."""
+    store = memory_backend.open()
+    state = {"a": list(range(10)),
+             "b": {f"k{i}": torch.ones(i + 1) for i in range(5)},
+             "c": [{"x": torch.zeros(2, dtype=torch.float64)}, 3, 4]}
+    store.save(1, state)
+    code, out, _ = run(["inspect", memory_backend.url, "--json", "--max-items", "2"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    rows = {r["key"]: r for r in doc["tree"]}
+    assert [r["key"] for r in doc["tree"] if r["depth"] == 1] == ["a", "b", "..."]
+    assert rows["a"]["items"] == 10 and "a/1" in rows and "a/2" not in rows
+    assert rows["a/..."] == {"key": "a/...", "depth": 2, "kind": "more", "items": 8,
+                             "rows": 8, "tensors": 0, "bytes": 0}
+    assert rows["b/..."]["items"] == 3 and rows["b/..."]["tensors"] == 3
+    assert rows["b/..."]["bytes"] == (3 + 4 + 5) * 4
+    # the top level's third key, "c", with everything under it
+    assert rows["..."] == {"key": "...", "depth": 1, "kind": "more", "items": 1, "rows": 5,
+                           "tensors": 1, "bytes": 16}
+    # the header counts every tensor, shown or not
+    assert doc["tensors"] == {"count": 6, "bytes": (1 + 2 + 3 + 4 + 5) * 4 + 16}
+    code, out, _ = run(["inspect", memory_backend.url, "--json", "--max-rows", "3"], capsys)
+    rows_list = json.loads(out)["tree"]
+    assert [r["key"] for r in rows_list] == ["a", "a/0", "a/1", "..."]
+    assert rows_list[-1]["rows"] == 8 + 6 + 5 and rows_list[-1]["tensors"] == 6
+    code, text, _ = run(["inspect", memory_backend.url, "--max-items", "2"], capsys)
+    assert code == 0 and "... 8 more items, 8 more rows (0 tensors, 0 B)" in text
+    for bad in ("0", "-1", "x"):
+        code, _, err = run(["inspect", memory_backend.url, "--max-items", bad], capsys)
+        assert code == 2 and "positive integer" in err
+
+
+def test_inspect_memory_does_not_grow_with_a_long_list(local_backend: Backend) -> None:
+    """Regression: a 2.3 MiB checkpoint holding a 500k-int list cost ~500 MiB (one row dict
+    and one text line per int); the rows are bounded now, the rest is the decoded document."""
+    n = 300_000
+    store = local_backend.open()
+    store.save(1, {"w": torch.ones(3), "big": list(range(n)), "d": {str(i): i for i in
+                                                                     range(3000)}})
+    info = store.info(1)
+    tracemalloc.start()
+    try:
+        doc = tools.inspect_info(store, info)
+        text = json.dumps(doc)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(doc["tree"]) < 2 * tools.DEFAULT_MAX_ITEMS + 10
+    more = {r["key"]: r for r in doc["tree"] if r["kind"] == "more"}
+    assert more["big/..."]["items"] == n - tools.DEFAULT_MAX_ITEMS
+    assert more["d/..."]["items"] == 3000 - tools.DEFAULT_MAX_ITEMS
+    assert len(text) < 1 << 20
+    assert peak < 48 << 20, peak >> 20     # was ~130 MiB at this size (rows), ~500 MiB at 500k
+
+
+def test_inspect_refuses_what_load_refuses(local_backend: Backend,
+                                           capsys: pytest.CaptureFixture[str],
+                                           tmp_path: Path) -> None:
+    """Every hostile checkpoint of the reliability sweep (a tree nested 300 deep, malformed
+    tags, big ints, keys, headers, links, sizes...): inspect refuses each one that load
+    refuses, with a typed error and a nonzero exit, and accepts the others."""
+    pl = Planter(local_backend)
+    reader = store_on(raw_storage(local_backend))
+    refused = 0
+    for name, build, _expected in hostile_cases(pl, str(tmp_path / "EXECUTED"), local=True):
+        step = build()
+        try:
+            reader.load(step)
+            load_refused = False
+        except ckptfs.CkptfsError:
+            load_refused = True
+        try:
+            code = main(["inspect", local_backend.url, "--step", str(step), "--json"])
+        except ckptfs.CkptfsError as exc:  # before inspect runs: the marker/manifest
+            assert load_refused, (name, exc)
+            code = 1
+        _, err = capsys.readouterr()
+        assert "Traceback" not in err, name
+        assert (code != 0) == load_refused, (name, code, err)
+        refused += load_refused
+        local_backend.raw_delete(StepPaths(step).dir)
+    assert refused > 60
+    assert not (tmp_path / "EXECUTED").exists()
+
+
+def _sharded_checkpoint(backend: Backend) -> CheckpointStore:
+    import torch.distributed.checkpoint as dcp
+
+    import ckptfs.dcp
+
+    state = {"model": {f"w{i}": torch.randn(4, 4) for i in range(5)}, "step": 3}
+    dcp.save(state, storage_writer=ckptfs.dcp.Writer(backend.url, 1),  # type: ignore[attr-defined]
+             planner=ckptfs.dcp.SavePlanner())
+    return backend.open()
+
+
+def test_inspect_sharded_checkpoint(local_backend: Backend,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Format v2: the flat DCP keys, bounded by --max-rows; a damaged or linked rank file is
+    refused as load refuses it."""
+    store = _sharded_checkpoint(local_backend)
+    info = store.info(1)
+    assert info.manifest.format_version == 2
+    code, out, err = run(["inspect", local_backend.url, "--json"], capsys)
+    assert code == 0, err
+    rows = {r["key"]: r for r in json.loads(out)["tree"]}
+    assert rows["model.w0"]["kind"] == "tensor" and rows["model.w0"]["shape"] == [4, 4]
+    assert rows["model.w0"]["chunks"] == 1 and rows["step"]["kind"] == "value"
+    code, out, _ = run(["inspect", local_backend.url, "--json", "--max-rows", "2"], capsys)
+    tree = json.loads(out)["tree"]
+    assert [r["key"] for r in tree] == ["model.w0", "model.w1", "..."]
+    assert tree[-1]["rows"] == 4 and tree[-1]["tensors"] == 3 and tree[-1]["bytes"] == 3 * 64
+    code, text, _ = run(["inspect", local_backend.url], capsys)
+    assert code == 0 and "model.w0: F32 [4, 4] 64 B  (1 chunks)" in text
+
+    data = next(e.path for e in info.manifest.files if e.path.endswith(".safetensors"))
+    rel = f"{info.path}/{data}"
+    original = local_backend.raw_read(rel)
+    local_backend.raw_write(rel, original[:-1])
+    with pytest.raises(ckptfs.CorruptCheckpointError):
+        store.load(1)
+    code, _, err = run(["inspect", local_backend.url], capsys)
+    assert code == 1 and data in err and "Traceback" not in err
+    target = Path(local_backend.raw_root) / "elsewhere.bin"
+    target.write_bytes(original)
+    link = Path(local_backend.raw_root, *rel.split("/"))
+    link.unlink()
+    link.symlink_to(target)
+    with pytest.raises(ckptfs.UnsafeCheckpointError):
+        store.load(1)
+    code, _, err = run(["inspect", local_backend.url, "--json"], capsys)
+    assert code == 1 and "symbolic link" in err
 
 
 # -- cp ----------------------------------------------------------------------------------------
