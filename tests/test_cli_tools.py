@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import enum
 import json
 import pathlib
@@ -442,6 +444,64 @@ def test_export_unregistered_type_as_plain_dict(memory_backend: Backend,
     with safe_open(str(out), framework="pt") as f:
         values = json.loads(f.metadata()["ckptfs.values"])
     assert values["stage"] == {"__ckptfs_type__": "tests.Stage", "value": "A"}
+
+
+@dataclasses.dataclass
+class _Cfg:
+    lr: float
+    table: torch.Tensor
+
+
+def test_export_tensors_inside_extension_values(memory_backend: Backend, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: tensors inside a Namespace or a dataclass were written as their repr text
+    in ckptfs.values.  Every tensor gets a safetensors key by its key path, wherever it sits;
+    the extension value's type is recorded under its own path."""
+    ckptfs.register_type(_Cfg, name="tests.Cfg")
+    ns = argparse.Namespace(seed=3, mask=torch.arange(4), nested={"w": torch.ones(2)})
+    store = memory_backend.open()
+    store.save(1, {"model": {"w": torch.zeros(3)}, "args": ns,
+                   "cfg": _Cfg(0.1, torch.eye(2)), "other": _Cfg(0.2, torch.ones(1))})
+    extensions.unregister_type("tests.Cfg")          # the CLI does not know the class
+    out = tmp_path / "x.safetensors"
+    code, _, err = run(["export", memory_backend.url, str(out)], capsys)
+    assert code == 0, err
+    with safe_open(str(out), framework="pt") as f:
+        keys = set(f.keys())
+        got = {k: f.get_tensor(k) for k in keys}
+        values = json.loads(f.metadata()["ckptfs.values"])
+    assert keys == {"model/w", "args/mask", "args/nested/w", "cfg/table", "other/table"}
+    assert torch.equal(got["args/mask"], torch.arange(4))
+    assert torch.equal(got["cfg/table"], torch.eye(2))
+    assert values["args"] == {"__ckptfs_type__": "argparse.Namespace"} and values["args/seed"] == 3
+    assert values["cfg"] == {"__ckptfs_type__": "tests.Cfg"} and values["cfg/lr"] == 0.1
+    assert "tensor(" not in json.dumps(values) and "__repr__" not in json.dumps(values)
+
+    # registered in the exporting process: a dataclass instance, exported the same way
+    ckptfs.register_type(_Cfg, name="tests.Cfg")
+    try:
+        code, _, err = run(["export", memory_backend.url, "--force", str(out)], capsys)
+    finally:
+        extensions.unregister_type("tests.Cfg")
+    assert code == 0, err
+    with safe_open(str(out), framework="pt") as f:
+        assert {"cfg/table", "other/table"} <= set(f.keys())
+        values = json.loads(f.metadata()["ckptfs.values"])
+    assert values["cfg"]["__ckptfs_type__"].endswith("_Cfg") and values["cfg/lr"] == 0.1
+
+
+def test_export_refuses_tensors_without_a_stable_key(memory_backend: Backend, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A tensor in a set has no stable key path: refused with a typed error naming the key
+    path, nothing written (never its repr)."""
+    memory_backend.open().save(1, {"model": {"w": torch.ones(1)},
+                                   "extras": {"s": {torch.ones(2), "a"}}})
+    out = tmp_path / "x.safetensors"
+    code, _, err = run(["export", memory_backend.url, str(out)], capsys)
+    assert code == 2 and "'extras/s'" in err and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.iterdir())
+    code, _, err = run(["export", memory_backend.url, "--key", "model", str(out)], capsys)
+    assert code == 0, err
 
 
 # -- progress bars and bench options -------------------------------------------------------------

@@ -8,8 +8,9 @@
   ``--max-rows`` in all; the rest summarized with its counts), whatever the state holds.
 * ``cp`` copies committed steps between any two URLs under the commit protocol
   (:mod:`ckptfs.cli.transfer`): verified while streamed, marker last.
-* ``export`` writes one step as a single safetensors file (flat ``/``-joined keys, non-tensor
-  values as JSON in ``__metadata__``) or, when asked for ``.pt``, with ``torch.save`` (pickle,
+* ``export`` writes one step as a single safetensors file (flat ``/``-joined keys for every
+  tensor, wherever it sits, extension values included; non-tensor values as JSON in
+  ``__metadata__``; a tensor is never written as text) or, when asked for ``.pt``, with ``torch.save`` (pickle,
   on write only: ckptfs never unpickles).
 
 Progress bars (tqdm, on stderr) appear only when stdout is a terminal and neither ``--quiet``
@@ -19,6 +20,7 @@ nor ``--json`` is given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import math
@@ -49,10 +51,11 @@ from ckptfs.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    UnsupportedValueError,
 )
-from ckptfs.format.extensions import EXT_TAG, unregistered_as_dict
+from ckptfs.format.extensions import EXT_TAG, FALLBACK_TYPE_KEY, unregistered_as_dict
 from ckptfs.format.layout import STATE_NAME
-from ckptfs.format.limits import MAX_HEADER_BYTES, MAX_STATE_DOC_BYTES
+from ckptfs.format.limits import MAX_DEPTH, MAX_HEADER_BYTES, MAX_STATE_DOC_BYTES
 from ckptfs.format.serialize import (
     CODE_DTYPES,
     HeaderEntry,
@@ -565,8 +568,36 @@ def cmd_cp(args: argparse.Namespace) -> int:
 # export
 
 
+def _holds_tensor(value: Any, depth: int = 0) -> bool:
+    """Whether a tensor is reachable from ``value`` through containers, a ``Namespace``'s or
+    other object's attributes, or a dataclass's fields (numpy arrays are data, not tensors)."""
+    if depth > MAX_DEPTH + 8:
+        return False
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(k, depth + 1) or _holds_tensor(v, depth + 1)
+                   for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(v, depth + 1) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_holds_tensor(getattr(value, f.name, None), depth + 1)
+                   for f in dataclasses.fields(value))
+    attrs = getattr(value, "__dict__", None)
+    return isinstance(attrs, dict) and _holds_tensor(attrs, depth + 1)
+
+
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
 def _flatten(value: Any, prefix: str, tensors: dict[str, torch.Tensor],
              values: dict[str, Any]) -> None:
+    """Every tensor of ``value`` under its ``/``-joined key path, wherever it sits (inside an
+    extension value too: a ``Namespace``, a dataclass, a value of a type this process has not
+    registered); the other leaves as JSON values.  A tensor that has no stable key path (in a
+    set, or in an object of another kind) is refused, naming the key path: it is never written
+    as text."""
     def name_for(key: str) -> str:
         name, n = key or "<root>", 1
         while name in tensors or name in values or name == "__metadata__":
@@ -574,12 +605,23 @@ def _flatten(value: Any, prefix: str, tensors: dict[str, torch.Tensor],
             name = f"{key}#{n}"
         return name
 
-    if isinstance(value, dict) and "__ckptfs_type__" not in value:
+    def join(k: Any) -> str:
+        return f"{prefix}/{k}" if prefix else str(k)
+
+    if isinstance(value, dict) and FALLBACK_TYPE_KEY in value:
+        if not _holds_tensor(value):
+            values[name_for(prefix)] = _jsonable(value)
+            return
+        # A value of a type this process has not registered, holding tensors: its payload is
+        # exported in place, its type recorded under its own key path.
+        values[name_for(prefix)] = {FALLBACK_TYPE_KEY: value[FALLBACK_TYPE_KEY]}
+        _flatten(value.get("value"), prefix, tensors, values)
+    elif isinstance(value, dict):
         for k, v in value.items():
-            _flatten(v, f"{prefix}/{k}" if prefix else str(k), tensors, values)
+            _flatten(v, join(k), tensors, values)
     elif isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         for i, v in enumerate(value):
-            _flatten(v, f"{prefix}/{i}" if prefix else str(i), tensors, values)
+            _flatten(v, join(i), tensors, values)
     elif isinstance(value, torch.Tensor):
         tensors[name_for(prefix)] = value
     elif type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
@@ -590,8 +632,20 @@ def _flatten(value: Any, prefix: str, tensors: dict[str, torch.Tensor],
             values[name_for(prefix)] = _jsonable(value)
         else:
             tensors[name_for(prefix)] = t
-    else:
+    elif not _holds_tensor(value):
         values[name_for(prefix)] = _jsonable(value)
+    elif isinstance(value, argparse.Namespace) or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        values[name_for(prefix)] = {FALLBACK_TYPE_KEY: _type_name(value)}
+        fields = (vars(value).items() if isinstance(value, argparse.Namespace)
+                  else ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value)))
+        for k, v in fields:
+            _flatten(v, join(k), tensors, values)
+    else:
+        raise UnsupportedValueError(
+            f"key path {prefix or '<root>'!r}: a {_type_name(value)} holding tensors has no "
+            "stable key path for each of them in a safetensors file; export to .pt, or select "
+            "the other values with --key")
 
 
 def _jsonable(v: Any) -> Any:
