@@ -138,7 +138,8 @@ class CkptfsCheckpointIO(CheckpointIO):
         """The run root ``root`` (a name) inside the directory ``parent``."""
         base = self._dir(parent)
         return ckptfs.CheckpointStore(SubStorage(base.storage, root), algorithm=base.algorithm,
-                                      durable=base.durable, threads=base.threads)
+                                      durable=base.durable, threads=base.threads,
+                                      shard_bytes=base.shard_bytes)
 
     # -- the three calls of Lightning ------------------------------------------------------------
 
