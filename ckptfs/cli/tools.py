@@ -7,11 +7,11 @@
   types this process has not registered.  The rows are bounded (``--max-items`` per container,
   ``--max-rows`` in all; the rest summarized with its counts), whatever the state holds.
 * ``cp`` copies committed steps between any two URLs under the commit protocol
-  (:mod:`ckptfs.cli.transfer`): verified while streamed, marker last.
+  (:mod:`ckptfs.protocol.copy`): verified while streamed, marker last.
 * ``export`` writes one step as a single safetensors file (flat ``/``-joined keys for every
   tensor, wherever it sits, extension values included; non-tensor values as JSON in
-  ``__metadata__``; a tensor is never written as text) or, when asked for ``.pt``, with ``torch.save`` (pickle,
-  on write only: ckptfs never unpickles).
+  ``__metadata__``; a tensor is never written as text) or, when asked for ``.pt``, with
+  ``torch.save`` (pickle, on write only: ckptfs never unpickles).
 
 Progress bars (tqdm, on stderr) appear only when stdout is a terminal and neither ``--quiet``
 nor ``--json`` is given.
