@@ -206,9 +206,11 @@ def test_inspect_refuses_what_load_refuses(local_backend: Backend,
         except ckptfs.CkptfsError as exc:  # before inspect runs: the marker/manifest
             assert load_refused, (name, exc)
             code = 1
-        _, err = capsys.readouterr()
+        out, err = capsys.readouterr()
         assert "Traceback" not in err, name
         assert (code != 0) == load_refused, (name, code, err)
+        if "nested 300 deep" in name:      # the reported case: unsafe, exit 1
+            assert code == 1 and json.loads(out)["error"] == "UnsafeCheckpointError", out
         refused += load_refused
         local_backend.raw_delete(StepPaths(step).dir)
     assert refused > 60
