@@ -169,8 +169,6 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
         "the NumPy types register lazily from the registry (NumPy is optional)",
     frozenset({"ckptfs.protocol.async_save", "ckptfs.protocol.async_sharded"}):
         "issue 16 part 6: AsyncSaver with a small internal API for the sharded form",
-    frozenset({"ckptfs.lifecycle.distributed", "ckptfs.lifecycle.manager"}):
-        "issue 16 part 5: one CheckpointManager body over a coordinator",
     frozenset({"ckptfs.testing.reliability", "ckptfs.testing.reliability.report"}):
         "the report module imports the package's __init__ that imports it",
 }
@@ -263,8 +261,6 @@ def private_uses(name: str) -> list[str]:
 
 #: Friend modules that exist today, with the work that removes them.
 KNOWN_PRIVATE_USES: dict[str, str] = {
-    "ckptfs.lifecycle.distributed": "issue 16 part 5: one CheckpointManager body (the "
-    "distributed manager stops reaching into the manager's privates)",
     "ckptfs.protocol.async_sharded": "issue 16 part 6: AsyncSaver with a small internal API "
     "for the sharded form",
 }
