@@ -47,7 +47,7 @@ from ckptfs.format.layout import MAX_STEP, parse_step_dir, step_dir_name
 from ckptfs.lifecycle.records import LIFECYCLE_DIR, CorruptRecordError, parse_json
 from ckptfs.protocol.load_options import MapLocation
 from ckptfs.protocol.store import CheckpointStore
-from ckptfs.storage.sub import SubStorage as SubStorage  # re-exported (Lightning integration)
+from ckptfs.storage.sub import SubStorage as SubStorage  # re-exported (Lightning, transformers)
 
 log = logging.getLogger("ckptfs")
 
