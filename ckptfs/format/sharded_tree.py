@@ -43,9 +43,11 @@ def _where(path: tuple[Any, ...]) -> str:
 
 def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
     """(the dict handed to DCP, the skeleton).  The view shares every tensor and value with
-    ``state`` (nothing is copied).  Raises :class:`UnsupportedValueError` naming the key path
-    when two keys of one dict read the same as strings (``0`` and ``"0"``), for key types the
-    format cannot hold, and for trees deeper than the format allows."""
+    ``state`` (nothing is copied).  Raises :class:`UnsupportedValueError` naming the key paths
+    when two values would get the same DCP name (two keys of one dict that read the same as
+    strings, ``0`` and ``"0"``; or keys that collide once joined with ``"."``, ``{"a.b": x}``
+    and ``{"a": {"b": y}}``), for key types the format cannot hold, and for trees deeper than
+    the format allows."""
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(
             f"state must be a dict (e.g. {{'model': ..., 'optimizer': ...}}), got "
@@ -84,13 +86,70 @@ def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
             seen.discard(id(value))
             tag = "t" if isinstance(value, tuple) else "l"
             return [p[0] for p in pairs], [tag, [p[1] for p in pairs]]
+        name = ".".join(str(p) for p in path)  # DCP's name of the value (its "fqn")
+        other = names.setdefault(name, path)
+        if other is not path:
+            raise UnsupportedValueError(
+                f"the values at {_where(other)} and {_where(path)} would both be stored as "
+                f"{name!r}: DCP names a value by joining str(key)s with '.', so a sharded "
+                "checkpoint cannot hold both; rename one (no '.' in keys)")
         return value, [_LEAF, None]
 
+    names: dict[str, tuple[Any, ...]] = {}
     view, skeleton = walk(state, ())
     return view, skeleton
 
 
 _MISSING = object()
+
+
+def check_skeleton(tree: Any, stored: set[str], *, where: str) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``tree`` is a well-formed skeleton (§8.4:
+    ``d``/``l``/``t`` nodes and ``["v", nil]`` leaves, keys as in §2.3, at most
+    :data:`MAX_DEPTH` deep, the root a dict) whose leaves, named as DCP names them (the
+    ``"."``-join of ``str(key)`` per dict and the index per list), are exactly ``stored``."""
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: malformed stored tree ({what})")
+
+    leaves: list[str] = []
+
+    def walk(node: Any, path: tuple[str, ...], depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise bad(f"nested deeper than {MAX_DEPTH}")
+        if not isinstance(node, list) or len(node) != 2:
+            raise bad(f"node {node!r:.60}")
+        tag, payload = node
+        if tag == _LEAF:
+            if payload is not None or not path:
+                raise bad(f"leaf {node!r:.60}")
+            leaves.append(".".join(path))
+            return
+        if tag not in ("d", "l", "t") or not isinstance(payload, list):
+            raise bad(f"tag {tag!r:.20}")
+        if tag != "d":
+            for i, child in enumerate(payload):
+                walk(child, (*path, str(i)), depth + 1)
+            return
+        keys: set[Any] = set()
+        for item in payload:
+            if not isinstance(item, list) or len(item) != 2:
+                raise bad("dict item")
+            key = build_tree(item[0], [], where=where)  # a key node of §2.3
+            try:
+                if key in keys:
+                    raise bad(f"duplicate key {key!r:.60}")
+                keys.add(key)
+            except TypeError:
+                raise bad(f"unhashable key {key!r:.60}") from None
+            walk(item[1], (*path, str(key)), depth + 1)
+
+    if not (isinstance(tree, list) and tree and tree[0] == "d"):
+        raise bad("the root is not a dict")
+    walk(tree, (), 0)
+    named = set(leaves)
+    if len(named) != len(leaves) or named != stored:
+        odd = sorted((named ^ stored) or {n for n in leaves if leaves.count(n) > 1})[:3]
+        raise bad(f"its values and the stored names differ: {odd}")
 
 
 def restore(skeleton: Any, loaded: Any, *, where: str) -> Any:
