@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckptfs.errors import CorruptCheckpointError, UnsupportedValueError
+from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 from ckptfs.format.layout import check_relpath
 from ckptfs.format.limits import MAX_DEPTH, MAX_HEADER_BYTES
 from ckptfs.format.manifest import unique_pairs
@@ -251,7 +251,10 @@ def decode_metadata(data: bytes | bytearray | memoryview, *, where: str) -> DcpD
         if not isinstance(fqn, str) or not _is_int(off) or not _is_int(length) or off < 0 \
                 or length < 0:
             raise bad(f"storage_data entry {entry!r:.80}")
-        path = check_relpath(path)  # UnsafeCheckpointError for '..', '/x', ...
+        try:
+            path = check_relpath(path)
+        except UnsafeCheckpointError as exc:  # '..', '/x', ...: name this document
+            raise UnsafeCheckpointError(f"{where}: item {fqn!r:.80}: {exc}") from None
         key = None if offsets is None else tuple(_ints(offsets, "storage_data offsets", bad))
         index = MetadataIndex(fqn, None if key is None else list(key))
         if index in storage:

@@ -26,7 +26,16 @@ from ckptfs.format.limits import MAX_DEPTH
 from ckptfs.format.serialize import Flattener, build_tree
 
 _LEAF = "v"
-_KEY_TYPES = (str, int, float, bool, type(None), bytes, tuple)
+_KEY_TYPES = (str, int, float, bool, type(None), bytes)
+
+
+def _plain_key(key: Any) -> bool:
+    """A key whose ``str()`` docs/protocol.md §8.4 defines: exactly str, int, float, bool,
+    None, bytes, or a tuple of such keys (not a subclass: an Enum or ``torch.Size`` renders
+    otherwise)."""
+    if type(key) is tuple:
+        return all(_plain_key(k) for k in key)
+    return type(key) in _KEY_TYPES
 
 
 def _walked(value: Any) -> bool:
@@ -67,10 +76,12 @@ def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
             view: dict[str, Any] = {}
             items = []
             for k, v in value.items():
-                if not isinstance(k, _KEY_TYPES):
+                if not _plain_key(k):
                     raise UnsupportedValueError(
-                        f"state key {k!r} at {_where(path)} has type {type(k).__name__}; keys "
-                        "must be str, int, float, bool, None, bytes or tuples of those")
+                        f"state key {k!r:.80} at {_where(path)} has type {type(k).__name__}; "
+                        "keys of a sharded state must be str, int, float, bool, None, bytes "
+                        "or tuples of those (exactly these types: DCP names a value by "
+                        "str(key), docs/protocol.md §8.4)")
                 sk = str(k)
                 if sk in view:
                     raise UnsupportedValueError(
