@@ -47,8 +47,9 @@ def _hex(data: bytes) -> str:
 
 def reseal(root: Path, step: int, attempt: str,
            edit_manifest: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Recompute every chunk digest from the stored bytes (chunk boundaries kept; the one
-    chunk of ``dcp.msgpack`` takes its new size), every file digest, then the marker."""
+    """Recompute every chunk digest from the stored bytes with sha256 (chunk boundaries kept;
+    the one chunk of ``dcp.msgpack`` takes its new size), every file digest, then the
+    marker."""
     adir = attempt_dir(root, step, attempt)
     mpath = adir / "MANIFEST.json"
     manifest = json.loads(mpath.read_bytes())
@@ -61,7 +62,8 @@ def reseal(root: Path, step: int, attempt: str,
         for c in f["chunks"]:
             c[2] = _hex(data[c[0]:c[0] + c[1]])
         text = "".join(f"{c[0]} {c[1]} {c[2]}\n" for c in f["chunks"]).encode()
-        f["digest"] = "sha256:" + _hex(text)
+        f["digest"], f["algorithm"] = "sha256:" + _hex(text), "sha256"
+    manifest["hash_algorithm"] = "sha256"
     if edit_manifest is not None:
         edit_manifest(manifest)
     mbytes = json.dumps(manifest, sort_keys=True).encode()
