@@ -157,7 +157,9 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
     return _DTensor(local, like._spec, requires_grad=False)
 
 
-def _optional(module: str, name: str) -> Any:
+def optional_lookup(module: str, name: str) -> Any:
+    """``module.name``, or a class whose construction raises :class:`TorchCompatError`
+    naming it (for the benchmarks' baselines: their absence must not break checkpoints)."""
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
@@ -171,10 +173,11 @@ def _optional(module: str, name: str) -> Any:
 
 
 #: DCP's fsspec storage writer and reader (the benchmarks' DCP baseline only).
-FsspecWriter: Any = _optional("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter")
-FsspecReader: Any = _optional("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader")
+_FSSPEC = "torch.distributed.checkpoint._fsspec_filesystem"
+FsspecWriter: Any = optional_lookup(_FSSPEC, "FsspecWriter")
+FsspecReader: Any = optional_lookup(_FSSPEC, "FsspecReader")
 
 __all__ = ["MIN_TORCH", "EmptyStateDictLoadPlanner", "FsspecReader", "FsspecWriter",
            "TorchCompatError", "check_version", "default_store", "dtensor_like",
            "dtensor_local", "group_timeout", "load_state_dict", "lookup",
-           "narrow_tensor_by_index", "set_element", "torch_version"]
+           "narrow_tensor_by_index", "optional_lookup", "set_element", "torch_version"]
