@@ -4,7 +4,8 @@ must do that one process cannot show.
 * values that differ between ranks are stored as one rank's copy (the lowest rank holding the
   value), never mixed key by key;
 * a corrupt or newer ``dcp.msgpack``, a symbolic link in the attempt, a target tensor of another
-  dtype, keys that collide once dotted: the same typed error on every rank, nothing loaded;
+  dtype, keys that collide once dotted: the same typed error on every rank, nothing loaded; so
+  a collective ``restore_latest(allow_rollback=True)`` rolls back over a damaged newest step;
 * a rank that never calls save: the survivor fails within the collective timeout it was given
   (ckptfs's group being created at the first save included; no fallback to the default group's
   timeout), naming that rank and never itself."""
@@ -92,6 +93,28 @@ def job_hostile(rank: int, world: int, url: str) -> dict[str, Any]:
     store.load(1, into=into)
     out["w1"] = into["w"].full_tensor()
     out["trainer1"] = into["trainer"]
+    # The manager's collective restore: the newest step's dcp.msgpack is damaged.
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)),
+                        mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    mgr_url = url + "-manager"
+    mgr = ckptfs.CheckpointManager(mgr_url, keep_last=5)
+    for step in (1, 2):
+        mgr.save(step, model=model, optimizer=opt)
+    if rank == 0:
+        attempt = ckptfs.open(mgr_url).info(2).attempt
+        path = attempt_dir(Path(mgr_url), 2, attempt) / "dcp.msgpack"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+    dist.barrier()
+    out["restore"] = _outcome(lambda: ckptfs.CheckpointManager(mgr_url).restore_latest(
+        model=model, optimizer=opt))
+    out["restore_rollback"] = ckptfs.CheckpointManager(mgr_url).restore_latest(
+        model=model, optimizer=opt, allow_rollback=True)
     return out
 
 
@@ -116,6 +139,9 @@ def test_hostile_input_on_two_ranks(tmp_path: Path) -> None:
         assert torch.equal(r["w1"], torch.arange(12, dtype=torch.float32).reshape(4, 3))
         # Values every rank holds: rank 0's copy, whole; rank 1's own value: its copy.
         assert r["trainer1"] == {"step": 100, "tag": "rank0", "same": [1, 2], "lr": 0.5}
+        # the manager: refused without allow_rollback, step 1 restored with it (returns 1 + 1)
+        assert r["restore"][0] == "CorruptCheckpointError" and "dcp.msgpack" in r["restore"][1]
+        assert r["restore_rollback"] == 2
     full = ckptfs.open(url).load(1)
     assert full["trainer"] == {"step": 100, "tag": "rank0", "same": [1, 2], "lr": 0.5}
     assert full["only1"] == {"x": 7}
