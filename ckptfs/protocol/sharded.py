@@ -1,5 +1,8 @@
 """Sharded checkpoints (format v2): collective save, load into any world size, full load in one
-process, verification, and the pickle-free DCP planners.
+process, verification, and the collectives' failure handling.  The pickle-free DCP planners are
+:mod:`ckptfs.protocol.sharded_plan`, the storage writer and reader
+:mod:`~ckptfs.protocol.sharded_io` and :mod:`~ckptfs.protocol.sharded_read`, the format's
+codecs :mod:`ckptfs.format.sharded` and :mod:`ckptfs.format.sharded_metadata`.
 
 Design decision: **DCP plans, ckptfs stores and commits.**  torch.distributed.checkpoint's own
 planners decide who writes what (DTensor shards by their owners, replicated values once) and how
@@ -12,7 +15,23 @@ Every rank enters the collective even when its own input is bad: an error found 
 all ranks fail together instead of leaving the others waiting.  DCP reports failures as
 ``CheckpointException`` (a ``BaseException``); :func:`map_failure` turns it into a ckptfs error
 naming the failing ranks, raised on every rank.  The collectives run on a dedicated gloo group
-whose timeout (:data:`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead or hung peer.
+whose timeout (:data:`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead, hung or
+absent peer, the group's own creation included; :class:`_Liveness` names that peer.
+
+A collective save, step by step (every rank calls :func:`save_sharded`)::
+
+    every rank    sets its liveness key ("in"); ckptfs's gloo group (created at the first save)
+    every rank    dcp.save -> planner: the state's DCP view, values encoded (a bad value raises
+                  here, gathered by DCP from every rank), the local plan
+    coordinator   values from the lowest rank holding them; ShardedWriter.prepare_global_plan:
+                  one attempt, the manifest checked against every reader limit
+    every rank    ShardedWriter.write_data: its rank file, hashed while written; key "done"
+    coordinator   ShardedWriter.finish: dcp.msgpack, MANIFEST.json, COMPLETE (Attempt.commit)
+    every rank    the same CheckpointInfo, or the same typed error
+
+A collective load (:func:`load_into`) runs the reader's sequence of
+:class:`~ckptfs.protocol.sharded_read.ShardedReader`; the full load (:func:`load_full`, one
+process) lists the attempt and reads ``dcp.msgpack`` before DCP runs.
 """
 
 from __future__ import annotations
