@@ -99,6 +99,11 @@ def _missing_key(doc: dict[str, Any]) -> None:
     del doc["planner_data"]
 
 
+def _size_key(doc: dict[str, Any]) -> None:  # a torch.Size as a dict key: str() is torch's
+    item = next(i for i in doc["tree"][1] if i[0] == "w")
+    item[0] = ["S", [6]]
+
+
 def _bool_as_int(doc: dict[str, Any]) -> None:
     doc["state_dict_metadata"]["w"]["requires_grad"] = 0
 
@@ -115,6 +120,7 @@ TAMPERED = {
     "huge_array": (_huge_array, CorruptCheckpointError, "not valid msgpack"),
     "missing_key": (_missing_key, CorruptCheckpointError, "planner_data"),
     "bool_as_int": (_bool_as_int, CorruptCheckpointError, "requires_grad"),
+    "size_key": (_size_key, CorruptCheckpointError, "is not a str, int"),
 }
 
 

@@ -114,6 +114,19 @@ def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
 _MISSING = object()
 
 
+def _plain_key_node(node: Any) -> bool:
+    """A §2.3 key node of the key types a v2 tree may hold (§8.4): str, int (``i`` nodes too),
+    float, bool, nil, bin, and ``t`` nodes of those."""
+    if node is None or isinstance(node, (bool, int, float, str, bytes)):
+        return True
+    if not (isinstance(node, list) and len(node) == 2):
+        return False
+    if node[0] == "i":
+        return True
+    return node[0] == "t" and isinstance(node[1], list) and all(
+        _plain_key_node(k) for k in node[1])
+
+
 def check_skeleton(tree: Any, stored: set[str], *, where: str) -> None:
     """Raise :class:`CorruptCheckpointError` unless ``tree`` is a well-formed skeleton (§8.4:
     ``d``/``l``/``t`` nodes and ``["v", nil]`` leaves, keys as in §2.3, at most
@@ -145,6 +158,9 @@ def check_skeleton(tree: Any, stored: set[str], *, where: str) -> None:
         for item in payload:
             if not isinstance(item, list) or len(item) != 2:
                 raise bad("dict item")
+            if not _plain_key_node(item[0]):
+                raise bad(f"key {item[0]!r:.60} is not a str, int, float, bool, nil, bin or "
+                          "tuple of those")
             key = build_tree(item[0], [], where=where)  # a key node of §2.3
             try:
                 if key in keys:
