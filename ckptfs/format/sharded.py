@@ -1,6 +1,7 @@
 """Format v2, the sharded layout: names, chunk digests, the v2 manifest, the rank files'
-safetensors headers and the pickle-free encoding of non-tensor values (``dcp.msgpack``, DCP's
-global metadata, is :mod:`ckptfs.format.sharded_metadata`).  Pure: no I/O, no collectives.
+safetensors headers (as planned by the writer) and the pickle-free encoding of non-tensor
+values.  ``dcp.msgpack`` (DCP's global metadata) and the checks binding it to the manifest and
+to the headers are :mod:`ckptfs.format.sharded_metadata`.  Pure: no I/O, no collectives.
 
 A sharded checkpoint is written by several ranks into one attempt::
 
