@@ -231,11 +231,11 @@ def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 def bench_load(root: Path, reps: int) -> dict[str, Any]:
     """2 -> 1: the W=2 checkpoints loaded whole in this process, alternating; bit-compared."""
     import torch
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     import ckptfs
+    from ckptfs.torch_compat import EmptyStateDictLoadPlanner as _EmptyStateDictLoadPlanner
+    from ckptfs.torch_compat import load_state_dict as _load_state_dict
 
     ck = next(root.glob("ckptfs-*"))
     dc = next(root.glob("dcp-*"))
