@@ -19,7 +19,12 @@ DCP's metadata in msgpack, one exclusive ``COMPLETE`` marker.  Nothing is pickle
 values (``torch.save``) and unpickle them (``torch.load(weights_only=False)``); the writer and
 reader refuse them with :class:`~ckptfs.UnsupportedValueError`: pass the planners of this
 module.  DCP wraps every error in its ``CheckpointException`` (a ``BaseException``); the ckptfs
-error is in its ``failures``.  ``ckptfs.open(url).save/load`` raise ckptfs errors directly.
+error is in its ``failures``, from every rank: the ``Reader`` raises a damaged, malformed or
+newer ``dcp.msgpack`` (and a missing step) inside DCP's planning step, never from
+``read_metadata``, so it is the typed error (``CorruptCheckpointError``,
+``FormatVersionError``...) rather than DCP's "metadata is None".  The ``Reader`` never converts a
+tensor to another dtype, whatever the planner (``LoadOptionError``).
+``ckptfs.open(url).save/load`` raise ckptfs errors directly.
 """
 
 from __future__ import annotations

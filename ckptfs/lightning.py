@@ -35,6 +35,17 @@ backend: an object store has no modification time for a directory.  Removing ``P
 first (Lightning then sees the name as free), then every step of ``P.ckptfs`` (marker first), then
 everything under it.
 
+**Saving or removing ``P`` never changes what another path resolves to.**  ``save_last="link"``
+makes ``last.ckpt`` a symbolic link to a top-k link file: saving ``last.ckpt`` replaces the
+symbolic link itself with a link file of its own (writing through it would rewrite the top-k
+path's link to name ``last.ckpt.ckptfs``), and removing it removes only the symbolic link.  A run
+root ``P.ckptfs`` that is itself a symbolic link (ckptfs never makes one) is likewise replaced by a
+real root on save and unlinked on remove, never committed into or pruned.  Links are found in the
+listing of the directory (``Entry.is_link``), where directories are real (local disk; object
+stores have none).  Reading ``P`` reads at most 64 KiB + 1 byte of it (a ranged read) and accepts
+only a flat JSON link, so a large file or deeply nested JSON at ``P`` costs nothing and falls back
+to ``P.ckptfs``.
+
 Everything in the checkpoint is stored without pickle; hyper-parameters of the types ckptfs
 registers (``pathlib`` paths, ``argparse.Namespace``, dataclasses and ``Enum`` members you
 register, ``set``, NumPy arrays and scalars, ``torch.device``; see docs/protocol.md) come back
@@ -46,6 +57,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -55,6 +67,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint as _ModelCheckpoint
 import ckptfs
 from ckptfs.errors import CheckpointNotFoundError, UnsupportedValueError
 from ckptfs.lifecycle.artifacts import SubStorage
+from ckptfs.storage.base import Storage, read_range
 
 __all__ = ["LINK_FORMAT", "ROOT_SUFFIX", "CkptfsCheckpointIO", "ModelCheckpoint",
            "load_from_checkpoint", "root_of"]
@@ -65,6 +78,10 @@ ROOT_SUFFIX = ".ckptfs"
 LINK_FORMAT = "ckptfs-lightning-link/1"
 #: A link file larger than this is not a link (a ``torch.save`` file, say).
 _MAX_LINK_BYTES = 64 * 1024
+#: Nesting of a link file's JSON: a link is one flat object (depth 1); a little room for later
+#: fields.  Deeper JSON is not a link (and never reaches the recursive JSON parser).
+_MAX_LINK_DEPTH = 4
+_JSON_SPECIAL = re.compile(rb'[\\"\[\]{}]')
 
 M = TypeVar("M")
 
@@ -121,7 +138,8 @@ class CkptfsCheckpointIO(CheckpointIO):
         """The run root ``root`` (a name) inside the directory ``parent``."""
         base = self._dir(parent)
         return ckptfs.CheckpointStore(SubStorage(base.storage, root), algorithm=base.algorithm,
-                                      durable=base.durable, threads=base.threads)
+                                      durable=base.durable, threads=base.threads,
+                                      shard_bytes=base.shard_bytes)
 
     # -- the three calls of Lightning ------------------------------------------------------------
 
@@ -137,16 +155,26 @@ class CkptfsCheckpointIO(CheckpointIO):
                 "storage options once, as CkptfsCheckpointIO(**storage_options)")
         url = _url(path)
         parent, name = _split(url)
-        store = self._root(parent, name + ROOT_SUFFIX)
+        root = name + ROOT_SUFFIX
+        storage = self._dir(parent).storage
+        links = _symlinks(storage, (name, root))
+        if root in links:
+            # Committing through a linked root would commit into (and prune) another path's.
+            storage.delete(root)        # the link only, never what it points to
+        store = self._root(parent, root)
         committed = store.steps()
         step = committed[-1] + 1 if committed else 0
         info = store.save(step, checkpoint, metadata={"lightning": {
             "path": name, "epoch": checkpoint.get("epoch"),
             "global_step": checkpoint.get("global_step")}})
-        link = {"format": LINK_FORMAT, "root": name + ROOT_SUFFIX, "step": info.step,
+        link = {"format": LINK_FORMAT, "root": root, "step": info.step,
                 "load_with": "ckptfs.lightning.load_from_checkpoint(ModelClass, path)"}
-        self._dir(parent).storage.write_bytes(
-            name, json.dumps(link, indent=1).encode() + b"\n")
+        if name in links:
+            # save_last="link": writing through the symbolic link would rewrite the link file
+            # of the path it points to.  Replace the symbolic link itself (a crash in between
+            # leaves no link: loading P then falls back to P.ckptfs, just committed).
+            storage.delete(name)
+        storage.write_bytes(name, json.dumps(link, indent=1).encode() + b"\n")
         for old in store.all_steps():
             if old < info.step:
                 store.delete(old)
@@ -171,12 +199,18 @@ class CkptfsCheckpointIO(CheckpointIO):
         error, as for ``fs.rm``."""
         url = _url(path)
         parent, name = _split(url)
-        self._dir(parent).storage.delete(name)
+        root = name + ROOT_SUFFIX
+        storage = self._dir(parent).storage
+        links = _symlinks(storage, (root,))
+        storage.delete(name)            # a symbolic link (save_last="link"): the link only
         _forget_listing(url)
-        store = self._root(parent, name + ROOT_SUFFIX)
-        for step in store.all_steps():
-            store.delete(step)
-        self._dir(parent).storage.delete_tree(name + ROOT_SUFFIX)
+        if root in links:
+            storage.delete(root)        # a linked root: the link only, never its target
+        else:
+            store = self._root(parent, root)
+            for step in store.all_steps():
+                store.delete(step)
+            storage.delete_tree(root)
         _forget_listing(url)
 
     def teardown(self) -> None:
@@ -190,8 +224,9 @@ class CkptfsCheckpointIO(CheckpointIO):
         parent, name = _split(url)
         default = name + ROOT_SUFFIX
         try:
-            raw = self._dir(parent).storage.read_bytes(name)
-        except (FileNotFoundError, IsADirectoryError):
+            # At most one byte more than a link may have: a large file here is not read whole.
+            raw = read_range(self._dir(parent).storage, name, 0, _MAX_LINK_BYTES + 1)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return parent, default
         root = _link_root(raw)
         if root is not None:
@@ -236,7 +271,7 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 def _link_root(raw: bytes) -> str | None:
     """The root named by a link file, or ``None`` if ``raw`` is not a well-formed link.  The
     name must be a plain sibling ending in ``.ckptfs``: a link never points elsewhere."""
-    if len(raw) > _MAX_LINK_BYTES:
+    if len(raw) > _MAX_LINK_BYTES or _json_depth(raw, _MAX_LINK_DEPTH) > _MAX_LINK_DEPTH:
         return None
     try:
         link = json.loads(raw)
@@ -250,6 +285,41 @@ def _link_root(raw: bytes) -> str | None:
             or posixpath.normpath(root) != root):
         return None
     return root
+
+
+def _json_depth(raw: bytes, limit: int) -> int:
+    """How deeply the JSON text ``raw`` nests objects and arrays (brackets inside strings do not
+    count), up to ``limit + 1``: one linear scan of its special characters, no recursion."""
+    depth = deepest = 0
+    in_string, escaped = False, -1
+    for m in _JSON_SPECIAL.finditer(raw):
+        pos, c = m.start(), m.group()
+        if pos == escaped:
+            continue
+        if in_string:
+            if c == b"\\":
+                escaped = pos + 1
+            elif c == b'"':
+                in_string = False
+        elif c == b'"':
+            in_string = True
+        elif c in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return deepest
+
+
+def _symlinks(storage: Storage, names: tuple[str, ...]) -> set[str]:
+    """Which of ``names`` (entries of the directory ``storage`` is rooted at) are symbolic
+    links, from one listing (``Entry.is_link``).  Only where directories are real: object stores
+    have no links, and the listing would be one more request per save."""
+    if not storage.capabilities.real_directories:
+        return set()
+    return {e.basename for e in storage.list_dir("") if e.is_link and e.basename in names}
 
 
 def _forget_listing(url: str) -> None:

@@ -52,6 +52,7 @@ from ckptfs.errors import (
 )
 from ckptfs.format.layout import CHECKPOINTS_DIR, step_dir_name
 from ckptfs.lifecycle import rng
+from ckptfs.lifecycle.artifacts import SubStorage
 
 log = logging.getLogger("ckptfs")
 
@@ -146,8 +147,12 @@ class CkptfsTrainer(Trainer):  # type: ignore[misc,unused-ignore]  # Any without
             return self.checkpoint_store
         name = self._get_output_dir(trial).rstrip("/").rsplit("/", 1)[-1]
         if name not in self._trial_stores:
-            self._trial_stores[name] = ckptfs.open(
-                f"{self.checkpoint_store.url.rstrip('/')}/{name}", **self._storage_options)
+            # A sub-root over the run root's own storage: the same client, retries, write
+            # budget and wrappers (a store given as checkpoint_url keeps them for every trial).
+            base = self.checkpoint_store
+            self._trial_stores[name] = ckptfs.CheckpointStore(
+                SubStorage(base.storage, name), algorithm=base.algorithm, durable=base.durable,
+                threads=base.threads, shard_bytes=base.shard_bytes)
         return self._trial_stores[name]
 
     def resolve_checkpoint(self, ref: object) -> tuple[ckptfs.CheckpointStore, int]:

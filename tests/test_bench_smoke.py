@@ -24,10 +24,24 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     results, docs = root / "results", root / "docs"
     rc = bench_main(["all", "--sizes", "2MiB", "--s3-sizes", "2MiB", "--hash-size", "1MiB",
                      "--counts", "3,12", "--reps", "1", "--in-process",
+                     "--fresh-size", "2MiB", "--fresh-rounds", "1",
                      "--results", str(results), "--docs", str(docs),
                      "--note", "smoke run"])
     assert rc == 0
     return results, docs
+
+
+def test_fresh_process_question(smoke: tuple[Path, Path]) -> None:
+    """Import + first save/load in new processes, for ckptfs, DCP and torch.save, with the
+    ratios against ckptfs (the regression a long-lived benchmark process never sees)."""
+    results, docs = smoke
+    fresh = json.loads((results / "fresh.json").read_text())
+    assert set(fresh["summary"]) == {"ckptfs", "dcp", "torch"}
+    for lib, s in fresh["summary"].items():
+        assert 0 < s["save_import"] < s["save_fresh"], lib
+        assert s["load_fresh"] > 0 and s["save_steady"] > 0, lib
+    assert "dcp/ckptfs save_fresh" in fresh["ratios"]
+    assert "## A fresh process" in (docs / "benchmarks.md").read_text()
 
 
 def test_every_question_wrote_results(smoke: tuple[Path, Path]) -> None:

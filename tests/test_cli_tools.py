@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import enum
 import json
 import pathlib
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 import ckptfs
-from ckptfs.cli import tools
+from ckptfs.cli import inspection, tools
 from ckptfs.cli.core import main
 from ckptfs.format import extensions
 from ckptfs.format.layout import StepPaths
@@ -23,6 +26,7 @@ from ckptfs.protocol.copy import copy_step
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
+from ckptfs.testing.reliability import Planter, hostile_cases, raw_storage, store_on
 
 
 def state(step: int) -> dict[str, Any]:
@@ -97,7 +101,7 @@ def test_inspect_reads_only_headers(local_backend: Backend) -> None:
     big = torch.randn(256, 1024)  # 1 MiB of tensor bytes
     info = store.save(3, {"big": big})
     counting = CountingStorage(store.storage)
-    doc = tools.inspect_info(CheckpointStore(counting), info)  # type: ignore[arg-type]
+    doc = inspection.inspect_info(CheckpointStore(counting), info)  # type: ignore[arg-type]
     tensor_file = f"{info.path}/tensors-00000.safetensors"
     assert 0 < counting.read[tensor_file] < 1024  # the header only
     assert doc["tree"][0]["shape"] == [256, 1024]
@@ -121,6 +125,145 @@ def test_inspect_missing_step_fails(memory_backend: Backend,
     populate(memory_backend, (1,))
     code, _, err = run(["inspect", memory_backend.url, "--step", "7"], capsys)
     assert code == 1 and "step 7" in err and "Traceback" not in err
+
+
+def test_inspect_rows_are_bounded_and_summarized(memory_backend: Backend,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Long containers show their first --max-items children and one summary row with the
+    counts of the rest; --max-rows bounds the rows in all."""
+    store = memory_backend.open()
+    state = {"a": list(range(10)),
+             "b": {f"k{i}": torch.ones(i + 1) for i in range(5)},
+             "c": [{"x": torch.zeros(2, dtype=torch.float64)}, 3, 4]}
+    store.save(1, state)
+    code, out, _ = run(["inspect", memory_backend.url, "--json", "--max-items", "2"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    rows = {r["key"]: r for r in doc["tree"]}
+    assert [r["key"] for r in doc["tree"] if r["depth"] == 1] == ["a", "b", "..."]
+    assert rows["a"]["items"] == 10 and "a/1" in rows and "a/2" not in rows
+    assert rows["a/..."] == {"key": "a/...", "depth": 2, "kind": "more", "items": 8,
+                             "rows": 8, "tensors": 0, "bytes": 0}
+    assert rows["b/..."]["items"] == 3 and rows["b/..."]["tensors"] == 3
+    assert rows["b/..."]["bytes"] == (3 + 4 + 5) * 4
+    # the top level's third key, "c", with everything under it
+    assert rows["..."] == {"key": "...", "depth": 1, "kind": "more", "items": 1, "rows": 5,
+                           "tensors": 1, "bytes": 16}
+    # the header counts every tensor, shown or not
+    assert doc["tensors"] == {"count": 6, "bytes": (1 + 2 + 3 + 4 + 5) * 4 + 16}
+    code, out, _ = run(["inspect", memory_backend.url, "--json", "--max-rows", "3"], capsys)
+    rows_list = json.loads(out)["tree"]
+    assert [r["key"] for r in rows_list] == ["a", "a/0", "a/1", "..."]
+    assert rows_list[-1]["rows"] == 8 + 6 + 5 and rows_list[-1]["tensors"] == 6
+    code, text, _ = run(["inspect", memory_backend.url, "--max-items", "2"], capsys)
+    assert code == 0 and "... 8 more items, 8 more rows (0 tensors, 0 B)" in text
+    for bad in ("0", "-1", "x"):
+        code, _, err = run(["inspect", memory_backend.url, "--max-items", bad], capsys)
+        assert code == 2 and "--max-items" in err
+
+
+def test_inspect_memory_does_not_grow_with_a_long_list(local_backend: Backend) -> None:
+    """Regression: a 2.3 MiB checkpoint holding a 500k-int list cost ~500 MiB (one row dict
+    and one text line per int); the rows are bounded now, the rest is the decoded document."""
+    n = 300_000
+    store = local_backend.open()
+    store.save(1, {"w": torch.ones(3), "big": list(range(n)), "d": {str(i): i for i in
+                                                                     range(3000)}})
+    info = store.info(1)
+    tracemalloc.start()
+    try:
+        doc = inspection.inspect_info(store, info)
+        text = json.dumps(doc)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(doc["tree"]) < 2 * inspection.DEFAULT_MAX_ITEMS + 10
+    more = {r["key"]: r for r in doc["tree"] if r["kind"] == "more"}
+    assert more["big/..."]["items"] == n - inspection.DEFAULT_MAX_ITEMS
+    assert more["d/..."]["items"] == 3000 - inspection.DEFAULT_MAX_ITEMS
+    assert len(text) < 1 << 20
+    assert peak < 48 << 20, peak >> 20     # was ~130 MiB at this size (rows), ~500 MiB at 500k
+
+
+def test_inspect_refuses_what_load_refuses(local_backend: Backend,
+                                           capsys: pytest.CaptureFixture[str],
+                                           tmp_path: Path) -> None:
+    """Every hostile checkpoint of the reliability sweep (a tree nested 300 deep, malformed
+    tags, big ints, keys, headers, links, sizes...): inspect refuses each one that load
+    refuses, with a typed error and a nonzero exit, and accepts the others."""
+    pl = Planter(local_backend)
+    reader = store_on(raw_storage(local_backend))
+    refused = 0
+    for name, build, _expected in hostile_cases(pl, str(tmp_path / "EXECUTED"), local=True):
+        step = build()
+        try:
+            reader.load(step)
+            load_refused = False
+        except ckptfs.CkptfsError:
+            load_refused = True
+        try:
+            code = main(["inspect", local_backend.url, "--step", str(step), "--json"])
+        except ckptfs.CkptfsError as exc:  # before inspect runs: the marker/manifest
+            assert load_refused, (name, exc)
+            code = 1
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err, name
+        assert (code != 0) == load_refused, (name, code, err)
+        if "nested 300 deep" in name:      # the reported case: unsafe, exit 1
+            assert code == 1 and json.loads(out)["error"] == "UnsafeCheckpointError", out
+        refused += load_refused
+        local_backend.raw_delete(StepPaths(step).dir)
+    assert refused > 60
+    assert not (tmp_path / "EXECUTED").exists()
+
+
+def _sharded_checkpoint(backend: Backend) -> CheckpointStore:
+    import torch.distributed.checkpoint as dcp
+
+    import ckptfs.dcp
+
+    state = {"model": {f"w{i}": torch.randn(4, 4) for i in range(5)}, "step": 3}
+    dcp.save(state, storage_writer=ckptfs.dcp.Writer(backend.url, 1),  # type: ignore[attr-defined]
+             planner=ckptfs.dcp.SavePlanner())
+    return backend.open()
+
+
+def test_inspect_sharded_checkpoint(local_backend: Backend,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Format v2: the flat DCP keys, bounded by --max-rows; a damaged or linked rank file is
+    refused as load refuses it."""
+    store = _sharded_checkpoint(local_backend)
+    info = store.info(1)
+    assert info.manifest.format_version == 2
+    code, out, err = run(["inspect", local_backend.url, "--json"], capsys)
+    assert code == 0, err
+    rows = {r["key"]: r for r in json.loads(out)["tree"]}
+    assert rows["model.w0"]["kind"] == "tensor" and rows["model.w0"]["shape"] == [4, 4]
+    assert rows["model.w0"]["chunks"] == 1 and rows["step"]["kind"] == "value"
+    code, out, _ = run(["inspect", local_backend.url, "--json", "--max-rows", "2"], capsys)
+    tree = json.loads(out)["tree"]
+    assert [r["key"] for r in tree] == ["model.w0", "model.w1", "..."]
+    assert tree[-1]["rows"] == 4 and tree[-1]["tensors"] == 3 and tree[-1]["bytes"] == 3 * 64
+    code, text, _ = run(["inspect", local_backend.url], capsys)
+    assert code == 0 and "model.w0: F32 [4, 4] 64 B  (1 chunks)" in text
+
+    data = next(e.path for e in info.manifest.files if e.path.endswith(".safetensors"))
+    rel = f"{info.path}/{data}"
+    original = local_backend.raw_read(rel)
+    local_backend.raw_write(rel, original[:-1])
+    with pytest.raises(ckptfs.CorruptCheckpointError):
+        store.load(1)
+    code, _, err = run(["inspect", local_backend.url], capsys)
+    assert code == 1 and data in err and "Traceback" not in err
+    target = Path(local_backend.raw_root) / "elsewhere.bin"
+    target.write_bytes(original)
+    link = Path(local_backend.raw_root, *rel.split("/"))
+    link.unlink()
+    link.symlink_to(target)
+    with pytest.raises(ckptfs.UnsafeCheckpointError):
+        store.load(1)
+    code, _, err = run(["inspect", local_backend.url, "--json"], capsys)
+    assert code == 1 and "symbolic link" in err
 
 
 # -- cp ----------------------------------------------------------------------------------------
@@ -303,6 +446,64 @@ def test_export_unregistered_type_as_plain_dict(memory_backend: Backend,
     with safe_open(str(out), framework="pt") as f:
         values = json.loads(f.metadata()["ckptfs.values"])
     assert values["stage"] == {"__ckptfs_type__": "tests.Stage", "value": "A"}
+
+
+@dataclasses.dataclass
+class _Cfg:
+    lr: float
+    table: torch.Tensor
+
+
+def test_export_tensors_inside_extension_values(memory_backend: Backend, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: tensors inside a Namespace or a dataclass were written as their repr text
+    in ckptfs.values.  Every tensor gets a safetensors key by its key path, wherever it sits;
+    the extension value's type is recorded under its own path."""
+    ckptfs.register_type(_Cfg, name="tests.Cfg")
+    ns = argparse.Namespace(seed=3, mask=torch.arange(4), nested={"w": torch.ones(2)})
+    store = memory_backend.open()
+    store.save(1, {"model": {"w": torch.zeros(3)}, "args": ns,
+                   "cfg": _Cfg(0.1, torch.eye(2)), "other": _Cfg(0.2, torch.ones(1))})
+    extensions.unregister_type("tests.Cfg")          # the CLI does not know the class
+    out = tmp_path / "x.safetensors"
+    code, _, err = run(["export", memory_backend.url, str(out)], capsys)
+    assert code == 0, err
+    with safe_open(str(out), framework="pt") as f:
+        keys = set(f.keys())
+        got = {k: f.get_tensor(k) for k in keys}
+        values = json.loads(f.metadata()["ckptfs.values"])
+    assert keys == {"model/w", "args/mask", "args/nested/w", "cfg/table", "other/table"}
+    assert torch.equal(got["args/mask"], torch.arange(4))
+    assert torch.equal(got["cfg/table"], torch.eye(2))
+    assert values["args"] == {"__ckptfs_type__": "argparse.Namespace"} and values["args/seed"] == 3
+    assert values["cfg"] == {"__ckptfs_type__": "tests.Cfg"} and values["cfg/lr"] == 0.1
+    assert "tensor(" not in json.dumps(values) and "__repr__" not in json.dumps(values)
+
+    # registered in the exporting process: a dataclass instance, exported the same way
+    ckptfs.register_type(_Cfg, name="tests.Cfg")
+    try:
+        code, _, err = run(["export", memory_backend.url, "--force", str(out)], capsys)
+    finally:
+        extensions.unregister_type("tests.Cfg")
+    assert code == 0, err
+    with safe_open(str(out), framework="pt") as f:
+        assert {"cfg/table", "other/table"} <= set(f.keys())
+        values = json.loads(f.metadata()["ckptfs.values"])
+    assert values["cfg"]["__ckptfs_type__"].endswith("_Cfg") and values["cfg/lr"] == 0.1
+
+
+def test_export_refuses_tensors_without_a_stable_key(memory_backend: Backend, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A tensor in a set has no stable key path: refused with a typed error naming the key
+    path, nothing written (never its repr)."""
+    memory_backend.open().save(1, {"model": {"w": torch.ones(1)},
+                                   "extras": {"s": {torch.ones(2), "a"}}})
+    out = tmp_path / "x.safetensors"
+    code, _, err = run(["export", memory_backend.url, str(out)], capsys)
+    assert code == 2 and "'extras/s'" in err and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.iterdir())
+    code, _, err = run(["export", memory_backend.url, "--key", "model", str(out)], capsys)
+    assert code == 0, err
 
 
 # -- progress bars and bench options -------------------------------------------------------------

@@ -5,6 +5,7 @@ One rank job does every distributed case (spawning ranks is the expensive part).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +86,24 @@ def job_adapter(rank: int, world: int, url: str, opts: dict[str, Any]) -> Any:
     out["missing"] = _failure_text(lambda: dcp.load(
         targets(plain, mesh, lambda t: None), storage_reader=ckptfs.dcp.Reader(url, 99, **opts),
         planner=ckptfs.dcp.LoadPlanner()))
+    # A damaged dcp.msgpack: the typed ckptfs error inside DCP's exception on every rank (not
+    # DCP's "metadata is None"); the step is deleted again afterwards.
+    store = ckptfs.open(url, **opts)
+    store.save(6, state)
+    if rank == 0:
+        info = store.info(6)
+        path = Path(url.removeprefix("file://")) / StepPaths(6).file(info.attempt,
+                                                                      "dcp.msgpack")
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+    dist.barrier()
+    out["corrupt_md"] = _failure_text(lambda: dcp.load(
+        targets(plain, mesh, lambda t: None), storage_reader=ckptfs.dcp.Reader(url, 6, **opts),
+        planner=ckptfs.dcp.LoadPlanner()))
+    dist.barrier()
+    if rank == 0:
+        store.delete(6)
     return out
 
 
@@ -111,6 +130,8 @@ def test_dcp_adapter_save_async_load_and_refusals(local_backend: Backend) -> Non
         assert r["no_collectives"].startswith("UnsupportedValueError") and \
             "use_collectives=False" in r["no_collectives"]
         assert "step 99 is not committed" in r["missing"]
+        assert "CorruptCheckpointError" in r["corrupt_md"] and "dcp.msgpack" in r["corrupt_md"]
+        assert "metadata is None" not in r["corrupt_md"], r["corrupt_md"]
     names = [p for p in b.raw_fs.find(b.raw_root)]
     assert not [p for p in names if p.endswith((".metadata", ".distcp"))]
     assert not b.raw_fs.exists(b._p(StepPaths(3).marker))

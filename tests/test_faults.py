@@ -6,16 +6,40 @@ from __future__ import annotations
 import pytest
 
 from ckptfs.errors import StorageError
-from ckptfs.storage.base import Storage
+from ckptfs.storage.base import OPTIONAL_CAPABILITIES, Storage, supports
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage, SimulatedCrash, TransientStorageError
 from ckptfs.testing.reliability import raw_storage, state_for, store_on
 
 
-def test_is_a_storage_and_forwards_extras(local_backend: Backend) -> None:
-    fs = FaultyStorage(raw_storage(local_backend))
+def test_is_a_storage_and_keeps_the_capabilities(local_backend: Backend) -> None:
+    """An explicit wrapper (no ``__getattr__``): the capabilities data and every optional
+    capability of the storage it wraps (the full check: tests/test_storage_wrappers.py)."""
+    raw = raw_storage(local_backend)
+    fs = FaultyStorage(raw)
     assert isinstance(fs, Storage)
     assert fs.capabilities == fs.inner.capabilities
+    assert all(supports(fs, c) == supports(raw, c) for c in OPTIONAL_CAPABILITIES)
+    assert "__getattr__" not in vars(FaultyStorage)
+
+
+def test_optional_reads_are_requests_too(memory_backend: Backend) -> None:
+    """A ranged read is a read: counted, and failed transiently like the others."""
+    fs = FaultyStorage(raw_storage(memory_backend), transient_p=1.0)
+    with pytest.raises(TransientStorageError, match="read_range"):
+        fs.read_range("a", 0, 1)
+    assert fs.stats.reads == 1 and [c.op for c in fs.calls] == ["read_range"]
+
+
+def test_optional_mutations_are_numbered(local_backend: Backend) -> None:
+    """``remove_empty_dir`` mutates: it is numbered, and a crash point like the others."""
+    fs = FaultyStorage(raw_storage(local_backend), crash_at=2)
+    fs.makedirs("d")
+    with pytest.raises(SimulatedCrash):
+        fs.remove_empty_dir("d")
+    assert [c.op for c in fs.calls] == ["makedirs", "remove_empty_dir"]
+    assert local_backend.raw_exists("d") or local_backend.raw_fs.isdir(
+        f"{local_backend.raw_root}/d")
 
 
 def test_simulated_crash_bypasses_except_exception() -> None:

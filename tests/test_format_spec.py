@@ -226,3 +226,57 @@ def test_by_hand_checker_rejects_sharded_tampering(tmp_path: Path) -> None:
     assert done.returncode != 0 and "rank-00000/data-0.safetensors: chunk at" in done.stderr
     with pytest.raises(ckptfs.CorruptCheckpointError, match="rank-00000/data-0"):
         ckptfs.open(str(root)).load(20)
+
+
+# -- format v2: the spec's tables and the checker's rules are the code's ------------------------
+
+def _checker_namespace() -> dict[str, Any]:
+    ns: dict[str, Any] = {}
+    exec(checker_source().replace("check(sys.argv[1])", ""), ns)  # its functions, not a run
+    return ns
+
+
+def test_v2_dtype_table_matches_code() -> None:
+    from ckptfs.format.sharded import element_size
+    from ckptfs.format.sharded_metadata import DTYPE_NAMES
+
+    text = SPEC.read_text()
+    table = text[text.index("**Dtypes.**"):text.index("**Chunks of a tensor.**")]
+    found: dict[str, tuple[str, int]] = {}
+    for row in table.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) != 6 or not cells[0].startswith("`"):
+            continue
+        for names, codes, size in (cells[0:3], cells[3:6]):
+            for name, code in zip(re.findall(r"`(\w+)`", names), re.findall(r"`(\w+)`", codes),
+                                  strict=True):
+                found[name] = (code, int(size))
+    assert {n: c for n, (c, _) in found.items()} == DTYPE_NAMES
+    assert all(element_size(c) == size for c, size in found.values())
+    ns = _checker_namespace()
+    assert ns["TORCH_DTYPES"] == DTYPE_NAMES
+    assert all(ns["ITEMSIZE"][c] == size for c, size in found.values())
+
+
+@pytest.mark.parametrize("size,chunks", [
+    ([6], [([0], [6])]), ([9], [([0], [3]), ([3], [3]), ([6], [3]), ([9], [0])]),
+    ([4, 4], [([0, 0], [2, 2]), ([0, 2], [2, 2]), ([2, 0], [2, 2]), ([2, 2], [2, 2])]),
+    ([], [([], [])]), ([0], []), ([6], [([0], [3]), ([4], [2])]), ([6], [([0], [3]), ([2], [3])]),
+    ([4, 4], [([0, 0], [4, 2]), ([0, 0], [2, 4]), ([2, 2], [2, 2])]), ([], [([], []), ([], [])]),
+    ([6], [([0], [6]), ([2], [7])]), ([2**30], []), ([6], [([0, 0], [6, 1])]),
+])
+def test_checker_and_ckptfs_agree_on_chunk_cover(size: list[int], chunks: list[Any]) -> None:
+    from ckptfs.format.sharded_metadata import check_cover
+
+    lists = [[list(o), list(s)] for o, s in chunks]
+    try:
+        check_cover("t", size, chunks, "here")
+        ours = True
+    except CorruptCheckpointError:
+        ours = False
+    try:
+        _checker_namespace()["check_cover"]("t", size, lists)
+        theirs = True
+    except AssertionError:
+        theirs = False
+    assert ours == theirs

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta, timezone
+from typing import BinaryIO, cast
 
 import pytest
 import torch
@@ -13,6 +15,14 @@ import torch
 import ckptfs
 from ckptfs.format.layout import StepPaths, new_attempt_name, tmp_attempt_name
 from ckptfs.lifecycle.gc import collect, parse_duration
+from ckptfs.storage.base import (
+    EmptyDirRemoval,
+    Entry,
+    ModifiedTimes,
+    MultipartUploads,
+    Storage,
+    supports,
+)
 from ckptfs.testing.backend import Backend
 
 HOUR = timedelta(hours=1)
@@ -131,8 +141,8 @@ def s3_like(request: pytest.FixtureRequest) -> Backend:
 
 def test_s3_orphaned_multipart_uploads(s3_like: Backend) -> None:
     store = s3_like.open()
-    fs = store.storage.fs  # type: ignore[attr-defined]
-    bucket, key, _ = fs.split_path(store.storage.root)  # type: ignore[attr-defined]
+    fs = s3_like.raw_fs  # the backdoor: uploads planted and checked beside ckptfs
+    bucket, key, _ = fs.split_path(s3_like.raw_root)
     mine = f"{key}/checkpoints/step-000000000001/{ago(0)}/tensors-00000.safetensors"
     up = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=mine)
     fs.call_s3("upload_part", Bucket=bucket, Key=mine, UploadId=up["UploadId"], PartNumber=1,
@@ -152,8 +162,96 @@ def test_s3_orphaned_multipart_uploads(s3_like: Backend) -> None:
     assert up["UploadId"] not in left and other["UploadId"] in left
 
 
-def test_multipart_is_a_capability_not_a_url(memory_backend: Backend) -> None:
+def test_multipart_is_a_capability_not_a_url(memory_backend: Backend,
+                                             s3_backend: Backend) -> None:
+    """GC asks the storage interface (``supports(storage, MultipartUploads)``), and the adapter
+    decides from what its filesystem object can do: s3fs can list and abort uploads, the
+    memory filesystem cannot."""
     store = memory_backend.open()
     report = collect(store.storage, older_than=timedelta(0))
-    assert not hasattr(store.storage.fs, "list_multipart_uploads")  # type: ignore[attr-defined]
+    assert not supports(store.storage, MultipartUploads)
+    assert not hasattr(memory_backend.raw_fs, "list_multipart_uploads")
     assert report.items == []
+    assert supports(s3_backend.open().storage, MultipartUploads)
+
+
+def test_upload_aborted_by_another_process_is_a_note(s3_backend: Backend) -> None:
+    """An upload that is gone when GC aborts it (another gc aborted it, or it completed):
+    ``NoSuchUpload`` is noted, not reported as a failure."""
+    store = s3_backend.open()
+    fs = s3_backend.raw_fs
+    bucket, key, _ = fs.split_path(s3_backend.raw_root)
+    mine = f"{key}/checkpoints/step-000000000001/{ago(3)}/tensors-00000.safetensors"
+    up = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=mine)
+    storage = cast(MultipartUploads, store.storage)
+    pending = [u for u in storage.list_uploads("") if u.upload_id == up["UploadId"]]
+    assert [u.path for u in pending] == [mine[len(key) + 1:]]
+    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=mine, UploadId=up["UploadId"])
+    assert storage.abort_upload(pending[0]) is False
+
+
+class _OnlyTheProtocol:
+    """A user's storage wrapper that implements exactly :class:`Storage` and nothing else."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.capabilities = inner.capabilities
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.inner.read_bytes(path)
+
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.inner.open_read(path)
+
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.inner.open_write(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.inner.write_bytes(path, data)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self.inner.create_exclusive(path, data)
+
+    def list_dir(self, path: str) -> list[Entry]:
+        return self.inner.list_dir(path)
+
+    def list_tree(self, path: str) -> list[Entry]:
+        return self.inner.list_tree(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(path)
+
+    def makedirs(self, path: str) -> None:
+        self.inner.makedirs(path)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        self.inner.rename_dir(src, dst)
+
+    def sync_dir(self, path: str) -> None:
+        self.inner.sync_dir(path)
+
+
+def test_gc_over_a_storage_without_the_optional_capabilities(local_backend: Backend) -> None:
+    """Over a storage with only the :class:`Storage` members, GC still removes old attempts
+    (their age is in their name), and leaves alone what it needs a capability for: a
+    temporary file of unknown age, and the empty step directory (it says why)."""
+    storage = _OnlyTheProtocol(local_backend.open().storage)
+    assert not any(supports(storage, c) for c in (ModifiedTimes, EmptyDirRemoval))
+    old = plant(local_backend, 12, ago(2))
+    marker_tmp = f"{StepPaths(13).dir}/.tmp-0123456789abcdef0123456789abcdef"
+    local_backend.raw_write(marker_tmp, b"c" * 7)
+    stale = time.time() - 7200
+    os.utime(f"{local_backend.raw_root}/{marker_tmp}", (stale, stale))
+    report = collect(storage, older_than=HOUR)
+    assert [(i.kind, i.path) for i in report.items if i.removed] == [("attempt", old)]
+    step = [i for i in report.items if i.kind == "empty-step"]
+    assert len(step) == 1 and not step[0].removed and "cannot remove" in str(step[0].note)
+    assert any("unknown age" in s for s in report.skipped)
+    assert local_backend.raw_exists(marker_tmp)

@@ -238,8 +238,8 @@ def test_gc_aborts_only_attempt_uploads(s3_backend: Backend, at_bucket_root: boo
     if at_bucket_root:
         url = url.rsplit("/", 1)[0]
     store = ckptfs.open(url, **s3_backend.options)
-    fs = store.storage.fs  # type: ignore[attr-defined]
-    bucket, key, _ = fs.split_path(store.storage.root)  # type: ignore[attr-defined]
+    fs = store.storage.inner.fs  # type: ignore[attr-defined]
+    bucket, key, _ = fs.split_path(store.storage.inner.root)  # type: ignore[attr-defined]
     base = f"{key}/" if key else ""
     old = new_attempt_name(datetime.now(timezone.utc) - 3 * HOUR)
     ours = {

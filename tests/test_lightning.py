@@ -7,8 +7,10 @@ import dataclasses
 import enum
 import json
 import logging
+import os
 import pathlib
 import re
+import tracemalloc
 import warnings
 from typing import Any
 
@@ -22,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ckptfs
 import ckptfs.lightning as ckl
+from ckptfs.storage.base import StorageWrapper
 from ckptfs.testing.backend import Backend
 
 warnings.filterwarnings("ignore", module="lightning")
@@ -368,3 +371,172 @@ def test_save_last_link_loads_the_linked_checkpoint(local_backend: Backend) -> N
                                     save_last="link"))
     t2.fit(model(), data(), data(), ckpt_path="last")
     assert t2.global_step == 12
+
+
+# -- saving or removing a path never changes what another path resolves to -----------------------
+
+
+def w_of(io: ckl.CkptfsCheckpointIO, path: str) -> float:
+    return float(io.load_checkpoint(path)["w"][0])
+
+
+def test_save_and_remove_through_symlinks_leave_other_paths_alone(
+        local_backend: Backend) -> None:
+    """save_last="link" leaves last.ckpt as a symbolic link to a top-k link file: saving
+    last.ckpt must replace the symbolic link, not rewrite the top-k file it points to, and
+    removing it must remove only the link.  The same for a run root that is a link."""
+    url = dirpath(local_backend)
+    d = pathlib.Path(url)
+    io = ckl.CkptfsCheckpointIO()
+    io.save_checkpoint({"w": torch.full((1,), 1.0)}, url + "/top.ckpt")
+    top_link = (d / "top.ckpt").read_bytes()
+    top_steps = ckptfs.open(url + "/top.ckpt.ckptfs").all_steps()
+
+    def top_untouched() -> None:
+        assert (d / "top.ckpt").read_bytes() == top_link
+        assert ckptfs.open(url + "/top.ckpt.ckptfs").all_steps() == top_steps
+        assert w_of(io, url + "/top.ckpt") == 1.0
+
+    # last.ckpt -> top.ckpt, as Lightning's _link_checkpoint makes it (relative)
+    (d / "last.ckpt").symlink_to("top.ckpt")
+    assert w_of(io, url + "/last.ckpt") == 1.0            # the link loads its target
+    io.save_checkpoint({"w": torch.full((1,), 2.0)}, url + "/last.ckpt")
+    top_untouched()
+    assert not (d / "last.ckpt").is_symlink()
+    assert json.loads((d / "last.ckpt").read_bytes())["root"] == "last.ckpt.ckptfs"
+    assert w_of(io, url + "/last.ckpt") == 2.0
+    io.remove_checkpoint(url + "/last.ckpt")
+    top_untouched()
+    assert not (d / "last.ckpt").exists() and not (d / "last.ckpt.ckptfs").exists()
+
+    # removing a symbolic link removes the link only
+    (d / "last.ckpt").symlink_to("top.ckpt")
+    io.remove_checkpoint(url + "/last.ckpt")
+    top_untouched()
+    assert not os.path.lexists(d / "last.ckpt")
+
+    # a dangling symbolic link: saving creates no file where it points
+    (d / "dangling.ckpt").symlink_to("nowhere.ckpt")
+    io.save_checkpoint({"w": torch.full((1,), 3.0)}, url + "/dangling.ckpt")
+    assert not os.path.lexists(d / "nowhere.ckpt") and w_of(io, url + "/dangling.ckpt") == 3.0
+
+    # a run root that is a symbolic link to another path's root: never committed into or pruned
+    (d / "other.ckpt.ckptfs").symlink_to("top.ckpt.ckptfs", target_is_directory=True)
+    io.save_checkpoint({"w": torch.full((1,), 4.0)}, url + "/other.ckpt")
+    top_untouched()
+    assert (d / "other.ckpt.ckptfs").is_dir() and not (d / "other.ckpt.ckptfs").is_symlink()
+    assert w_of(io, url + "/other.ckpt") == 4.0
+    (d / "gone.ckpt.ckptfs").symlink_to("top.ckpt.ckptfs", target_is_directory=True)
+    (d / "gone.ckpt").symlink_to("top.ckpt")
+    io.remove_checkpoint(url + "/gone.ckpt")
+    top_untouched()
+    assert not os.path.lexists(d / "gone.ckpt") and not os.path.lexists(d / "gone.ckpt.ckptfs")
+
+
+def test_save_last_link_then_saved_last_keeps_top_k_weights(local_backend: Backend) -> None:
+    """A run with save_last="link", resumed with save_last=True: Lightning then saves
+    last.ckpt over its symbolic link.  Every top-k path still loads its own weights, and
+    removing last.ckpt leaves them loadable."""
+    url = dirpath(local_backend)
+    t = trainer(2, ModelCheckpoint(dirpath=url, filename="{epoch}-{step}", save_top_k=-1,
+                                   save_last="link"))
+    t.fit(model(), data(), data())
+    assert pathlib.Path(url, "last.ckpt").is_symlink()
+    io = ckl.CkptfsCheckpointIO()
+    tops = sorted(p.name for p in pathlib.Path(url).glob("epoch=*.ckpt"))
+    before = {p: io.load_checkpoint(f"{url}/{p}")["state_dict"] for p in tops}
+    t2 = trainer(3, ModelCheckpoint(dirpath=url, filename="{epoch}-{step}", save_top_k=0,
+                                    save_last=True))
+    t2.fit(model(), data(), data(), ckpt_path="last")
+    assert not pathlib.Path(url, "last.ckpt").is_symlink()
+    assert io.load_checkpoint(url + "/last.ckpt")["global_step"] == t2.global_step == 12
+    for p in tops:
+        state = io.load_checkpoint(f"{url}/{p}")
+        assert state["global_step"] == int(re.search(r"step=(\d+)", p)[1])  # type: ignore[index]
+        for k, v in before[p].items():
+            assert torch.equal(state["state_dict"][k], v), (p, k)
+    io.remove_checkpoint(url + "/last.ckpt")
+    for p in tops:
+        assert io.load_checkpoint(f"{url}/{p}")["global_step"] == \
+            int(re.search(r"step=(\d+)", p)[1])  # type: ignore[index]
+
+
+class _ReadCounting(StorageWrapper):
+    """Counts the bytes read through every read member."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.read: dict[str, int] = {}
+
+    def _add(self, path: str, n: int) -> None:
+        self.read[path] = self.read.get(path, 0) + n
+
+    def read_bytes(self, path: str) -> bytes:
+        data = super().read_bytes(path)
+        self._add(path, len(data))
+        return data
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        data = super().read_range(path, start, length)
+        self._add(path, len(data))
+        return data
+
+    def open_read(self, path: str) -> Any:
+        self._add(path, 1 << 40)  # a stream: count it as everything
+        return super().open_read(path)
+
+
+def test_link_file_read_is_bounded(local_backend: Backend,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large file at the path is not read whole: at most 64 KiB + 1 byte of it."""
+    url = dirpath(local_backend)
+    pathlib.Path(url).mkdir(parents=True)
+    with open(f"{url}/big.ckpt", "wb") as f:      # 64 MiB, sparse: costs no disk
+        f.truncate(64 << 20)
+    io = ckl.CkptfsCheckpointIO()
+    counting: list[_ReadCounting] = []
+    opened = ckl.CkptfsCheckpointIO._dir
+
+    def counted(self: ckl.CkptfsCheckpointIO, u: str) -> ckptfs.CheckpointStore:
+        store = opened(self, u)
+        wrapper = _ReadCounting(store.storage)
+        counting.append(wrapper)
+        return ckptfs.CheckpointStore(wrapper)
+
+    monkeypatch.setattr(ckl.CkptfsCheckpointIO, "_dir", counted)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ckptfs.CheckpointNotFoundError, match=r"torch\.load"):
+            io.load_checkpoint(url + "/big.ckpt")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    read = sum(c.read.get("big.ckpt", 0) for c in counting)
+    assert 0 < read <= 64 * 1024 + 1, read
+    assert peak < 8 << 20, peak
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 30000 + b"]" * 30000,
+    b'{"a":' * 10000 + b"1" + b"}" * 10000,
+    json.dumps({"format": ckl.LINK_FORMAT, "root": "x.ckpt.ckptfs"}).encode()[:-1]
+    + b', "extra": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+], ids=["arrays", "objects", "nested-field"])
+def test_deeply_nested_link_falls_back(local_backend: Backend, raw: bytes) -> None:
+    """Deeply nested JSON at the path is not a link (no RecursionError): the path's own root
+    is used if it holds a checkpoint, else CheckpointNotFoundError."""
+    url = dirpath(local_backend)
+    io = ckl.CkptfsCheckpointIO()
+    pathlib.Path(url).mkdir(parents=True)
+    assert len(raw) <= 64 * 1024
+    local_backend.raw_write("x.ckpt", raw)
+    with pytest.raises(ckptfs.CheckpointNotFoundError, match="not a ckptfs Lightning"):
+        io.load_checkpoint(url + "/x.ckpt")
+    io.save_checkpoint({"w": torch.full((1,), 5.0)}, url + "/x.ckpt")
+    local_backend.raw_write("x.ckpt", raw)       # a torn or foreign link: the root is the truth
+    assert w_of(io, url + "/x.ckpt") == 5.0
+    # brackets inside strings do not count as nesting: a real link with them still loads
+    local_backend.raw_write("x.ckpt", json.dumps(
+        {"format": ckl.LINK_FORMAT, "root": "x.ckpt.ckptfs", "note": "[[[[[[{{{{{\\\""}
+    ).encode())
+    assert w_of(io, url + "/x.ckpt") == 5.0

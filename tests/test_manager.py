@@ -131,6 +131,47 @@ def test_non_writer_rank_writes_nothing(backend: Backend) -> None:
         ckptfs.CheckpointManager(backend.open(), rank=2, world_size=2)
 
 
+def test_metrics_on_a_non_writer_rank_are_not_dropped_silently(
+        backend: Backend, caplog: pytest.LogCaptureFixture) -> None:
+    """Without torch.distributed a non-writer rank writes nothing; metrics given to it are
+    not recorded, and it says so (once), naming the writer rank."""
+    mgr = ckptfs.CheckpointManager(backend.open(), rank=1, world_size=2)
+    with caplog.at_level(logging.WARNING, logger="ckptfs"):
+        assert mgr.save(1, metrics={"loss": 0.5}).info is None
+        mgr.save(2, metrics={"loss": 0.4})
+    assert caplog.text.count("its metrics are not recorded") == 1
+    assert "pass metrics on rank 0" in caplog.text
+    with pytest.raises(ckptfs.UnsupportedValueError):  # checked there too
+        mgr.save(3, metrics={"loss": [1, 2]})
+
+
+def test_restore_walks_like_the_store_when_a_newer_step_lands(backend: Backend,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """The manager resolves through the store's walk (``walk_latest``): while it reads step 2,
+    another job commits step 3 and prunes step 2; the restore resumes from 3, not from 1."""
+    store = backend.open()
+    mgr = ckptfs.CheckpointManager(store)
+    for step in (1, 2):
+        mgr.save(step, model=torch.nn.Linear(2, 2))
+    other = ckptfs.CheckpointManager(backend.open(), keep_last=1)
+    newest = torch.nn.Linear(2, 2)
+    real_load = store.load_info
+    seen: list[int | None] = []
+
+    def load_info(info: ckptfs.CheckpointInfo, **kw: object) -> dict[object, object]:
+        seen.append(info.step)
+        if info.step == 2 and len(seen) == 1:
+            other.save(3, model=newest)  # commits 3, prunes 1 and 2
+        return real_load(info, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "load_info", load_info)
+    model = torch.nn.Linear(2, 2)
+    assert ckptfs.CheckpointManager(store).restore_latest(model=model) == 4
+    assert torch.equal(model.weight, newest.weight)
+    assert seen[0] == 2 and seen[-1] == 3
+
+
 def test_rank_states_from_gather_hook(backend: Backend) -> None:
     states = {}
     for r in range(3):

@@ -50,20 +50,20 @@ class Recording(CountingStorage):
     def read_bytes(self, path: str) -> bytes:
         self.calls["read_bytes"] = self.calls.get("read_bytes", 0) + 1
         self.read_paths.append(path)
-        return bytes(self._inner.read_bytes(path))
+        return bytes(self.inner.read_bytes(path))
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[Any]:
         self.calls["open_read"] = self.calls.get("open_read", 0) + 1
         self.read_paths.append(path)
         self._maybe_wait("open_read", path)
-        with self._inner.open_read(path) as f:
+        with self.inner.open_read(path) as f:
             yield f
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[Any]:
         self._maybe_wait("open_write", path)
-        with self._inner.open_write(path) as f:
+        with self.inner.open_write(path) as f:
             yield f
 
 

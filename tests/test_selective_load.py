@@ -179,6 +179,54 @@ def test_selective_load_verifies_only_what_it_reads(backend_name: str,
         store.load(1)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "missing", "grown"])
+@pytest.mark.parametrize("backend_name", ["local", "memory"])
+def test_unselected_file_truncated_or_missing_does_not_stop_selective_load(
+        backend_name: str, damage: str, request: pytest.FixtureRequest) -> None:
+    """docs/loading.md: a damaged file the selection does not read does not stop keys= (the
+    listing is checked only for the files the load reads); a full load, a load selecting it
+    and verify still refuse or report it."""
+    backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
+    store = backend.open()
+    state = _state()
+    store.save(1, state)
+    opt_file = sorted(_tensor_files(store, 1)["optimizer"])[0]
+    rel = f"{store.info(1).path}/{opt_file}"
+    data = backend.raw_read(rel)
+    if damage == "missing":
+        backend.raw_delete(rel)
+    else:
+        backend.raw_write(rel, data[: len(data) // 2] if damage == "truncated" else data + b"x")
+
+    _assert_equal(store.load(1, keys=["model", "step"]),
+                  {"model": state["model"], "step": 7})
+    for keys in (["optimizer"], None):
+        with pytest.raises(ckptfs.CorruptCheckpointError, match=opt_file):
+            store.load(1, keys=keys)
+    with pytest.raises(ckptfs.CorruptCheckpointError, match=opt_file):
+        store.verify(1)
+
+
+def test_sharded_unselected_damaged_file_stops_selective_load(local_backend: Backend) -> None:
+    """Format v2: keys= selects after the whole checkpoint is loaded and verified
+    (docs/loading.md), so a damaged file outside the selection still refuses the load."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptfs.dcp
+
+    state = {"model": {"w": torch.randn(4, 4)}, "optimizer": {"m": torch.randn(4, 4)}}
+    dcp.save(state, storage_writer=ckptfs.dcp.Writer(local_backend.url, 1),  # type: ignore[attr-defined]
+             planner=ckptfs.dcp.SavePlanner())
+    store = local_backend.open()
+    info = store.info(1)
+    data_files = [e.path for e in info.manifest.files if e.path.endswith(".safetensors")]
+    assert data_files
+    rel = f"{info.path}/{data_files[0]}"
+    local_backend.raw_write(rel, local_backend.raw_read(rel)[:-1])
+    with pytest.raises(ckptfs.CorruptCheckpointError, match=data_files[0]):
+        store.load(1, keys=["model"])
+
+
 def test_key_paths_and_errors(local_backend: Backend) -> None:
     store = local_backend.open()
     state = _state()

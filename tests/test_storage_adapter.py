@@ -13,6 +13,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,24 @@ from ckptfs.errors import (
     StorageNotFoundError,
 )
 from ckptfs.storage.backends import BACKENDS, S3_CONFIG, capability_table, merge_options, spec_for
+from ckptfs.storage.base import (
+    OPTIONAL_CAPABILITIES,
+    CapabilityUnavailableError,
+    EmptyDirRemoval,
+    LocalFiles,
+    ModifiedTimes,
+    MultipartUploads,
+    RangedRead,
+    supports,
+)
 from ckptfs.storage.fsspec import (
     FsspecStorage,
     classify,
     describe_cause,
+    has_multipart_api,
     is_precondition_failure,
 )
+from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal, small_state
 from ckptfs.testing.servers import ServerInfo
 
@@ -75,6 +88,55 @@ def test_unknown_protocol_is_conservative() -> None:
     assert spec.capabilities.exclusive_create == "none"
     assert not spec.capabilities.exclusive_across_processes
     assert "both 'commit'" in spec.caveat
+
+
+@pytest.mark.parametrize("name,offered", [
+    ("local", {RangedRead, LocalFiles, EmptyDirRemoval, ModifiedTimes}),
+    ("memory", {RangedRead, ModifiedTimes}),
+    ("s3", {RangedRead, ModifiedTimes, MultipartUploads}),
+])
+def test_adapter_offers_its_optional_capabilities(request: pytest.FixtureRequest, name: str,
+                                                  offered: set[type]) -> None:
+    """``offers()`` is decided per backend, as data; an optional member the backend lacks is
+    refused with a typed error instead of half-working."""
+    b: Backend = request.getfixturevalue(f"{name}_backend")
+    st = FsspecStorage(b.url, **b.options)
+    assert {c for c in OPTIONAL_CAPABILITIES if supports(st, c)} == offered
+    if LocalFiles not in offered:
+        with pytest.raises(CapabilityUnavailableError):
+            st.local_path("x")
+    if MultipartUploads not in offered:
+        with pytest.raises(CapabilityUnavailableError):
+            st.list_uploads("")
+
+
+def test_multipart_uploads_follow_the_filesystem_not_the_url() -> None:
+    """The capability is what the filesystem object can do (s3fs lists and aborts uploads),
+    whatever protocol name the URL used."""
+    import s3fs
+
+    st = FsspecStorage(f"memory://mp-{uuid.uuid4().hex[:8]}")
+    assert not supports(st, MultipartUploads)
+    assert has_multipart_api(s3fs.S3FileSystem(anon=True, skip_instance_cache=True))
+    assert not has_multipart_api(MemoryFileSystem())
+
+
+def test_modified_times_are_aware_and_none_when_absent(tmp_path: Path) -> None:
+    st = FsspecStorage(str(tmp_path / "run"))
+    st.write_bytes("a/b.bin", b"x")
+    os.utime(tmp_path / "run" / "a" / "b.bin", (1_700_000_000, 1_700_000_000))
+    assert st.modified("a/b.bin") == datetime.fromtimestamp(1_700_000_000, timezone.utc)
+    assert st.modified("a/missing.bin") is None
+
+
+def test_remove_empty_dir_never_removes_content(tmp_path: Path) -> None:
+    st = FsspecStorage(str(tmp_path / "run"))
+    st.write_bytes("d/f.bin", b"x")
+    st.makedirs("e")
+    assert st.remove_empty_dir("d") is False and st.exists("d/f.bin")
+    assert st.remove_empty_dir("e") is True and not (tmp_path / "run" / "e").exists()
+    with pytest.raises(StorageNotFoundError):
+        st.remove_empty_dir("e")
 
 
 def test_merge_options_user_wins_and_dicts_merge() -> None:
@@ -127,7 +189,7 @@ def test_gcs_endpoint_works_whatever_gcsfs_env(fake_gcs: ServerInfo) -> None:
         "opts = json.loads(sys.argv[2])\n"
         "store = ckptfs.open(sys.argv[1], **opts)\n"
         "store.save(3, {'x': [1, 2, 3]})\n"
-        "fs = store.storage.fs\n"
+        "fs = store.storage.inner.fs\n"
         "print(json.dumps({'cls': type(fs).__module__ + '.' + type(fs).__name__,\n"
         "                  'default': gcsfs.GCSFileSystem.__name__,\n"
         "                  'steps': ckptfs.open(sys.argv[1], **opts).steps()}))\n"

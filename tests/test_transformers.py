@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,7 @@ from transformers import (  # noqa: E402
 )
 
 import ckptfs  # noqa: E402
+from ckptfs.storage.base import StorageWrapper  # noqa: E402
 from ckptfs.transformers import CkptfsTrainer, rotation, step_url  # noqa: E402
 
 STEPS, EVERY = 12, 3
@@ -214,6 +216,41 @@ def test_plain_checkpoint_is_refused_for_resume(tmp_path, local_backend) -> None
     tr = make_trainer(tmp_path, local_backend.url, {})
     with pytest.raises(ckptfs.CorruptCheckpointError, match="trainer_state"):
         tr.train(resume_from_checkpoint=True)
+
+
+class _Recording(StorageWrapper):
+    """A storage wrapper standing for what a user's store may carry (credentials, retries, a
+    fault injector): records every path written through it."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.written: list[str] = []
+
+    def open_write(self, path: str) -> Any:
+        self.written.append(path)
+        return super().open_write(path)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self.written.append(path)
+        super().create_exclusive(path, data)
+
+
+def test_trial_stores_share_the_run_roots_storage(tmp_path, memory_backend,  # type: ignore[no-untyped-def]
+                                                 monkeypatch) -> None:
+    """A hyper-parameter-search trial checkpoints into a sub-root of checkpoint_url through
+    the same storage object (a store given as checkpoint_url keeps its client and wrappers),
+    not through a second client opened from the URL alone."""
+    recording = _Recording(memory_backend.open().storage)
+    root = ckptfs.CheckpointStore(recording)
+    tr = make_trainer(tmp_path, root, {})
+    monkeypatch.setattr(tr, "hp_search_backend", "optuna")
+    monkeypatch.setattr(tr, "_get_output_dir", lambda trial: str(tmp_path / "out" / "run-7"))
+    sub = tr._store_for(object())
+    assert sub.url == f"{root.url}/run-7" and tr._store_for(object()) is sub
+    sub.save(3, {"w": torch.ones(2)})
+    assert recording.written and all(p.startswith("run-7/checkpoints/") for p in
+                                      recording.written)
+    assert ckptfs.open(f"{memory_backend.url}/run-7").steps() == [3]
 
 
 # -- Accelerate ---------------------------------------------------------------------------------

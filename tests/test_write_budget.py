@@ -20,6 +20,7 @@ from ckptfs.protocol.commit import WRITE_BUFFER_BUDGET, save_checkpoint, write_s
 from ckptfs.storage.backends import BACKENDS
 from ckptfs.storage.base import Capabilities, Entry
 from ckptfs.storage.fsspec import FsspecStorage
+from ckptfs.storage.sub import SubStorage
 
 MiB = 1024 * 1024
 
@@ -231,3 +232,16 @@ def test_adapter_splits_writes_at_part_boundaries(tmp_path: Any) -> None:
     assert pos == len(payload)
     assert bytes(rec.out) == payload
     assert rec.peak <= 1000
+
+
+def test_a_sub_storage_is_budgeted_like_its_parent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Artifacts and the Lightning integration save through a sub-storage: its streams are
+    bounded by the parent's ``stream_buffer_bytes`` (capability data, copied), not unbounded."""
+    store = FakeObjectStore(1 * MiB, copies=2)
+    sub = SubStorage(store, "artifacts/ref")  # type: ignore[arg-type]
+    assert sub.capabilities.stream_buffer_bytes == 2 * MiB
+    monkeypatch.setattr(commit, "WRITE_BUFFER_BUDGET", 4 * MiB)
+    monkeypatch.setattr(commit.write_streams, "__defaults__", (4 * MiB,))
+    save_checkpoint(sub, 1, _state(4, 3 * MiB), threads=4, shard_bytes=3 * MiB + 1)
+    assert store.meter.peak_open == 2 and store.meter.peak <= 4 * MiB
+    assert all(k.startswith("artifacts/ref/") for k in store.files)

@@ -1,4 +1,4 @@
-"""``ckptfs bench {hash,save,interleaved,s3,latest,all,report}`` (also ``main``, which the
+"""``ckptfs bench {hash,save,interleaved,s3,latest,fresh,all,report}`` (also ``main``, which the
 scripts in ``benchmarks/`` call) and the isolated worker's entry point:
 ``python -m ckptfs.bench.cli SPEC`` runs one variant (:func:`ckptfs.bench.variants.run_isolated`);
 ``python -m ckptfs.bench.cli ARGS`` is ``ckptfs bench ARGS``."""
@@ -22,6 +22,7 @@ from ckptfs.bench.common import (
     machine_info,
     parse_size,
 )
+from ckptfs.bench.fresh import bench_fresh
 from ckptfs.bench.hashing import bench_hash
 from ckptfs.bench.latest import bench_latest
 from ckptfs.bench.report import write_report
@@ -51,6 +52,9 @@ def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
         return bench_interleaved(_sizes(args.sizes), reps=args.interleaved_reps)
     if q == "s3":
         return bench_s3(_sizes(args.s3_sizes), reps=args.s3_reps or args.reps, isolate=isolate)
+    if q == "fresh":
+        return bench_fresh(parse_size(args.fresh_size), rounds=args.fresh_rounds,
+                           baseline=args.baseline or None)
     if q == "latest":
         return bench_latest([int(c) for c in args.counts.split(",")], reps=max(args.reps, 3),
                             s3_max=args.s3_max)
@@ -100,6 +104,13 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                    help="checkpoint counts (latest)")),
     "s3_max": (("--s3-max",), dict(type=int, default=1000, help="largest checkpoint count "
                                    "populated on moto (it takes ~3 PUTs each)")),
+    "fresh_size": (("--fresh-size",), dict(default="1GiB", help="state size of the fresh-"
+                                           "process save/load")),
+    "fresh_rounds": (("--fresh-rounds",), dict(type=int, default=3, help="interleaved rounds "
+                                               "of the fresh-process variants")),
+    "baseline": (("--baseline",), dict(default="", help="a checkout (e.g. a git worktree of "
+                                       "the previous commit) whose ckptfs runs as 'baseline' "
+                                       "beside this one")),
     "in_process": (("--in-process",), dict(
         action="store_true", default=False, help="run variants in this process (smoke tests; "
         "RSS then less meaningful)")),
@@ -118,6 +129,7 @@ _OWN: dict[str, tuple[str, ...]] = {
     "interleaved": ("sizes", "interleaved_reps", *_COMMON),
     "s3": ("reps", "s3_sizes", "s3_reps", "in_process", *_COMMON),
     "latest": ("reps", "counts", "s3_max", *_COMMON),
+    "fresh": ("fresh_size", "fresh_rounds", "baseline", *_COMMON),
     "all": tuple(_OPTIONS),
     "report": ("results", "docs"),
 }
@@ -142,6 +154,8 @@ def add_subcommands(subparsers: Any) -> None:
              "interleaved": "the save targets with the variants interleaved run by run",
              "s3": "save/load on a moto S3 server against raw s3fs",
              "latest": "cost of resolving latest vs number of checkpoints",
+             "fresh": "import + first save/load in a fresh process, and steady state, "
+                      "against DCP, torch.save and (--baseline) another checkout",
              "all": "everything, then the report",
              "report": "regenerate docs/benchmarks.md and docs/img/ from the JSON"}
     for name, text in helps.items():

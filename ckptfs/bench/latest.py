@@ -8,35 +8,102 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from ckptfs.storage.base import Entry, PendingUpload, Storage, StorageWrapper
 
 
-class CountingStorage:
-    """A :class:`~ckptfs.storage.base.Storage` proxy counting every call by operation."""
+class CountingStorage(StorageWrapper):
+    """A storage wrapper counting every call by operation (``calls``): every
+    :class:`~ckptfs.storage.base.Storage` member and every optional capability, delegated
+    explicitly (the capabilities of ``inner`` are kept: a sharded load still reads ranges)."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.url = inner.url
-        self.capabilities = inner.capabilities
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
         self.calls: dict[str, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not callable(attr) or name.startswith("_"):
-            return attr
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return attr(*args, **kwargs)
-
-        return counted
 
     @property
     def total(self) -> int:
         return sum(self.calls.values())
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def read_bytes(self, path: str) -> bytes:
+        self._count("read_bytes")
+        return super().read_bytes(path)
+
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
+        self._count("open_read")
+        return super().open_read(path)
+
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
+        self._count("open_write")
+        return super().open_write(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self._count("write_bytes")
+        super().write_bytes(path, data)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self._count("create_exclusive")
+        super().create_exclusive(path, data)
+
+    def list_dir(self, path: str) -> list[Entry]:
+        self._count("list_dir")
+        return super().list_dir(path)
+
+    def list_tree(self, path: str) -> list[Entry]:
+        self._count("list_tree")
+        return super().list_tree(path)
+
+    def exists(self, path: str) -> bool:
+        self._count("exists")
+        return super().exists(path)
+
+    def delete(self, path: str) -> None:
+        self._count("delete")
+        super().delete(path)
+
+    def delete_tree(self, path: str) -> None:
+        self._count("delete_tree")
+        super().delete_tree(path)
+
+    def makedirs(self, path: str) -> None:
+        self._count("makedirs")
+        super().makedirs(path)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        self._count("rename_dir")
+        super().rename_dir(src, dst)
+
+    def sync_dir(self, path: str) -> None:
+        self._count("sync_dir")
+        super().sync_dir(path)
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        self._count("read_range")
+        return super().read_range(path, start, length)
+
+    def modified(self, path: str) -> datetime | None:
+        self._count("modified")
+        return super().modified(path)
+
+    def remove_empty_dir(self, path: str) -> bool:
+        self._count("remove_empty_dir")
+        return super().remove_empty_dir(path)
+
+    def list_uploads(self, path: str) -> list[PendingUpload]:
+        self._count("list_uploads")
+        return super().list_uploads(path)
+
+    def abort_upload(self, upload: PendingUpload) -> bool:
+        self._count("abort_upload")
+        return super().abort_upload(upload)
 
 
 @contextmanager

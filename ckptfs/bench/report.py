@@ -163,12 +163,34 @@ def write_report(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
     lines += _interleaved_section(data.get("interleaved"))
     lines += _save_section(data.get("s3"), plots, "Save and load on S3 (moto)", "s3")
     lines += _latest_section(data.get("latest"), plots)
+    lines += _fresh_section(data.get("fresh"))
     notes = REPO / "benchmarks" / "NOTES.md"
     if notes.exists():
         lines += ["", notes.read_text().strip(), ""]
     out = docs_dir / md_name
     out.write_text("\n".join(lines).rstrip() + "\n")
     return out
+
+
+def _fresh_section(f: Mapping[str, Any] | None) -> list[str]:
+    """``ckptfs bench fresh``: import + first call in a new process, and the steady state."""
+    if not f:
+        return []
+    lines = ["## A fresh process: import and first save/load", "",
+             f"{fmt_size(f['size'])} in {f['tensors']} fp32 tensors, durable saves to local "
+             f"disk; every cell is the median of {f['rounds']} new processes, variants "
+             "interleaved round by round. *fresh* = import of the library + its first call "
+             "(what a short job, an evaluation or a resumed job sees); *steady* = later saves "
+             "in the same process.", "",
+             "| variant | save fresh (s) | of which import (s) | save steady (s) | "
+             "load fresh (s) |", "|---|---:|---:|---:|---:|"]
+    for lib, s in f["summary"].items():
+        lines.append(f"| {lib} | {s['save_fresh']:.3f} | {s['save_import']:.3f} | "
+                     f"{s['save_steady']:.3f} | {s['load_fresh']:.3f} |")
+    lines.append("")
+    for k, v in f.get("ratios", {}).items():
+        lines.append(f"- {k}: **{v:.2f}x** (above 1: ckptfs is faster)")
+    return [*lines, ""]
 
 
 def _hash_section(h: Mapping[str, Any] | None, plots: Mapping[str, str]) -> list[str]:

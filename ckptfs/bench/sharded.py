@@ -47,6 +47,7 @@ from ckptfs.bench.common import (
     parse_size,
     warm_memory,
 )
+from ckptfs.bench.latest import CountingStorage
 
 RANK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp",
@@ -199,28 +200,6 @@ def job_save(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             "width": mlp_width(spec["bytes"], spec["layers"])}
 
 
-class CountingStorage:
-    """Counts every call of the ckptfs Storage interface made through it, by method name."""
-
-    CALLS = ("read_bytes", "open_read", "open_write", "write_bytes", "create_exclusive",
-             "exists", "list_dir", "list_tree", "makedirs", "sync_dir", "rename_dir", "delete",
-             "delete_tree", "read_range")
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.counts: dict[str, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name not in self.CALLS:
-            return attr
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.counts[name] = self.counts.get(name, 0) + 1
-            return attr(*args, **kwargs)
-        return counted
-
-
 def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """A small model saved once by ckptfs (storage calls counted) and once by DCP."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -234,7 +213,7 @@ def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     store.storage = counting
     info = store.save(1, state)
     dcp_save(state, storage_writer=FileSystemWriter(spec["root"] + "/dcp"))
-    out: dict[str, Any] = {"calls": counting.counts}
+    out: dict[str, Any] = {"calls": counting.calls}
     if rank == 0:
         adir = Path(spec["root"]) / "ckptfs" / "checkpoints" / info.dir_name / info.attempt
         out["dcp_msgpack"] = (adir / "dcp.msgpack").stat().st_size
@@ -252,11 +231,11 @@ def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 def bench_load(root: Path, reps: int) -> dict[str, Any]:
     """2 -> 1: the W=2 checkpoints loaded whole in this process, alternating; bit-compared."""
     import torch
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     import ckptfs
+    from ckptfs.torch_compat import EmptyStateDictLoadPlanner as _EmptyStateDictLoadPlanner
+    from ckptfs.torch_compat import load_state_dict as _load_state_dict
 
     ck = next(root.glob("ckptfs-*"))
     dc = next(root.glob("dcp-*"))

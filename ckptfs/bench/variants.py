@@ -195,7 +195,7 @@ def _dcp_writer(kind: str, path: str, sync: bool | None) -> Any:
 
     kw: dict[str, Any] = {} if sync is None else {"sync_files": sync}
     if kind == "fsspec":
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        from ckptfs.torch_compat import FsspecWriter
 
         return FsspecWriter(path, **kw)
     return dcp.FileSystemWriter(path, **kw)
@@ -230,7 +230,7 @@ def _dcp_load(kind: str) -> Variant:
         dcp = _dcp()
 
         if kind == "fsspec":
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+            from ckptfs.torch_compat import FsspecReader
 
             reader: Any = FsspecReader(str(ctx.workdir / "dcp"))
         else:

@@ -26,8 +26,8 @@ from ckptfs.format.layout import MAX_STEP
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 
-_PLUGINS = ("ckptfs.cli.doctor", "ckptfs.cli.lifecycle", "ckptfs.cli.tools",
-            "ckptfs.bench.cli")
+_PLUGINS = ("ckptfs.cli.doctor", "ckptfs.cli.lifecycle", "ckptfs.cli.inspection",
+            "ckptfs.cli.tools", "ckptfs.bench.cli")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

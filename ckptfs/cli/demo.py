@@ -45,6 +45,7 @@ from ckptfs.lifecycle.manager import CheckpointManager
 from ckptfs.lifecycle.retention import Best
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
+from ckptfs.storage.base import Storage, StorageWrapper
 
 DATA_SEED = 1234
 RUN_SEED = 7
@@ -148,21 +149,19 @@ def make_manager(store: CheckpointStore, save_every: int) -> CheckpointManager:
                              run_seed=RUN_SEED)
 
 
-class _PauseBeforeCommit:
+class PauseBeforeCommit(StorageWrapper):
     """Wraps a store's storage: when the commit marker of step ``step`` is about to be created
     (every data file and the manifest are written), say so on stdout and wait to be killed."""
 
-    def __init__(self, inner: Any, step: int) -> None:
-        self._inner, self._target = inner, f"step-{step:012d}/COMPLETE"
+    def __init__(self, inner: Storage, step: int) -> None:
+        super().__init__(inner)
+        self._target = f"step-{step:012d}/COMPLETE"
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         if path.endswith(self._target):
             print(f"PAUSED {path}", flush=True)
             time.sleep(120)
-        self._inner.create_exclusive(path, data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        super().create_exclusive(path, data)
 
 
 # -- child processes ------------------------------------------------------------------------
@@ -171,7 +170,7 @@ class _PauseBeforeCommit:
 def _child(args: argparse.Namespace) -> int:
     store = open_store(args.root, **parse_options(args.option))
     if args.kill_at is not None:
-        store.storage = _PauseBeforeCommit(store.storage, args.kill_at)
+        store.storage = PauseBeforeCommit(store.storage, args.kill_at)
     task = ToyTask()
     mgr = make_manager(store, args.save_every)
     start = mgr.restore_latest(model=task.model, optimizer=task.opt, scheduler=task.sched,

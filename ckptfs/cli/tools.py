@@ -1,14 +1,12 @@
-"""``ckptfs inspect``, ``ckptfs cp`` and ``ckptfs export`` (docs/cli.md).
+"""``ckptfs cp`` and ``ckptfs export`` (docs/cli.md); ``ckptfs inspect`` is
+:mod:`ckptfs.cli.inspection`.
 
-* ``inspect`` shows what a checkpoint holds without reading tensor bytes: the marker and
-  manifest, ``state.msgpack`` (digest-checked) and each safetensors *header* (two ranged reads
-  per file).  Values of extension types are shown by type name and never decoded, so it works
-  on checkpoints whose types this process has not registered.
 * ``cp`` copies committed steps between any two URLs under the commit protocol
-  (:mod:`ckptfs.cli.transfer`): verified while streamed, marker last.
-* ``export`` writes one step as a single safetensors file (flat ``/``-joined keys, non-tensor
-  values as JSON in ``__metadata__``) or, when asked for ``.pt``, with ``torch.save`` (pickle,
-  on write only: ckptfs never unpickles).
+  (:mod:`ckptfs.protocol.copy`): verified while streamed, marker last.
+* ``export`` writes one step as a single safetensors file (flat ``/``-joined keys for every
+  tensor, wherever it sits, extension values included; non-tensor values as JSON in
+  ``__metadata__``; a tensor is never written as text) or, when asked for ``.pt``, with
+  ``torch.save`` (pickle, on write only: ckptfs never unpickles).
 
 Progress bars (tqdm, on stderr) appear only when stdout is a terminal and neither ``--quiet``
 nor ``--json`` is given.
@@ -17,15 +15,15 @@ nor ``--json`` is given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import struct
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -44,31 +42,17 @@ from ckptfs.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    UnsafeCheckpointError,
+    UnsupportedValueError,
 )
-from ckptfs.format.extensions import EXT_TAG, unregistered_as_dict
-from ckptfs.format.layout import STATE_NAME
-from ckptfs.format.limits import MAX_HEADER_BYTES, MAX_STATE_DOC_BYTES
-from ckptfs.format.serialize import (
-    HeaderEntry,
-    TensorSlot,
-    decode_state_doc,
-    dtype_code,
-    parse_safetensors_header,
-    tensor_memoryview,
-)
-from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
-from ckptfs.protocol.reader import read_file_verified
-from ckptfs.protocol.resolve import CheckpointInfo, storage_url
+from ckptfs.format.extensions import FALLBACK_TYPE_KEY, unregistered_as_dict
+from ckptfs.format.limits import MAX_DEPTH
+from ckptfs.format.serialize import dtype_code, tensor_memoryview
+from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
-from ckptfs.storage.base import Storage, read_range
 
 #: Largest JSON of non-tensor values ``export`` puts in the safetensors ``__metadata__``.
 MAX_EXPORT_METADATA = 1024 * 1024
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1,
-             "F8_E5M2FNUZ": 1, "F16": 2, "BF16": 2, "I16": 2, "U16": 2, "F32": 4, "I32": 4,
-             "U32": 4, "F64": 8, "I64": 8, "U64": 8, "C64": 8}
 
 
 def show_progress(args: argparse.Namespace) -> bool:
@@ -90,193 +74,6 @@ def resolve(store: CheckpointStore, step: int | None) -> CheckpointInfo:
     if info is None:
         raise CheckpointNotFoundError(f"no committed checkpoint at {store.url}")
     return info
-
-
-# ----------------------------------------------------------------------------------------------
-# inspect
-
-
-class _HeaderOnly:
-    """The first bytes of a safetensors file posing as the whole file (its size known from the
-    manifest), so :func:`parse_safetensors_header` checks the header without the data."""
-
-    def __init__(self, head: bytes, size: int) -> None:
-        self.head, self.size = head, size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, item: slice) -> bytes:
-        if item.stop is not None and item.stop > len(self.head):
-            raise IndexError("beyond the header")
-        return self.head[item]
-
-
-def read_header(storage: Storage, info: CheckpointInfo, path: str, size: int
-                ) -> dict[str, HeaderEntry]:
-    """The entries of one safetensors file, from two ranged reads (length, then header)."""
-    full = f"{info.path}/{path}"
-    where = storage_url(storage, full)
-    first = read_range(storage, full, 0, 8)
-    if len(first) < 8 or size < 8:
-        raise CorruptCheckpointError(f"{where}: too short for safetensors", step=info.step)
-    (hlen,) = struct.unpack("<Q", first)
-    if hlen > min(MAX_HEADER_BYTES, size - 8):
-        raise UnsafeCheckpointError(f"{where}: safetensors header length {hlen} exceeds the "
-                                    f"file or {MAX_HEADER_BYTES} B", step=info.step)
-    head = first + read_range(storage, full, 8, hlen)
-    _, entries = parse_safetensors_header(cast(Any, _HeaderOnly(head, size)), where=where)
-    return entries
-
-
-def _scalar_text(node: Any) -> str:
-    if isinstance(node, bytes):
-        return f"bytes[{len(node)}]"
-    text = repr(node)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _key_text(node: Any) -> str:
-    if isinstance(node, list) and len(node) == 2:
-        tag, payload = node
-        if tag in ("t", "S") and isinstance(payload, list):
-            return "(" + ", ".join(_key_text(p) for p in payload) + ")"
-        if tag == EXT_TAG and isinstance(payload, list) and len(payload) == 2:
-            return f"<{payload[0]}:{_key_text(payload[1])}>"
-        return str(payload)
-    return str(node)
-
-
-def tree_rows(tree: Any, slots: list[TensorSlot]) -> Iterator[dict[str, Any]]:
-    """One row per node worth showing (containers, extension values, leaves), depth-first,
-    from the *tagged* tree: nothing is decoded or constructed."""
-    stack: list[tuple[Any, str, int]] = [(tree, "", 0)]
-    while stack:
-        node, key, depth = stack.pop()
-        row: dict[str, Any] = {"key": key, "depth": depth}
-        tag = node[0] if isinstance(node, list) and len(node) == 2 else None
-        payload = node[1] if tag is not None else None
-        children: list[tuple[str, Any]] = []
-        if tag == "T" and isinstance(payload, int) and 0 <= payload < len(slots):
-            s = slots[payload]
-            row.update(kind="tensor", dtype=s.dtype, shape=list(s.shape), file=s.file,
-                       bytes=math.prod(s.shape) * _ITEMSIZE.get(s.dtype, 0))
-        elif tag == "d" and isinstance(payload, list):
-            row.update(kind="dict", items=len(payload))
-            children = [(_key_text(p[0]), p[1]) for p in payload
-                        if isinstance(p, list) and len(p) == 2]
-        elif tag in ("l", "t") and isinstance(payload, list):
-            row.update(kind="list" if tag == "l" else "tuple", items=len(payload))
-            children = [(str(i), v) for i, v in enumerate(payload)]
-        elif tag == EXT_TAG and isinstance(payload, list) and len(payload) == 2:
-            row.update(kind="extension", type=str(payload[0]))
-            inner = payload[1]
-            if isinstance(inner, list) and len(inner) == 2 and inner[0] in ("d", "l", "t"):
-                children = ([(_key_text(p[0]), p[1]) for p in inner[1]] if inner[0] == "d"
-                            else [(str(i), v) for i, v in enumerate(inner[1])])
-            else:
-                row["value"] = _scalar_text(inner[1] if isinstance(inner, list) else inner)
-        elif tag == "S":
-            row.update(kind="value", type="torch.Size", value=f"torch.Size({payload})")
-        elif tag == "dt":
-            row.update(kind="value", type="torch.dtype", value=f"torch.{payload}")
-        elif tag == "i":
-            row.update(kind="value", type="int", value=_scalar_text(payload))
-        else:
-            row.update(kind="value", type=type(node).__name__, value=_scalar_text(node))
-        if depth > 0:
-            yield row
-        prefix = f"{key}/" if key else ""
-        for k, child in reversed(children):
-            stack.append((child, prefix + k, depth + 1))
-
-
-def inspect_info(store: CheckpointStore, info: CheckpointInfo) -> dict[str, Any]:
-    storage = store.storage
-    m = info.manifest
-    out: dict[str, Any] = {
-        "url": info.url, "step": info.step, "attempt": info.attempt, "created": info.created,
-        "format_version": m.format_version, "hash_algorithm": m.hash_algorithm,
-        "metadata": m.metadata, "total_bytes": m.total_bytes,
-        "files": [{"path": e.path, "size": e.size, "digest": e.digest,
-                   "algorithm": e.algorithm} for e in m.files]}
-    if m.format_version == SHARDED_FORMAT_VERSION:
-        out["tree"] = _sharded_rows(storage, info)
-        out["tree_note"] = ("format v2 (sharded): the flat DCP keys from dcp.msgpack; see "
-                            "docs/sharded.md")
-        return out
-    entry = m.file(STATE_NAME)
-    if entry.size > MAX_STATE_DOC_BYTES:
-        raise UnsafeCheckpointError(f"{info.url}/{STATE_NAME}: declared size {entry.size} B "
-                                    f"exceeds {MAX_STATE_DOC_BYTES} B", step=info.step)
-    doc = read_file_verified(storage, info, entry, verify=True)
-    tree, slots = decode_state_doc(bytes(doc), where=f"{info.url}/{STATE_NAME}")
-    sizes = {e.path: e.size for e in m.files}
-    headers: dict[str, dict[str, HeaderEntry]] = {}
-    for s in slots:
-        if s.file not in sizes:
-            raise CorruptCheckpointError(f"{info.url}: state references {s.file}, which is not "
-                                         "in the manifest", step=info.step)
-        if s.file not in headers:
-            headers[s.file] = read_header(storage, info, s.file, sizes[s.file])
-        h = headers[s.file].get(s.name)
-        if h is None or h.dtype != s.dtype or h.shape != s.shape:
-            raise CorruptCheckpointError(f"{info.url}/{s.file}: tensor {s.name!r} is missing or "
-                                         "differs from the state document", step=info.step)
-    out["tree"] = list(tree_rows(tree, slots))
-    out["tensors"] = {"count": len(slots), "bytes": sum(
-        r["bytes"] for r in out["tree"] if r["kind"] == "tensor")}
-    return out
-
-
-def _sharded_rows(storage: Storage, info: CheckpointInfo) -> list[dict[str, Any]]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from ckptfs.protocol.sharded_read import read_document
-
-    doc = read_document(storage, info, verify=True)
-    rows = []
-    for fqn, md in sorted(doc.metadata.state_dict_metadata.items()):
-        if isinstance(md, TensorStorageMetadata):
-            code = dtype_code(md.properties.dtype)
-            shape = list(md.size)
-            rows.append({"key": fqn, "depth": 1, "kind": "tensor", "dtype": code,
-                         "shape": shape, "bytes": math.prod(shape) * _ITEMSIZE.get(code, 0),
-                         "chunks": len(md.chunks)})
-        else:
-            rows.append({"key": fqn, "depth": 1, "kind": "value", "type": "encoded value"})
-    return rows
-
-
-def _row_text(r: dict[str, Any]) -> str:
-    name = r["key"].rsplit("/", 1)[-1] if r["depth"] > 1 and "chunks" not in r else r["key"]
-    pad = "  " * r["depth"]
-    kind = r["kind"]
-    if kind == "tensor":
-        extra = f"  ({r['chunks']} chunks)" if "chunks" in r else f"  {r['file']}"
-        return f"{pad}{name}: {r['dtype']} {r['shape']} {r['bytes']} B{extra}"
-    if kind in ("dict", "list", "tuple"):
-        return f"{pad}{name}: {kind} of {r['items']}"
-    if kind == "extension":
-        return f"{pad}{name}: <{r['type']}>" + (f" {r['value']}" if "value" in r else "")
-    return f"{pad}{name}: {r.get('value', r.get('type'))}"
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    store = open_from_args(args)
-    doc = inspect_info(store, resolve(store, args.step))
-    lines = [f"step {doc['step']}  {doc['url']}",
-             f"created {doc['created']}  format v{doc['format_version']}  "
-             f"hash {doc['hash_algorithm']}  {doc['total_bytes']} B in {len(doc['files'])} files"]
-    lines += [f"  {f['path']}  {f['size']} B  {f['digest'][:24]}..." for f in doc["files"]]
-    lines.append("metadata: " + json.dumps(doc["metadata"], sort_keys=True, default=str)[:2000])
-    if "tensors" in doc:
-        lines.append(f"tree ({doc['tensors']['count']} tensors, {doc['tensors']['bytes']} B):")
-    else:
-        lines.append(doc.get("tree_note", "tree:"))
-    lines += [_row_text(r) for r in doc["tree"]]
-    emit(args, doc, "\n".join(lines))
-    return EXIT_OK
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,8 +118,36 @@ def cmd_cp(args: argparse.Namespace) -> int:
 # export
 
 
+def _holds_tensor(value: Any, depth: int = 0) -> bool:
+    """Whether a tensor is reachable from ``value`` through containers, a ``Namespace``'s or
+    other object's attributes, or a dataclass's fields (numpy arrays are data, not tensors)."""
+    if depth > MAX_DEPTH + 8:
+        return False
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(k, depth + 1) or _holds_tensor(v, depth + 1)
+                   for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(v, depth + 1) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_holds_tensor(getattr(value, f.name, None), depth + 1)
+                   for f in dataclasses.fields(value))
+    attrs = getattr(value, "__dict__", None)
+    return isinstance(attrs, dict) and _holds_tensor(attrs, depth + 1)
+
+
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
 def _flatten(value: Any, prefix: str, tensors: dict[str, torch.Tensor],
              values: dict[str, Any]) -> None:
+    """Every tensor of ``value`` under its ``/``-joined key path, wherever it sits (inside an
+    extension value too: a ``Namespace``, a dataclass, a value of a type this process has not
+    registered); the other leaves as JSON values.  A tensor that has no stable key path (in a
+    set, or in an object of another kind) is refused, naming the key path: it is never written
+    as text."""
     def name_for(key: str) -> str:
         name, n = key or "<root>", 1
         while name in tensors or name in values or name == "__metadata__":
@@ -330,12 +155,23 @@ def _flatten(value: Any, prefix: str, tensors: dict[str, torch.Tensor],
             name = f"{key}#{n}"
         return name
 
-    if isinstance(value, dict) and "__ckptfs_type__" not in value:
+    def join(k: Any) -> str:
+        return f"{prefix}/{k}" if prefix else str(k)
+
+    if isinstance(value, dict) and FALLBACK_TYPE_KEY in value:
+        if not _holds_tensor(value):
+            values[name_for(prefix)] = _jsonable(value)
+            return
+        # A value of a type this process has not registered, holding tensors: its payload is
+        # exported in place, its type recorded under its own key path.
+        values[name_for(prefix)] = {FALLBACK_TYPE_KEY: value[FALLBACK_TYPE_KEY]}
+        _flatten(value.get("value"), prefix, tensors, values)
+    elif isinstance(value, dict):
         for k, v in value.items():
-            _flatten(v, f"{prefix}/{k}" if prefix else str(k), tensors, values)
+            _flatten(v, join(k), tensors, values)
     elif isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         for i, v in enumerate(value):
-            _flatten(v, f"{prefix}/{i}" if prefix else str(i), tensors, values)
+            _flatten(v, join(i), tensors, values)
     elif isinstance(value, torch.Tensor):
         tensors[name_for(prefix)] = value
     elif type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
@@ -346,8 +182,20 @@ def _flatten(value: Any, prefix: str, tensors: dict[str, torch.Tensor],
             values[name_for(prefix)] = _jsonable(value)
         else:
             tensors[name_for(prefix)] = t
-    else:
+    elif not _holds_tensor(value):
         values[name_for(prefix)] = _jsonable(value)
+    elif isinstance(value, argparse.Namespace) or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        values[name_for(prefix)] = {FALLBACK_TYPE_KEY: _type_name(value)}
+        fields = (vars(value).items() if isinstance(value, argparse.Namespace)
+                  else ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value)))
+        for k, v in fields:
+            _flatten(v, join(k), tensors, values)
+    else:
+        raise UnsupportedValueError(
+            f"key path {prefix or '<root>'!r}: a {_type_name(value)} holding tensors has no "
+            "stable key path for each of them in a safetensors file; export to .pt, or select "
+            "the other values with --key")
 
 
 def _jsonable(v: Any) -> Any:
@@ -457,12 +305,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(sub: Any) -> None:
-    p = sub.add_parser("inspect", help="show a checkpoint's keys, dtypes, shapes and sizes "
-                       "without reading tensor bytes")
-    add_store_args(p)
-    p.add_argument("--step", type=step_option, default=None, help="step (default: latest)")
-    p.set_defaults(func=cmd_inspect)
-
     p = sub.add_parser("cp", help="copy committed checkpoints to another URL (verified, "
                        "marker last)")
     p.add_argument("src", help="source run root URL")

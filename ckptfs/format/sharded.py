@@ -1,5 +1,7 @@
-"""Format v2, the sharded layout: names, chunk digests, the v2 manifest, and the pickle-free
-encodings of DCP's global metadata and of non-tensor values.  Pure: no I/O, no collectives.
+"""Format v2, the sharded layout: names, chunk digests, the v2 manifest, the rank files'
+safetensors headers (as planned by the writer) and the pickle-free encoding of non-tensor
+values.  ``dcp.msgpack`` (DCP's global metadata) and the checks binding it to the manifest and
+to the headers are :mod:`ckptfs.format.sharded_metadata`.  Pure: no I/O, no collectives.
 
 A sharded checkpoint is written by several ranks into one attempt::
 
@@ -22,10 +24,11 @@ bytes is needed, and a ranged reader checks exactly the chunks it reads.
 from __future__ import annotations
 
 import json
+import re
 import struct
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import torch
@@ -36,10 +39,17 @@ from ckptfs.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from ckptfs.format.hashing import digest_bytes, parse_digest
-from ckptfs.format.layout import check_relpath, is_attempt_name
-from ckptfs.format.limits import MAX_DEPTH, MAX_FILE_SIZE, MAX_FILES
-from ckptfs.format.manifest import MANIFEST_SCHEMA, FileEntry, Manifest
+from ckptfs.format.hashing import ALGORITHMS, digest_bytes, parse_digest
+from ckptfs.format.layout import MAX_STEP, check_relpath, is_attempt_name
+from ckptfs.format.limits import MAX_FILE_SIZE, MAX_FILES
+from ckptfs.format.manifest import (
+    FILE_KEYS,
+    MANIFEST_KEYS,
+    MANIFEST_SCHEMA,
+    FileEntry,
+    Manifest,
+    unique_pairs,
+)
 from ckptfs.format.serialize import (
     CODE_DTYPES,
     Flattener,
@@ -48,19 +58,34 @@ from ckptfs.format.serialize import (
     tensor_memoryview,
 )
 
-if TYPE_CHECKING:  # importing torch.distributed.checkpoint costs ~1 s: only when used
-    from torch.distributed.checkpoint.metadata import Metadata
-
 SHARDED_FORMAT_VERSION = 2
 SHARDED_LAYOUT = "sharded"
 METADATA_NAME = "dcp.msgpack"
 METADATA_SCHEMA = "ckptfs.dcp"
 VALUE_SCHEMA = "ckptfs.value"
+#: Keys every v2 manifest and every v2 file entry must have (docs/protocol.md §8.2).
+V2_MANIFEST_KEYS = MANIFEST_KEYS | {"layout", "world_size"}
+V2_FILE_KEYS = FILE_KEYS | {"rank", "chunks"}
+#: Keys every value document must have (§8.5).
+VALUE_KEYS = frozenset({"schema", "format_version", "tree", "tensors"})
+
+_RANK_FILE = re.compile(r"rank-([0-9]{5,})/data-([0-9]+)\.safetensors")
 
 
 def rank_file_name(rank: int, index: int = 0) -> str:
     """``rank-00003/data-0.safetensors``: the data file ``index`` of ``rank``."""
     return f"rank-{rank:05d}/data-{index}.safetensors"
+
+
+def rank_of_file(path: str) -> int | None:
+    """The rank whose data file ``path`` is, if ``path`` is exactly the name
+    :func:`rank_file_name` gives it (canonical: 5 or more digits, no extra zeros), else
+    ``None``."""
+    m = _RANK_FILE.fullmatch(path)
+    if m is None:
+        return None
+    rank, index = int(m.group(1)), int(m.group(2))
+    return rank if rank_file_name(rank, index) == path else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,26 +191,43 @@ class ShardedManifest(Manifest):
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any], *, where: str) -> ShardedManifest:
+        """Decode a v2 manifest (already parsed by the bounded JSON reader, schema and version
+        checked): every key of §8.2 required, the algorithm known and the same in every
+        digest, each chunk list tiling its file and bound by the file's digest, exactly one
+        ``dcp.msgpack``, and every other file the canonical ``rank-NNNNN/data-K.safetensors``
+        of its ``rank`` (``0 <= rank < world_size``).  Typed errors only."""
         try:
-            if doc.get("layout") != SHARDED_LAYOUT:
-                raise TypeError("layout")
-            step, attempt, raw_files = doc["step"], doc["attempt"], doc["files"]
-            world = doc.get("world_size", 0)
-            if not _is_int(step) or step < 0 or not _is_int(world) or world < 0:
-                raise TypeError("step/world_size")
+            missing = sorted(V2_MANIFEST_KEYS - set(doc))
+            if missing:
+                raise KeyError(f"v2 manifest lacks {missing}")
+            if doc["layout"] != SHARDED_LAYOUT:
+                raise TypeError(f"layout {doc['layout']!r:.40} is not {SHARDED_LAYOUT!r}")
+            step, attempt, world = doc["step"], doc["attempt"], doc["world_size"]
+            if not _is_int(step) or not 0 <= step <= MAX_STEP:
+                raise TypeError(f"step {step!r:.40} is not an int in [0, {MAX_STEP}]")
             if not isinstance(attempt, str) or not is_attempt_name(attempt):
-                raise TypeError("attempt")
+                raise TypeError(f"attempt {attempt!r:.80} is not an attempt name")
+            if not _is_int(world) or world < 1:
+                raise TypeError(f"world_size {world!r:.40} is not a positive int")
+            algo = doc["hash_algorithm"]
+            if algo not in ALGORITHMS:
+                raise TypeError(f"unknown hash_algorithm {algo!r:.40}")
+            metadata, created = doc["metadata"], doc["created"]
+            if not isinstance(metadata, dict) or not isinstance(created, str):
+                raise TypeError("'metadata' is not an object or 'created' not a string")
+            raw_files = doc["files"]
             if not isinstance(raw_files, list) or len(raw_files) > MAX_FILES:
-                raise TypeError("files")
+                raise TypeError(f"'files' is not a list of at most {MAX_FILES} entries")
             files: list[FileEntry] = []
             seen: set[str] = set()
             for raw in raw_files:
-                files.append(_decode_entry(raw, seen, where))
-            metadata, created = doc.get("metadata", {}), doc.get("created", "")
-            algo = doc.get("hash_algorithm", "")
-            if not isinstance(metadata, dict) or not isinstance(created, str) or not isinstance(
-                    algo, str):
-                raise TypeError("metadata/created/hash_algorithm")
+                files.append(_decode_entry(raw, seen, world, where))
+            if METADATA_NAME not in seen:
+                raise KeyError(f"no {METADATA_NAME} among the files")
+        except CorruptCheckpointError as exc:  # path, size, digest: name the manifest
+            if str(exc).startswith(where):
+                raise
+            raise type(exc)(f"{where}: {exc}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptCheckpointError(
                 f"{where}: malformed v2 manifest ({type(exc).__name__}: {exc})") from None
@@ -196,7 +238,12 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _decode_entry(raw: Any, seen: set[str], where: str) -> ChunkedFileEntry:
+def _decode_entry(raw: Any, seen: set[str], world: int, where: str) -> ChunkedFileEntry:
+    if not isinstance(raw, dict):
+        raise TypeError("a 'files' entry is not an object")
+    missing = sorted(V2_FILE_KEYS - set(raw))
+    if missing:
+        raise KeyError(f"file entry lacks {missing}")
     path = check_relpath(raw["path"])
     size = raw["size"]
     if not _is_int(size) or not 0 <= size <= MAX_FILE_SIZE:
@@ -205,19 +252,24 @@ def _decode_entry(raw: Any, seen: set[str], where: str) -> ChunkedFileEntry:
         raise UnsafeCheckpointError(f"{where}: file {path!r} listed twice")
     seen.add(path)
     algo, _ = parse_digest(raw["digest"])
-    if raw.get("algorithm", algo) != algo:
-        raise TypeError("algorithm")
-    rank = raw.get("rank")
-    if rank is not None and (not _is_int(rank) or rank < 0):
-        raise TypeError("rank")
+    if raw["algorithm"] != algo:
+        raise TypeError(f"file {path!r}: 'algorithm' differs from its digest's")
+    rank = raw["rank"]
+    if path == METADATA_NAME:
+        if rank is not None:
+            raise TypeError(f"file {path!r}: rank {rank!r:.20} (must be null)")
+    elif not _is_int(rank) or rank_of_file(path) != rank or not 0 <= rank < world:
+        raise TypeError(f"file {path!r} (rank {rank!r:.20}) is neither {METADATA_NAME} nor "
+                        f"the rank-NNNNN/data-K.safetensors file of its rank (0 <= rank < "
+                        f"world_size {world})")
     raw_chunks = raw["chunks"]
     if not isinstance(raw_chunks, list):
-        raise TypeError("chunks")
+        raise TypeError(f"file {path!r}: 'chunks' is not a list")
     chunks = []
     for rc in raw_chunks:
         if (not isinstance(rc, list) or len(rc) != 3 or not _is_int(rc[0])
-                or not _is_int(rc[1])):
-            raise TypeError("chunk")
+                or not _is_int(rc[1]) or not isinstance(rc[2], str)):
+            raise TypeError(f"file {path!r}: a chunk is not [offset, length, hex]")
         parse_digest(f"{algo}:{rc[2]}")
         chunks.append(Chunk(rc[0], rc[1], rc[2]))
     check_tiling(chunks, size, where=f"{where}: {path}")
@@ -305,18 +357,29 @@ def encode_value(value: Any, *, key: str) -> bytes:
 
 
 def decode_value(data: bytes | bytearray | memoryview, *, where: str) -> Any:
-    """Decode :func:`encode_value` bytes; typed errors only, nothing is ever unpickled."""
+    """Decode a value document (§8.5): typed errors only, nothing is ever unpickled.  Every key
+    of §8.5 is required, no map names a key twice, ``format_version`` is 2 (a newer one raises
+    :class:`FormatVersionError`), every inline tensor's bytes fit its dtype and shape."""
     try:
-        doc = _unpack(data, where)
-    except CorruptCheckpointError:
-        doc = None
+        doc = unpack_document(data, where)
+    except UnsafeCheckpointError:
+        raise
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(
+            f"{where}: not a ckptfs value document ({str(exc).removeprefix(where + ': ')}); "
+            "written with torch.save/pickle by a planner that is not ckptfs's? ckptfs never "
+            "unpickles") from None
     if not isinstance(doc, dict) or doc.get("schema") != VALUE_SCHEMA:
         raise CorruptCheckpointError(
             f"{where}: not a ckptfs value (written with torch.save/pickle by a planner that is "
             "not ckptfs's? ckptfs never unpickles)")
-    raw = doc.get("tensors")
+    missing = sorted(VALUE_KEYS - set(doc))
+    if missing:
+        raise CorruptCheckpointError(f"{where}: value document lacks {missing}")
+    check_version(doc["format_version"], where, "value document")
+    raw = doc["tensors"]
     if not isinstance(raw, list):
-        raise CorruptCheckpointError(f"{where}: malformed value")
+        raise CorruptCheckpointError(f"{where}: 'tensors' of the value is not a list")
     tensors = []
     for r in raw:
         if (not isinstance(r, list) or len(r) != 3 or r[0] not in CODE_DTYPES
@@ -331,191 +394,35 @@ def decode_value(data: bytes | bytearray | memoryview, *, where: str) -> Any:
             raise CorruptCheckpointError(f"{where}: tensor in value has the wrong byte length")
         t = torch.frombuffer(bytearray(r[2]), dtype=dtype) if r[2] else torch.empty(0, dtype=dtype)
         tensors.append(t.reshape(r[1]))
-    return build_tree(doc.get("tree"), tensors, where=where)
+    return build_tree(doc["tree"], tensors, where=where)
 
 
-def _unpack(data: bytes | bytearray | memoryview, where: str) -> Any:
+def check_version(version: Any, where: str, what: str) -> None:
+    """``format_version`` of a v2 document: 2; a newer int raises :class:`FormatVersionError`
+    (upgrade ckptfs), anything else :class:`CorruptCheckpointError`."""
+    if _is_int(version) and version > SHARDED_FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: {what} written by format version {version}; this ckptfs reads "
+            f"{SHARDED_FORMAT_VERSION}: upgrade ckptfs")
+    if version != SHARDED_FORMAT_VERSION or not _is_int(version):
+        raise CorruptCheckpointError(f"{where}: {what} has format_version {version!r:.40}, "
+                                     f"expected {SHARDED_FORMAT_VERSION}")
+
+
+def unpack_document(data: bytes | bytearray | memoryview, where: str) -> Any:
+    """A msgpack document of format v2 (``dcp.msgpack``, a value document): str or bin map
+    keys only, no map naming a key twice, no extension types (:class:`UnsafeCheckpointError`);
+    anything else malformed is :class:`CorruptCheckpointError` naming ``where``."""
+
     def no_ext(code: int, payload: bytes) -> Any:
         raise UnsafeCheckpointError(f"{where}: msgpack extension type {code} is not allowed")
 
     try:
-        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=False, ext_hook=no_ext,
-                               use_list=True)
+        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, ext_hook=no_ext,
+                               use_list=True, object_pairs_hook=unique_pairs)
     except UnsafeCheckpointError:
         raise
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
             RecursionError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(
             f"{where}: not valid msgpack ({type(exc).__name__}: {str(exc)[:120]})") from None
-
-
-# ----------------------------------------------------------------------------------------------
-# DCP's global Metadata, as msgpack (stock DCP pickles it)
-
-
-@dataclass(frozen=True)
-class ItemLocation:
-    """Where one stored DCP item lives: ``length`` bytes at ``offset`` of ``path`` (a manifest
-    path).  The item's bytes are exactly one chunk of that file."""
-
-    path: str
-    offset: int
-    length: int
-
-
-_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format,
-                   "channels_last": torch.channels_last,
-                   "preserve_format": torch.preserve_format}
-
-
-@dataclass
-class DcpDocument:
-    """The content of ``dcp.msgpack``: DCP's Metadata, plus (for ``store.save``) the tree of
-    the user's state, so a full load rebuilds it exactly (int keys, tuples)."""
-
-    metadata: Metadata
-    tree: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def encode_metadata(doc: DcpDocument) -> bytes:
-    """Encode DCP's Metadata without pickle.  Raises :class:`UnsupportedValueError` for
-    planner data or storage data that is not plain (a custom planner's objects)."""
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        MetadataIndex,
-        TensorStorageMetadata,
-    )
-
-    md = doc.metadata
-    entries: dict[str, Any] = {}
-    for fqn, sm in md.state_dict_metadata.items():
-        if isinstance(sm, BytesStorageMetadata):
-            entries[fqn] = {"kind": "bytes"}
-            continue
-        if not isinstance(sm, TensorStorageMetadata):
-            raise UnsupportedValueError(f"{fqn!r}: unknown DCP storage metadata {type(sm)}")
-        p = sm.properties
-        if p.layout != torch.strided:
-            raise UnsupportedValueError(f"tensor {fqn!r} has layout {p.layout}; convert it "
-                                        "with .to_dense()")
-        tensor_code(p.dtype, fqn)
-        fmt = next((k for k, v in _MEMORY_FORMATS.items() if v == p.memory_format),
-                   "contiguous_format")
-        entries[fqn] = {"kind": "tensor", "dtype": str(p.dtype).removeprefix("torch."),
-                        "size": list(sm.size), "requires_grad": bool(p.requires_grad),
-                        "memory_format": fmt, "pin_memory": bool(p.pin_memory),
-                        "chunks": [[list(c.offsets), list(c.sizes)] for c in sm.chunks]}
-    planner: Any = None
-    if md.planner_data is not None:
-        if not isinstance(md.planner_data, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, (tuple, list))
-                and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in v)
-                for k, v in md.planner_data.items()):
-            raise UnsupportedValueError(
-                "the planner's planner_data is not a flatten mapping (fqn -> path of str/int); "
-                "ckptfs stores metadata without pickle: use ckptfs.dcp.SavePlanner")
-        planner = {k: list(v) for k, v in md.planner_data.items()}
-    storage = []
-    for index, loc in (md.storage_data or {}).items():
-        if not isinstance(index, MetadataIndex) or not isinstance(loc, ItemLocation):
-            raise UnsupportedValueError("storage_data must map MetadataIndex to ItemLocation")
-        storage.append([index.fqn, None if index.offset is None else list(index.offset),
-                        loc.path, loc.offset, loc.length])
-    sm_doc = None
-    if md.storage_meta is not None:
-        s = md.storage_meta
-        sm_doc = {"checkpoint_id": None if s.checkpoint_id is None else str(s.checkpoint_id),
-                  "save_id": s.save_id, "modules": [str(m) for m in s.modules]}
-    out = {"schema": METADATA_SCHEMA, "format_version": SHARDED_FORMAT_VERSION,
-           "version": md.version, "state_dict_metadata": entries, "planner_data": planner,
-           "storage_data": storage, "storage_meta": sm_doc, "tree": doc.tree,
-           "extra": doc.extra}
-    try:
-        return msgpack.packb(out, use_bin_type=True)  # type: ignore[no-any-return]
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise UnsupportedValueError(f"DCP metadata cannot be encoded as msgpack: {exc}") from exc
-
-
-def decode_metadata(data: bytes | bytearray | memoryview, *, where: str) -> DcpDocument:
-    """Decode ``dcp.msgpack`` into DCP's Metadata; strict, typed errors only."""
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    raw = _unpack(data, where)
-    if not isinstance(raw, dict) or raw.get("schema") != METADATA_SCHEMA:
-        raise CorruptCheckpointError(f"{where}: not a ckptfs DCP metadata document")
-    if raw.get("format_version") != SHARDED_FORMAT_VERSION:
-        raise FormatVersionError(
-            f"{where}: metadata format {raw.get('format_version')!r}; this ckptfs reads "
-            f"{SHARDED_FORMAT_VERSION}: upgrade ckptfs")
-    try:
-        sdm: dict[str, Any] = {}
-        for fqn, e in raw["state_dict_metadata"].items():
-            if not isinstance(fqn, str) or not isinstance(e, dict):
-                raise TypeError("entry")
-            if e["kind"] == "bytes":
-                sdm[fqn] = BytesStorageMetadata()
-                continue
-            if e["kind"] != "tensor":
-                raise TypeError("kind")
-            dtype = getattr(torch, str(e["dtype"]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise TypeError("dtype")
-            tensor_code(dtype, fqn)
-            props = TensorProperties(dtype=dtype, requires_grad=bool(e["requires_grad"]),
-                                     memory_format=_MEMORY_FORMATS[e["memory_format"]],
-                                     pin_memory=bool(e["pin_memory"]))
-            chunks = [ChunkStorageMetadata(torch.Size(_ints(o)), torch.Size(_ints(s)))
-                      for o, s in e["chunks"]]
-            sdm[fqn] = TensorStorageMetadata(props, torch.Size(_ints(e["size"])), chunks)
-        planner = raw.get("planner_data")
-        if planner is not None:
-            if not isinstance(planner, dict):
-                raise TypeError("planner_data")
-            planner = {k: tuple(_path(v)) for k, v in planner.items()}
-        storage: dict[Any, ItemLocation] = {}
-        for fqn, offset, path, off, length in raw["storage_data"]:
-            if not isinstance(fqn, str) or not _is_int(off) or not _is_int(length):
-                raise TypeError("storage_data")
-            if off < 0 or length < 0:
-                raise TypeError("storage_data range")
-            index = MetadataIndex(fqn, None if offset is None else _ints(offset))
-            storage[index] = ItemLocation(check_relpath(path), off, length)
-        sm = None
-        if raw.get("storage_meta") is not None:
-            s = raw["storage_meta"]
-            sm = StorageMeta(checkpoint_id=s.get("checkpoint_id"), save_id=s.get("save_id"),
-                             modules=[str(m) for m in s.get("modules", [])])
-        version = raw.get("version")
-        if version is not None and not isinstance(version, str):
-            raise TypeError("version")
-        extra = raw.get("extra") or {}
-        if not isinstance(extra, dict):
-            raise TypeError("extra")
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(
-            f"{where}: malformed DCP metadata ({type(exc).__name__}: {exc})") from None
-    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
-                  storage_meta=sm, version=version)
-    return DcpDocument(md, raw.get("tree"), extra)
-
-
-def _ints(v: Any) -> list[int]:
-    if not isinstance(v, list) or len(v) > MAX_DEPTH or not all(_is_int(i) and i >= 0
-                                                                 for i in v):
-        raise TypeError("expected a list of non-negative ints")
-    return list(v)
-
-
-def _path(v: Any) -> list[str | int]:
-    if not isinstance(v, list) or not all(isinstance(p, str) or _is_int(p) for p in v):
-        raise TypeError("planner path")
-    return list(v)

@@ -26,7 +26,16 @@ from ckptfs.format.limits import MAX_DEPTH
 from ckptfs.format.serialize import Flattener, build_tree
 
 _LEAF = "v"
-_KEY_TYPES = (str, int, float, bool, type(None), bytes, tuple)
+_KEY_TYPES = (str, int, float, bool, type(None), bytes)
+
+
+def _plain_key(key: Any) -> bool:
+    """A key whose ``str()`` docs/protocol.md §8.4 defines: exactly str, int, float, bool,
+    None, bytes, or a tuple of such keys (not a subclass: an Enum or ``torch.Size`` renders
+    otherwise)."""
+    if type(key) is tuple:
+        return all(_plain_key(k) for k in key)
+    return type(key) in _KEY_TYPES
 
 
 def _walked(value: Any) -> bool:
@@ -43,9 +52,11 @@ def _where(path: tuple[Any, ...]) -> str:
 
 def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
     """(the dict handed to DCP, the skeleton).  The view shares every tensor and value with
-    ``state`` (nothing is copied).  Raises :class:`UnsupportedValueError` naming the key path
-    when two keys of one dict read the same as strings (``0`` and ``"0"``), for key types the
-    format cannot hold, and for trees deeper than the format allows."""
+    ``state`` (nothing is copied).  Raises :class:`UnsupportedValueError` naming the key paths
+    when two values would get the same DCP name (two keys of one dict that read the same as
+    strings, ``0`` and ``"0"``; or keys that collide once joined with ``"."``, ``{"a.b": x}``
+    and ``{"a": {"b": y}}``), for key types the format cannot hold, and for trees deeper than
+    the format allows."""
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(
             f"state must be a dict (e.g. {{'model': ..., 'optimizer': ...}}), got "
@@ -65,10 +76,12 @@ def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
             view: dict[str, Any] = {}
             items = []
             for k, v in value.items():
-                if not isinstance(k, _KEY_TYPES):
+                if not _plain_key(k):
                     raise UnsupportedValueError(
-                        f"state key {k!r} at {_where(path)} has type {type(k).__name__}; keys "
-                        "must be str, int, float, bool, None, bytes or tuples of those")
+                        f"state key {k!r:.80} at {_where(path)} has type {type(k).__name__}; "
+                        "keys of a sharded state must be str, int, float, bool, None, bytes "
+                        "or tuples of those (exactly these types: DCP names a value by "
+                        "str(key), docs/protocol.md §8.4)")
                 sk = str(k)
                 if sk in view:
                     raise UnsupportedValueError(
@@ -84,13 +97,86 @@ def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
             seen.discard(id(value))
             tag = "t" if isinstance(value, tuple) else "l"
             return [p[0] for p in pairs], [tag, [p[1] for p in pairs]]
+        name = ".".join(str(p) for p in path)  # DCP's name of the value (its "fqn")
+        other = names.setdefault(name, path)
+        if other is not path:
+            raise UnsupportedValueError(
+                f"the values at {_where(other)} and {_where(path)} would both be stored as "
+                f"{name!r}: DCP names a value by joining str(key)s with '.', so a sharded "
+                "checkpoint cannot hold both; rename one (no '.' in keys)")
         return value, [_LEAF, None]
 
+    names: dict[str, tuple[Any, ...]] = {}
     view, skeleton = walk(state, ())
     return view, skeleton
 
 
 _MISSING = object()
+
+
+def _plain_key_node(node: Any) -> bool:
+    """A §2.3 key node of the key types a v2 tree may hold (§8.4): str, int (``i`` nodes too),
+    float, bool, nil, bin, and ``t`` nodes of those."""
+    if node is None or isinstance(node, (bool, int, float, str, bytes)):
+        return True
+    if not (isinstance(node, list) and len(node) == 2):
+        return False
+    if node[0] == "i":
+        return True
+    return node[0] == "t" and isinstance(node[1], list) and all(
+        _plain_key_node(k) for k in node[1])
+
+
+def check_skeleton(tree: Any, stored: set[str], *, where: str) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``tree`` is a well-formed skeleton (§8.4:
+    ``d``/``l``/``t`` nodes and ``["v", nil]`` leaves, keys as in §2.3, at most
+    :data:`MAX_DEPTH` deep, the root a dict) whose leaves, named as DCP names them (the
+    ``"."``-join of ``str(key)`` per dict and the index per list), are exactly ``stored``."""
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: malformed stored tree ({what})")
+
+    leaves: list[str] = []
+
+    def walk(node: Any, path: tuple[str, ...], depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise bad(f"nested deeper than {MAX_DEPTH}")
+        if not isinstance(node, list) or len(node) != 2:
+            raise bad(f"node {node!r:.60}")
+        tag, payload = node
+        if tag == _LEAF:
+            if payload is not None or not path:
+                raise bad(f"leaf {node!r:.60}")
+            leaves.append(".".join(path))
+            return
+        if tag not in ("d", "l", "t") or not isinstance(payload, list):
+            raise bad(f"tag {tag!r:.20}")
+        if tag != "d":
+            for i, child in enumerate(payload):
+                walk(child, (*path, str(i)), depth + 1)
+            return
+        keys: set[Any] = set()
+        for item in payload:
+            if not isinstance(item, list) or len(item) != 2:
+                raise bad("dict item")
+            if not _plain_key_node(item[0]):
+                raise bad(f"key {item[0]!r:.60} is not a str, int, float, bool, nil, bin or "
+                          "tuple of those")
+            key = build_tree(item[0], [], where=where)  # a key node of §2.3
+            try:
+                if key in keys:
+                    raise bad(f"duplicate key {key!r:.60}")
+                keys.add(key)
+            except TypeError:
+                raise bad(f"unhashable key {key!r:.60}") from None
+            walk(item[1], (*path, str(key)), depth + 1)
+
+    if not (isinstance(tree, list) and tree and tree[0] == "d"):
+        raise bad("the root is not a dict")
+    walk(tree, (), 0)
+    named = set(leaves)
+    if len(named) != len(leaves) or named != stored:
+        odd = sorted((named ^ stored) or {n for n in leaves if leaves.count(n) > 1})[:3]
+        raise bad(f"its values and the stored names differ: {odd}")
 
 
 def restore(skeleton: Any, loaded: Any, *, where: str) -> Any:

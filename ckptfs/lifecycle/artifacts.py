@@ -30,9 +30,9 @@ import json
 import logging
 import re
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 from ckptfs.errors import (
     ArtifactConflictError,
@@ -47,7 +47,7 @@ from ckptfs.format.layout import MAX_STEP, parse_step_dir, step_dir_name
 from ckptfs.lifecycle.records import LIFECYCLE_DIR, CorruptRecordError, parse_json
 from ckptfs.protocol.load_options import MapLocation
 from ckptfs.protocol.store import CheckpointStore
-from ckptfs.storage.base import Capabilities, Entry, Storage
+from ckptfs.storage.sub import SubStorage as SubStorage  # re-exported (Lightning, transformers)
 
 log = logging.getLogger("ckptfs")
 
@@ -63,70 +63,6 @@ def check_name(name: str, what: str = "artifact") -> str:
         raise ValueError(f"{what} name {name!r} must be 1-128 characters of [A-Za-z0-9._-], "
                          "starting with a letter or digit")
     return name
-
-
-class SubStorage:
-    """A :class:`Storage` rooted at ``prefix`` inside another storage: lets an artifact reuse
-    the whole commit protocol as a store of its own."""
-
-    def __init__(self, parent: Storage, prefix: str) -> None:
-        self.parent = parent
-        self.prefix = prefix.strip("/")
-        self.url = f"{parent.url}/{self.prefix}"
-        self.capabilities: Capabilities = parent.capabilities
-
-    def _p(self, path: str) -> str:
-        return f"{self.prefix}/{path}" if path else self.prefix
-
-    def _e(self, e: Entry) -> Entry:
-        name = e.name[len(self.prefix) + 1:] if e.name.startswith(self.prefix + "/") else e.name
-        return Entry(name, e.size, e.is_dir, e.is_link)
-
-    def read_bytes(self, path: str) -> bytes:
-        return self.parent.read_bytes(self._p(path))
-
-    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
-        return self.parent.open_read(self._p(path))
-
-    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
-        return self.parent.open_write(self._p(path))
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        self.parent.write_bytes(self._p(path), data)
-
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        self.parent.create_exclusive(self._p(path), data)
-
-    def list_dir(self, path: str) -> list[Entry]:
-        return [self._e(e) for e in self.parent.list_dir(self._p(path))]
-
-    def list_tree(self, path: str) -> list[Entry]:
-        return [self._e(e) for e in self.parent.list_tree(self._p(path))]
-
-    def exists(self, path: str) -> bool:
-        return self.parent.exists(self._p(path))
-
-    def delete(self, path: str) -> None:
-        self.parent.delete(self._p(path))
-
-    def delete_tree(self, path: str) -> None:
-        self.parent.delete_tree(self._p(path))
-
-    def makedirs(self, path: str) -> None:
-        self.parent.makedirs(self._p(path))
-
-    def rename_dir(self, src: str, dst: str) -> None:
-        self.parent.rename_dir(self._p(src), self._p(dst))
-
-    def sync_dir(self, path: str) -> None:
-        self.parent.sync_dir(self._p(path))
-
-    def is_symlink(self, path: str) -> bool:
-        fn = getattr(self.parent, "is_symlink", None)
-        return bool(fn(self._p(path))) if fn is not None else False
-
-    def __repr__(self) -> str:
-        return f"SubStorage({self.url!r})"
 
 
 def _canonical(doc: Mapping[str, Any], what: str) -> bytes:

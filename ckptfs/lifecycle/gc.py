@@ -8,14 +8,15 @@ Three kinds of garbage, each removed only when it is older than a grace period:
   same on every backend and a writer that is still running (a young attempt) always survives;
 - **temporary directories and files**: ``.tmp-a-...`` attempt directories on local disk (a crash
   before the rename; aged by the attempt name they embed) and ``.tmp-<uuid>`` files of a crashed
-  local marker creation (aged by the file's modification time where the filesystem reports one;
-  never removed when it does not);
+  local marker creation (aged by the file's modification time where the storage offers
+  :class:`~ckptfs.storage.base.ModifiedTimes`; never removed when it does not);
 - **orphaned multipart uploads** of files inside attempt directories
   (``checkpoints/step-N/a-.../<file>``, also ``.tmp-a-...`` and under ``artifacts/<name>/``) on
-  stores that have them (S3): found and aborted through the filesystem's
-  ``list_multipart_uploads``/``call_s3``, only when the filesystem offers them (a capability
-  check, never a URL test).  Any other upload, under the run root or elsewhere in the bucket
-  (``run/exports/model.bin``), belongs to another program and is never touched.
+  stores that have them (S3): found and aborted through the storage interface's optional
+  :class:`~ckptfs.storage.base.MultipartUploads` capability, only where the storage offers it
+  (a declared capability, never a URL test).  Any other upload, under the run root or
+  elsewhere in the bucket (``run/exports/model.bin``), belongs to another program and is never
+  touched.
 
 Concurrent ``gc`` and ``prune`` runs on one run root are safe: something another process
 removed first is noted (``note``), not reported as a failure.
@@ -28,13 +29,11 @@ Artifacts (``artifacts/<name>/``) are collected the same way.
 
 from __future__ import annotations
 
-import errno
 import logging
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, cast
 
 from ckptfs.errors import CkptfsError, CorruptCheckpointError, StorageError, StorageNotFoundError
 from ckptfs.format.layout import (
@@ -45,7 +44,14 @@ from ckptfs.format.layout import (
     parse_step_dir,
 )
 from ckptfs.protocol.resolve import read_marker
-from ckptfs.storage.base import Storage
+from ckptfs.storage.base import (
+    EmptyDirRemoval,
+    ModifiedTimes,
+    MultipartUploads,
+    Storage,
+    supports,
+)
+from ckptfs.storage.sub import SubStorage
 
 log = logging.getLogger("ckptfs")
 
@@ -202,12 +208,8 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
 
 def _marker_attempt(storage: Storage, prefix: str, step: int, name: str) -> str | None:
     # ``name``: the listed step directory (never rebuilt from ``step``: step-0000000000020).
-    if not prefix:
-        marker = read_marker(storage, step, name)
-    else:
-        from ckptfs.lifecycle.artifacts import SubStorage
-
-        marker = read_marker(SubStorage(storage, prefix.rstrip("/")), step, name)
+    marker = read_marker(SubStorage(storage, prefix.rstrip("/")) if prefix else storage, step,
+                         name)
     return marker.attempt if marker is not None else None
 
 
@@ -225,58 +227,34 @@ def _consider_tmp_file(storage: Storage, path: str, size: int, grace: timedelta,
 
 
 def _mtime(storage: Storage, path: str) -> datetime | None:
-    """Modification time from the filesystem's ``info`` where the adapter exposes one."""
-    fs = getattr(storage, "fs", None)
-    full = getattr(storage, "full", None)
-    if fs is None or full is None:
+    """The file's modification time where the storage offers them
+    (:class:`~ckptfs.storage.base.ModifiedTimes`); ``None`` (unknown) otherwise or when it
+    cannot be read."""
+    if not supports(storage, ModifiedTimes):
         return None
     try:
-        info = fs.info(full(path))
-    except Exception:
+        return cast(ModifiedTimes, storage).modified(path)
+    except StorageError:
         return None
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        value = info.get(key)
-        if isinstance(value, (int, float)):
-            return datetime.fromtimestamp(float(value), timezone.utc)
-        if isinstance(value, datetime):
-            return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-    return None
 
 
 def _remove_empty_dir(storage: Storage, path: str) -> str | None:
     """Remove a step directory left empty, without ever removing something a writer created in
-    it meanwhile: non-recursive ``rmdir`` where directories are real; object stores have no
-    empty directories to remove.  Returns why it was not removed when that is no failure (gone
-    already; not empty any more), ``None`` once removed."""
+    it meanwhile: non-recursive ``rmdir`` where directories are real
+    (:class:`~ckptfs.storage.base.EmptyDirRemoval`); object stores have no empty directories to
+    remove.  Returns why it was not removed when that is no failure (gone already; not empty
+    any more), ``None`` once removed."""
     if not storage.capabilities.real_directories:
         return None
-    fs = getattr(storage, "fs", None)
-    full = getattr(storage, "full", None)
-    if fs is None or full is None:
-        return None
+    if not supports(storage, EmptyDirRemoval):
+        return "left in place: this storage cannot remove only an empty directory"
     try:
-        fs.rmdir(full(path))
-    except FileNotFoundError:
+        removed = cast(EmptyDirRemoval, storage).remove_empty_dir(path)
+    except StorageNotFoundError:
         return "already removed by another process"
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            return "not empty any more (a writer started an attempt in it): left alone"
-        raise StorageError(f"rmdir {storage.url}/{path}: {exc}") from exc
+    if not removed:
+        return "not empty any more (a writer started an attempt in it): left alone"
     return None
-
-
-def _multipart_api(storage: Storage) -> tuple[Any, str, str] | None:
-    """(fs, bucket, key prefix) when the filesystem can list and abort multipart uploads."""
-    fs = getattr(storage, "fs", None)
-    root = getattr(storage, "root", None)
-    if fs is None or not isinstance(root, str):
-        return None
-    if not (callable(getattr(fs, "list_multipart_uploads", None))
-            and callable(getattr(fs, "call_s3", None))
-            and callable(getattr(fs, "split_path", None))):
-        return None
-    bucket, key, _ = fs.split_path(root)
-    return fs, bucket, key.rstrip("/")
 
 
 def owned_upload_time(rel: str) -> datetime | None:
@@ -296,66 +274,43 @@ def owned_upload_time(rel: str) -> datetime | None:
     return parse_attempt_name(parts[2].removeprefix(TMP_PREFIX))
 
 
-def _upload_age(initiated: object, created: datetime, now: datetime) -> timedelta:
+def _upload_age(initiated: datetime | None, created: datetime, now: datetime) -> timedelta:
     """Age of a multipart upload: from the server's ``Initiated`` time and the attempt name's
     time, whichever is younger (an emulator may report a fixed ``Initiated``; moto says
     2010-11-10 for every upload)."""
     times = [created]
-    if isinstance(initiated, datetime):
-        times.append(initiated if initiated.tzinfo else initiated.replace(tzinfo=timezone.utc))
+    if initiated is not None:
+        times.append(initiated)
     return now - max(times)
 
 
 def _collect_multipart(storage: Storage, grace: timedelta, now: datetime,
                        report: GcReport) -> None:
-    api = _multipart_api(storage)
-    if api is None:
+    if not supports(storage, MultipartUploads):
         return
-    fs, bucket, prefix = api
+    uploads_api = cast(MultipartUploads, storage)
     try:
-        uploads: Iterable[dict[str, Any]] = fs.list_multipart_uploads(bucket)
-    except Exception as exc:
-        report.skipped.append(f"multipart uploads of bucket {bucket}: listing failed ({exc})")
+        uploads = uploads_api.list_uploads("")
+    except StorageError as exc:
+        report.skipped.append(f"multipart uploads under {storage.url}: listing failed ({exc})")
         return
     for up in uploads:
-        key = str(up.get("Key", ""))
-        if prefix and not (key == prefix or key.startswith(prefix + "/")):
-            continue
-        rel = key[len(prefix) + 1:] if prefix else key
-        created = owned_upload_time(rel)
+        created = owned_upload_time(up.path)
         if created is None:
             continue  # not an attempt file: another program's upload, never touched
-        age = _upload_age(up.get("Initiated"), created, now)
+        age = _upload_age(up.initiated, created, now)
         if age < grace:
-            report.kept_young.append(f"multipart:{rel}")
+            report.kept_young.append(f"multipart:{up.path}")
             continue
-        size = 0
-        try:
-            parts = fs.call_s3("list_parts", Bucket=bucket, Key=key, UploadId=up["UploadId"])
-            size = sum(int(p.get("Size", 0)) for p in parts.get("Parts", []))
-        except Exception:
-            log.debug("gc: list_parts failed for %s", key, exc_info=True)
-        item = GcItem("multipart", f"multipart:{rel}#{up['UploadId']}", size,
+        item = GcItem("multipart", f"multipart:{up.path}#{up.upload_id}", up.size,
                       age.total_seconds())
         report.items.append(item)
         if report.dry_run:
             continue
         try:
-            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"])
-            item.removed = True
-        except Exception as exc:
-            if _no_such_upload(exc):  # aborted or completed meanwhile (another gc)
+            if uploads_api.abort_upload(up):
+                item.removed = True
+            else:  # aborted or completed meanwhile (another gc)
                 item.note = "already gone (aborted by another process, or completed)"
-            else:
-                item.error = f"{type(exc).__name__}: {exc}"
-
-
-def _no_such_upload(exc: BaseException) -> bool:
-    for e in (exc, exc.__cause__, exc.__context__):
-        if e is None:
-            continue
-        code = getattr(e, "response", {}).get("Error", {}).get("Code") if isinstance(
-            getattr(e, "response", None), dict) else None
-        if code == "NoSuchUpload" or "NoSuchUpload" in str(e) or isinstance(e, FileNotFoundError):
-            return True
-    return False
+        except StorageError as exc:
+            item.error = f"{type(exc).__name__}: {exc}"

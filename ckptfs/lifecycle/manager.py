@@ -13,33 +13,27 @@
                      metrics={"eval/loss": loss})
 
 It adds no commit protocol of its own: every checkpoint is one
-:meth:`CheckpointStore.save <ckptfs.CheckpointStore.save>` (marker created last, exclusively),
-and everything the manager does after that (side-output records, the best record, pruning)
-happens only once the checkpoint has committed, so a crash at any point leaves the committed
-history intact and the next :meth:`restore_latest` heals what was left half-done.
+:meth:`CheckpointStore.save <ckptfs.CheckpointStore.save>` (or ``save_async``; marker created
+last, exclusively), and everything the manager does after that (side-output records, the best
+record, pruning) happens only once the checkpoint has committed, so a crash at any point leaves
+the committed history intact and the next :meth:`restore_latest` heals what was left half-done.
+Resuming uses the store's one walk (:func:`ckptfs.protocol.resolve.walk_latest`: the newest
+committed checkpoint, rolled back over a corrupt one only if allowed).
 
-A checkpoint's state tree::
-
-    {"model": ..., "optimizer": ..., "scheduler": ..., "<stateful name>": ...,
-     "trainer": {"step", "attempted_updates", "successful_updates", "epoch", "extra": {...}},
-     "rng": {"world_size": W, "ranks": {rank: rng state}},      (ckptfs.lifecycle.rng; no pickle)
-     "manager": {"version": 1, "run_seed", "world_size", "resumed_from"}}
-
-and its manifest metadata (readable without loading the state, used by the CLI and by resume):
-``trainer`` counters, finite ``metrics``, ``provenance`` (with accepted ``changes``),
-``side_outputs`` and ``lifecycle`` (``resumed_from``, protected by retention).
-
-Distributed runs (:mod:`ckptfs.lifecycle.distributed`): every rank calls :meth:`save` and
-:meth:`restore_latest`; each saves and loads its own shards (DCP state dicts) and RNG state in
-one collective checkpoint, a failure on one rank raises on every rank, and the bookkeeping runs
-once, on the writer rank (0 by default), with the same ``SaveResult`` returned everywhere.
+One body for every mode.  ``save`` and ``restore_latest`` are written once, as the collective
+algorithm, over a coordinator (:mod:`ckptfs.lifecycle.coordinator`, whose docstring gives the
+call sequences): :class:`~ckptfs.lifecycle.coordinator.Solo` in one process (the identity: no
+collectives), :class:`~ckptfs.lifecycle.coordinator.ProcessGroup` when torch.distributed runs
+several ranks (every rank calls them; each saves and loads its own shards and RNG state, a
+failure on one rank raises on every rank, the bookkeeping runs once, on rank 0, and every rank
+returns the same ``SaveResult``).  What a checkpoint holds: :mod:`ckptfs.lifecycle.schema`;
+the model and optimizer across DCP's boundary: :mod:`ckptfs.lifecycle.distributed`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -48,39 +42,35 @@ import torch
 
 from ckptfs.errors import (
     CheckpointNotFoundError,
-    CkptfsError,
     CorruptCheckpointError,
-    FormatVersionError,
+    ShardedLoadError,
+    ShardedSaveError,
 )
 from ckptfs.format.layout import check_step
-from ckptfs.lifecycle import distributed, rng
+from ckptfs.lifecycle import distributed, rng, schema
 from ckptfs.lifecycle import provenance as prov
 from ckptfs.lifecycle.artifacts import RunArtifacts, SideOutputs, SideOutputStatus
+from ckptfs.lifecycle.coordinator import Candidate, Coordinator, ProcessGroup, Solo, check_ranks
 from ckptfs.lifecycle.gc import DEFAULT_GRACE, GcReport, collect
-from ckptfs.lifecycle.records import RecordLog
 from ckptfs.lifecycle.retention import (
-    BEST_RECORD,
     Best,
-    BestTracker,
+    BestPool,
     PruneReport,
     RetentionPolicy,
-    best_steps_of,
     prune,
     record_metrics,
 )
-from ckptfs.lifecycle.rng import decode_rng, dist_gather, encode_rng
-from ckptfs.protocol.async_save import DeferredCommits
-from ckptfs.protocol.load_options import MapLocation
-from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.lifecycle.rng import decode_rng, encode_rng
+from ckptfs.lifecycle.schema import TrainerState
+from ckptfs.protocol.async_save import SaveFuture
+from ckptfs.protocol.load_options import MapLocation, tensor_map
+from ckptfs.protocol.resolve import CheckpointInfo, walk_latest
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 
 log = logging.getLogger("ckptfs")
 
 __all__ = ["CheckpointManager", "SaveResult", "TrainerState", "decode_rng", "encode_rng"]
-
-MANAGER_STATE_VERSION = 1
-
 
 class Stateful(Protocol):
     def state_dict(self) -> Any: ...
@@ -92,38 +82,9 @@ RngGather = Callable[[dict[str, Any]], Mapping[int, Mapping[str, Any]]]
 
 
 @dataclass
-class TrainerState:
-    """Progress counters saved with every checkpoint.  ``attempted_updates`` counts optimizer
-    updates tried, ``successful_updates`` those applied (they differ when updates are skipped,
-    e.g. on inf/NaN gradients or a rejected RL batch)."""
-
-    step: int = 0
-    attempted_updates: int = 0
-    successful_updates: int = 0
-    epoch: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def record_update(self, applied: bool = True) -> None:
-        self.attempted_updates += 1
-        if applied:
-            self.successful_updates += 1
-
-    def to_state(self) -> dict[str, Any]:
-        return {"step": self.step, "attempted_updates": self.attempted_updates,
-                "successful_updates": self.successful_updates, "epoch": self.epoch,
-                "extra": dict(self.extra)}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state.get("step", 0))
-        self.attempted_updates = int(state.get("attempted_updates", 0))
-        self.successful_updates = int(state.get("successful_updates", 0))
-        self.epoch = int(state.get("epoch", 0))
-        self.extra = dict(state.get("extra") or {})
-
-
-@dataclass
 class SaveResult:
-    """What :meth:`CheckpointManager.save` did.  ``info`` is None on non-writer ranks.
+    """What :meth:`CheckpointManager.save` did.  ``info`` is None on a non-writer rank of a
+    job without torch.distributed (it writes nothing).
 
     ``errors`` lists bookkeeping that failed *after* the checkpoint committed (the side-output
     record, the best record, the prune): the save itself succeeded, and each of them is redone
@@ -136,36 +97,43 @@ class SaveResult:
     errors: list[str] = field(default_factory=list)
     #: ``async_save=True``: the pending save; ``info`` stays None here, and the SaveResult of
     #: its bookkeeping comes from :meth:`CheckpointManager.wait` (docs/async.md).
-    future: Future[CheckpointInfo] | None = None
+    future: SaveFuture | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        """The bookkeeping outcome as JSON (the writer rank sends it to the others)."""
+        return {"best_improved": self.best_improved, "evicted": list(self.evicted_from_best),
+                "errors": list(self.errors),
+                "prune": self.prune.as_dict() if self.prune is not None else None}
+
+    @classmethod
+    def from_doc(cls, info: CheckpointInfo | None, doc: Mapping[str, Any]) -> SaveResult:
+        prune_doc = doc.get("prune")
+        return cls(info, best_improved=bool(doc["best_improved"]),
+                   evicted_from_best=[int(s) for s in doc["evicted"]],
+                   prune=None if prune_doc is None else PruneReport.from_dict(prune_doc),
+                   errors=[str(e) for e in doc["errors"]])
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+@dataclass
+class _Pending:
+    """An async save whose bookkeeping runs once it committed (at the next save, restore or
+    :meth:`CheckpointManager.wait`), on the caller's thread, with the coordinator it was
+    saved under."""
+
+    coord: Coordinator
+    step: int
+    future: SaveFuture
+    side: dict[str, dict[str, Any]]
+    metrics: dict[str, Any]
+    what: str
 
 
-def _check_manager_entries(state: Mapping[Any, Any], where: str, step: int) -> None:
-    """The ``trainer`` and ``manager`` entries of a loaded state have the shape the manager
-    writes, else :class:`~ckptfs.CorruptCheckpointError` (never a raw ``TypeError`` from
-    restoring them)."""
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: {why}; this checkpoint was not written by "
-                                      "CheckpointManager, or was edited", step=step)
+@dataclass
+class _Loaded:
+    """A checkpoint a restore loaded on this rank, not yet applied to any object."""
 
-    trainer = state.get("trainer")
-    if trainer is not None:
-        if not isinstance(trainer, Mapping):
-            raise bad(f"'trainer' is a {type(trainer).__name__}, not a map")
-        for key in ("step", "attempted_updates", "successful_updates", "epoch"):
-            if key in trainer and not _is_int(trainer[key]):
-                raise bad(f"trainer {key!r} is {trainer[key]!r:.40}, not an int")
-        if trainer.get("extra") is not None and not isinstance(trainer["extra"], Mapping):
-            raise bad("trainer 'extra' is not a map")
-    manager = state.get("manager")
-    if manager is not None:
-        if not isinstance(manager, Mapping):
-            raise bad(f"'manager' is a {type(manager).__name__}, not a map")
-        if "run_seed" in manager and not _is_int(manager["run_seed"]):
-            raise bad(f"manager 'run_seed' is {manager['run_seed']!r:.40}, not an int")
+    info: CheckpointInfo
+    state: dict[Any, Any]
 
 
 def _default_rank() -> tuple[int, int]:
@@ -180,7 +148,9 @@ class CheckpointManager:
 
     ``keep_last`` None keeps every checkpoint.  ``rank``/``world_size`` default to
     torch.distributed's when it is initialized, else 0/1.  ``run_seed`` derives the RNG seeds
-    of ranks that have no saved state (a larger world size on resume)."""
+    of ranks that have no saved state (a larger world size on resume).  ``async_save``:
+    :meth:`save` returns once the state is snapshotted (``store.save_async``, collective under
+    a process group); the bookkeeping of a save runs after its commit (docs/async.md)."""
 
     def __init__(self, url: str | CheckpointStore, *, save_every: int | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
@@ -198,10 +168,8 @@ class CheckpointManager:
         self.save_every = save_every
         self.policy = RetentionPolicy(keep_last, keep_every)
         self.best_config = best
-        self.tracker = BestTracker(best) if best is not None else None
-        self._best_record = RecordLog(self.store.storage, BEST_RECORD)
-        self._best_generation: int | None = None
-        self._best_loaded = False
+        self._best = BestPool(self.store, best)
+        self.tracker = self._best.tracker
         self.protected: set[int] = {check_step(s) for s in protect}
         d_rank, d_world = _default_rank()
         self.rank = d_rank if rank is None else rank
@@ -220,15 +188,20 @@ class CheckpointManager:
         self.artifacts = RunArtifacts(self.store)
         self.side_outputs = SideOutputs(self.store)
         self.last_rng_outcome: rng.RestoreOutcome | None = None
-        # async_save (docs/async.md): save() returns after the snapshot; the bookkeeping of a
-        # save runs on this thread once it committed (next save, restore_latest or wait()).
-        self._deferred: DeferredCommits[SaveResult] | None = (
-            DeferredCommits(self.store) if async_save else None)
+        self.async_save = bool(async_save)
+        self._pending: list[_Pending] = []
+        self._warned_metrics = False
 
     def wait(self) -> list[SaveResult]:
         """``async_save``: wait for the pending save, then run its bookkeeping (side outputs,
-        best record, prune); returns those SaveResults.  Raises a failed save's error."""
-        done = self._deferred.finish() if self._deferred is not None else []
+        best record, prune); returns those SaveResults.  Raises a failed save's error.  Under
+        a process group, call it on every rank (it agrees on the outcome)."""
+        done: list[SaveResult] = []
+        while self._pending:
+            pending = self._pending.pop(0)
+            info = pending.coord.agree(pending.future.result, pending.what, ShardedSaveError)
+            done.append(self._after_commit(pending.coord, pending.step, info, pending.side,
+                                           pending.metrics, pending.what))
         self.store.wait()
         return done
 
@@ -239,6 +212,11 @@ class CheckpointManager:
     @property
     def is_writer(self) -> bool:
         return self.rank == self.writer_rank
+
+    def _coordinator(self, model: torch.nn.Module | None) -> Coordinator:
+        if distributed.active(model):
+            return ProcessGroup()
+        return Solo(self.rank, self.world_size)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -255,70 +233,120 @@ class CheckpointManager:
              rng_states: Mapping[int, Mapping[str, Any]] | None = None) -> SaveResult:
         """Save and commit the checkpoint of ``step``, then update the best record and prune.
 
-        Call it on every rank: collective when distributed (docs/lifecycle.md §11), else the
-        RNG states are gathered and only the writer rank writes.
-        ``rng_states`` overrides the gather (rank -> :func:`ckptfs.lifecycle.rng.capture` output).
-        Pruning and the best record happen only after the commit succeeded.
+        Call it on every rank: collective under a process group (docs/lifecycle.md §11), else
+        the RNG states are gathered (``rng_gather``) and only the writer rank writes.
+        ``rng_states`` overrides the gather (rank -> :func:`ckptfs.lifecycle.rng.capture`
+        output).  Pruning and the best record happen only after the commit succeeded.
 
         Metrics are checked before anything is written: each must be a real scalar (a Python
         number, a one-element tensor, a NumPy scalar), a bool, a string or None, and the tracked
         ``best`` metric a real scalar or None, else :class:`~ckptfs.UnsupportedValueError`.  A
         NaN or infinite metric is recorded as ``null`` and never enters the best pool (logged).
+        Under a process group the ranks' metrics are merged: a metric given on one rank only is
+        recorded, one given on several ranks must have the same value on each (else
+        ``ValueError`` on every rank, before anything is written).
         Once the checkpoint has committed, ``save`` returns normally: bookkeeping that fails
         after the commit is logged and listed in ``SaveResult.errors``, and never skips the
         rest (the best record, then the prune)."""
         check_step(step)
         self.wait()  # async_save: the previous save's bookkeeping comes first
-        if distributed.active(model):
-            return distributed.save(self, step, model=model, optimizer=optimizer,
-                                    scheduler=scheduler, stateful=stateful, metrics=metrics,
-                                    extra=extra, epoch=epoch, rng_states=rng_states)
-        states = dict(rng_states) if rng_states is not None else self._gather_rng()
-        if not self.is_writer:
+        coord = self._coordinator(model)
+        what = f"CheckpointManager.save of step {step} at {self.url}"
+        writes = coord.collective or self.is_writer
+        built: list[tuple[dict[str, Any], dict[str, dict[str, Any]]]] = []
+
+        def prepare() -> dict[str, Any]:
+            """Every rank: check, capture, build; the metrics and RNG ranks go to all."""
+            check_ranks(coord, rank=self.rank, world_size=self.world_size,
+                        writer_rank=self.writer_rank)
+            if coord.collective and optimizer is not None and model is None:
+                raise ValueError("a distributed save of an optimizer needs model= too (DCP "
+                                 "names the optimizer's state by parameter name)")
+            schema.check_stateful_names(stateful or {})
+            tracked = self.best_config.metric if self.best_config is not None else None
+            recorded = record_metrics(metrics, tracked)
+            states = dict(rng_states) if rng_states is not None else rng.states_for_save(
+                collective=coord.collective, rank=self.rank, world_size=self.world_size,
+                gather=self._rng_gather)
+            if writes:
+                built.append(self._build(coord, step, states, model=model, optimizer=optimizer,
+                                         scheduler=scheduler, stateful=stateful, extra=extra,
+                                         epoch=epoch))
+            return {"metrics": recorded, "rng_ranks": sorted(int(r) for r in states)}
+
+        per_rank = coord.agree_gather(prepare, what, ShardedSaveError)
+        merged = schema.merge_rank_metrics([(r, d["metrics"]) for r, d in per_rank])
+        if not writes:
             self._last_saved = step
+            if metrics and not self._warned_metrics:
+                self._warned_metrics = True
+                log.warning("rank %d is not the writer rank (%d) and torch.distributed is not "
+                            "initialized: its metrics are not recorded, only the writer rank's "
+                            "save writes; pass metrics on rank %d", self.rank,
+                            self.writer_rank, self.writer_rank)
             return SaveResult(None)
-        tracked = self.best_config.metric if self.best_config is not None else None
-        recorded_metrics = record_metrics(metrics, tracked)
+        [(state, side)] = built
+        record = self._current_provenance().to_record()
+        record["changes"] = list(self._pending_changes)
+        metadata = schema.checkpoint_metadata(
+            trainer=self.trainer, metrics=merged, world_size=self.world_size,
+            rng_ranks=[r for _, d in per_rank for r in d["rng_ranks"]],
+            resumed_from=self.resumed_from, protected=self.protected, provenance=record,
+            side_outputs=side)
+        if self.async_save:  # the bookkeeping runs after the commit (wait / next save)
+            future = self.store.save_async(step, state, metadata=metadata)
+            self._last_saved = step
+            self._pending.append(_Pending(coord, step, future, side, merged, what))
+            return SaveResult(None, future=future)
+        info = self.store.save(step, state, metadata=metadata)  # collective under a group
+        return self._after_commit(coord, step, info, side, merged, what)
+
+    def _build(self, coord: Coordinator, step: int, states: Mapping[int, Mapping[str, Any]],
+               *, model: torch.nn.Module | None, optimizer: Stateful | None,
+               scheduler: Stateful | None, stateful: Mapping[str, Stateful] | None,
+               extra: Mapping[str, Any] | None, epoch: int | None
+               ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """(the state tree, the side outputs it commits) on a rank that writes."""
+        state: dict[str, Any] = {}
+        if coord.collective:
+            state.update(distributed.state_dicts(model, optimizer))
+        else:
+            for name, obj in (("model", model), ("optimizer", optimizer)):
+                if obj is not None:
+                    state[name] = obj.state_dict()
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
+        for name, obj in (stateful or {}).items():
+            state[name] = obj.state_dict()
         self.trainer.step = step
         if epoch is not None:
             self.trainer.epoch = int(epoch)
         if extra:
             self.trainer.extra.update(extra)
-        state: dict[str, Any] = {}
-        for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
-            if obj is not None:
-                state[name] = obj.state_dict()
-        for name, obj in (stateful or {}).items():
-            if name in ("model", "optimizer", "scheduler", "trainer", "rng", "manager"):
-                raise ValueError(f"stateful name {name!r} is reserved by the manager")
-            state[name] = obj.state_dict()
         state["trainer"] = self.trainer.to_state()
-        state["rng"] = rng.pack_ranks(states, self.world_size)
-        state["manager"] = {"version": MANAGER_STATE_VERSION, "run_seed": self.run_seed,
-                            "world_size": self.world_size, "resumed_from": self.resumed_from}
-        side = self.side_outputs.take_pending()
-        metadata: dict[str, Any] = {
-            "trainer": {k: v for k, v in self.trainer.to_state().items() if k != "extra"},
-            "metrics": recorded_metrics,
-            "world_size": self.world_size,
-            "rng_ranks": sorted(int(r) for r in states),
-            "lifecycle": {"resumed_from": self.resumed_from,
-                          "protected": sorted(self.protected)},
-        }
-        record = self._current_provenance().to_record()
-        record["changes"] = list(self._pending_changes)
-        metadata["provenance"] = record
-        if side:
-            metadata["side_outputs"] = side
-        if self.tracker is not None:
-            self._ensure_best_loaded()  # before the commit: the replay must not see this step
-        if self._deferred is not None:  # async_save: _committed runs once it has committed
-            self._last_saved = step
-            return SaveResult(None, future=self._deferred.submit(
-                step, state, metadata,
-                lambda info: self._committed(step, info, side, recorded_metrics)))
-        return self._committed(step, self.store.save(step, state, metadata=metadata), side,
-                               metrics)
+        state["rng"] = rng.pack_ranks(states, self.world_size)  # rank-keyed when collective
+        state["manager"] = schema.manager_entry(
+            run_seed=self.run_seed, world_size=self.world_size, resumed_from=self.resumed_from,
+            dcp_entries=list(state) if coord.collective else None)
+        side: dict[str, dict[str, Any]] = {}
+        if self.is_writer:
+            side = self.side_outputs.take_pending()
+            if self.tracker is not None:
+                self._ensure_best_loaded()  # before the commit: the replay must not see it
+        return state, side
+
+    def _after_commit(self, coord: Coordinator, step: int, info: CheckpointInfo,
+                      side: dict[str, dict[str, Any]], metrics: dict[str, Any],
+                      what: str) -> SaveResult:
+        """The bookkeeping of a committed save, on the writer; every rank returns its
+        outcome."""
+        result = coord.on_writer(
+            lambda: self._committed(step, info, side, metrics),
+            f"{what} (committed; bookkeeping)", ShardedSaveError,
+            encode=SaveResult.to_doc, decode=lambda doc: SaveResult.from_doc(info, doc))
+        self._last_saved = step
+        self._pending_changes = []
+        return result
 
     def _committed(self, step: int, info: CheckpointInfo, side: dict[str, dict[str, Any]],
                    metrics: Mapping[str, Any] | None) -> SaveResult:
@@ -357,85 +385,28 @@ class CheckpointManager:
                     type(exc).__name__, exc)
         result.errors.append(msg)
 
-    def _gather_rng(self) -> dict[int, dict[str, Any]]:
-        mine = rng.capture()
-        if self._rng_gather is not None:
-            return {int(r): dict(s) for r, s in self._rng_gather(mine).items()}
-        dist = torch.distributed
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            return dist_gather(mine, self.world_size)
-        if self.world_size > 1:
-            log.warning("world size %d but torch.distributed is not initialized and no "
-                        "rng_gather was given: only rank %d's RNG state is saved",
-                        self.world_size, self.rank)
-        return {self.rank: mine}
-
     def _current_provenance(self, p: prov.Provenance | None = None) -> prov.Provenance:
         p = p or self.provenance or prov.Provenance()
         return prov.Provenance(p.config, dict(p.fingerprints),
                                {"world_size": self.world_size, **dict(p.execution)})
 
+
     # -- best ----------------------------------------------------------------------------------
 
     def _ensure_best_loaded(self) -> None:
-        if self._best_loaded or self.tracker is None:
-            self._best_loaded = True
-            return
-        rec = self._best_record.read()
-        steps = self.store.steps()
-        if rec is not None:
-            self._best_generation = rec.generation
-            # a malformed record raises (typed) and stays unloaded: never overwritten by a
-            # fresh pool that would let retention delete what it protected
-            self.tracker.load_doc(rec.doc, existing=steps, where=f"{self.url}/{rec.path}")
-        self._best_loaded = True
-        # Replay committed checkpoints the record has not seen (a crash between a commit and
-        # the record's update, or a record that was lost): their metrics are in the metadata.
-        seen = self.tracker.last_step
-        changed = False
-        for s in steps:
-            if seen is not None and s <= seen:
-                continue
-            try:
-                metrics = self.store.info(s).metadata.get("metrics")
-            except CheckpointNotFoundError:
-                continue
-            except CorruptCheckpointError as exc:  # its metrics are unknown: not a best
-                log.warning("best: cannot read the metrics of step %d at %s (%s); it is not "
-                            "considered for the best pool", s, self.url, exc)
-                continue
-            improved, _ = self.tracker.observe(s, metrics if isinstance(metrics, dict) else {})
-            changed = changed or improved
-        if changed or (rec is not None and rec.doc != self.tracker.to_doc()):
-            try:
-                self._persist_best()
-            except CkptfsError as exc:  # the in-memory pool is right; the next update retries
-                log.warning("best: could not update the best record at %s (%s); it is "
-                            "rewritten at the next improvement, and replayed on resume",
-                            self.url, exc)
+        self._best.ensure_loaded()
 
     def _persist_best(self) -> None:
-        assert self.tracker is not None
-        doc = self.tracker.to_doc()
-        self._best_record.update(lambda _cur: doc)
-        rec = self._best_record.read()
-        self._best_generation = rec.generation if rec else None
+        self._best.persist()
 
     def best(self) -> dict[str, Any] | None:
         """The best checkpoint so far: ``{"step", "value"}``, or None."""
-        self._ensure_best_loaded()
-        return self.tracker.best if self.tracker is not None else None
+        return self._best.best()
 
     def best_steps(self) -> list[int]:
         """The running-best pool; without ``best=``, the pool a previous configuration of the
         run persisted (so dropping ``best=`` never silently deletes those checkpoints)."""
-        self._ensure_best_loaded()
-        if self.tracker is not None:
-            return self.tracker.steps
-        rec = self._best_record.read()
-        if rec is None:
-            return []
-        return best_steps_of(rec.doc, f"{self.url}/{rec.path}")
+        return self._best.steps()
 
     # -- retention and GC ------------------------------------------------------------------------
 
@@ -469,75 +440,20 @@ class CheckpointManager:
         A newest checkpoint that fails its check (marker, manifest, or the content hashes
         verified while loading) raises :class:`~ckptfs.CorruptCheckpointError`; with
         ``allow_rollback`` the next older committed checkpoint is tried instead (logged), as
-        :meth:`CheckpointStore.load <ckptfs.CheckpointStore.load>` does.  Nothing is restored
-        into the objects before a checkpoint has loaded and verified.  If every committed
-        checkpoint is corrupt, :class:`~ckptfs.CheckpointNotFoundError` lists them (never a
-        silent start from step 0)."""
+        :meth:`CheckpointStore.load <ckptfs.CheckpointStore.load>` does (the same walk).
+        Nothing is restored into the objects before a checkpoint has loaded and verified.  If
+        every committed checkpoint is corrupt, :class:`~ckptfs.CheckpointNotFoundError` lists
+        them (never a silent start from step 0).
+
+        ``map_location``: every form ``torch.load`` accepts, applied to every loaded tensor;
+        under a process group the model and optimizer load into today's placement instead.
+        Under a process group every rank calls it (docs/lifecycle.md §11); a one-process
+        checkpoint restores into a sharded model too (each rank loads it whole)."""
         self.wait()  # a pending async save of this store commits first
-        if distributed.active(model):
-            return distributed.restore(self, None, **self._dist_args(locals()))
-        info = self.store.latest(allow_rollback=allow_rollback)
-        skipped: list[str] = []
-        vanished = 0
-        while info is not None:
-            try:
-                state = self._load_for_restore(info.step, expect, mode, map_location)
-            except FormatVersionError:
-                raise  # written by a newer ckptfs: never rolled back over
-            except CorruptCheckpointError as exc:
-                if not allow_rollback:
-                    raise CorruptCheckpointError(
-                        f"the newest committed checkpoint, step {info.step} at {self.url}, is "
-                        f"corrupt: {exc}. Refusing to fall back silently: run 'ckptfs verify "
-                        f"{self.url} --step {info.step}', delete it, or pass "
-                        "allow_rollback=True", step=info.step, path=exc.path) from exc
-                log.warning("allow_rollback: skipping corrupt checkpoint step %d at %s: %s",
-                            info.step, self.url, exc)
-                skipped.append(f"step {info.step}: {exc}")
-                info = self._previous_committed(info.step, skipped)
-                continue
-            except CheckpointNotFoundError:
-                # deleted while it was being read (a prune by another job): resolve again
-                vanished += 1
-                if vanished > 3 or info.step in self.store.steps():
-                    raise
-                info = self.store.latest(allow_rollback=allow_rollback)
-                continue
-            return self._apply_restore(info.step, state, model=model, optimizer=optimizer,
-                                       scheduler=scheduler, stateful=stateful,
-                                       strict_rng=strict_rng,
-                                       discard_uncommitted=discard_uncommitted)
-        if skipped:
-            raise CheckpointNotFoundError(
-                f"no loadable committed checkpoint at {self.url}: every one is corrupt "
-                f"({'; '.join(skipped)}); not starting over from step 0 silently")
-        if expect is not None:
-            self.provenance = expect
-        self._after_resume(discard_uncommitted)
-        log.info("no committed checkpoint at %s: starting from step 0", self.url)
-        return 0
-
-    @staticmethod
-    def _dist_args(args: dict[str, Any]) -> dict[str, Any]:
-        return {k: args[k] for k in distributed.RESTORE_ARGS}
-
-    def _previous_committed(self, step: int, skipped: list[str]) -> CheckpointInfo | None:
-        """The newest committed checkpoint older than ``step`` whose marker and manifest
-        check (the corrupt ones are logged and added to ``skipped``)."""
-        for s in reversed(self.store.steps()):
-            if s >= step:
-                continue
-            try:
-                return self.store.info(s)
-            except FormatVersionError:
-                raise
-            except CorruptCheckpointError as exc:
-                log.warning("allow_rollback: skipping corrupt checkpoint step %d at %s: %s", s,
-                            self.url, exc)
-                skipped.append(f"step {s}: {exc}")
-            except CheckpointNotFoundError:
-                continue
-        return None
+        return self._restore(None, model=model, optimizer=optimizer, scheduler=scheduler,
+                             stateful=stateful, expect=expect, mode=mode, strict_rng=strict_rng,
+                             map_location=map_location, allow_rollback=allow_rollback,
+                             discard_uncommitted=discard_uncommitted)
 
     def restore(self, step: int, *, model: torch.nn.Module | None = None,
                 optimizer: Stateful | None = None, scheduler: Stateful | None = None,
@@ -546,47 +462,135 @@ class CheckpointManager:
                 strict_rng: bool = False, map_location: MapLocation = "cpu",
                 discard_uncommitted: bool = True) -> int:
         """Restore checkpoint ``step``; see :meth:`restore_latest`."""
-        if distributed.active(model):
-            return distributed.restore(self, step, **self._dist_args(
-                {**locals(), "allow_rollback": False}))
-        state = self._load_for_restore(step, expect, mode, map_location)
-        return self._apply_restore(step, state, model=model, optimizer=optimizer,
-                                   scheduler=scheduler, stateful=stateful,
-                                   strict_rng=strict_rng, discard_uncommitted=discard_uncommitted)
+        self.wait()
+        return self._restore(step, model=model, optimizer=optimizer, scheduler=scheduler,
+                             stateful=stateful, expect=expect, mode=mode, strict_rng=strict_rng,
+                             map_location=map_location, allow_rollback=False,
+                             discard_uncommitted=discard_uncommitted)
 
-    def _load_for_restore(self, step: int, expect: prov.Provenance | None,
-                          mode: prov.ProvenanceMode, map_location: MapLocation
-                          ) -> dict[Any, Any]:
-        """Check provenance, load and verify ``step``, and check the manager's own entries;
-        touches no training object (so a rollback can try the next one)."""
-        info = self.store.info(step)
+    def _restore(self, step: int | None, *, model: torch.nn.Module | None,
+                 optimizer: Stateful | None, scheduler: Stateful | None,
+                 stateful: Mapping[str, Stateful] | None, expect: prov.Provenance | None,
+                 mode: prov.ProvenanceMode, strict_rng: bool, map_location: MapLocation,
+                 allow_rollback: bool, discard_uncommitted: bool) -> int:
+        """The one restore body (call sequence: :mod:`ckptfs.lifecycle.coordinator`)."""
+        coord = self._coordinator(model)
+        what = f"CheckpointManager restore at {self.url}"
+        names = ["scheduler"] * (scheduler is not None) + list(stateful or {})
+
+        def check() -> None:
+            tensor_map(map_location)  # LoadOptionError before any I/O
+            if step is not None:
+                check_step(step)
+            check_ranks(coord, rank=self.rank, world_size=self.world_size,
+                        writer_rank=self.writer_rank)
+            if coord.collective and optimizer is not None and model is None:
+                raise ValueError("a distributed restore of an optimizer needs model= too (DCP "
+                                 "names the optimizer's state by parameter name)")
+
+        coord.agree(check, what, ShardedLoadError)
+        skipped: list[str] = []
+
+        def lead(try_one: Callable[[CheckpointInfo], _Loaded]) -> CheckpointInfo | None:
+            """The writer: which checkpoint, by the store's one walk (or the step asked)."""
+            if step is not None:
+                info = self.store.info(step)
+                try_one(info)
+                return info
+            found = walk_latest(self.store.storage, try_one, allow_rollback=allow_rollback,
+                                skipped=skipped)
+            if found is None and skipped:
+                raise CheckpointNotFoundError(
+                    f"no loadable committed checkpoint at {self.url}: every one is corrupt "
+                    f"({'; '.join(skipped)}); not starting over from step 0 silently")
+            return None if found is None else found[0]
+
+        def use(candidate: Candidate, info: CheckpointInfo | None) -> _Loaded:
+            return self._load_candidate(coord, candidate, info, expect=expect, mode=mode,
+                                        map_location=map_location, model=model,
+                                        optimizer=optimizer, names=names, what=what)
+
+        loaded = coord.drive(lead, use, what, ShardedLoadError)
+        if loaded is None:
+            if expect is not None:
+                self.provenance = expect
+            coord.agree(lambda: self._after_resume(discard_uncommitted), what, ShardedLoadError)
+            log.info("no committed checkpoint at %s: starting from step 0", self.url)
+            return 0
+        return coord.agree(
+            lambda: self._apply_restore(coord, loaded, model=model, optimizer=optimizer,
+                                        scheduler=scheduler, stateful=stateful,
+                                        strict_rng=strict_rng,
+                                        discard_uncommitted=discard_uncommitted),
+            f"{what}, step {loaded.info.step}", ShardedLoadError)
+
+    def _load_candidate(self, coord: Coordinator, candidate: Candidate,
+                        info: CheckpointInfo | None, *, expect: prov.Provenance | None,
+                        mode: prov.ProvenanceMode, map_location: MapLocation,
+                        model: torch.nn.Module | None, optimizer: Stateful | None,
+                        names: list[str], what: str) -> _Loaded:
+        """Every rank, for one candidate: the provenance check (on the writer), the small
+        entries, then the model and optimizer (collective); touches no training object (so the
+        walk can try the next one)."""
+        step = candidate.step
+        what = f"{what}, step {step}"
         if expect is not None:
-            recorded = info.metadata.get("provenance")
-            self._pending_changes = prov.check(
-                self.store.storage, self._current_provenance(expect),
-                recorded if isinstance(recorded, dict) else None, step=step, mode=mode)
+            changes = coord.on_writer(
+                lambda: self._check_provenance(_known(info), expect, mode), what,
+                ShardedLoadError)
+            self._pending_changes = list(changes or [])
             self.provenance = expect
             for ch in self._pending_changes:
                 log.warning("resuming step %d with a declared execution change: %s %r -> %r",
                             step, ch["key"], ch["from"], ch["to"])
-        state = self.store.load(step, map_location=map_location)
-        _check_manager_entries(state, f"{info.url}/state.msgpack", step)
-        if state.get("rng") is not None:
-            rng.check_entry(state["rng"])  # RngStateError before any object is touched
-        return state
 
-    def _apply_restore(self, step: int, state: dict[Any, Any], *,
+        def entries() -> tuple[CheckpointInfo, dict[Any, Any], dict[str, Any] | None]:
+            """(info, small entries, fresh model/optimizer state dicts for the collective
+            load, or None: none wanted, a v1 checkpoint, or not saved: named at apply)."""
+            found = info if info is not None else candidate.read(self.store.storage)
+            into = None
+            if coord.collective and distributed.is_sharded(found):
+                state = distributed.load_entries(self.store, found, coord.rank, names,
+                                                 map_location)
+                saved = schema.saved_entries(state)
+                if wanted and (saved is None or all(n in saved for n in wanted)):
+                    into = distributed.fresh(distributed.state_dicts(model, optimizer))
+            else:  # one process, or a one-process (v1) checkpoint: loaded whole
+                state = self.store.load_info(found, map_location=map_location)
+            schema.check_manager_entries(state, found.url, step)
+            if state.get("rng") is not None:
+                rng.check_entry(state["rng"])  # RngStateError before any object is touched
+            return found, state, into
+
+        wanted = [n for n, o in (("model", model), ("optimizer", optimizer)) if o is not None]
+        found, state, into = coord.agree(entries, what, ShardedLoadError)
+        if into is not None:  # collective; verified: every byte checked before it returns
+            coord.agree(lambda: self.store.load(step, into=into), what, ShardedLoadError)
+            state = {**state, **into}
+        return _Loaded(found, state)
+
+    def _check_provenance(self, info: CheckpointInfo, expect: prov.Provenance,
+                          mode: prov.ProvenanceMode) -> list[dict[str, Any]]:
+        """On the writer only (a refusal writes one diagnostic file, not one per rank)."""
+        recorded = info.metadata.get("provenance")
+        return prov.check(self.store.storage, self._current_provenance(expect),
+                          recorded if isinstance(recorded, dict) else None, step=info.step,
+                          mode=mode)
+
+    def _apply_restore(self, coord: Coordinator, loaded: _Loaded, *,
                        model: torch.nn.Module | None, optimizer: Stateful | None,
                        scheduler: Stateful | None, stateful: Mapping[str, Stateful] | None,
                        strict_rng: bool, discard_uncommitted: bool) -> int:
+        step, state = loaded.info.step, loaded.state
         missing = [n for n, o in (("model", model), ("optimizer", optimizer),
                                   ("scheduler", scheduler)) if o is not None and n not in state]
         missing += [n for n in (stateful or {}) if n not in state]
         if missing:
+            held = schema.saved_entries(state) or [k for k in state if isinstance(k, str)]
             raise CheckpointNotFoundError(
                 f"checkpoint step {step} at {self.url} has no state for {missing}; it holds "
-                f"{sorted(k for k in state if isinstance(k, str))}")
-        distributed.load_into_objects(state, model, optimizer)  # DCP state dicts or plain
+                f"{sorted(held)}")
+        distributed.load_into_objects(state, model, optimizer, collective=coord.collective)
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
         for name, obj in (stateful or {}).items():
@@ -611,8 +615,7 @@ class CheckpointManager:
     def _after_resume(self, discard_uncommitted: bool) -> None:
         if not self.is_writer:
             return
-        self._best_loaded = False
-        self._ensure_best_loaded()
+        self._best.reload()
         self.side_outputs.reconcile()
         if discard_uncommitted:
             gone = self.side_outputs.discard_uncommitted()
@@ -635,3 +638,10 @@ class CheckpointManager:
         return (f"CheckpointManager({self.url!r}, rank={self.rank}/{self.world_size}, "
                 f"keep_last={self.policy.keep_last}, keep_every={self.policy.keep_every}, "
                 f"best={self.best_config})")
+
+
+def _known(info: CheckpointInfo | None) -> CheckpointInfo:
+    """The writer's reading of a candidate (the writer always has one)."""
+    if info is None:  # pragma: no cover - on_writer runs its function on the writer only
+        raise CorruptCheckpointError("internal: the writer rank has no checkpoint info")
+    return info

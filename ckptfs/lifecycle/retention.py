@@ -35,6 +35,7 @@ import torch
 
 from ckptfs.errors import (
     CheckpointNotFoundError,
+    CkptfsError,
     CorruptCheckpointError,
     StorageNotFoundError,
     UnsupportedValueError,
@@ -143,6 +144,15 @@ class PruneReport:
         return {**self.plan.as_dict(), "deleted": self.deleted, "dry_run": self.dry_run,
                 "errors": {str(k): v for k, v in self.errors.items()},
                 "refused": self.refused, "already_gone": self.already_gone}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> PruneReport:
+        """The report :meth:`as_dict` wrote (sent to the other ranks of a distributed job)."""
+        plan = RetentionPlan({int(k): list(v) for k, v in doc["keep"].items()},
+                             [int(s) for s in doc["delete"]])
+        return cls(plan, [int(s) for s in doc["deleted"]], bool(doc["dry_run"]),
+                   {int(k): str(v) for k, v in doc["errors"].items()}, doc["refused"],
+                   [int(s) for s in doc["already_gone"]])
 
 
 def newest_problem(store: CheckpointStore, step: int) -> str | None:
@@ -309,7 +319,11 @@ def record_metrics(metrics: Mapping[str, Any] | None, tracked: str | None = None
                 out[key] = v if flag is None else flag
                 continue
         value = metric_value(v, key=key)
-        out[key] = value if value is not None and math.isfinite(value) else None
+        if value is not None and not math.isfinite(value):
+            log.warning("metric %r is %s (not finite, e.g. a diverged loss): recorded as null; "
+                        "it never enters the best pool", key, value)
+            value = None
+        out[key] = value
     return out
 
 
@@ -480,3 +494,83 @@ def best_steps_of(doc: Mapping[str, Any] | None, where: str = "") -> list[int]:
     if doc is None:
         return []
     return [int(e["step"]) for e in check_best_doc(doc, where).get("pool") or []]
+
+
+class BestPool:
+    """A run's running-best pool as the manager keeps it: the :class:`BestTracker` (None
+    without ``best=``), persisted in the store's ``best`` record and replayed from the
+    committed manifests' metrics for steps the record has not seen (a crash between a commit
+    and the record's update, or a lost record)."""
+
+    def __init__(self, store: CheckpointStore, config: Best | None) -> None:
+        self.store = store
+        self.tracker = BestTracker(config) if config is not None else None
+        self.record = RecordLog(store.storage, BEST_RECORD)
+        self.generation: int | None = None
+        self.loaded = False
+
+    def ensure_loaded(self) -> None:
+        """Read the record and replay what it missed, once (again after :meth:`reload`)."""
+        if self.loaded or self.tracker is None:
+            self.loaded = True
+            return
+        rec = self.record.read()
+        steps = self.store.steps()
+        if rec is not None:
+            self.generation = rec.generation
+            # a malformed record raises (typed) and stays unloaded: never overwritten by a
+            # fresh pool that would let retention delete what it protected
+            self.tracker.load_doc(rec.doc, existing=steps,
+                                  where=f"{self.store.url}/{rec.path}")
+        self.loaded = True
+        seen = self.tracker.last_step
+        changed = False
+        for s in steps:
+            if seen is not None and s <= seen:
+                continue
+            try:
+                metrics = self.store.info(s).metadata.get("metrics")
+            except CheckpointNotFoundError:
+                continue
+            except CorruptCheckpointError as exc:  # its metrics are unknown: not a best
+                log.warning("best: cannot read the metrics of step %d at %s (%s); it is not "
+                            "considered for the best pool", s, self.store.url, exc)
+                continue
+            improved, _ = self.tracker.observe(s, metrics if isinstance(metrics, dict) else {})
+            changed = changed or improved
+        if changed or (rec is not None and rec.doc != self.tracker.to_doc()):
+            try:
+                self.persist()
+            except CkptfsError as exc:  # the in-memory pool is right; the next update retries
+                log.warning("best: could not update the best record at %s (%s); it is "
+                            "rewritten at the next improvement, and replayed on resume",
+                            self.store.url, exc)
+
+    def reload(self) -> None:
+        self.loaded = False
+        self.ensure_loaded()
+
+    def persist(self) -> None:
+        """Write the tracker's pool as the record's next generation."""
+        if self.tracker is None:
+            return
+        doc = self.tracker.to_doc()
+        self.record.update(lambda _cur: doc)
+        rec = self.record.read()
+        self.generation = rec.generation if rec else None
+
+    def best(self) -> dict[str, Any] | None:
+        """The best checkpoint so far: ``{"step", "value"}``, or None."""
+        self.ensure_loaded()
+        return self.tracker.best if self.tracker is not None else None
+
+    def steps(self) -> list[int]:
+        """The pool; without ``best=``, the pool a previous configuration of the run persisted
+        (so dropping ``best=`` never silently deletes those checkpoints)."""
+        self.ensure_loaded()
+        if self.tracker is not None:
+            return self.tracker.steps
+        rec = self.record.read()
+        if rec is None:
+            return []
+        return best_steps_of(rec.doc, f"{self.store.url}/{rec.path}")

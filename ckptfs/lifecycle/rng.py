@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,3 +304,20 @@ def dist_gather(mine: dict[str, Any], world_size: int) -> dict[int, dict[str, An
     dist.all_gather(bufs, buf)
     return {r: decode_rng(bytes(b[:int(sizes[r].item())].cpu().numpy().tobytes()))
             for r, b in enumerate(bufs)}
+
+
+def states_for_save(*, collective: bool, rank: int, world_size: int,
+                    gather: Callable[[dict[str, Any]], Mapping[int, Mapping[str, Any]]] | None
+                    ) -> dict[int, dict[str, Any]]:
+    """The RNG states a manager save writes from this process: under a process group each
+    rank its own (a rank-keyed value every rank writes itself); else what ``gather`` collects
+    from every rank, or this rank's only (logged when the world has more ranks)."""
+    mine = capture()
+    if collective:
+        return {rank: mine}
+    if gather is not None:
+        return {int(r): dict(s) for r, s in gather(mine).items()}
+    if world_size > 1:
+        log.warning("world size %d but torch.distributed is not initialized and no "
+                    "rng_gather was given: only rank %d's RNG state is saved", world_size, rank)
+    return {rank: mine}

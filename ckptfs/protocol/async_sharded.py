@@ -55,6 +55,7 @@ from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.protocol import sharded as sh
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.staging import stage
+from ckptfs.torch_compat import dtensor_like, dtensor_local
 
 if TYPE_CHECKING:  # async_save imports this module (lazily): annotations only, no cycle
     from ckptfs.protocol.async_save import AsyncSaver, SaveFuture
@@ -197,7 +198,7 @@ class _Snapshot:
     def walk(self, value: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
             like = value if isinstance(value, DTensor) else None
-            local: torch.Tensor = value if like is None else like._local_tensor
+            local = value if like is None else dtensor_local(like)
             ident = tensor_identity(local)
             index = self._index.get(ident)
             if index is None:
@@ -220,8 +221,7 @@ class _Snapshot:
             if value.like is None:
                 return local
             # as DCP's own stager does: the same spec (mesh, placements, global shape)
-            return DTensor(local, value.like._spec,  # type: ignore[no-untyped-call]
-                           requires_grad=False)
+            return dtensor_like(local, value.like)
         if type(value) is dict:
             return {k: self.fill(v, staged) for k, v in value.items()}
         if type(value) is list:

@@ -1,5 +1,8 @@
 """Sharded checkpoints (format v2): collective save, load into any world size, full load in one
-process, verification, and the pickle-free DCP planners.
+process, verification, and the collectives' failure handling.  The pickle-free DCP planners are
+:mod:`ckptfs.protocol.sharded_plan`, the storage writer and reader
+:mod:`~ckptfs.protocol.sharded_io` and :mod:`~ckptfs.protocol.sharded_read`, the format's
+codecs :mod:`ckptfs.format.sharded` and :mod:`ckptfs.format.sharded_metadata`.
 
 Design decision: **DCP plans, ckptfs stores and commits.**  torch.distributed.checkpoint's own
 planners decide who writes what (DTensor shards by their owners, replicated values once) and how
@@ -12,32 +15,39 @@ Every rank enters the collective even when its own input is bad: an error found 
 all ranks fail together instead of leaving the others waiting.  DCP reports failures as
 ``CheckpointException`` (a ``BaseException``); :func:`map_failure` turns it into a ckptfs error
 naming the failing ranks, raised on every rank.  The collectives run on a dedicated gloo group
-whose timeout (:data:`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead or hung peer.
+whose timeout (:data:`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead, hung or
+absent peer, the group's own creation included; :class:`_Liveness` names that peer.
+
+A collective save, step by step (every rank calls :func:`save_sharded`)::
+
+    every rank    sets its liveness key ("in"); ckptfs's gloo group (created at the first save)
+    every rank    dcp.save -> planner: the state's DCP view, values encoded (a bad value raises
+                  here, gathered by DCP from every rank), the local plan
+    coordinator   values from the lowest rank holding them; ShardedWriter.prepare_global_plan:
+                  one attempt, the manifest checked against every reader limit
+    every rank    ShardedWriter.write_data: its rank file, hashed while written; key "done"
+    coordinator   ShardedWriter.finish: dcp.msgpack, MANIFEST.json, COMPLETE (Attempt.commit)
+    every rank    the same CheckpointInfo, or the same typed error
+
+A collective load (:func:`load_into`) runs the reader's sequence of
+:class:`~ckptfs.protocol.sharded_read.ShardedReader`; the full load (:func:`load_full`, one
+process) lists the attempt and reads ``dcp.msgpack`` before DCP runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import threading
 import time
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    _EmptyStateDictLoadPlanner,
-)
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -46,19 +56,21 @@ from ckptfs.errors import (
     CheckpointNotFoundError,
     CkptfsError,
     CorruptCheckpointError,
-    FormatVersionError,
+    ExtensionTypeError,
     InvalidStepError,
+    LoadOptionError,
     ShardedCheckpointError,
     ShardedLoadError,
     ShardedSaveError,
-    UnsafeCheckpointError,
     UnsupportedValueError,
 )
+from ckptfs.format.extensions import unregistered_as_dict
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
 from ckptfs.format.layout import check_step
 from ckptfs.format.manifest import check_metadata
 from ckptfs.format.serialize import build_tree
-from ckptfs.format.sharded import ChunkedFileEntry, decode_value, encode_value
+from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, decode_value
+from ckptfs.format.sharded_metadata import DcpDocument, check_rank_header, items_by_file
 from ckptfs.format.sharded_tree import dcp_view, restore, write_back
 from ckptfs.protocol.collective import is_distributed
 from ckptfs.protocol.listing import check_listing
@@ -66,131 +78,37 @@ from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url
 from ckptfs.protocol.sharded_io import MAX_RANGE, ShardedWriter
+from ckptfs.protocol.sharded_plan import (
+    FullLoadPlanner,
+    LoadPlanner,
+    SavePlanner,
+    merge_trees,
+    values_from_lowest_rank,
+)
 from ckptfs.protocol.sharded_read import ShardedReader, read_chunks, read_document
 from ckptfs.storage.base import Storage
+from ckptfs.torch_compat import default_store, group_timeout, load_state_dict
+
+__all__ = ["COLLECTIVE_TIMEOUT", "LIVENESS_WAIT", "FullLoadPlanner", "LoadPlanner",
+           "SavePlanner", "SavePrep", "collective_group", "failure", "load_full", "load_into",
+           "load_v2", "map_failure", "merge_trees", "prepare_save", "save_sharded",
+           "values_from_lowest_rank", "verify_v2"]
 
 log = logging.getLogger("ckptfs")
 
 #: How long a rank waits in a checkpoint collective for its peers (a dead or hung rank) before
 #: the save or load fails on every surviving rank.  Applies to the dedicated gloo group ckptfs
-#: creates; pass ``process_group=`` to use a group (and timeout) of your own.
+#: creates (its creation, at the first collective save or load, included); pass
+#: ``process_group=`` to use a group (and timeout) of your own.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
+#: How long, at most, survivors of a failed collective look for the peers' keys before they
+#: name the ranks whose keys are missing (best effort; see :class:`_Liveness`); never past the
+#: collective timeout.
+LIVENESS_WAIT = timedelta(seconds=3)
+
 _GROUPS: dict[int, Any] = {}
-
-
-# ----------------------------------------------------------------------------------------------
-# Planners: DCP's defaults, with non-tensor values in ckptfs's tagged msgpack (never pickle)
-
-
-class SavePlanner(DefaultSavePlanner):
-    """DCP's ``DefaultSavePlanner`` (flattening, deduplication of replicated items), with every
-    non-tensor value encoded by ckptfs (tagged msgpack) instead of ``torch.save``.  Values are
-    encoded while the local plan is made, so a value the format cannot hold fails the save on
-    every rank before any byte is written."""
-
-    def __init__(self, *args: Any, deferred_error: BaseException | None = None,
-                 tree: Any = None, tree_sink: Any = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._deferred = deferred_error
-        self._encoded: dict[str, bytes] = {}
-        self._tree = tree            # this rank's skeleton (store.save), sent with its plan
-        self._tree_sink = tree_sink  # the coordinator's writer: gets the merged skeleton
-
-    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
-                       is_coordinator: bool = False) -> None:
-        if self._deferred is not None:
-            raise self._deferred
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        self._encoded = {}
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                self._encoded[item.index.fqn] = encode_value(
-                    self.lookup_object(item.index), key=item.index.fqn)
-        if self._tree is not None and isinstance(plan.planner_data, dict):
-            mappings = _Mappings(plan.planner_data)
-            mappings.tree = self._tree
-            plan = dataclasses.replace(plan, planner_data=mappings)
-        return plan
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        # Values only some ranks hold (rank-keyed entries, e.g. each rank's RNG state) are
-        # stored by those ranks: the skeleton of the full load must be the union of every
-        # rank's, not the coordinator's alone, or a full load would silently drop them.
-        trees = [getattr(p.planner_data, "tree", None) for p in all_plans]
-        if self._tree_sink is not None and any(t is not None for t in trees):
-            self._tree_sink.tree = merge_trees(trees)
-        return super().create_global_plan(all_plans)
-
-    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
-        if write_item.type == WriteItemType.BYTE_IO:
-            blob = self._encoded.get(write_item.index.fqn)
-            if blob is None:
-                blob = encode_value(object, key=write_item.index.fqn)
-            return io.BytesIO(blob)
-        return object
-
-
-class _Mappings(dict):  # type: ignore[type-arg]
-    """DCP's flattening map of one rank's save plan, carrying that rank's skeleton to the
-    coordinator (DCP gathers the plans; it merges the maps with ``ChainMap``)."""
-
-    tree: Any = None
-
-
-def _key_id(encoded: Any) -> str:
-    return repr(encoded)
-
-
-def _describe(node: Any) -> str:
-    kind = node[0] if isinstance(node, list) and node else ""
-    return {"d": "a dict", "l": "a list", "t": "a tuple", "v": "a value"}.get(
-        str(kind), "an unknown node")
-
-
-def merge_trees(trees: list[Any]) -> Any:
-    """The union of the ranks' skeletons (rank order: the coordinator's entries first).  Dicts
-    merge by key, lists by index; a path that is a container on one rank and a value (or
-    another kind of container) on another raises :class:`UnsupportedValueError`."""
-    merged: Any = None
-    for rank, tree in enumerate(trees):
-        if tree is None:
-            continue
-        merged = tree if merged is None else _merge(merged, tree, [], rank)
-    return merged
-
-
-def _merge(a: Any, b: Any, path: list[str], rank: int) -> Any:
-    if a == b:
-        return a
-    kind_a, kind_b = a[0], b[0]
-    if kind_a == kind_b == "d":
-        items = [list(item) for item in a[1]]
-        index = {_key_id(item[0]): i for i, item in enumerate(items)}
-        for key, child in b[1]:
-            i = index.get(_key_id(key))
-            if i is None:
-                index[_key_id(key)] = len(items)
-                items.append([key, child])
-            else:
-                text = str(build_tree(key, [], where="the tree of a rank's state"))
-                items[i][1] = _merge(items[i][1], child, [*path, text], rank)
-        return ["d", items]
-    if kind_a == kind_b and kind_a in ("l", "t"):
-        la, lb = a[1], b[1]
-        out = [_merge(x, y, [*path, str(i)], rank)
-               for i, (x, y) in enumerate(zip(la, lb, strict=False))]
-        return [kind_a, out + list(la[len(lb):]) + list(lb[len(la):])]
-    if kind_a == kind_b == "v":
-        return a
-    raise UnsupportedValueError(
-        f"the ranks' states differ in structure at {'/'.join(path) or '<root>'}: rank {rank} "
-        f"holds {_describe(b)} where a lower rank holds {_describe(a)}; a sharded checkpoint "
-        "holds one tree: give every rank the same structure there (rank-specific values under "
-        "rank-specific keys)")
+_SEQ: dict[Any, int] = {}
 
 
 def _select(tree: Any, keys: set[str], prefix: str = "") -> Any:
@@ -211,72 +129,47 @@ def _select(tree: Any, keys: set[str], prefix: str = "") -> Any:
     return ["d", items] if items or not prefix else None
 
 
-def _load_value(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
-    fqn = read_item.dest_index.fqn
-    obj = decode_value(value.getbuffer(), where=f"stored value {fqn!r}")
-    if planner.flatten_state_dict:
-        set_element(planner.original_state_dict, planner.mappings[fqn], obj)
-    else:
-        planner.state_dict[fqn] = obj
-
-
-class LoadPlanner(DefaultLoadPlanner):
-    """DCP's ``DefaultLoadPlanner`` (resharding into the given state dict), decoding stored
-    values with ckptfs's msgpack instead of ``torch.load(weights_only=False)``."""
-
-    def __init__(self, *args: Any, deferred_error: BaseException | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._deferred = deferred_error
-
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
-                       is_coordinator: bool = False) -> None:
-        if self._deferred is not None:
-            raise self._deferred
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        _load_value(self, read_item, value)
-
-
-class FullLoadPlanner(_EmptyStateDictLoadPlanner):
-    """Loads a whole checkpoint into an empty dict (full-size plain tensors), pickle-free."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        _load_value(self, read_item, value)
-
 
 # ----------------------------------------------------------------------------------------------
 # Collectives
 
 
-def collective_group(process_group: Any = None) -> Any:
+def collective_group(process_group: Any = None, *, what: str = "a checkpoint collective",
+                     default: type[ShardedCheckpointError] = ShardedCheckpointError,
+                     live: _Liveness | None = None) -> Any:
     """``process_group``, or ckptfs's dedicated gloo group (created once, collectively, with
-    :data:`COLLECTIVE_TIMEOUT`), or ``None`` when not distributed."""
+    :data:`COLLECTIVE_TIMEOUT`, which also bounds its creation: a rank that never joins fails
+    it with ``default`` naming that rank, instead of falling back to the default group and its
+    timeout), or ``None`` when not distributed."""
     if process_group is not None or not is_distributed():
         return process_group
     key = id(dist.group.WORLD)
     group = _GROUPS.get(key)
     if group is None:
-        try:
-            group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-        except Exception as exc:  # pragma: no cover - a build without gloo
-            log.warning("ckptfs: no dedicated gloo group (%s); using the default group and its "
-                        "timeout", exc)
+        if not dist.is_gloo_available():  # pragma: no cover - every torch build has gloo
+            log.warning("ckptfs: this torch has no gloo backend; checkpoint collectives run on "
+                        "the default process group, with its timeout, not COLLECTIVE_TIMEOUT")
             group = dist.group.WORLD
+        else:
+            try:
+                group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+            except Exception as exc:  # a rank did not join within the timeout
+                raise failure(exc, f"{what}: creating ckptfs's gloo group", default,
+                              live) from exc
         _GROUPS[key] = group
     return group
 
 
 _PASS_THROUGH = (CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError,
-                 InvalidStepError, CorruptCheckpointError)
+                 InvalidStepError, CorruptCheckpointError, LoadOptionError, ExtensionTypeError)
 
 
 def map_failure(exc: CheckpointException, what: str,
                 default: type[ShardedCheckpointError]) -> CkptfsError:
     """The ckptfs error for a DCP ``CheckpointException``: the failing ranks' own error class
-    when they all failed the same documented way (an existing step, a corrupt file, a bad
-    value), else ``default``; the message names every failing rank and its error."""
+    when they all failed the same documented way (an existing step, a corrupt file, a newer
+    format, a bad value or target), else ``default``; the message names every failing rank
+    and its error."""
     excs: dict[int, BaseException] = {}
     for rank, pair in sorted(exc.failures.items()):
         excs[rank] = pair[0] if isinstance(pair, tuple) else pair
@@ -305,40 +198,53 @@ def _quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
-#: How long survivors of a failed collective wait for the peers' "finished" keys before they
-#: name the ranks whose keys are missing (best effort; see :class:`_Liveness`).
-LIVENESS_WAIT = timedelta(seconds=3)
-
-_SEQ: dict[Any, int] = {}
+def _timeout_of(process_group: Any) -> timedelta | None:
+    """The timeout bounding a collective of ``process_group`` (the dedicated group's if None)."""
+    if process_group is None:
+        return COLLECTIVE_TIMEOUT
+    return group_timeout(process_group)
 
 
 class _Liveness:
-    """Best effort: which ranks died (or hung) in a collective save or load.  Each rank sets a
-    key in the default c10d store once its own I/O is done (right before DCP's final
-    collective); when a collective then fails (gloo only says "Connection reset by peer"), the
-    survivors look for the keys the others set, for up to :data:`LIVENESS_WAIT`, and name the
-    ranks whose keys are missing.  Keys are named by a per-group counter of collective saves
-    and loads (every rank runs the same sequence) and removed once the operation succeeded."""
+    """Best effort: which ranks never came, died or hung in a collective save or load.
 
-    def __init__(self, group: Any, kind: str, step: int | None) -> None:
+    Each rank sets its key in the default c10d store when it enters (``in``), before the first
+    collective (the creation of ckptfs's group included), and again once its own I/O is done
+    (``done``, right before DCP's final collective).  When a collective fails (gloo only says
+    "Connection reset by peer" or "Timed out"), a survivor reads the others' keys and names the
+    ranks that never entered or, if it finished its own part, those that did not finish theirs;
+    never itself.  It looks again for up to :data:`LIVENESS_WAIT` while the collective timeout
+    has time left (a live peer may be about to set its key), so the whole wait stays within the
+    timeout given.  Keys are named by a per-group counter of collective saves and loads (every
+    rank runs the same sequence) and removed once the operation succeeded."""
+
+    def __init__(self, group: Any, kind: str, step: int | None, *,
+                 timeout: timedelta | None = None) -> None:
         self.ranks: list[int] = []
         self.store: Any = None
         self.prefix = ""
         self.key = ""
+        self.kind = kind
+        self.me = -1
+        self.finished = False
+        self.started = time.monotonic()
+        self.timeout = timeout if timeout is not None or group is None else group_timeout(group)
         if group is None:
             return
         try:
             self.ranks = [int(r) for r in dist.get_process_group_ranks(group)]
-            self.store = dist.distributed_c10d._get_default_store()
+            self.me = int(dist.get_rank())
+            self.store = default_store()
         except Exception:  # no default store (a custom backend): nothing to report
             self.store = None
             return
         seq = _SEQ[id(group)] = _SEQ.get(id(group), 0) + 1
         self.prefix = f"ckptfs/live/{kind}/{seq}/{'latest' if step is None else step}/"
-        self.key = f"{self.prefix}{dist.get_rank()}"
+        self.key = f"{self.prefix}{self.me}"
+        self._set(b"in")
 
     def wrap(self, obj: Any, method: str) -> None:
-        """Set this rank's key once ``obj.method``'s future (its writes or reads) is done."""
+        """Mark this rank done once ``obj.method``'s future (its writes or reads) is done."""
         if self.store is None:
             return
         inner = getattr(obj, method)
@@ -346,14 +252,15 @@ class _Liveness:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             fut = inner(*args, **kwargs)
             fut.wait()
-            self._set()
+            self.finished = True
+            self._set(b"done")
             return fut
 
         setattr(obj, method, wrapped)
 
-    def _set(self) -> None:
+    def _set(self, value: bytes) -> None:
         try:
-            self.store.set(self.key, b"1")
+            self.store.set(self.key, value)
         except Exception as exc:  # best effort
             log.debug("ckptfs: liveness key %s not set: %s", self.key, exc)
 
@@ -365,20 +272,41 @@ class _Liveness:
         except Exception as exc:  # best effort (a store without delete)
             log.debug("ckptfs: liveness key %s not removed: %s", self.key, exc)
 
-    def missing(self) -> tuple[list[int] | None, str]:
-        """(ranks whose key is missing, or None when unknown; a reason when unknown)."""
+    def _state(self, rank: int) -> bytes | None:
+        key = f"{self.prefix}{rank}"
+        if not self.store.check([key]):
+            return None
+        value: bytes = self.store.get(key)
+        return value
+
+    def wait_seconds(self) -> float:
+        """How long a survivor still looks for keys: :data:`LIVENESS_WAIT`, cut to what is left
+        of the collective timeout (nothing when the collective itself timed out)."""
+        limit = LIVENESS_WAIT.total_seconds()
+        if self.timeout is not None:
+            left = self.timeout.total_seconds() - (time.monotonic() - self.started)
+            limit = max(0.0, min(limit, left))
+        return limit
+
+    def report(self) -> tuple[list[int] | None, list[int] | None, str]:
+        """(ranks that never entered, ranks that entered but did not finish (None when this
+        rank did not finish its own part either: then nobody's keys say who is to blame), a
+        reason when the store could not be asked)."""
         if self.store is None:
-            return None, "no c10d store to ask"
+            return None, None, "no c10d store to ask"
         found: dict[str, Any] = {}
+        limit = self.wait_seconds()
 
         def look() -> None:
             try:
-                deadline = time.monotonic() + LIVENESS_WAIT.total_seconds()
+                deadline = time.monotonic() + limit
                 while True:
-                    gone = [r for r in self.ranks
-                            if not self.store.check([f"{self.prefix}{r}"])]
-                    if not gone or time.monotonic() >= deadline:
-                        found["gone"] = gone
+                    states = {r: self._state(r) for r in self.ranks if r != self.me}
+                    absent = [r for r, s in states.items() if s is None]
+                    unfinished = [r for r, s in states.items() if s != b"done"]
+                    if (not absent and (not self.finished or not unfinished)) or \
+                            time.monotonic() >= deadline:
+                        found["states"] = absent, unfinished
                         return
                     time.sleep(0.1)
             except Exception as exc:
@@ -386,12 +314,14 @@ class _Liveness:
 
         t = threading.Thread(target=look, daemon=True, name="ckptfs-liveness")
         t.start()
-        t.join(LIVENESS_WAIT.total_seconds() + 5)
-        if "gone" in found:
-            return list(found["gone"]), ""
+        t.join(limit + 5)
+        if "states" in found:
+            absent, unfinished = found["states"]
+            return absent, (unfinished if self.finished else None), ""
         why = found.get("error")
-        return None, (f"the coordinator's store is unreachable ({type(why).__name__}: {why})"
-                      if why is not None else "the coordinator's store did not answer")
+        return None, None, (f"the coordinator's store is unreachable ({type(why).__name__}: "
+                            f"{why})" if why is not None else "the coordinator's store did not "
+                            "answer")
 
 
 def failure(exc: BaseException, what: str, default: type[ShardedCheckpointError],
@@ -402,26 +332,37 @@ def failure(exc: BaseException, what: str, default: type[ShardedCheckpointError]
         return map_failure(exc, what, default)
     if isinstance(exc, CkptfsError) or not isinstance(exc, Exception):
         return exc
-    # a collective itself failed: a peer died, timed out, or left
+    # a collective itself failed: a peer died, timed out, never came, or left
     failures: dict[int, str] = {}
     named = ""
+    timeout = live.timeout if live is not None and live.timeout is not None else None
     if live is not None:
-        gone, why = live.missing()
-        if gone:
-            failures = {r: "did not finish its part (died or hung)" for r in gone}
-            named = (f"rank(s) {gone} did not finish their part within "
-                     f"{LIVENESS_WAIT.total_seconds():g} s (died or hung); ")
-        elif gone is None:
-            named = f"rank(s) unknown: {why}; "
-        elif live.ranks:
+        waited = live.wait_seconds()
+        absent, unfinished, why = live.report()
+        if absent:
+            failures = {r: f"did not enter this {live.kind} (not called there, or died or hung "
+                        "before it)" for r in absent}
+            named = (f"rank(s) {absent} did not enter this {live.kind} (not called there, or "
+                     "died or hung before it); ")
+        elif unfinished:
+            failures = {r: "did not finish its part (died or hung)" for r in unfinished}
+            named = (f"rank(s) {unfinished} did not finish their part within {waited:.3g} s "
+                     "(died or hung); ")
+        elif unfinished == [] and live.ranks:
             named = (f"every rank finished its part, so the coordinator (rank "
                      f"{live.ranks[0]}) most likely failed after it; ")
+        elif why:
+            named = f"rank(s) unknown: {why}; "
+        else:
+            named = ("rank(s) unknown: every rank entered, and the collective failed before this "
+                     "rank finished its own part; ")
     outcome = ("Nothing was committed by this save" if default is not ShardedLoadError
                else "The state given to load is not fully loaded")
+    limit = timeout if timeout is not None else "the process group's"
     return default(
         f"{what}: a checkpoint collective failed ({type(exc).__name__}: {exc}); {named}a "
-        f"rank died, hung past the timeout ({COLLECTIVE_TIMEOUT}), or the process group "
-        f"broke. {outcome}", failures=failures)
+        f"rank died, hung past the timeout ({limit}), or the process group broke. {outcome}",
+        failures=failures)
 
 
 def _run(fn: Any, what: str, default: type[ShardedCheckpointError],
@@ -436,6 +377,13 @@ def _run(fn: Any, what: str, default: type[ShardedCheckpointError],
     if live is not None:
         live.done()
     return out
+
+
+def _participants(process_group: Any) -> Any:
+    """The group whose ranks take part (before ckptfs's own group exists: the world)."""
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD if is_distributed() else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,7 +410,7 @@ class SavePrep:
 def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group: Any,
                  algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 kind: str = "save") -> SavePrep:
+                 kind: str = "save", live: _Liveness | None = None) -> SavePrep:
     """Writer, planner and DCP view of a collective save.  A bad state or metadata does not
     raise here: the planner raises it inside DCP, so every rank fails together."""
     check_step(step)
@@ -477,7 +425,8 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
     writer = ShardedWriter(storage, step, algorithm=algorithm, durable=durable,
                            threads=threads, metadata=metadata, tree=skeleton)
     planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer)
-    live = _Liveness(group, kind, step)
+    if live is None:
+        live = _Liveness(group, kind, step)
     live.wrap(writer, "write_data")
     return SavePrep(view, writer, planner, live, f"sharded save of step {step} at {storage.url}")
 
@@ -489,9 +438,12 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
     """Collective save of ``state`` (plain tensors, DTensors, values) as step ``step``; every
     rank of the group calls it and gets the same :class:`CheckpointInfo`."""
     check_step(step)
-    group = collective_group(process_group)
+    live = _Liveness(_participants(process_group), "save", step,
+                     timeout=_timeout_of(process_group))
+    what = f"sharded save of step {step} at {storage.url}"
+    group = collective_group(process_group, what=what, default=ShardedSaveError, live=live)
     p = prepare_save(storage, step, state, group=group, algorithm=algorithm, durable=durable,
-                     threads=threads, metadata=metadata)
+                     threads=threads, metadata=metadata, live=live)
     md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
                              process_group=group, no_dist=group is None),
               p.what, ShardedSaveError, p.live)
@@ -502,8 +454,14 @@ def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
               process_group: Any = None, verify: bool = True, threads: int | None = None,
               allow_rollback: bool = False) -> dict[str, Any]:
     """Fill ``into`` in place from a sharded checkpoint (the latest if ``step`` is None):
-    collective when distributed; its tensors and DTensors define the placement wanted."""
-    group = collective_group(process_group)
+    collective when distributed; its tensors and DTensors define the placement wanted.  A
+    failure (a corrupt or newer ``dcp.msgpack``, a target of another dtype...) raises the same
+    typed error on every rank."""
+    live = _Liveness(_participants(process_group), "load", step,
+                     timeout=_timeout_of(process_group))
+    where = f"sharded load of {'the latest step' if step is None else f'step {step}'} at " \
+            f"{storage.url}"
+    group = collective_group(process_group, what=where, default=ShardedLoadError, live=live)
     deferred: BaseException | None = None
     view: dict[str, Any] = {}
     skeleton: Any = None
@@ -520,10 +478,7 @@ def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
             deferred = exc
     if deferred is not None:
         reader.defer(deferred)
-    planner = LoadPlanner(deferred_error=deferred)
-    where = f"sharded load of {'the latest step' if step is None else f'step {step}'} at " \
-            f"{storage.url}"
-    live = _Liveness(group, "load", step)
+    planner = LoadPlanner()
     live.wrap(reader, "read_data")
     _run(lambda: _quiet(dcp_load, view, storage_reader=reader, planner=planner,
                         process_group=group, no_dist=group is None), where, ShardedLoadError,
@@ -535,17 +490,21 @@ def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
 def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
               threads: int | None = None, keys: set[str] | None = None) -> dict[Any, Any]:
     """The whole checkpoint in this process, as plain full-size tensors, in the structure the
-    user saved (no collectives, whatever the world size).  ``keys``: only these entries
-    (dotted paths of dict keys as DCP names them, e.g. ``{"trainer", "rng.ranks.1"}``); only
-    their bytes are read."""
+    user saved (no collectives, whatever the world size).  First the listing (§5: links
+    refused, every size as declared), then ``dcp.msgpack`` (typed errors, raised here), then
+    DCP's load.  ``keys``: only these entries (dotted paths of dict keys as DCP names them,
+    e.g. ``{"trainer", "rng.ranks.1"}``); only their bytes are read."""
+    check_listing(storage, info)
     reader = ShardedReader(storage, info.step, verify=verify, threads=threads)
     reader.info = info
+    reader.listing_checked = True
+    document = reader.load_document()
     flat: dict[str, Any] = {}
     planner = FullLoadPlanner(keys=keys)  # type: ignore[no-untyped-call]
-    _run(lambda: _load_state_dict(flat, storage_reader=reader, planner=planner, no_dist=True),
+    _run(lambda: load_state_dict(flat, storage_reader=reader, planner=planner, no_dist=True),
          f"load of step {info.step} at {storage.url}", ShardedLoadError)
     where = storage_url(storage, info.path)
-    tree = reader.document.tree if reader.document is not None else None
+    tree = document.tree
     if tree is not None and keys is not None:
         tree = _select(tree, set(keys)) or ["d", []]
     state = restore(tree, flat, where=where) if tree is not None else flat
@@ -557,33 +516,66 @@ def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
 def load_v2(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
             mapper: TensorMap | None = None, threads: int | None = None,
             keys: list[KeyPath] | None = None, mmap: bool = False) -> dict[Any, Any]:
-    """The format table's load of version 2 (:mod:`ckptfs.protocol.formats`): the listing
-    checks, then :func:`load_full`, then ``keys`` and ``map_location``."""
-    check_listing(storage, info)
+    """The format table's load of version 2 (:mod:`ckptfs.protocol.formats`):
+    :func:`load_full` (the shared listing checks first), then ``keys`` and
+    ``map_location``."""
     state = load_full(storage, info, verify=verify, threads=threads)
     return select_and_map(state, info.url, keys, mapper)
 
 
 def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
               threads: int | None = None) -> None:
-    """The format table's full verification of version 2, after the shared listing checks:
-    ``dcp.msgpack`` decoded, every chunk of every file re-read and checked."""
-    if report.problems:
-        return
-    try:
-        read_document(storage, info)
-    except (CorruptCheckpointError, FormatVersionError, UnsafeCheckpointError) as exc:
-        report.problems.append(str(exc))
-    for entry in info.manifest.files:
-        chunks = entry.chunks if isinstance(entry, ChunkedFileEntry) else ()
-        start, end = 0, 0
+    """The format table's full verification of version 2, after the shared listing checks
+    (files the listing already condemned are not read again): ``dcp.msgpack`` decoded with
+    every rule of §8.4 (each tensor covered exactly once by its chunks, each item a chunk of a
+    rank file), every chunk of every file re-read and its digest checked, every rank file's
+    safetensors header checked against ``dcp.msgpack``, and every value document decoded
+    (§8.5; extension type names are not looked up)."""
+    condemned = {p.split(":", 1)[0] for p in report.problems}
+    document: DcpDocument | None = None
+    if METADATA_NAME not in condemned:
         try:
-            for c in chunks:
-                if end > start and c.offset + c.length - start > MAX_RANGE:
-                    read_chunks(storage, info, entry, start, end - start)  # type: ignore[arg-type]
-                    start = end
-                end = c.offset + c.length
-            if end > start:
-                read_chunks(storage, info, entry, start, end - start)  # type: ignore[arg-type]
+            document = read_document(storage, info)
         except CorruptCheckpointError as exc:
-            report.problems.append(f"{entry.path}: {exc}")
+            report.problems.append(str(exc))
+            condemned.add(METADATA_NAME)
+    by_file = items_by_file(document) if document is not None else {}
+
+    def check(entry: ChunkedFileEntry) -> str | None:
+        where = storage_url(storage, f"{info.path}/{entry.path}")
+        values = {(i.offset, i.length): i.fqn for i in by_file.get(entry.path, [])
+                  if i.offsets is None}
+        try:
+            for start, view in _runs(storage, info, entry):
+                if start == 0 and entry.path != METADATA_NAME and document is not None:
+                    check_rank_header(view[:entry.chunks[0].length], entry,
+                                      by_file.get(entry.path, []), where=where)
+                for (off, length), fqn in values.items():
+                    if start <= off and off + length <= start + len(view):
+                        with unregistered_as_dict():
+                            decode_value(view[off - start:off - start + length],
+                                         where=f"{where}: stored value {fqn!r}")
+        except (CorruptCheckpointError, ExtensionTypeError) as exc:
+            return f"{entry.path}: {exc}"
+        return None
+
+    todo = [e for e in info.manifest.files
+            if isinstance(e, ChunkedFileEntry) and e.path not in condemned]
+    with ThreadPoolExecutor(max(1, min(threads or 4, len(todo) or 1)),
+                            thread_name_prefix="ckptfs-verify") as pool:
+        for problem in pool.map(check, todo):
+            if problem:
+                report.problems.append(problem)
+
+
+def _runs(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry) -> Any:
+    """(offset, verified bytes) of ``entry``, in runs of whole chunks of at most
+    :data:`MAX_RANGE` (a larger chunk alone), in file order."""
+    start, end = 0, 0
+    for c in entry.chunks:
+        if end > start and c.offset + c.length - start > MAX_RANGE:
+            yield start, read_chunks(storage, info, entry, start, end - start)
+            start = end
+        end = c.offset + c.length
+    if end > start:
+        yield start, read_chunks(storage, info, entry, start, end - start)

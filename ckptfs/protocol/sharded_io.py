@@ -6,7 +6,10 @@ How DCP drives the writer (torch.distributed.checkpoint, ``use_collectives=True`
 1. every rank: ``set_up_storage_writer``, ``prepare_local_plan`` (tensor dtypes and layouts are
    checked here, before anything is written);
 2. the coordinator: ``prepare_global_plan`` fails fast if the step is committed, picks **one**
-   attempt name and sends it to every rank in ``SavePlan.storage_data``;
+   attempt name, checks every reader limit on the manifest it will commit (built from the
+   plans, placeholder digests: a checkpoint whose manifest a reader would refuse, e.g. over
+   64 MiB of chunk lists, fails here, before any rank writes) and sends the attempt to every
+   rank in ``SavePlan.storage_data``;
 3. every rank: ``write_data`` writes its own ``rank-NNNNN/data-0.safetensors`` into that
    attempt, hashing each write item's bytes once, on a helper thread, while they are written;
    the ``WriteResult``s carry each item's (file, offset, length, digest) and the file's header
@@ -62,20 +65,18 @@ from ckptfs.format.sharded import (
     METADATA_NAME,
     Chunk,
     ChunkedFileEntry,
-    DcpDocument,
-    ItemLocation,
     PlannedItem,
     ShardedManifest,
     decode_value,
     element_size,
-    encode_metadata,
     item_name,
     make_entry,
     plan_header,
     rank_file_name,
     tensor_code,
 )
-from ckptfs.protocol.commit import Attempt, default_threads, now_text
+from ckptfs.format.sharded_metadata import DcpDocument, ItemLocation, encode_metadata
+from ckptfs.protocol.commit import Attempt, default_threads, now_text, placeholder_digest
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
     storage_url,
@@ -196,10 +197,32 @@ class ShardedWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._check_same_step(plans)
-        self._attempt = Attempt.open(self.storage, self.step, algorithm=self.algorithm,
-                                     durable=self.durable)
-        return [dataclasses.replace(p, storage_data=AttemptPlan(self._attempt.name, i))
+        att = Attempt.open(self.storage, self.step, algorithm=self.algorithm,
+                           durable=self.durable)
+        with att:  # a refused manifest discards the (empty) attempt
+            att.check(self._placeholder_manifest(att.name, plans), world_size=len(plans))
+        self._attempt = att
+        return [dataclasses.replace(p, storage_data=AttemptPlan(att.name, i))
                 for i, p in enumerate(plans)]
+
+    def _placeholder_manifest(self, attempt: str, plans: list[SavePlan]) -> ShardedManifest:
+        """The manifest this save will commit, from the global plan: every rank file with its
+        header and one chunk per item (values counted as empty: their size is known only to
+        their rank), placeholder digests of the right length."""
+        hexd = placeholder_digest(self.algorithm).split(":", 1)[1]
+        entries = []
+        for rank, plan in enumerate(plans):
+            if not plan.items:
+                continue
+            planned = [_planned(item, 0) for item in plan.items]
+            header, offsets = plan_header(planned, rank)
+            chunks = [Chunk(0, len(header), hexd)] + [
+                Chunk(off, p.nbytes, hexd) for p, off in zip(planned, offsets, strict=True)]
+            size = offsets[-1] + planned[-1].nbytes
+            entries.append(make_entry(rank_file_name(rank), size, self.algorithm, chunks, rank))
+        entries.append(make_entry(METADATA_NAME, 0, self.algorithm, [Chunk(0, 0, hexd)], None))
+        return ShardedManifest(self.step, attempt, tuple(entries), now_text(), self.algorithm,
+                               {"tensor_count": 0, **self.metadata}, world_size=len(plans))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         ap = plan.storage_data
@@ -217,8 +240,6 @@ class ShardedWriter(StorageWriter):
         values: dict[int, bytes] = {}
         planned: list[tuple[WriteItem, PlannedItem]] = []
         for item in items:
-            name = item_name(item.index.fqn, None if item.tensor_data is None
-                             else item.tensor_data.chunk.offsets)
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item)
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else b""
@@ -230,16 +251,9 @@ class ShardedWriter(StorageWriter):
                         f"{item.index.fqn!r} with torch.save/pickle; ckptfs stores values "
                         "without pickle: pass planner=ckptfs.dcp.SavePlanner()") from None
                 values[id(item)] = raw
-                planned.append((item, PlannedItem(name, "U8", (len(raw),), len(raw))))
+                planned.append((item, _planned(item, len(raw))))
             else:
-                td = item.tensor_data
-                assert td is not None
-                code = tensor_code(td.properties.dtype, item.index.fqn)
-                shape = tuple(int(s) for s in td.chunk.sizes)
-                n = 1
-                for s in shape:
-                    n *= s
-                planned.append((item, PlannedItem(name, code, shape, n * element_size(code))))
+                planned.append((item, _planned(item, 0)))
         # Largest elements first: every tensor's offset is aligned to its element size.
         planned.sort(key=lambda p: -element_size(p[1].dtype))
         header, offsets = plan_header([p for _, p in planned], ap.rank)
@@ -341,6 +355,21 @@ class ShardedWriter(StorageWriter):
                     f"reported {entry.size} B, the coordinator sees "
                     f"{found.get(entry.path, 'no file')}; every rank must write to storage "
                     "the coordinator shares (not a node-local disk)", step=self.step)
+
+
+def _planned(item: WriteItem, value_bytes: int) -> PlannedItem:
+    """The rank-file entry of a write item (a value's size, ``value_bytes``, is known only once
+    its rank encoded it)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return PlannedItem(item_name(item.index.fqn, None), "U8", (value_bytes,), value_bytes)
+    td = item.tensor_data
+    code = tensor_code(td.properties.dtype, item.index.fqn)
+    shape = tuple(int(s) for s in td.chunk.sizes)
+    n = 1
+    for s in shape:
+        n *= s
+    return PlannedItem(item_name(item.index.fqn, td.chunk.offsets), code, shape,
+                       n * element_size(code))
 
 
 def check_checkpoint_id(expected: str, checkpoint_id: str | os.PathLike[str] | None) -> None:

@@ -21,42 +21,47 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptfs.errors import (
     CheckpointNotFoundError,
+    CkptfsError,
     CorruptCheckpointError,
+    LoadOptionError,
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
 from ckptfs.format.hashing import digest_bytes
 from ckptfs.format.layout import StepPaths, check_step
 from ckptfs.format.limits import MAX_METADATA_BYTES
+from ckptfs.format.serialize import CODE_DTYPES
 from ckptfs.format.sharded import (
     METADATA_NAME,
     Chunk,
     ChunkedFileEntry,
+    ShardedManifest,
+)
+from ckptfs.format.sharded_metadata import (
     DcpDocument,
     ItemLocation,
-    ShardedManifest,
+    StoredItem,
+    check_locations,
+    check_rank_header,
     decode_metadata,
-    element_size,
-    tensor_code,
+    items_by_file,
 )
 from ckptfs.protocol.commit import default_threads
+from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
 from ckptfs.protocol.sharded_io import MAX_RANGE, check_checkpoint_id
 from ckptfs.storage.base import Storage, read_range
+from ckptfs.torch_compat import narrow_tensor_by_index
+
+Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
 
 
 def _rank() -> int:
@@ -76,9 +81,13 @@ def read_chunks(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry,
                 length: int, *, verify: bool = True) -> memoryview:
     """``length`` bytes at ``start`` of ``entry`` (a run of whole chunks), every chunk of it
     checked against its digest.  :class:`CorruptCheckpointError` names the file and the rank
-    reading it."""
+    reading it.  The caller has compared the file's size with the listing (§5: nothing is
+    requested or allocated beyond what the storage holds)."""
     path = f"{info.path}/{entry.path}"
     where = storage_url(storage, path)
+    if start < 0 or length < 0 or start + length > entry.size:  # pragma: no cover - tiling
+        raise CorruptCheckpointError(f"{where}: bytes {start}..{start + length} are outside "
+                                     f"its {entry.size} B", step=info.step, path=path)
     try:
         data = read_range(storage, path, start, length)
     except FileNotFoundError:
@@ -126,12 +135,13 @@ def _chunk_starting(entry: ChunkedFileEntry, offset: int) -> Chunk:
 
 def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
                   ) -> DcpDocument:
-    """Read, verify and decode ``dcp.msgpack``, and check that every stored item is exactly one
-    chunk of a file in the manifest."""
+    """Read, verify and decode ``dcp.msgpack`` (every rule of
+    :mod:`ckptfs.format.sharded_metadata`: chunks cover each tensor exactly once, ...) and
+    check that every stored item is exactly one chunk of a rank file in the manifest."""
     manifest = sharded_manifest(info)
     try:
         entry = manifest.chunked(METADATA_NAME)
-    except KeyError:
+    except KeyError:  # pragma: no cover - the manifest decoder requires it
         raise CorruptCheckpointError(f"{info.url}: manifest lists no {METADATA_NAME}",
                                      step=info.step) from None
     where = storage_url(storage, f"{info.path}/{METADATA_NAME}")
@@ -140,19 +150,32 @@ def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
                                     f"{MAX_METADATA_BYTES} B", step=info.step)
     doc = decode_metadata(read_chunks(storage, info, entry, 0, entry.size, verify=verify),
                           where=where)
-    files = {e.path: e for e in manifest.files if isinstance(e, ChunkedFileEntry)}
-    for index, loc in (doc.metadata.storage_data or {}).items():
-        e = files.get(loc.path)
-        if e is None or e.chunk_at(loc.offset, loc.length) is None:
-            raise CorruptCheckpointError(
-                f"{where}: item {index.fqn!r} is stored at {loc.path}@{loc.offset}+{loc.length}, "
-                "which is not a chunk of a file in the manifest", step=info.step)
+    check_locations(doc, manifest, where=where)
     return doc
 
 
 class ShardedReader(StorageReader):
     """A DCP ``StorageReader`` for the committed step ``step`` of a ckptfs run (the newest
-    committed one if ``None``, resolved by each rank and checked equal by the coordinator)."""
+    committed one if ``None``, resolved by each rank and checked equal by the coordinator).
+
+    How DCP drives it (``torch.distributed.checkpoint.load``), and what each step checks:
+
+    1. every rank: ``read_metadata`` resolves the step and reads ``dcp.msgpack`` (its chunk
+       digest, every rule of :mod:`ckptfs.format.sharded_metadata`, every item a chunk of a
+       rank file).  It never raises: a ckptfs error is kept and raised by
+       ``set_up_storage_reader``, inside DCP's planning step, so DCP gathers it from every
+       rank (a ``read_metadata`` failure would become DCP's "metadata is None", with a
+       traceback printed, and lose its class);
+    2. every rank: ``prepare_local_plan`` (the step and attempt this rank resolved);
+    3. the coordinator: ``prepare_global_plan`` checks that every rank resolved the same
+       attempt, and lists it once (:func:`~ckptfs.protocol.listing.check_listing`: links
+       refused, every file present with its declared size) before any rank reads a data byte:
+       a manifest declaring more than the storage holds is corrupt, never requested;
+    4. every rank: ``read_data`` reads the chunks its items need (adjacent ones coalesced, one
+       ranged read each, at most :data:`MAX_RANGE`), plus the header chunk of each rank file it
+       touches, checks every chunk's digest, then the header against ``dcp.msgpack``, and only
+       then copies bytes into a tensor (same dtype only: never converted) or decodes a value.
+    """
 
     def __init__(self, storage: Storage, step: int | None = None, *, verify: bool = True,
                  threads: int | None = None, allow_rollback: bool = False) -> None:
@@ -164,8 +187,12 @@ class ShardedReader(StorageReader):
         self.allow_rollback = allow_rollback
         self.info: CheckpointInfo | None = None
         self.document: DcpDocument | None = None
+        #: Set once the attempt's listing was checked (by the coordinator, or by the caller).
+        self.listing_checked = False
         self._deferred: BaseException | None = None
         self._shapes: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._by_file: dict[str, list[StoredItem]] = {}
+        self._headers_ok: set[str] = set()
 
     @property
     def checkpoint_id(self) -> str:
@@ -195,41 +222,46 @@ class ShardedReader(StorageReader):
         return self.info
 
     def defer(self, error: BaseException) -> None:
-        """Report ``error`` through DCP's planning step instead of ``read_metadata`` (DCP turns
-        a ``read_metadata`` failure into an ``AssertionError``): ``read_metadata`` returns empty
-        metadata, and the ckptfs load planner raises ``error``, which DCP gathers."""
+        """Report ``error`` through DCP's planning step (``set_up_storage_reader``), where DCP
+        gathers it from every rank, instead of from ``read_metadata``."""
         self._deferred = error
+
+    def load_document(self) -> DcpDocument:
+        """Read and check ``dcp.msgpack`` (once); raises the typed ckptfs error."""
+        if self.document is None:
+            info = self.resolve()
+            doc = read_document(self.storage, info, verify=self.verify)
+            md = doc.metadata
+            if md.storage_meta is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = f"{info.step}:{info.attempt}"
+            self._shapes = {(i.fqn, i.offsets): (CODE_DTYPES[i.code], i.shape)
+                            for i in doc.items if i.offsets is not None}
+            self._by_file = items_by_file(doc)
+            self.document = doc
+        return self.document
 
     # No **kwargs: DCP would then retry with rank= and fall back to per-rank metadata.
     def read_metadata(self) -> Metadata:
-        if self._deferred is not None:
-            return Metadata(state_dict_metadata={})
-        info = self.resolve()
-        doc = read_document(self.storage, info, verify=self.verify)
-        self.document = doc
-        md = doc.metadata
-        if md.storage_meta is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = f"{info.step}:{info.attempt}"
-        self._shapes = {}
-        for fqn, sm in md.state_dict_metadata.items():
-            if isinstance(sm, TensorStorageMetadata):
-                for c in sm.chunks:
-                    self._shapes[(fqn, tuple(c.offsets))] = (sm.properties.dtype,
-                                                             tuple(c.sizes))
-        return md
+        if self._deferred is None:
+            try:
+                return self.load_document().metadata
+            except CkptfsError as exc:  # raised on every rank by set_up_storage_reader
+                self._deferred = exc
+        return Metadata(state_dict_metadata={})
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         if self._deferred is not None:
-            return
+            raise self._deferred
         if self.document is None or self.document.metadata is not metadata:
             # The caller passed metadata read elsewhere: resolve it ourselves.
-            self.read_metadata()
+            self.document = None
+            self.load_document()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        if self._deferred is not None:
+        if self._deferred is not None:  # pragma: no cover - set_up_storage_reader raised it
             raise self._deferred
         info = self.resolve()
         return dataclasses.replace(plan, storage_data=(info.step, info.attempt))
@@ -241,13 +273,14 @@ class ShardedReader(StorageReader):
                 f"the ranks resolved different checkpoints at {self.storage.url} "
                 f"({sorted(seen)}): a newer step was committed while they resolved 'latest'; "
                 "load again, or pass the step explicitly")
+        if not self.listing_checked:
+            check_listing(self.storage, self.resolve())
+            self.listing_checked = True
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         info = self.resolve()
-        md = self.document.metadata if self.document else None
-        if md is None:  # pragma: no cover - DCP always calls read_metadata first
-            raise CorruptCheckpointError("read_data() before read_metadata()")
+        doc = self.load_document()
         if any(r.type == LoadItemType.BYTE_IO for r in plan.items):
             fn = getattr(type(planner), "load_bytes", None)
             if fn in (DefaultLoadPlanner.load_bytes, LoadPlanner.load_bytes):
@@ -255,8 +288,8 @@ class ShardedReader(StorageReader):
                     f"the load planner {type(planner).__name__} would unpickle stored values "
                     "(torch.load(weights_only=False)); ckptfs never unpickles: pass "
                     "planner=ckptfs.dcp.LoadPlanner()")
-        groups: dict[tuple[str, int, int], list[ReadItem]] = {}
-        storage_data: dict[MetadataIndex, ItemLocation] = md.storage_data or {}
+        groups: dict[Key, list[ReadItem]] = {}
+        storage_data: dict[MetadataIndex, ItemLocation] = doc.metadata.storage_data or {}
         for req in plan.items:
             loc = storage_data.get(req.storage_index)
             if loc is None:
@@ -265,18 +298,30 @@ class ShardedReader(StorageReader):
                     step=info.step)
             groups.setdefault((loc.path, loc.offset, loc.length), []).append(req)
         manifest = sharded_manifest(info)
-        for views in self._fetch(manifest, sorted(groups)):
+        # The header chunk of every rank file read from (usually adjacent to its first item,
+        # so fetched in the same request): checked against dcp.msgpack before any item of it
+        # is used (keys are sorted, so a file's header comes first).
+        headers = {(p, 0, manifest.chunked(p).chunks[0].length)
+                   for p in {k[0] for k in groups} - self._headers_ok}
+        for views in self._fetch(manifest, sorted(set(groups) | headers)):
             for key, view in views:
-                self._apply(planner, groups[key], view, info)
+                if key in headers:
+                    check_rank_header(view, manifest.chunked(key[0]),
+                                      self._by_file.get(key[0], []),
+                                      where=storage_url(self.storage,
+                                                        f"{info.path}/{key[0]}"))
+                    self._headers_ok.add(key[0])
+                else:
+                    self._apply(planner, groups[key], view, info)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _fetch(self, manifest: ShardedManifest, keys: list[tuple[str, int, int]]
-               ) -> Iterator[list[tuple[tuple[str, int, int], memoryview]]]:
+    def _fetch(self, manifest: ShardedManifest, keys: list[Key]
+               ) -> Iterator[list[tuple[Key, memoryview]]]:
         """Coalesce adjacent chunks into ranged reads, run them on a pool (at most ``threads``
         in flight beyond the one being applied), yield each verified run's chunk views."""
-        runs: list[list[tuple[str, int, int]]] = []
+        runs: list[list[Key]] = []
         for key in keys:
             last = runs[-1][-1] if runs else None
             if (last is not None and last[0] == key[0] and last[1] + last[2] == key[1]
@@ -286,8 +331,7 @@ class ShardedReader(StorageReader):
                 runs.append([key])
         info = self.resolve()
 
-        def fetch(run: list[tuple[str, int, int]]) -> list[tuple[tuple[str, int, int],
-                                                                  memoryview]]:
+        def fetch(run: list[Key]) -> list[tuple[Key, memoryview]]:
             path, start = run[0][0], run[0][1]
             length = run[-1][1] + run[-1][2] - start
             entry = manifest.chunked(path)
@@ -317,23 +361,28 @@ class ShardedReader(StorageReader):
                     f"{info.url}: no stored chunk of {key[0]!r} at offsets {list(key[1])}",
                     step=info.step)
             dtype, shape = found
-            n = 1
-            for s in shape:
-                n *= s
-            if n * element_size(tensor_code(dtype, key[0])) != len(view):
-                raise CorruptCheckpointError(
-                    f"{info.url}: item {key[0]!r} is {len(view)} B, its shape {list(shape)} "
-                    f"{dtype} needs {n * element_size(tensor_code(dtype, key[0]))} B",
-                    step=info.step)
+            target = planner.resolve_tensor(req).detach()
+            if target.dtype != dtype:
+                raise dtype_mismatch(req.dest_index.fqn, dtype, target.dtype, info.url)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only buffer: only read
                 stored = (torch.frombuffer(view, dtype=dtype) if len(view)
                           else torch.empty(0, dtype=dtype)).reshape(shape)
             src = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
             if target.size() != src.size():
                 raise CorruptCheckpointError(
                     f"{info.url}: item {key[0]!r}: stored slice {list(src.size())} does not fit "
                     f"the target {list(target.size())}", step=info.step)
             target.copy_(src)
             planner.commit_tensor(req, target)
+
+
+def dtype_mismatch(fqn: str, stored: torch.dtype, wanted: torch.dtype, url: str
+                   ) -> LoadOptionError:
+    """The error for a target tensor whose dtype is not the stored one: ckptfs never converts
+    on load (a silent float32 -> bfloat16 or int64 -> int8 would lose data unnoticed)."""
+    where = f"{url}: " if url else ""
+    return LoadOptionError(
+        f"{where}key {fqn!r} is stored as {stored}, the tensor given to load it into is "
+        f"{wanted}; ckptfs never converts dtypes on load: give a {stored} tensor (and convert "
+        "after loading)")

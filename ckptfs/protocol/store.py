@@ -146,7 +146,7 @@ class CheckpointStore:
         ``map_location``: every form ``torch.load`` accepts (str, torch.device, dict, callable).
         ``mmap``: local disk only, tensors view memory-mapped files.  See docs/loading.md."""
         tensor_map(map_location)  # bad options fail before any I/O (LoadOptionError)
-        opts = {"keys": parse_keys(keys), "mmap": mmap}
+        paths = parse_keys(keys)  # malformed keys fail before any I/O
         if into is not None and (keys is not None or mmap):
             raise LoadOptionError("load(into=...) fills the given state dict in place: keys "
                                   "and mmap do not apply (the state dict selects what is read)")
@@ -156,10 +156,12 @@ class CheckpointStore:
                                      verify=verify, threads=self.threads,
                                      allow_rollback=allow_rollback)
         if step is not None:
-            return self._load_info(self.info(step), verify, map_location, **opts)
+            return self.load_info(self.info(step), verify=verify, map_location=map_location,
+                                  keys=paths, mmap=mmap)
         tried: list[str] = []
         found = walk_latest(self.storage,
-                            lambda i: self._load_info(i, verify, map_location, **opts),
+                            lambda i: self.load_info(i, verify=verify, map_location=map_location,
+                                                     keys=paths, mmap=mmap),
                             allow_rollback=allow_rollback, skipped=tried)
         if found is None:
             raise CheckpointNotFoundError(
@@ -167,14 +169,17 @@ class CheckpointStore:
                 + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
         return found[1]
 
-    def _load_info(self, info: CheckpointInfo, verify: bool,
-                   map_location: MapLocation, **opts: Any) -> dict[Any, Any]:
-        """Load, telling a checkpoint deleted while it was read (a prune, another job) from a
-        corrupt one: a file that went missing is only corruption if the marker still names
-        this attempt (else :class:`~ckptfs.CheckpointDeletedError`)."""
+    def load_info(self, info: CheckpointInfo, *, verify: bool = True,
+                  map_location: MapLocation = None,
+                  keys: Iterable[str | KeyPath] | None = None, mmap: bool = False
+                  ) -> dict[Any, Any]:
+        """Load exactly the committed attempt ``info`` names (as resolved by :meth:`info` or
+        :meth:`latest`, or agreed by several ranks), never a newer one.  A file that went
+        missing is corruption only if the marker still names this attempt; else the checkpoint
+        was deleted while it was read (:class:`~ckptfs.CheckpointDeletedError`)."""
         try:
             return load_checkpoint(self.storage, info, verify=verify, map_location=map_location,
-                                   threads=self.threads, **opts)
+                                   threads=self.threads, keys=keys, mmap=mmap)
         except CorruptCheckpointError:
             check_still_committed(self.storage, info.step, info.dir_name, info.attempt)
             raise

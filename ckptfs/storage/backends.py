@@ -77,6 +77,10 @@ class BackendSpec:
     #: ``None``/0 where a write goes straight to the OS (local) or to a dict (memory).
     write_block_size: int | None = None
     write_block_copies: int = 0
+    #: The keys of the library's ``info`` that carry an object's modification time, in order
+    #: of preference; empty where none is known (then the store does not offer
+    #: :class:`~ckptfs.storage.base.ModifiedTimes`, and GC leaves files it cannot age alone).
+    mtime_keys: tuple[str, ...] = ()
 
     @property
     def stream_buffer_bytes(self) -> int:
@@ -103,6 +107,7 @@ _LOCAL = BackendSpec(
     empty_create_note='open("xb") is O_EXCL whatever the size',
     listing_cache="none (os.scandir)",
     abort="the partial file stays inside the hidden .tmp- attempt directory, removed with it",
+    mtime_keys=("mtime",),
 )
 _MEMORY = BackendSpec(
     Capabilities("memory", exclusive_create="process_lock", atomic_rename=False, fsync=False,
@@ -117,6 +122,7 @@ _MEMORY = BackendSpec(
     empty_create_note='open("xb") checks existence first',
     listing_cache="none (one dict per process)",
     abort="a file opened for writing is visible at once: ckptfs deletes it on abort",
+    mtime_keys=("created",),
 )
 _S3 = BackendSpec(
     Capabilities("s3", exclusive_create="server_precondition", atomic_rename=False, fsync=False,
@@ -141,6 +147,7 @@ _S3 = BackendSpec(
     min_block_size=5 * 2**20,
     write_block_size=_OBJECT_BLOCK,
     write_block_copies=_OBJECT_COPIES,
+    mtime_keys=("LastModified",),
 )
 _GCS = BackendSpec(
     Capabilities("gs", exclusive_create="server_precondition", atomic_rename=False, fsync=False,
@@ -160,6 +167,7 @@ _GCS = BackendSpec(
     min_block_size=256 * 2**10,
     write_block_size=_OBJECT_BLOCK,
     write_block_copies=_OBJECT_COPIES,
+    mtime_keys=("mtime", "updated"),
 )
 _AZURE = BackendSpec(
     Capabilities("az", exclusive_create="server_precondition", atomic_rename=False, fsync=False,
@@ -179,6 +187,7 @@ _AZURE = BackendSpec(
     min_block_size=256 * 2**10,
     write_block_size=_OBJECT_BLOCK,
     write_block_copies=_OBJECT_COPIES,
+    mtime_keys=("last_modified",),
 )
 
 #: fsspec protocol name -> spec.  Unknown protocols get a conservative spec (no exclusive create,

@@ -23,6 +23,7 @@ import urllib.parse
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from datetime import datetime, timezone
 from typing import Any, BinaryIO, cast
 
 import fsspec
@@ -41,8 +42,12 @@ from ckptfs.storage.backends import BackendSpec, merge_options, spec_for
 from ckptfs.storage.base import (
     Capabilities,
     CapabilityUnavailableError,
+    EmptyDirRemoval,
     Entry,
     LocalFiles,
+    ModifiedTimes,
+    MultipartUploads,
+    PendingUpload,
     RangedRead,
 )
 from ckptfs.storage.classify import classify as classify
@@ -106,14 +111,18 @@ class FsspecStorage:
             else self.spec.stream_buffer_bytes)
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._local = self.capabilities.protocol == "file"
+        #: The optional capabilities this backend has (:meth:`offers`), decided once, as data:
+        #: from the backend's spec, and for multi-part uploads from what the filesystem object
+        #: can do (s3fs), never from the URL.
+        self._offered: frozenset[type] = frozenset(
+            cap for cap, has in ((RangedRead, True),
+                                 (LocalFiles, self._local),
+                                 (EmptyDirRemoval, self.capabilities.real_directories),
+                                 (ModifiedTimes, bool(self.spec.mtime_keys)),
+                                 (MultipartUploads, has_multipart_api(fs)))
+            if has)
         if probe and self.spec.probe_on_open:
             self.probe(probe_timeout)
-
-    @property
-    def stream_buffer_bytes(self) -> int:
-        """Peak bytes one open streaming write holds in this process (capability data, see
-        :class:`~ckptfs.storage.backends.BackendSpec`); the save bounds their sum."""
-        return 0 if self._local else self.spec.stream_buffer_bytes
 
     # -- reachability --------------------------------------------------------------------------
 
@@ -488,16 +497,97 @@ class FsspecStorage:
     # -- optional capabilities (ckptfs.storage.base) ------------------------------------------
 
     def offers(self, capability: type) -> bool:
-        """Which optional capabilities this backend really has (capability data)."""
-        if capability is LocalFiles:
-            return self._local
-        return capability is RangedRead
+        """Which optional capabilities this backend really has (decided when opened, as data):
+        ranged reads everywhere, local files on local disk, empty-directory removal where
+        directories are real, modification times where the backend's ``info`` carries one,
+        multi-part uploads where the filesystem can list and abort them (s3fs)."""
+        return capability in self._offered
+
+    def _require(self, capability: type) -> None:
+        if capability not in self._offered:
+            raise CapabilityUnavailableError(
+                f"{self.url} ({self.capabilities.protocol}) does not offer "
+                f"{capability.__name__}")
 
     def local_path(self, path: str) -> str:
         """The OS path of ``path`` (local disk only: :class:`~ckptfs.storage.base.LocalFiles`)."""
-        if not self._local:
-            raise CapabilityUnavailableError(f"{self.url} is not on local disk")
+        self._require(LocalFiles)
         return self.full(path)
+
+    def modified(self, path: str) -> datetime | None:
+        """The modification time ``info`` reports (:class:`~ckptfs.storage.base.ModifiedTimes`;
+        the backend's ``mtime_keys``), ``None`` if absent or not given for this object."""
+        self._require(ModifiedTimes)
+        with self._errors("stat", path):
+            try:
+                info = self.fs.info(self.full(path))
+            except FileNotFoundError:
+                return None
+        for key in self.spec.mtime_keys:
+            when = _as_time(info.get(key))
+            if when is not None:
+                return when
+        return None
+
+    def remove_empty_dir(self, path: str) -> bool:
+        """``rmdir``: never removes anything a writer created in the directory meanwhile
+        (:class:`~ckptfs.storage.base.EmptyDirRemoval`, real directories only)."""
+        self._require(EmptyDirRemoval)
+        with self._errors("rmdir", path):
+            try:
+                self.fs.rmdir(self.full(path))
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    return False
+                raise
+        return True
+
+    def _bucket_key(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(self.full(path))
+        return str(bucket), str(key).rstrip("/")
+
+    def list_uploads(self, path: str) -> list[PendingUpload]:
+        """The unfinished multi-part uploads under ``path``
+        (:class:`~ckptfs.storage.base.MultipartUploads`), with the bytes of the parts uploaded
+        so far (``ListParts``; 0 where that fails)."""
+        self._require(MultipartUploads)
+        bucket, prefix = self._bucket_key(path)
+        with self._errors("list uploads", path):
+            raw = self.fs.list_multipart_uploads(bucket)
+        out = []
+        for up in raw:
+            key = str(up.get("Key", ""))
+            if prefix and not (key == prefix or key.startswith(prefix + "/")):
+                continue
+            initiated = up.get("Initiated")
+            out.append(PendingUpload(
+                self.rel(f"{bucket}/{key}"), str(up["UploadId"]),
+                _as_time(initiated),
+                self._upload_size(bucket, key, str(up["UploadId"]))))
+        return out
+
+    def _upload_size(self, bucket: str, key: str, upload_id: str) -> int:
+        try:
+            parts = self.fs.call_s3("list_parts", Bucket=bucket, Key=key, UploadId=upload_id)
+            return sum(int(p.get("Size", 0)) for p in parts.get("Parts", []))
+        except Exception:
+            log.debug("list_parts failed for %s/%s", bucket, key, exc_info=True)
+            return 0
+
+    def abort_upload(self, upload: PendingUpload) -> bool:
+        """Abort one unfinished upload; ``False`` if it was gone already (``NoSuchUpload``:
+        aborted by another process, or completed)."""
+        self._require(MultipartUploads)
+        bucket, key = self._bucket_key(upload.path)
+        with self._errors("abort upload", upload.path):
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key,
+                                UploadId=upload.upload_id)
+            except Exception as exc:
+                if _no_such_upload(exc):
+                    return False
+                raise
+        return True
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r}, {self.capabilities.protocol})"
@@ -512,6 +602,40 @@ def _fsync_dir(full: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def has_multipart_api(fs: Any) -> bool:
+    """The filesystem can list and abort multi-part uploads (s3fs): a check of what the object
+    offers, never of the URL (an S3-compatible endpoint under another protocol name counts)."""
+    return all(callable(getattr(fs, name, None))
+               for name in ("list_multipart_uploads", "call_s3", "split_path"))
+
+
+def _as_time(value: object) -> datetime | None:
+    """A modification time as ``info`` reports it (POSIX seconds, a datetime, ISO 8601 text),
+    timezone-aware; ``None`` for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return datetime.fromtimestamp(float(value), timezone.utc)
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return None
+
+
+def _no_such_upload(exc: BaseException) -> bool:
+    """``NoSuchUpload`` (or the library's translation of it to ``FileNotFoundError``) anywhere
+    in the exception's chain: the upload was aborted or completed meanwhile."""
+    for e in error_chain(exc):
+        _, code = status_code(e)
+        if code == "NoSuchUpload" or "NoSuchUpload" in str(e) or isinstance(e, FileNotFoundError):
+            return True
+    return False
 
 
 def _make_fs(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str]:

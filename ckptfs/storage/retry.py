@@ -15,7 +15,16 @@ bounded number of times, with capped exponential backoff and jitter:
   if it holds exactly our bytes (a marker names its writer's unique attempt), the create
   succeeded; otherwise another writer won and ``CheckpointExistsError`` propagates;
 * ``rename_dir``: a retry that finds the source gone and the destination present is the
-  earlier try having succeeded.
+  earlier try having succeeded;
+* the optional capabilities it can retry: ``read_range``, ``modified`` and ``list_uploads``
+  (reads), ``remove_empty_dir`` (a retry answered "not found" is the earlier try having
+  succeeded) and ``abort_upload`` (a retry answered "no such upload" reports it gone).
+  ``local_path`` is not a request and is delegated as it is.
+
+It is a :class:`~ckptfs.storage.base.StorageWrapper`: every member is delegated explicitly, it
+offers exactly the optional capabilities of the storage it wraps, and it adds
+:class:`~ckptfs.storage.base.Retrying` (:meth:`RetryingStorage.retry_call`) for the callers that
+can replay a whole streamed write.
 
 Errors that cannot get better by waiting (not found, access denied, exists, and the permanent
 OS errors of :data:`ckptfs.storage.classify.PERMANENT_ERRNOS`: a full disk, a read-only
@@ -30,7 +39,8 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, BinaryIO, TypeVar
+from datetime import datetime
+from typing import BinaryIO, TypeVar
 
 from ckptfs.errors import (
     CheckpointExistsError,
@@ -38,7 +48,16 @@ from ckptfs.errors import (
     StorageError,
     StorageNotFoundError,
 )
-from ckptfs.storage.base import Capabilities, Entry, Retrying, Storage, read_range, supports
+from ckptfs.storage.base import (
+    EmptyDirRemoval,
+    Entry,
+    ModifiedTimes,
+    MultipartUploads,
+    PendingUpload,
+    Retrying,
+    Storage,
+    StorageWrapper,
+)
 from ckptfs.storage.classify import permanent_errno
 
 log = logging.getLogger("ckptfs.storage")
@@ -57,7 +76,7 @@ def is_retryable(exc: BaseException) -> bool:
             and permanent_errno(exc) is None)
 
 
-class RetryingStorage:
+class RetryingStorage(StorageWrapper):
     """Retries the idempotent calls of ``inner`` (see the module docstring)."""
 
     def __init__(self, inner: Storage, *, attempts: int = DEFAULT_ATTEMPTS,
@@ -65,9 +84,7 @@ class RetryingStorage:
                  sleep: Callable[[float], None] = time.sleep, seed: int | None = None) -> None:
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
-        self.inner = inner
-        self.url: str = inner.url
-        self.capabilities: Capabilities = inner.capabilities
+        super().__init__(inner)
         self.attempts = attempts
         self.base_delay = base_delay
         self.max_delay = max_delay
@@ -75,6 +92,9 @@ class RetryingStorage:
         self._rng = random.Random(seed)
         #: Retries made so far (for tests and logs).
         self.retries = 0
+
+    def offers(self, capability: type) -> bool:
+        return capability is Retrying or super().offers(capability)
 
     def _delay(self, attempt: int) -> float:
         cap = min(self.max_delay, self.base_delay * 2.0 ** attempt)
@@ -112,7 +132,8 @@ class RetryingStorage:
         return self._retry("read", path, lambda: self.inner.read_bytes(path))
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        return self._retry("read", path, lambda: read_range(self.inner, path, start, length))
+        ranged = super().read_range
+        return self._retry("read", path, lambda: ranged(path, start, length))
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
@@ -188,14 +209,39 @@ class RetryingStorage:
     def sync_dir(self, path: str) -> None:
         self._retry("fsync", path, lambda: self.inner.sync_dir(path))
 
-    def offers(self, capability: type) -> bool:
-        return capability is Retrying or supports(self.inner, capability)
+    # -- optional capabilities (offered where the inner storage offers them) -------------------
 
-    def __getattr__(self, name: str) -> Any:
-        # Adapter extras probed with getattr by the core (is_symlink, spec): forwarded.
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def modified(self, path: str) -> datetime | None:
+        self.require(ModifiedTimes)
+        modified = super().modified
+        return self._retry("stat", path, lambda: modified(path))
+
+    def remove_empty_dir(self, path: str) -> bool:
+        self.require(EmptyDirRemoval)
+        remove = super().remove_empty_dir
+        tries = 0
+
+        def once() -> bool:
+            nonlocal tries
+            tries += 1
+            try:
+                return remove(path)
+            except StorageNotFoundError:
+                if tries == 1:
+                    raise
+                return True  # an earlier try removed it, though its answer was lost
+
+        return self._retry("rmdir", path, once)
+
+    def list_uploads(self, path: str) -> list[PendingUpload]:
+        self.require(MultipartUploads)
+        listing = super().list_uploads
+        return self._retry("list uploads", path, lambda: listing(path))
+
+    def abort_upload(self, upload: PendingUpload) -> bool:
+        self.require(MultipartUploads)
+        abort = super().abort_upload
+        return self._retry("abort upload", upload.path, lambda: abort(upload))
 
     def __repr__(self) -> str:
         return f"RetryingStorage({self.inner!r}, attempts={self.attempts})"

@@ -8,30 +8,61 @@ A backend's test module provides one fixture, ``backend``, returning a fresh
 A known gap of an emulator is marked at that backend's subclass (override the test and mark it
 ``xfail`` with the reason), never by skipping the backend.  Users can run the suite against
 their own bucket the same way.
+
+Storage wrappers have their own check (the end of this module): :func:`check_wrapper` for one
+wrapper over one storage, :class:`WrapperConformance` / :class:`LocalWrapperConformance` as
+test classes (fixtures ``backend`` and ``case``), and :func:`shipped_wrappers`, the wrappers
+ckptfs ships, typed so that mypy checks each is a :class:`~ckptfs.storage.base.Storage`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
+import uuid
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, cast
 
 import pytest
 import torch
 
+from ckptfs.cli.demo import PauseBeforeCommit
 from ckptfs.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidStepError,
+    StorageError,
     StorageNotFoundError,
+    UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from ckptfs.format.layout import MANIFEST_NAME, MARKER_NAME, StepPaths, step_dir_name
+from ckptfs.format.layout import MANIFEST_NAME, MARKER_NAME, MAX_STEP, StepPaths, step_dir_name
 from ckptfs.format.manifest import Manifest, Marker
-from ckptfs.storage.base import read_range
+from ckptfs.protocol.copy import copy_step
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.storage.base import (
+    OPTIONAL_CAPABILITIES,
+    EmptyDirRemoval,
+    LocalFiles,
+    ModifiedTimes,
+    MultipartUploads,
+    RangedRead,
+    Retrying,
+    Storage,
+    read_range,
+    retry_call,
+    supports,
+)
+from ckptfs.storage.fsspec import FsspecStorage
+from ckptfs.storage.retry import RetryingStorage
+from ckptfs.storage.sub import SubStorage
 from ckptfs.testing.backend import Backend
+from ckptfs.testing.faults import FaultyStorage
+from ckptfs.testing.lifecycle import CrashingStorage
 
 
 def small_state(seed: int = 0, step: int = 0) -> dict[str, Any]:
@@ -388,3 +419,218 @@ class RaceConformance:
         attempts = {k.split("/")[2] for k in backend.raw_files(StepPaths(50).dir)
                     if k.count("/") >= 3}
         assert attempts == {committed_attempt(backend, 50)}
+
+
+# -- storage wrappers ------------------------------------------------------------------------------
+#
+# A wrapper (retries, a sub-root, fault injection, request counting, yours) must offer exactly
+# the optional capabilities of the storage it wraps, each one working through it, and keep
+# every safety check.  :func:`check_wrapper` checks one wrapper over one storage;
+# :class:`WrapperConformance` runs it, and a save/load/verify, on a backend; the link checks
+# run on local disk (:class:`LocalWrapperConformance`), where links exist.
+
+
+@dataclass(frozen=True)
+class WrapperCase:
+    """A storage wrapper to check: how to build it around a storage, and which optional
+    capabilities it adds to those of the storage it wraps."""
+
+    name: str
+    make: Callable[[Storage], Storage]
+    adds: tuple[type, ...] = ()
+
+
+def shipped_wrappers() -> list[WrapperCase]:
+    """Every storage wrapper ckptfs ships (the benchmarks' request counter aside: the test
+    suite adds it).  Also the static check: each ``make`` is typed to return a
+    :class:`~ckptfs.storage.base.Storage`, so mypy verifies that every wrapper satisfies the
+    protocol."""
+    return [
+        WrapperCase("RetryingStorage",
+                    lambda s: RetryingStorage(s, base_delay=0.001, max_delay=0.004),
+                    adds=(Retrying,)),
+        WrapperCase("SubStorage", lambda s: SubStorage(s, "sub/root")),
+        WrapperCase("FaultyStorage", lambda s: FaultyStorage(s)),
+        WrapperCase("CrashingStorage",
+                    lambda s: CrashingStorage(s, "create_exclusive", "never-matches")),
+        WrapperCase("PauseBeforeCommit", lambda s: PauseBeforeCommit(s, MAX_STEP)),
+    ]
+
+
+def _forwards_by_getattr(obj: object) -> bool:
+    return any("__getattr__" in vars(cls) for cls in type(obj).__mro__ if cls is not object)
+
+
+def _inner_prefix(inner: Storage, wrapper: Storage, probe: str) -> str:
+    """Where path ``p`` of ``wrapper`` lives in ``inner``: found by writing ``probe`` through
+    the wrapper and listing the inner storage (a wrapper need not say how it maps paths)."""
+    wrapper.write_bytes(probe, b"probe")
+    found = [e.name for e in inner.list_tree("") if e.name.endswith(probe)]
+    assert len(found) == 1, f"{probe} written through {wrapper!r} appears as {found} inside"
+    return found[0][:-len(probe)]
+
+
+def check_wrapper(inner: Storage, wrapper: Storage, *, adds: tuple[type, ...] = ()) -> None:
+    """Assert that ``wrapper`` (built around ``inner``) satisfies :class:`Storage` without
+    ``__getattr__`` forwarding, carries the same capabilities data (the write-memory budget's
+    ``stream_buffer_bytes`` included), offers every optional capability ``inner`` offers and
+    no other (``adds`` aside), and that each offered capability works through it.  Writes
+    and removes a scratch directory through the wrapper."""
+    assert isinstance(wrapper, Storage), f"{wrapper!r} lacks members of Storage"
+    assert not _forwards_by_getattr(wrapper), (
+        f"{type(wrapper).__name__} forwards with __getattr__: delegate each member explicitly "
+        "(subclass ckptfs.storage.base.StorageWrapper)")
+    assert wrapper.capabilities == inner.capabilities, (wrapper.capabilities, inner.capabilities)
+    for cap in OPTIONAL_CAPABILITIES:
+        want = supports(inner, cap) or cap in adds
+        assert supports(wrapper, cap) == want, (
+            f"{type(wrapper).__name__} {'drops' if want else 'claims'} {cap.__name__} "
+            f"(the storage it wraps {'offers' if supports(inner, cap) else 'lacks'} it)")
+    scratch = f"wrapper-conformance-{uuid.uuid4().hex[:12]}"
+    prefix = _inner_prefix(inner, wrapper, f"{scratch}/probe.bin")
+    try:
+        for cap in OPTIONAL_CAPABILITIES:
+            if supports(wrapper, cap):
+                _USES[cap](inner, wrapper, scratch, prefix)
+    finally:
+        wrapper.delete_tree(scratch)
+
+
+def _use_ranged_read(inner: Storage, wrapper: Storage, scratch: str, prefix: str) -> None:
+    data = bytes(range(256)) * 8
+    wrapper.write_bytes(f"{scratch}/ranged.bin", data)
+    ranged = cast(RangedRead, wrapper)
+    assert ranged.read_range(f"{scratch}/ranged.bin", 100, 300) == data[100:400]
+    assert ranged.read_range(f"{scratch}/ranged.bin", len(data) - 4, 10) == data[-4:]
+    assert read_range(wrapper, f"{scratch}/ranged.bin", 7, 9) == data[7:16]
+
+
+def _use_local_files(inner: Storage, wrapper: Storage, scratch: str, prefix: str) -> None:
+    wrapper.write_bytes(f"{scratch}/local.bin", b"on local disk")
+    path = cast(LocalFiles, wrapper).local_path(f"{scratch}/local.bin")
+    with open(path, "rb") as f:
+        assert f.read() == b"on local disk", path
+
+
+def _use_retrying(inner: Storage, wrapper: Storage, scratch: str, prefix: str) -> None:
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise StorageError("injected transient failure (connection reset)")
+        return "done"
+
+    assert cast(Retrying, wrapper).retry_call("write", f"{scratch}/x", flaky) == "done"
+    assert retry_call(wrapper, "write", f"{scratch}/x", lambda: "once") == "once"
+    assert len(calls) == 2
+
+
+def _use_modified_times(inner: Storage, wrapper: Storage, scratch: str, prefix: str) -> None:
+    wrapper.write_bytes(f"{scratch}/aged.bin", b"x")
+    times = cast(ModifiedTimes, wrapper)
+    when = times.modified(f"{scratch}/aged.bin")
+    assert when is not None and when.tzinfo is not None, when
+    assert abs(datetime.now(timezone.utc) - when) < timedelta(days=1), when
+    assert times.modified(f"{scratch}/missing.bin") is None
+
+
+def _use_empty_dir_removal(inner: Storage, wrapper: Storage, scratch: str, prefix: str) -> None:
+    dirs = cast(EmptyDirRemoval, wrapper)
+    wrapper.makedirs(f"{scratch}/empty")
+    wrapper.write_bytes(f"{scratch}/full/file.bin", b"x")
+    assert dirs.remove_empty_dir(f"{scratch}/full") is False
+    assert dirs.remove_empty_dir(f"{scratch}/empty") is True
+    assert [e.basename for e in wrapper.list_dir(scratch) if e.is_dir] == ["full"]
+    with pytest.raises(FileNotFoundError):
+        dirs.remove_empty_dir(f"{scratch}/empty")
+
+
+def _use_multipart_uploads(inner: Storage, wrapper: Storage, scratch: str, prefix: str) -> None:
+    """An upload left open in the inner storage is listed through the wrapper under the
+    wrapper's path, with its size, and aborted through it; a second abort says it is gone."""
+    uploads = cast(MultipartUploads, wrapper)
+    path = f"{scratch}/big.bin"
+    part = 1 << 20
+    total = max(inner.capabilities.stream_buffer_bytes, 16 * part) + part
+    with pytest.raises(_Abandon), inner.open_write(prefix + path) as f:
+        for _ in range(total // part):  # at least one part goes up: the upload is under way
+            f.write(b"u" * part)
+        pending = [u for u in uploads.list_uploads(scratch) if u.path == path]
+        assert len(pending) == 1 and pending[0].size > 0, uploads.list_uploads(scratch)
+        assert uploads.abort_upload(pending[0]) is True
+        assert [u for u in uploads.list_uploads(scratch) if u.path == path] == []
+        raise _Abandon
+    assert uploads.abort_upload(pending[0]) is False
+    assert not wrapper.exists(path)
+
+
+class _Abandon(Exception):
+    """Ends the streaming write of :func:`_use_multipart_uploads` (its upload is aborted)."""
+
+
+_USES: dict[type, Callable[[Storage, Storage, str, str], None]] = {
+    RangedRead: _use_ranged_read,
+    LocalFiles: _use_local_files,
+    Retrying: _use_retrying,
+    ModifiedTimes: _use_modified_times,
+    EmptyDirRemoval: _use_empty_dir_removal,
+    MultipartUploads: _use_multipart_uploads,
+}
+
+
+def link_checkpoint(backend: Backend, store: CheckpointStore, step: int, what: str) -> None:
+    """Save ``step`` and replace one of its parts by a symbolic link to a copy outside the
+    checkpoint (local disk): ``"file"`` (a data file), ``"attempt"`` (the attempt directory)
+    or ``"step"`` (the step directory)."""
+    info = store.save(step, small_state(step))
+    probe = f"link-probe-{uuid.uuid4().hex[:12]}"
+    prefix = _inner_prefix(backend.open().storage, store.storage, probe)
+    store.storage.delete(probe)
+    root = backend.raw_root
+    target = {"file": f"{info.path}/{info.manifest.files[0].path}", "attempt": info.path,
+              "step": info.paths.dir}[what]
+    here = os.path.join(root, *f"{prefix}{target}".split("/"))
+    outside = os.path.join(os.path.dirname(root), f"outside-{uuid.uuid4().hex[:8]}")
+    os.replace(here, outside)
+    os.symlink(outside, here)
+
+
+class WrapperConformance:
+    """A storage wrapper on one backend.  Subclass with a ``backend`` fixture and a ``case``
+    fixture returning the :class:`WrapperCase` of the wrapper under test."""
+
+    def test_offers_what_it_wraps(self, backend: Backend, case: WrapperCase) -> None:
+        raw = FsspecStorage(backend.url, **backend.options)
+        check_wrapper(raw, case.make(raw), adds=case.adds)
+        retrying = backend.open().storage  # what ckptfs.open gives: retries over the adapter
+        check_wrapper(retrying, case.make(retrying), adds=case.adds)
+
+    def test_save_load_verify_through_it(self, backend: Backend, case: WrapperCase) -> None:
+        store = CheckpointStore(case.make(backend.open().storage))
+        state = small_state(3, step=3)
+        store.save(3, state)
+        assert_state_equal(store.load(3), state)
+        assert store.verify(3).ok and store.latest() is not None
+
+
+class LocalWrapperConformance(WrapperConformance):
+    """The link refusals, through the wrapper, on local disk (the only backend with links):
+    a symbolic link as a file, as the attempt directory or as the step directory is refused
+    by load (:class:`~ckptfs.errors.UnsafeCheckpointError`), verify (quick and full) and
+    copy (``ckptfs cp``)."""
+
+    @pytest.mark.parametrize("what", ["file", "attempt", "step"])
+    def test_links_refused_through_it(self, backend: Backend, case: WrapperCase,
+                                      what: str) -> None:
+        store = CheckpointStore(case.make(backend.open().storage))
+        link_checkpoint(backend, store, 1, what)
+        with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+            store.load(1)
+        for quick in (True, False):
+            with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+                store.verify(1, quick=quick)
+        dst = FsspecStorage(f"memory://{uuid.uuid4().hex}")
+        with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+            copy_step(store.storage, dst, 1)
+        assert dst.list_tree("") == []

@@ -35,14 +35,27 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, BinaryIO, Literal, cast
 
 from ckptfs.errors import StorageError
-from ckptfs.storage.base import Capabilities, Entry, Storage
+from ckptfs.storage.base import (
+    EmptyDirRemoval,
+    Entry,
+    LocalFiles,
+    ModifiedTimes,
+    MultipartUploads,
+    PendingUpload,
+    Storage,
+    StorageWrapper,
+    supports,
+)
 
 MUTATING_OPS = ("write", "fsync", "commit", "write_bytes", "create_exclusive", "delete",
-                "delete_tree", "makedirs", "rename_dir", "sync_dir")
-READ_OPS = ("read_bytes", "open_read", "open_write", "list_dir", "list_tree", "exists")
+                "delete_tree", "makedirs", "rename_dir", "sync_dir", "remove_empty_dir",
+                "abort_upload")
+READ_OPS = ("read_bytes", "open_read", "open_write", "list_dir", "list_tree", "exists",
+            "read_range", "modified", "list_uploads")
 
 
 class SimulatedCrash(BaseException):
@@ -81,8 +94,13 @@ class FaultStats:
     calls: list[Call] = field(default_factory=list)
 
 
-class FaultyStorage:
+class FaultyStorage(StorageWrapper):
     """A :class:`~ckptfs.storage.base.Storage` that injects faults into ``inner``.
+
+    A :class:`~ckptfs.storage.base.StorageWrapper`: it offers exactly the optional capabilities
+    of ``inner``, and injects faults into those that are requests too (``read_range``,
+    ``modified`` and ``list_uploads`` are reads; ``remove_empty_dir`` and ``abort_upload``
+    mutate).  ``local_path`` and ``retry_call`` are delegated as they are (no request).
 
     ``crash_at=k``: the k-th mutating call crashes before it takes effect
     (``crash_after=True``: after it took effect, before the caller sees the answer).
@@ -103,9 +121,7 @@ class FaultyStorage:
                  transient_reads: bool = True, transient_stream_writes: bool = False,
                  seed: int = 0, power_model: bool = False,
                  hook: Hook | None = None) -> None:
-        self.inner = inner
-        self.url: str = inner.url
-        self.capabilities: Capabilities = inner.capabilities
+        super().__init__(inner)
         self.crash_at = crash_at
         self.crash_after = crash_after
         self.tear_at = tear_at
@@ -323,6 +339,46 @@ class FaultyStorage:
         self._simple("sync_dir", path, lambda: self.inner.sync_dir(path),
                      lambda m: m.sync_dir(path))
 
+    # -- optional capabilities (offered where ``inner`` offers them) ----------------------------
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        self._before("read_range", path, mutating=False)
+        return super().read_range(path, start, length)
+
+    def modified(self, path: str) -> datetime | None:
+        self.require(ModifiedTimes)
+        self._before("modified", path, mutating=False)
+        return super().modified(path)
+
+    def list_uploads(self, path: str) -> list[PendingUpload]:
+        self.require(MultipartUploads)
+        self._before("list_uploads", path, mutating=False)
+        return super().list_uploads(path)
+
+    def remove_empty_dir(self, path: str) -> bool:
+        self.require(EmptyDirRemoval)
+        removed = False
+        remove = super().remove_empty_dir
+
+        def run() -> None:
+            nonlocal removed
+            removed = remove(path)
+
+        self._simple("remove_empty_dir", path, run, lambda m: m.unlink(path))
+        return removed
+
+    def abort_upload(self, upload: PendingUpload) -> bool:
+        self.require(MultipartUploads)
+        aborted = False
+        abort = super().abort_upload
+
+        def run() -> None:
+            nonlocal aborted
+            aborted = abort(upload)
+
+        self._simple("abort_upload", upload.path, run, lambda m: None)
+        return aborted
+
     # -- power cut -----------------------------------------------------------------------------
 
     def power_cut(self, *, lost_data: Literal["empty", "half"] = "empty") -> dict[str, int]:
@@ -333,12 +389,6 @@ class FaultyStorage:
         with self._lock:
             self.crashed = True
             return self.power.apply(lost_data)
-
-    def __getattr__(self, name: str) -> Any:
-        # Adapter extras the core probes with getattr (is_symlink, spec): forwarded.
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def __repr__(self) -> str:
         return f"FaultyStorage({self.inner!r}, crash_at={self.crash_at}, tear_at={self.tear_at})"
@@ -387,10 +437,12 @@ class _BufferedWriter:
 
 
 def local_root(storage: Storage) -> str:
-    """The local directory a local-disk storage is rooted at."""
-    if storage.capabilities.protocol != "file" or not hasattr(storage, "full"):
-        raise ValueError(f"the power-cut model needs a local-disk FsspecStorage, got {storage!r}")
-    return str(storage.full(""))
+    """The local directory a local-disk storage is rooted at
+    (:class:`~ckptfs.storage.base.LocalFiles`)."""
+    if not supports(storage, LocalFiles):
+        raise ValueError(f"the power-cut model needs a storage on local disk (LocalFiles), got "
+                         f"{storage!r}")
+    return cast(LocalFiles, storage).local_path("")
 
 
 # -- the power-cut model ---------------------------------------------------------------------

@@ -8,8 +8,9 @@ garbage-collection behaviour is then checked on that storage.
 from __future__ import annotations
 
 import random
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from ckptfs.lifecycle.gc import collect
 from ckptfs.lifecycle.manager import CheckpointManager
 from ckptfs.lifecycle.retention import Best
 from ckptfs.lifecycle.rng import seed_all
+from ckptfs.storage.base import Entry, Storage, StorageWrapper
 from ckptfs.testing.backend import Backend
 
 
@@ -29,26 +31,81 @@ class InjectedCrash(RuntimeError):
     the call: the operation stops there, as it would if the process were killed."""
 
 
-class CrashingStorage:
-    """Wraps a storage; raises :class:`InjectedCrash` on the first call of ``method`` whose
-    path contains ``match``: an injected crash at one storage call, for crash tests."""
+class CrashingStorage(StorageWrapper):
+    """Wraps a storage; raises :class:`InjectedCrash` on the first call of ``method`` (a
+    member of :class:`~ckptfs.storage.base.Storage`) whose path contains ``match``: an
+    injected crash at one storage call, for crash tests.  Every other call, and every call
+    after the crash, goes to ``inner`` unchanged (an explicit
+    :class:`~ckptfs.storage.base.StorageWrapper`: the optional capabilities of ``inner`` are
+    kept)."""
 
-    def __init__(self, inner: Any, method: str, match: str = "") -> None:
-        self._inner, self._method, self._match = inner, method, match
+    METHODS = ("read_bytes", "open_read", "open_write", "write_bytes", "create_exclusive",
+               "list_dir", "list_tree", "exists", "delete", "delete_tree", "makedirs",
+               "rename_dir", "sync_dir")
+
+    def __init__(self, inner: Storage, method: str, match: str = "") -> None:
+        if method not in self.METHODS:
+            raise ValueError(f"CrashingStorage crashes one of {self.METHODS}, not {method!r}")
+        super().__init__(inner)
+        self.method, self.match = method, match
         self.crashed = False
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name != self._method or self.crashed:
-            return attr
+    def _at(self, name: str, path: str) -> None:
+        if name == self.method and self.match in path and not self.crashed:
+            self.crashed = True
+            raise InjectedCrash(f"injected crash at {name}({path!r})")
 
-        def crash(path: str, *a: Any, **k: Any) -> Any:
-            if self._match in path and not self.crashed:
-                self.crashed = True
-                raise InjectedCrash(f"injected crash at {name}({path!r})")
-            return attr(path, *a, **k)
+    def read_bytes(self, path: str) -> bytes:
+        self._at("read_bytes", path)
+        return super().read_bytes(path)
 
-        return crash
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
+        self._at("open_read", path)
+        return super().open_read(path)
+
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
+        self._at("open_write", path)
+        return super().open_write(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self._at("write_bytes", path)
+        super().write_bytes(path, data)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self._at("create_exclusive", path)
+        super().create_exclusive(path, data)
+
+    def list_dir(self, path: str) -> list[Entry]:
+        self._at("list_dir", path)
+        return super().list_dir(path)
+
+    def list_tree(self, path: str) -> list[Entry]:
+        self._at("list_tree", path)
+        return super().list_tree(path)
+
+    def exists(self, path: str) -> bool:
+        self._at("exists", path)
+        return super().exists(path)
+
+    def delete(self, path: str) -> None:
+        self._at("delete", path)
+        super().delete(path)
+
+    def delete_tree(self, path: str) -> None:
+        self._at("delete_tree", path)
+        super().delete_tree(path)
+
+    def makedirs(self, path: str) -> None:
+        self._at("makedirs", path)
+        super().makedirs(path)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        self._at("rename_dir", src)
+        super().rename_dir(src, dst)
+
+    def sync_dir(self, path: str) -> None:
+        self._at("sync_dir", path)
+        super().sync_dir(path)
 
 
 def run_reference(total: int) -> tuple[dict[int, float], dict[str, torch.Tensor]]:

@@ -1,17 +1,20 @@
-"""Write the golden format-v1 checkpoints under ``tests/golden/v1/run`` (run once, keep them).
+"""Write the golden checkpoints under ``tests/golden/v1/run`` (format v1) and
+``tests/golden/v2/run`` (format v2, sharded) (run once, keep them).
 
 The golden files are fixed bytes committed to the repository: every future ckptfs must load them
 bit-exact (tests/test_golden.py), so a format change that breaks old checkpoints fails CI.  Attempt
 names contain a time and random bits, so rerunning this script gives *different* bytes: do not
-regenerate v1.  When format v2 lands, add a ``v2`` recipe and directory beside it, never replace
-v1.  Usage::
+regenerate a version that exists; a new format version gets a new recipe and directory beside
+the others.  Usage::
 
-    python tests/golden/make_golden.py            # refuses if the directory exists
+    python tests/golden/make_golden.py --version 2   # refuses if the directory exists
     python tests/golden/make_golden.py --version 1 --out /tmp/x   # a throwaway copy
 
-``golden_v1()`` is the recipe: plain arithmetic (no RNG, no transcendental functions), so any
-torch on any platform rebuilds the same values, and the test compares the loaded checkpoints
-with what the recipe builds now.
+``golden_v1()`` and ``golden_v2()`` are the recipes: plain arithmetic (no RNG, no transcendental
+functions), so any torch on any platform rebuilds the same values, and the test compares the
+loaded checkpoints with what the recipe builds now.  Format v2's step 1 is written by 2 gloo
+ranks (processes on this machine): DTensors sharded by rows (7 rows: 4 and 3) or by columns,
+replicated tensors and values, and values each rank holds alone (``rng.ranks.<rank>``).
 """
 
 from __future__ import annotations
@@ -92,7 +95,84 @@ def golden_v1() -> dict[int, tuple[dict[str, Any], dict[str, Any], str]]:
     return {1: (state1, meta1, "blake3"), 2: (state2, meta2, "sha256")}
 
 
-RECIPES = {1: golden_v1}
+def golden_v2() -> dict[int, tuple[dict[str, Any], dict[str, Any], str, int]]:
+    """step -> (the full state, metadata, hash algorithm, world size) of the v2 golden run.
+    With 2 ranks, :func:`rank_state` turns the full state into each rank's: tensors under
+    ``rows`` become DTensors sharded by rows, under ``cols`` by columns, ``rng.ranks`` keeps
+    the rank's own entry; everything else every rank holds (stored once)."""
+    rows = {name: _tensor(name, (7, 3), salt) for salt, name in enumerate(V1_DTYPES)}
+    rows["bf16_wide"] = _tensor("bfloat16", (7, 5), 40)
+    cols = {"f32": _tensor("float32", (3, 8), 41), "i64": _tensor("int64", (2, 5), 42)}
+    emb = _tensor("float32", (5, 2), 7)
+    state1: dict[str, Any] = {
+        "rows": rows,
+        "cols": cols,
+        "replicated": {"scalar_bf16": _tensor("bfloat16", (), 99),
+                       "empty_f32": torch.empty((0, 5), dtype=torch.float32),
+                       "special": torch.tensor([math.inf, -math.inf, math.nan, -0.0, 1e-45],
+                                               dtype=torch.float32),
+                       "emb": emb, "f16": _tensor("float16", (4,), 43)},
+        # A list and a tuple holding tensors (walked; the tuple comes back a tuple).
+        "seq": [_tensor("int32", (2,), 44), (_tensor("float64", (3,), 45), "label")],
+        "trainer": {
+            "step": 1, "epoch": 0, "loss": 0.25, "lr": 3e-4, "done": False, "none": None,
+            "name": "golden ✓", "raw": b"\x00\xff\x10", "tuple": (1, (2, 3), [4, (5,)]),
+            "int_keys": {0: "zero", -5: "neg", 2**40: "big"},
+            "mixed_keys": {1.5: "float", None: "none", b"k": "bytes", (1, "a"): "tuple",
+                           True: "bool"},
+            "bigint": 2**200, "negbig": -(3**90), "u64max": 2**64 - 1, "i64min": -(2**63),
+            "floats": [math.inf, -math.inf, math.nan, -0.0, 5e-324],
+            "size": torch.Size([2, 3]), "dtype": torch.bfloat16,
+            "empty": {"d": {}, "l": [], "t": ()},
+            "inline": (torch.arange(3, dtype=torch.int16), {"t": _tensor("bfloat16", (2,), 46)}),
+        },
+        "rng": {"world_size": 2, "ranks": {0: _tensor("uint8", (6,), 47),
+                                           1: _tensor("uint8", (6,), 48)}},
+    }
+    meta1 = {"notes": "golden v2, step 1 (2 ranks)", "nested": {"a": [1, 2.5, None, True]}}
+    state2 = {"model": {"w": _tensor("bfloat16", (2, 3), 5), "b": _tensor("float16", (3,), 6)},
+              "optimizer": {"state": {0: {"step": torch.tensor(3.0),
+                                          "exp_avg": _tensor("float32", (2, 3), 8)}},
+                            "param_groups": [{"lr": 0.001, "params": [0]}]}}
+    meta2 = {"notes": "golden v2, step 2 (one process, sha256 files)"}
+    return {1: (state1, meta1, "blake3", 2), 2: (state2, meta2, "sha256", 1)}
+
+
+def rank_state(full: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
+    """This rank's part of a v2 golden state (see :func:`golden_v2`)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def shard(t: torch.Tensor, dim: int) -> Any:  # every rank holds the full tensor: no send
+        return distribute_tensor(t, mesh, [Shard(dim)], src_data_rank=None)
+
+    out = dict(full)
+    out["rows"] = {k: shard(v, 0) for k, v in full["rows"].items()}
+    out["cols"] = {k: shard(v, 1) for k, v in full["cols"].items()}
+    out["rng"] = {"world_size": 2, "ranks": {rank: full["rng"]["ranks"][rank]}}
+    return out
+
+
+RECIPES = {1: golden_v1, 2: golden_v2}
+
+
+def _v2_rank(rank: int, world: int, out: str, rdv: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ckptfs
+
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full, meta, algorithm, _ = golden_v2()[1]
+        ckptfs.open(out, algorithm=algorithm).save(1, rank_state(full, rank, mesh),
+                                                    metadata=meta)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def write(version: int, out: Path) -> None:
@@ -100,8 +180,28 @@ def write(version: int, out: Path) -> None:
 
     if out.exists():
         sys.exit(f"{out} exists: golden checkpoints are written once and kept (see docstring)")
-    for step, (state, meta, algorithm) in sorted(RECIPES[version]().items()):
-        ckptfs.open(str(out), algorithm=algorithm).save(step, state, metadata=meta)
+    if version == 1:
+        for step, (state, meta, algorithm) in sorted(golden_v1().items()):
+            ckptfs.open(str(out), algorithm=algorithm).save(step, state, metadata=meta)
+    else:
+        import multiprocessing as mp
+        import tempfile
+
+        from ckptfs.protocol.sharded import save_sharded
+
+        with tempfile.TemporaryDirectory() as tmp:
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=_v2_rank, args=(r, 2, str(out), f"{tmp}/rdv"))
+                     for r in range(2)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(300)
+            if any(p.exitcode != 0 for p in procs):
+                sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        state, meta, algorithm, _ = golden_v2()[2]
+        store = ckptfs.open(str(out), algorithm=algorithm)
+        save_sharded(store.storage, 2, state, algorithm=algorithm, metadata=meta)
     print(f"wrote format-v{version} golden run at {out}")
 
 

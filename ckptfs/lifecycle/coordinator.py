@@ -1,0 +1,469 @@
+"""Who does what when :class:`~ckptfs.CheckpointManager` saves and restores: the coordinator
+under the one manager body.
+
+Design decision: **one manager body, two coordinators.**  The manager
+(:mod:`ckptfs.lifecycle.manager`) is written once, as the collective algorithm; a coordinator
+says how its steps run.  :class:`Solo` (one process, or a process of a job without
+torch.distributed) is the identity: every step runs here, nothing is sent.
+:class:`ProcessGroup` (torch.distributed initialized with several ranks, or a model holding
+DTensors) runs the same steps on every rank, agrees on their outcome (a failure on one rank
+raises on every rank, before anything is written) and lets the writer rank (rank 0) decide
+what only one rank may decide: which checkpoint a resume loads, the provenance check (one
+diagnostic file), the bookkeeping after a commit.
+
+The call sequence of a collective save (``CheckpointManager.save``, every rank, same step)::
+
+    0) (all ranks)  an async save still pending: its future's outcome is agreed
+                    (agree: ``result()`` on every rank), then 3) and 4) run for it
+    1) (all ranks)  agree_gather: check the arguments (step, rank/world size, reserved names,
+                    metrics), capture this rank's RNG state, build the state dicts
+                    (``get_state_dict``: this rank's shards) -> every rank's recorded metrics
+                    and RNG ranks.  Any failure raises on every rank; nothing is written.
+                    The metrics are merged (the same on every rank) into the metadata.
+    2) (all ranks)  ``store.save`` (collective: every rank writes its shards, the coordinator
+                    rank of the store commits once), or ``store.save_async`` (collective
+                    snapshot; the commit completes in the background, and 3)-4) wait for 0)
+                    of the next save, ``restore_latest`` or ``wait``)
+    3) (writer)     on_writer: the bookkeeping after the commit: side-output record, best
+                    pool and record, prune
+    4) (all ranks)  on_writer: the writer broadcasts its SaveResult (or its error): every rank
+                    returns the same SaveResult, or raises the same error
+
+The call sequence of a collective restore (``restore_latest``/``restore``, every rank)::
+
+    1) (all ranks)  agree: check the arguments (map_location, names, rank/world size)
+    2) (writer)     drive: run the one walk (``protocol.resolve.walk_latest``: newest
+                    committed first, roll back over a corrupt one only if allowed), or read
+                    the one step asked for; for each candidate it tries:
+       a) (writer -> all)  the candidate (step, directory, attempt)
+       b) (writer -> all)  on_writer: the provenance check, its accepted changes
+       c) (all ranks)      agree: read the manifest, load the small entries (trainer,
+                           manager, this rank's RNG state, scheduler, stateful; map_location),
+                           or a one-process checkpoint whole; build fresh state dicts of
+                           today's placement for d)
+       d) (all ranks)      agree: the collective load of model/optimizer into fresh tensors of
+                           today's placement (every byte verified)
+       A failure in a)-d) raises on every rank; the writer's walk decides what follows: the
+       next older candidate (``allow_rollback``) -> a), or the end.
+    3) (writer -> all)  the walk's end: the candidate chosen, none, or the error; every rank
+                    returns or raises the same
+    4) (all ranks)  agree: apply the loaded state to the objects (only now touched), restore
+                    this rank's RNG state; the writer runs the resume bookkeeping
+
+With :class:`Solo` the same sequence runs in this process: agree and on_writer call the
+function, agree_gather returns this process's result, drive runs the walk here.  A non-writer
+rank of a job without torch.distributed (``rank``/``world_size`` given) stops a save after 1):
+it writes nothing, and its metrics are not recorded (logged).
+
+The messages of :class:`ProcessGroup` are JSON in uint8 tensors (no pickle, a few hundred
+bytes per rank) on ckptfs's dedicated gloo group (``ckptfs.protocol.sharded.collective_group``,
+its timeout ``COLLECTIVE_TIMEOUT``); ``ckptfs.protocol.sharded`` (and so DCP, seconds to
+import) is imported only when a process group coordinates.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from ckptfs.errors import (
+    CheckpointDeletedError,
+    CorruptCheckpointError,
+    ProvenanceMismatchError,
+    ShardedCheckpointError,
+)
+from ckptfs.protocol.resolve import CheckpointInfo, read_committed
+from ckptfs.storage.base import Storage
+
+T = TypeVar("T")
+
+#: What a coordinated step raises when ranks fail in different ways.
+ErrorClass = type[ShardedCheckpointError]
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint a restore tries: enough for another rank to read the same one."""
+
+    step: int
+    dir_name: str
+    attempt: str
+
+    @classmethod
+    def of(cls, info: CheckpointInfo) -> Candidate:
+        return cls(info.step, info.dir_name, info.attempt)
+
+    def to_doc(self) -> list[Any]:
+        return [self.step, self.dir_name, self.attempt]
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> Candidate:
+        step, dir_name, attempt = doc
+        return cls(int(step), str(dir_name), str(attempt))
+
+    def read(self, storage: Storage) -> CheckpointInfo:
+        """Another rank's reading of it: the same attempt, or
+        :class:`~ckptfs.CheckpointDeletedError` (replaced meanwhile: the walk lists again)."""
+        info = read_committed(storage, self.step, self.dir_name)
+        if info.attempt != self.attempt:
+            raise CheckpointDeletedError(
+                f"step {self.step} at {storage.url} was replaced while it was being restored "
+                f"(attempt {info.attempt}, not {self.attempt}); resolving again")
+        return info
+
+
+#: ``lead(try_one)`` runs on the writer: it calls ``try_one(info)`` for each checkpoint it
+#: tries (a raise makes it try the next one, or stop) and returns the one chosen, or None.
+Lead = Callable[[Callable[[CheckpointInfo], T]], CheckpointInfo | None]
+#: ``use(candidate, info)`` runs on every rank for each candidate, in the same order;
+#: ``info`` is the writer's reading of it (None on the other ranks).
+Use = Callable[[Candidate, CheckpointInfo | None], T]
+
+
+class Coordinator(Protocol):
+    """How the manager's steps run: see the module docstring for the call sequences."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def collective(self) -> bool:
+        """True under a process group: the save and load are collective (format v2, DCP state
+        dicts); False: one process saves and loads alone (format v1, ``state_dict()``)."""
+        ...
+
+    def agree(self, fn: Callable[[], T], what: str, error: ErrorClass) -> T:
+        """Run ``fn`` on every rank; if it raised anywhere, raise on every rank."""
+        ...
+
+    def agree_gather(self, fn: Callable[[], Any], what: str,
+                     error: ErrorClass) -> list[tuple[int, Any]]:
+        """As :meth:`agree`, returning every rank's result (JSON), in rank order."""
+        ...
+
+    def on_writer(self, fn: Callable[[], T], what: str, error: ErrorClass, *,
+                  encode: Callable[[T], Any] = _identity,
+                  decode: Callable[[Any], T] = _identity) -> T:
+        """Run ``fn`` on the writer rank only; every rank returns its result (the others
+        ``decode(encode(result))``) or raises its error."""
+        ...
+
+    def drive(self, lead: Lead[T], use: Use[T], what: str, error: ErrorClass) -> T | None:
+        """The writer runs ``lead`` (the walk); every rank runs ``use`` for each candidate it
+        tries, in the same order; every rank returns its own ``use`` result of the candidate
+        chosen, None if none, or raises the walk's error."""
+        ...
+
+
+class Solo:
+    """The identity coordinator: this process alone (no torch.distributed, or one rank of a
+    job that coordinates without it: ``rank``/``world_size`` given, ``rng_gather``)."""
+
+    collective = False
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self._rank = rank
+        self._world_size = world_size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def agree(self, fn: Callable[[], T], what: str, error: ErrorClass) -> T:
+        return fn()
+
+    def agree_gather(self, fn: Callable[[], Any], what: str,
+                     error: ErrorClass) -> list[tuple[int, Any]]:
+        return [(self._rank, fn())]
+
+    def on_writer(self, fn: Callable[[], T], what: str, error: ErrorClass, *,
+                  encode: Callable[[T], Any] = _identity,
+                  decode: Callable[[Any], T] = _identity) -> T:
+        return fn()
+
+    def drive(self, lead: Lead[T], use: Use[T], what: str, error: ErrorClass) -> T | None:
+        last: list[tuple[Candidate, T]] = []
+
+        def try_one(info: CheckpointInfo) -> T:
+            candidate = Candidate.of(info)
+            out = use(candidate, info)
+            last[:] = [(candidate, out)]
+            return out
+
+        chosen = lead(try_one)
+        if chosen is None:
+            return None
+        return _chosen(last, Candidate.of(chosen), what, error)
+
+
+def check_ranks(coord: Coordinator, *, rank: int, world_size: int, writer_rank: int) -> None:
+    """The rank arguments a manager was made with match the coordinator's (``ValueError``)."""
+    if (rank, world_size) != (coord.rank, coord.world_size):
+        raise ValueError(f"the manager was made for rank {rank} of {world_size}, but this "
+                         f"process is rank {coord.rank} of {coord.world_size} in "
+                         "torch.distributed: leave rank/world_size unset")
+    if coord.collective and writer_rank != 0:
+        raise ValueError(f"writer_rank={writer_rank}: in a distributed job rank 0 commits and "
+                         "keeps the records; leave writer_rank at 0")
+
+
+def _chosen(last: list[tuple[Candidate, T]], chosen: Candidate, what: str,
+            error: ErrorClass) -> T:
+    if not last or last[0][0] != chosen:  # pragma: no cover - the walk returns what it used
+        raise error(f"{what}: the walk chose step {chosen.step}, which was not the last one "
+                    "loaded; this is a ckptfs bug", failures={})
+    return last[0][1]
+
+
+# ----------------------------------------------------------------------------------------------
+# ProcessGroup: pickle-free messages, and one error class on every rank
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """An exception as JSON: its class, message and the attributes ckptfs's errors carry."""
+    doc: dict[str, Any] = {"module": type(exc).__module__, "name": type(exc).__qualname__,
+                           "message": str(exc)}
+    for attr in ("step", "path", "diagnostic"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, (int, str)):
+            doc[attr] = value
+    if isinstance(exc, ProvenanceMismatchError):
+        doc["differences"] = [[str(k), repr(a), repr(b)] for k, a, b in exc.differences]
+    if isinstance(exc, ShardedCheckpointError):
+        doc["failures"] = {str(r): str(v) for r, v in exc.failures.items()}
+    return doc
+
+
+def rebuild(doc: Mapping[str, Any], message: str) -> BaseException | None:
+    """An exception of the class ``doc`` names (ckptfs's or a builtin), or None."""
+    module, name = str(doc.get("module")), str(doc.get("name"))
+    if not (module == "builtins" or module == "ckptfs" or module.startswith("ckptfs.")):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return None
+    try:
+        if issubclass(cls, ProvenanceMismatchError):
+            return cls(message, differences=[tuple(d) for d in doc.get("differences", [])],
+                       diagnostic=doc.get("diagnostic"))
+        if issubclass(cls, CorruptCheckpointError):
+            return cls(message, step=doc.get("step"), path=doc.get("path"))
+        if issubclass(cls, ShardedCheckpointError):
+            return cls(message, failures={int(r): v for r, v in
+                                          (doc.get("failures") or {}).items()})
+        return cls(message)
+    except Exception:  # a class with other required arguments
+        return None
+
+
+class ProcessGroup:
+    """Every rank of this torch.distributed job, on ckptfs's dedicated gloo group; rank 0
+    writes (module docstring)."""
+
+    collective = True
+    writer = 0
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        from ckptfs.protocol import sharded  # lazily: DCP takes seconds to import
+        self._dist = dist
+        self.group = sharded.collective_group(None)
+        self._rank = int(dist.get_rank())
+        self._world_size = int(dist.get_world_size())
+        self.ranks = [int(r) for r in dist.get_process_group_ranks(self.group)]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _collective(self, fn: Callable[[], T], what: str, error: ErrorClass) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # a peer died or the group broke
+            raise error(f"{what}: a checkpoint collective failed ({type(exc).__name__}: "
+                        f"{exc}); a rank died, hung past the timeout, or the process group "
+                        "broke", failures={}) from exc
+
+    def gather(self, doc: Any, what: str, error: ErrorClass) -> list[Any]:
+        """Every rank's ``doc`` (JSON), in rank order."""
+        dist, data = self._dist, json.dumps(doc, default=str).encode()
+
+        def run() -> list[Any]:
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            sizes = [torch.zeros_like(size) for _ in self.ranks]
+            dist.all_gather(sizes, size, group=self.group)
+            buf = torch.zeros(max(1, max(int(s.item()) for s in sizes)), dtype=torch.uint8)
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            bufs = [torch.zeros_like(buf) for _ in self.ranks]
+            dist.all_gather(bufs, buf, group=self.group)
+            return [json.loads(bytes(b[:int(n.item())].numpy().tobytes()))
+                    for b, n in zip(bufs, sizes, strict=True)]
+
+        return self._collective(run, what, error)
+
+    def broadcast(self, doc: Any, what: str, error: ErrorClass) -> Any:
+        """The writer's ``doc`` (JSON) on every rank (``doc`` is ignored on the others)."""
+        dist, root = self._dist, self.writer
+        data = json.dumps(doc, default=str).encode() if self._rank == root else b""
+
+        def run() -> Any:
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            dist.broadcast(size, src=root, group=self.group)
+            buf = torch.zeros(max(1, int(size.item())), dtype=torch.uint8)
+            if self._rank == root:
+                buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            dist.broadcast(buf, src=root, group=self.group)
+            return json.loads(bytes(buf[:int(size.item())].numpy().tobytes()))
+
+        return self._collective(run, what, error)
+
+    # -- the coordinator ---------------------------------------------------------------------
+
+    def agree(self, fn: Callable[[], T], what: str, error: ErrorClass) -> T:
+        own: Exception | None = None
+        out: Any = None
+        try:
+            out = fn()
+        except Exception as exc:
+            own = exc
+        docs = self.gather(None if own is None else describe(own), what, error)
+        failures = {r: d for r, d in zip(self.ranks, docs, strict=True) if d is not None}
+        if failures:
+            self._raise(failures, own, what, error)
+        return out  # type: ignore[no-any-return]
+
+    def agree_gather(self, fn: Callable[[], Any], what: str,
+                     error: ErrorClass) -> list[tuple[int, Any]]:
+        own: Exception | None = None
+        doc: dict[str, Any]
+        try:
+            doc = {"ok": fn()}
+        except Exception as exc:
+            own = exc
+            doc = {"error": describe(exc)}
+        docs = self.gather(doc, what, error)
+        failures = {r: d["error"] for r, d in zip(self.ranks, docs, strict=True) if "error" in d}
+        if failures:
+            self._raise(failures, own, what, error)
+        return [(r, d["ok"]) for r, d in zip(self.ranks, docs, strict=True)]
+
+    def on_writer(self, fn: Callable[[], T], what: str, error: ErrorClass, *,
+                  encode: Callable[[T], Any] = _identity,
+                  decode: Callable[[Any], T] = _identity) -> T:
+        own: Exception | None = None
+        out: T | None = None
+        doc: dict[str, Any] = {}
+        if self._rank == self.writer:
+            try:
+                out = fn()
+                doc = {"ok": encode(out)}
+            except Exception as exc:
+                own = exc
+                doc = {"error": describe(exc)}
+        doc = self.broadcast(doc, what, error)
+        if "error" in doc:
+            self._raise({self.writer: doc["error"]}, own, what, error)
+        if self._rank != self.writer:
+            return decode(doc.get("ok"))
+        return out  # type: ignore[return-value]
+
+    def drive(self, lead: Lead[T], use: Use[T], what: str, error: ErrorClass) -> T | None:
+        if self._rank == self.writer:
+            return self._lead(lead, use, what, error)
+        return self._follow(use, what, error)
+
+    def _lead(self, lead: Lead[T], use: Use[T], what: str, error: ErrorClass) -> T | None:
+        last: list[tuple[Candidate, T]] = []
+
+        def try_one(info: CheckpointInfo) -> T:
+            candidate = Candidate.of(info)
+            last.clear()  # one loaded state held at a time
+            self.broadcast({"candidate": candidate.to_doc()}, what, error)
+            out = use(candidate, info)
+            last[:] = [(candidate, out)]
+            return out
+
+        try:
+            chosen = lead(try_one)
+        except Exception as exc:
+            self.broadcast({"error": describe(exc)}, what, error)
+            raise
+        if chosen is None:
+            self.broadcast({"done": None}, what, error)
+            return None
+        self.broadcast({"done": Candidate.of(chosen).to_doc()}, what, error)
+        return _chosen(last, Candidate.of(chosen), what, error)
+
+    def _follow(self, use: Use[T], what: str, error: ErrorClass) -> T | None:
+        last: list[tuple[Candidate, T]] = []
+        own: Exception | None = None
+        while True:
+            msg = self.broadcast(None, what, error)
+            if "candidate" in msg:
+                candidate = Candidate.from_doc(msg["candidate"])
+                last.clear()
+                try:
+                    last[:] = [(candidate, use(candidate, None))]
+                    own = None
+                except Exception as exc:  # agreed: the writer's walk decides what follows
+                    own = exc
+                continue
+            if "error" in msg:  # the writer's verdict, with its own message
+                doc = msg["error"]
+                err = rebuild(doc, str(doc.get("message")))
+                if err is None:
+                    if own is not None:
+                        raise own
+                    raise error(f"{what} failed on the writer rank: {doc.get('name')}: "
+                                f"{doc.get('message')}", failures={self.writer: str(
+                                    doc.get("message"))})
+                raise err from own
+            done = msg.get("done")
+            if done is None:
+                return None
+            return _chosen(last, Candidate.from_doc(done), what, error)
+
+    def _raise(self, failures: dict[int, dict[str, Any]], own: Exception | None, what: str,
+               error: ErrorClass) -> None:
+        classes = {(d.get("module"), d.get("name")) for d in failures.values()}
+        if own is not None and len(classes) == 1 and len(failures) == len(self.ranks):
+            raise own  # every rank failed the same way: its own error, unchanged
+        parts = "; ".join(f"rank {r}: {d.get('name')}: {d.get('message')}"
+                          for r, d in sorted(failures.items()))
+        msg = f"{what} failed on rank(s) {sorted(failures)}: {parts}"
+        if len(classes) == 1:
+            err = rebuild(failures[min(failures)], msg)
+            if err is not None:
+                raise err from own
+        raise error(msg, failures={r: f"{d.get('name')}: {d.get('message')}"
+                                   for r, d in failures.items()}) from own
+
+
+__all__ = ["Candidate", "Coordinator", "ProcessGroup", "Solo", "check_ranks", "describe",
+           "rebuild"]

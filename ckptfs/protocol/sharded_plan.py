@@ -1,0 +1,214 @@
+"""The pickle-free DCP planners of format v2 and the merge of the ranks' state trees.
+
+DCP's default planners decide who writes what and how a checkpoint is resharded; these keep
+that and change three things: non-tensor values are ckptfs's tagged msgpack (never
+``torch.save``/``torch.load``), every value is stored from the lowest rank that holds it (never
+a key-by-key mix of ranks' copies), and a load refuses a target tensor of another dtype before
+reading anything (never a silent conversion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+)
+
+from ckptfs.errors import UnsupportedValueError
+from ckptfs.format.serialize import build_tree
+from ckptfs.format.sharded import decode_value, encode_value
+from ckptfs.protocol.sharded_read import dtype_mismatch
+from ckptfs.torch_compat import EmptyStateDictLoadPlanner, set_element
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's ``DefaultSavePlanner`` (flattening, deduplication of replicated items), with every
+    non-tensor value encoded by ckptfs (tagged msgpack) instead of ``torch.save``.  Values are
+    encoded while the local plan is made, so a value the format cannot hold fails the save on
+    every rank before any byte is written."""
+
+    def __init__(self, *args: Any, deferred_error: BaseException | None = None,
+                 tree: Any = None, tree_sink: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred = deferred_error
+        self._encoded: dict[str, bytes] = {}
+        self._tree = tree            # this rank's skeleton (store.save), sent with its plan
+        self._tree_sink = tree_sink  # the coordinator's writer: gets the merged skeleton
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
+                       is_coordinator: bool = False) -> None:
+        if self._deferred is not None:
+            raise self._deferred
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self._encoded = {}
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                self._encoded[item.index.fqn] = encode_value(
+                    self.lookup_object(item.index), key=item.index.fqn)
+        if self._tree is not None and isinstance(plan.planner_data, dict):
+            mappings = _Mappings(plan.planner_data)
+            mappings.tree = self._tree
+            plan = dataclasses.replace(plan, planner_data=mappings)
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        # Values only some ranks hold (rank-keyed entries, e.g. each rank's RNG state) are
+        # stored by those ranks: the skeleton of the full load must be the union of every
+        # rank's, not the coordinator's alone, or a full load would silently drop them.
+        trees = [getattr(p.planner_data, "tree", None) for p in all_plans]
+        if self._tree_sink is not None and any(t is not None for t in trees):
+            self._tree_sink.tree = merge_trees(trees)
+        return super().create_global_plan(values_from_lowest_rank(all_plans))
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO:
+            blob = self._encoded.get(write_item.index.fqn)
+            if blob is None:
+                blob = encode_value(object, key=write_item.index.fqn)
+            return io.BytesIO(blob)
+        return object
+
+
+def values_from_lowest_rank(plans: list[SavePlan]) -> list[SavePlan]:
+    """Every non-tensor value is stored from the lowest rank that holds it (rank 0's copy of
+    every value rank 0 holds), so values that differ between ranks are never mixed key by key.
+    DCP's own deduplication would spread them over the ranks to balance the writes; replicated
+    tensors still are (they must be equal on every rank)."""
+    owner: dict[MetadataIndex, int] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                owner.setdefault(item.index, rank)
+    return [dataclasses.replace(plan, items=[
+        item for item in plan.items
+        if item.type != WriteItemType.BYTE_IO or owner[item.index] == rank])
+        for rank, plan in enumerate(plans)]
+
+
+class _Mappings(dict):  # type: ignore[type-arg]
+    """DCP's flattening map of one rank's save plan, carrying that rank's skeleton to the
+    coordinator (DCP gathers the plans; it merges the maps with ``ChainMap``)."""
+
+    tree: Any = None
+
+
+def _key_id(encoded: Any) -> str:
+    return repr(encoded)
+
+
+def _describe(node: Any) -> str:
+    kind = node[0] if isinstance(node, list) and node else ""
+    return {"d": "a dict", "l": "a list", "t": "a tuple", "v": "a value"}.get(
+        str(kind), "an unknown node")
+
+
+def merge_trees(trees: list[Any]) -> Any:
+    """The union of the ranks' skeletons (rank order: the coordinator's entries first).  Dicts
+    merge by key, lists by index; a path that is a container on one rank and a value (or
+    another kind of container) on another raises :class:`UnsupportedValueError`."""
+    merged: Any = None
+    for rank, tree in enumerate(trees):
+        if tree is None:
+            continue
+        merged = tree if merged is None else _merge(merged, tree, [], rank)
+    return merged
+
+
+def _merge(a: Any, b: Any, path: list[str], rank: int) -> Any:
+    if a == b:
+        return a
+    kind_a, kind_b = a[0], b[0]
+    if kind_a == kind_b == "d":
+        items = [list(item) for item in a[1]]
+        index = {_key_id(item[0]): i for i, item in enumerate(items)}
+        for key, child in b[1]:
+            i = index.get(_key_id(key))
+            if i is None:
+                index[_key_id(key)] = len(items)
+                items.append([key, child])
+            else:
+                text = str(build_tree(key, [], where="the tree of a rank's state"))
+                items[i][1] = _merge(items[i][1], child, [*path, text], rank)
+        return ["d", items]
+    if kind_a == kind_b and kind_a in ("l", "t"):
+        la, lb = a[1], b[1]
+        out = [_merge(x, y, [*path, str(i)], rank)
+               for i, (x, y) in enumerate(zip(la, lb, strict=False))]
+        return [kind_a, out + list(la[len(lb):]) + list(lb[len(la):])]
+    if kind_a == kind_b == "v":
+        return a
+    raise UnsupportedValueError(
+        f"the ranks' states differ in structure at {'/'.join(path) or '<root>'}: rank {rank} "
+        f"holds {_describe(b)} where a lower rank holds {_describe(a)}; a sharded checkpoint "
+        "holds one tree: give every rank the same structure there (rank-specific values under "
+        "rank-specific keys)")
+
+
+def _load_value(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
+    fqn = read_item.dest_index.fqn
+    obj = decode_value(value.getbuffer(), where=f"stored value {fqn!r}")
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[fqn], obj)
+    else:
+        planner.state_dict[fqn] = obj
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's ``DefaultLoadPlanner`` (resharding into the given state dict), decoding stored
+    values with ckptfs's msgpack instead of ``torch.load(weights_only=False)``."""
+
+    def __init__(self, *args: Any, deferred_error: BaseException | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred = deferred_error
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        if self._deferred is not None:
+            raise self._deferred
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        if self.metadata is not None:
+            check_dtypes(self.state_dict, self.metadata)
+        return super().create_local_plan()
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        _load_value(self, read_item, value)
+
+
+def check_dtypes(state_dict: Mapping[str, Any], metadata: Metadata) -> None:
+    """Every tensor (or DTensor) to load into has its stored dtype: checked before anything is
+    read, so a mismatch leaves ``into`` untouched (ckptfs never converts dtypes on load)."""
+    stored = metadata.state_dict_metadata
+    for fqn, obj in state_dict.items():
+        sm = stored.get(fqn)
+        if isinstance(obj, torch.Tensor) and isinstance(sm, TensorStorageMetadata) and \
+                obj.dtype != sm.properties.dtype:
+            raise dtype_mismatch(fqn, sm.properties.dtype, obj.dtype, "")
+
+
+class FullLoadPlanner(EmptyStateDictLoadPlanner):
+    """Loads a whole checkpoint into an empty dict (full-size plain tensors), pickle-free."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        _load_value(self, read_item, value)
