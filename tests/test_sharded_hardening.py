@@ -429,3 +429,18 @@ def test_value_document_rules() -> None:
         decode_value(buf.getvalue(), where="k")
     assert_state_equal(decode_value(encode_value({"a": (1, 2)}, key="k"), where="k"),
                        {"a": (1, 2)})
+
+
+def test_lazy_views_inside_values_are_stored_as_their_values(tmp_path: Path) -> None:
+    """A conjugate or negative view inside a non-tensor value (a DCP byte item, encoded by
+    ``encode_value``) is stored as its values, as every other writer stores it: the one
+    ``cpu_contiguous`` of the serializer (it was stored as its base)."""
+    import argparse
+
+    z = torch.complex(torch.randn(5), torch.randn(5))
+    state = {"args": argparse.Namespace(conj=z.conj(), neg=torch._neg_view(z))}
+    store = ckptfs.open(str(tmp_path))
+    save_sharded(store.storage, 1, state)
+    got = store.load(1)["args"]
+    assert torch.equal(got.conj, z.conj().resolve_conj())
+    assert torch.equal(got.neg, -z)

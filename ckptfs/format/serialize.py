@@ -418,7 +418,10 @@ def _state_doc_too_large(size: int, flat: Flattener) -> UnsupportedValueError:
         f"format's {MAX_STATE_DOC_BYTES} B limit{hint}")
 
 
-def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The values of ``t`` as a plain contiguous CPU tensor (copied only if it is on another
+    device, strided, or a lazy conjugate/negative view): the one way every writer gets the
+    bytes it stores."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
@@ -478,7 +481,7 @@ def _tensor_chunks(tf: TensorFile, tensors: tuple[torch.Tensor, ...]
     def chunks() -> Iterator[memoryview]:
         yield memoryview(tf.prefix)
         for i in tf.members:
-            ct = _cpu_contiguous(tensors[i])  # one at a time: copies only if non-contiguous/GPU
+            ct = cpu_contiguous(tensors[i])  # one at a time: copies only if non-contiguous/GPU
             view = tensor_memoryview(ct)
             step = 16 * 1024 * 1024
             for start in range(0, len(view), step):

@@ -54,6 +54,7 @@ from ckptfs.format.serialize import (
     CODE_DTYPES,
     Flattener,
     build_tree,
+    cpu_contiguous,
     dtype_code,
     tensor_memoryview,
 )
@@ -349,7 +350,7 @@ def encode_value(value: Any, *, key: str) -> bytes:
     tensors = []
     for t in flat.tensors:
         code = dtype_code(t.dtype)
-        ct = t.detach().to("cpu").contiguous()
+        ct = cpu_contiguous(t)
         tensors.append([code, list(ct.shape), bytes(tensor_memoryview(ct))])
     doc = {"schema": VALUE_SCHEMA, "format_version": SHARDED_FORMAT_VERSION, "tree": tree,
            "tensors": tensors}

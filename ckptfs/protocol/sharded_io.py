@@ -60,7 +60,7 @@ from ckptfs.errors import (
 )
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.layout import StepPaths, check_step
-from ckptfs.format.serialize import tensor_memoryview
+from ckptfs.format.serialize import cpu_contiguous, tensor_memoryview
 from ckptfs.format.sharded import (
     METADATA_NAME,
     Chunk,
@@ -114,17 +114,6 @@ class ItemReport:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.contiguous()
 
 
 class ShardedWriter(StorageWriter):
@@ -270,7 +259,7 @@ class ShardedWriter(StorageWriter):
                 if not isinstance(t, torch.Tensor):
                     raise UnsupportedValueError(f"{item.index.fqn!r}: the planner resolved a "
                                                 f"tensor item to {type(t).__name__}")
-                ct = _cpu_contiguous(t)
+                ct = cpu_contiguous(t)
                 if tuple(ct.shape) != pi.shape or tensor_code(ct.dtype, pi.name) != pi.dtype:
                     raise UnsupportedValueError(
                         f"{item.index.fqn!r}: planned {pi.dtype}{list(pi.shape)}, the planner "
