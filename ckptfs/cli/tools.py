@@ -58,6 +58,7 @@ from ckptfs.format.serialize import (
     tensor_memoryview,
 )
 from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
+from ckptfs.protocol.formats import check_checkpoint
 from ckptfs.protocol.reader import read_file_verified
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.protocol.store import CheckpointStore
@@ -193,6 +194,7 @@ def tree_rows(tree: Any, slots: list[TensorSlot]) -> Iterator[dict[str, Any]]:
 
 def inspect_info(store: CheckpointStore, info: CheckpointInfo) -> dict[str, Any]:
     storage = store.storage
+    check_checkpoint(storage, info)  # refuses what a load refuses (the same typed error)
     m = info.manifest
     out: dict[str, Any] = {
         "url": info.url, "step": info.step, "attempt": info.attempt, "created": info.created,
