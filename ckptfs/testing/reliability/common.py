@@ -30,6 +30,9 @@ class Sweep:
     tried: int = 0
     violations: list[str] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
+    #: Per scenario, what each operation did (the error class, or "ok"): how the sweeps compare
+    #: one input's outcome across paths (the same typed error through every path).
+    outcomes: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def bad(self, scenario: str, what: str) -> None:
         self.violations.append(f"[{self.backend} {self.name}] {scenario}: {what}")
