@@ -105,6 +105,31 @@ def check_store(sweep: Sweep, scenario: str, backend: Backend, committed: set[in
     return reader
 
 
+def died(exc: BaseException) -> bool:
+    """Whether ``exc`` is a simulated crash, or carries one: DCP catches every exception of a
+    rank's step (``BaseException`` included) and reports it in a ``CheckpointException``, which
+    the sharded save raises as :class:`~ckptfs.errors.ShardedSaveError`.  A killed process
+    raises nothing; in the sweeps the crashed writer's storage refuses every later call, so
+    whatever the wrapper does afterwards cannot reach storage."""
+    from ckptfs.testing.faults import SimulatedCrash
+
+    todo: list[Any] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple) and e:
+            e = e[0]
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        if isinstance(e, SimulatedCrash):
+            return True
+        seen.add(id(e))
+        failures = getattr(e, "failures", None)
+        todo += [e.__cause__, e.__context__,
+                 *(failures.values() if isinstance(failures, dict) else ())]
+    return False
+
+
 def prune_and_gc_api() -> tuple[Any, Any] | None:
     try:
         from ckptfs.lifecycle import gc, retention

@@ -18,6 +18,7 @@ from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
 from ckptfs.testing.reliability.common import (
     Sweep,
     check_store,
+    died,
     prune_and_gc_api,
     raw_storage,
     scenario_guard,
@@ -72,10 +73,10 @@ def sweep_save_crashes(backend: Backend, *, tear: bool | None = None, threads: i
         try:
             path.save(store_on(fs, threads), step, state_for(step))
             sweep.bad(scenario, "the save did not crash")
-        except SimulatedCrash:
-            pass
         except BaseException as exc:
-            sweep.bad(scenario, f"the save raised {type(exc).__name__}: {exc} instead of dying")
+            if not died(exc):
+                sweep.bad(scenario, f"the save raised {type(exc).__name__}: {exc} instead of "
+                          "dying")
         if fs.count != k and not (kind == "tear" and threads > 1):
             # (a torn write dies after persisting its prefix: other threads may have gone on)
             sweep.bad(scenario, f"crashed at call {fs.count}, not {k} (call order changed)")
