@@ -617,3 +617,31 @@ def test_writer_accepts_only_what_reads_back_equal(value: Any) -> None:
     blob = b"".join(bytes(c) for c in plan.files[0].chunks())
     tree, _ = decode_state_doc(blob, where="s")
     assert _same(build_tree(tree, [], where="s"), state)
+
+
+# -- two ranks: the same refusals, on every rank, nothing committed ---------------------------
+
+def test_two_ranks_refuse_what_one_process_refuses(local_backend: Backend) -> None:
+    """One 2-rank gloo job (one launch: ranks are slow to start) saves a valid step, then
+    steps the format cannot hold: every rank must get the UnsupportedValueError the
+    single-process save raises (also when only rank 1 holds the bad value), no marker may be
+    written, and the valid step stays the latest and loads."""
+    from ckptfs.testing.reliability import state_for
+
+    good = state_for(1)
+    saves = [
+        (1, good, None),
+        (2, good, {"m": float("nan")}),                                   # metadata
+        (3, [good, {**good, "bad": {"x": bytearray(b"ab")}}], None),      # rank 1 only
+        (4, {**good, "c": torch.ones(2, dtype=torch.complex128)}, None),  # a tensor dtype
+        (5, {**good, "k": {0: 1, "0": 2}}, None),                         # keys equal as str
+    ]
+    outcomes = paths.run_saves(local_backend.url, saves)
+    assert outcomes[0] is None, outcomes[0]
+    wrong = {step: outcome for (step, _, _), outcome in zip(saves[1:], outcomes[1:],
+                                                            strict=True)
+             if outcome is None or outcome[0] != "UnsupportedValueError"}
+    assert wrong == {}, wrong
+    for step in (2, 3, 4, 5):
+        paths.assert_not_committed(local_backend, step, 1)
+    assert local_backend.open().info(1).manifest.format_version == 2

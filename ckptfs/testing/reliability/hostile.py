@@ -339,14 +339,16 @@ def _inspect(reader: CheckpointStore, step: int) -> object:
     return inspect_info(reader, reader.info(step))
 
 
-def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = READS) -> Sweep:
+def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = READS,
+                  only: set[str] | None = None, planter: Any = None) -> Sweep:
     """Every hostile input (of format ``fmt``: :func:`hostile_cases`, or
     :func:`~ckptfs.testing.reliability.hostile_v2.hostile_v2_cases`), through every reader in
     ``reads``: the loads, the copy and inspect refuse it with the error of its kind
     (:data:`EXPECTED_ERRORS`), all of them with the same error class; the copy commits nothing;
     no operation raises anything untyped, accesses storage outside the checkpoints, writes to
     storage, executes anything, or uses more than :data:`HOSTILE_MEMORY_LIMIT`.
-    ``sweep.outcomes[case]`` records what each operation did."""
+    ``sweep.outcomes[case]`` records what each operation did.  ``only``: these cases;
+    ``planter``: a planter of ``fmt`` for ``backend`` made earlier (its donor save reused)."""
     import tempfile
     import tracemalloc
 
@@ -356,11 +358,15 @@ def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = RE
     with tempfile.TemporaryDirectory() as tmp:
         sentinel = os.path.join(tmp, "EXECUTED")
         if fmt == 1:
-            cases = hostile_cases(Planter(backend), sentinel, local=local)
+            cases = hostile_cases(planter or Planter(backend), sentinel, local=local)
         else:
             from ckptfs.testing.reliability.hostile_v2 import PlanterV2, hostile_v2_cases
 
-            cases = hostile_v2_cases(PlanterV2(backend), sentinel, local=local)
+            cases = hostile_v2_cases(planter or PlanterV2(backend), sentinel, local=local)
+        if only is not None:
+            cases = [c for c in cases if c[0] in only]
+            if {c[0] for c in cases} != only:
+                raise ValueError(f"no such hostile cases: {only - {c[0] for c in cases}}")
         for name, build, expected in cases:
             sweep.tried += 1
             try:
