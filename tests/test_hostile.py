@@ -18,6 +18,7 @@ import paths
 import pytest
 
 from ckptfs.errors import CorruptCheckpointError
+from ckptfs.protocol.store import CheckpointStore
 from ckptfs.testing.backend import Backend, unique_name
 from ckptfs.testing.reliability import (
     HOSTILE_MEMORY_LIMIT,
@@ -30,13 +31,22 @@ from ckptfs.testing.reliability.hostile import REFUSING
 from ckptfs.testing.reliability.hostile_v2 import RANK_FILE, PlanterV2, hostile_v2_names
 
 
+def _inspect(store: CheckpointStore, step: int) -> object:
+    return paths.read("inspect", store, step)
+
+
+#: Every reader that must refuse a hostile checkpoint (the sweep's own, and ckptfs inspect).
+READERS = (*REFUSING, "inspect")
+INSPECT = {"inspect": _inspect}
+
+
 def _check(sweep: Any, *, cases: int) -> None:
     assert sweep.tried >= cases
     assert sweep.counters["UnsafeCheckpointError"] > 0
     assert sweep.counters["FormatVersionError"] > 0
     assert sweep.counters["peak_bytes_max"] < HOSTILE_MEMORY_LIMIT
     # every refusing reader ran on every case
-    assert all(set(REFUSING) <= set(o) for o in sweep.outcomes.values())
+    assert all(set(READERS) <= set(o) for o in sweep.outcomes.values())
     assert sweep.violations == []
 
 
@@ -48,14 +58,14 @@ def _check(sweep: Any, *, cases: int) -> None:
 ])
 def test_hostile_checkpoints(where: str, request: pytest.FixtureRequest) -> None:
     backend: Backend = request.getfixturevalue(f"{where}_backend")
-    _check(hostile_sweep(backend), cases=75)
+    _check(hostile_sweep(backend, extra=INSPECT), cases=75)
 
 
 @pytest.mark.parametrize("where", ["memory", pytest.param("local", marks=pytest.mark.slow)])
 def test_hostile_checkpoints_through_a_sub_storage(where: str,
                                                    request: pytest.FixtureRequest) -> None:
     backend: Backend = request.getfixturevalue(f"{where}_backend")
-    _check(hostile_sweep(paths.SubBackend.of(backend)), cases=75)
+    _check(hostile_sweep(paths.SubBackend.of(backend), extra=INSPECT), cases=75)
 
 
 # -- format v2: one test per hostile input, so each known defect is one xfail ------------------
@@ -145,8 +155,8 @@ def _planter(where: str, tmp_path_factory: pytest.TempPathFactory) -> PlanterV2:
 def test_hostile_sharded_checkpoint(where: str, case: str,
                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     pl = _planter(where, tmp_path_factory)
-    sweep = hostile_sweep(pl.backend, fmt=2, only={case}, planter=pl)
-    assert sweep.tried == 1 and set(REFUSING) <= set(sweep.outcomes[case])
+    sweep = hostile_sweep(pl.backend, fmt=2, only={case}, planter=pl, extra=INSPECT)
+    assert sweep.tried == 1 and set(READERS) <= set(sweep.outcomes[case])
     # never tolerated, known defect or not
     assert [v for v in sweep.violations if any(s in v for s in _SEVERE)] == []
     paths.check_violations(sweep.violations, [""] if case in V2_KNOWN else [])

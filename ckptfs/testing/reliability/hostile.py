@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptfs.errors import (
@@ -293,7 +293,7 @@ def plant_symlinked(pl: Any, rel: str | None, target: str | None) -> int:
         real = adir + "-real"
         _shutil.move(adir, real)
         os.symlink(real, adir)
-    return step
+    return int(step)
 
 
 def _recorder(paths: list[str]) -> Callable[[str, str], None]:
@@ -301,11 +301,14 @@ def _recorder(paths: list[str]) -> Callable[[str, str], None]:
 
 
 #: What a reader does with a hostile checkpoint, by operation (``hostile_sweep(reads=...)``).
-#: The loads, the copy and inspect must refuse it (:data:`REFUSING`); ``latest`` and the
+#: The loads and the copy must refuse it (:data:`REFUSING`, and every reader given as
+#: ``hostile_sweep(extra=...)``: the tests add ``ckptfs inspect``'s); ``latest`` and the
 #: verifications may pass (a consistent manifest vouches for the bytes: refusing hostile
 #: content is the loader's job), but may raise nothing untyped.
-READS = ("latest", "load", "load unverified", "verify", "verify quick", "copy", "inspect")
-REFUSING = ("load", "load unverified", "copy", "inspect")
+READS = ("latest", "load", "load unverified", "verify", "verify quick", "copy")
+REFUSING = ("load", "load unverified", "copy")
+#: Another reader: ``reader(store, step)``.
+Reader = Callable[[CheckpointStore, int], object]
 #: What load must raise, by the ``expected`` of a case.
 EXPECTED_ERRORS: dict[str, type[CkptfsError]] = {
     "typed": CorruptCheckpointError, "unsafe": UnsafeCheckpointError,
@@ -333,21 +336,17 @@ def _copy_refused(reader: CheckpointStore, step: int, sweep: Sweep, name: str) -
             dst.delete_tree("")
 
 
-def _inspect(reader: CheckpointStore, step: int) -> object:
-    from ckptfs.cli.tools import inspect_info
-
-    return inspect_info(reader, reader.info(step))
-
-
 def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = READS,
-                  only: set[str] | None = None, planter: Any = None) -> Sweep:
+                  extra: Mapping[str, Reader] | None = None, only: set[str] | None = None,
+                  planter: Any = None) -> Sweep:
     """Every hostile input (of format ``fmt``: :func:`hostile_cases`, or
     :func:`~ckptfs.testing.reliability.hostile_v2.hostile_v2_cases`), through every reader in
     ``reads``: the loads, the copy and inspect refuse it with the error of its kind
     (:data:`EXPECTED_ERRORS`), all of them with the same error class; the copy commits nothing;
     no operation raises anything untyped, accesses storage outside the checkpoints, writes to
     storage, executes anything, or uses more than :data:`HOSTILE_MEMORY_LIMIT`.
-    ``sweep.outcomes[case]`` records what each operation did.  ``only``: these cases;
+    ``sweep.outcomes[case]`` records what each operation did.  ``extra``: more readers, which
+    must refuse too (the tests pass ``ckptfs inspect``'s).  ``only``: these cases;
     ``planter``: a planter of ``fmt`` for ``backend`` made earlier (its donor save reused)."""
     import tempfile
     import tracemalloc
@@ -384,12 +383,14 @@ def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = RE
                 "load unverified": lambda: reader.load(step, verify=False),  # noqa: B023
                 "verify": lambda: reader.verify(step),  # noqa: B023
                 "verify quick": lambda: reader.verify(step, quick=True),  # noqa: B023
-                "copy": lambda: _copy_refused(reader, step, sweep, name),  # noqa: B023
-                "inspect": lambda: _inspect(reader, step)}  # noqa: B023
+                "copy": lambda: _copy_refused(reader, step, sweep, name)}  # noqa: B023
+            for op_name, fn in (extra or {}).items():
+                ops[op_name] = lambda fn=fn: fn(reader, step)  # type: ignore[misc]  # noqa: B023
+            refusing = (*REFUSING, *(extra or {}))
             outcome: dict[str, str] = {}
             tracemalloc.start()
             try:
-                for op_name in reads:
+                for op_name in (*reads, *(extra or {})):
                     try:
                         ops[op_name]()
                         outcome[op_name] = "ok"
@@ -397,7 +398,7 @@ def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = RE
                         sweep.count(type(exc).__name__)
                         outcome[op_name] = type(exc).__name__
                         want = EXPECTED_ERRORS.get(expected)
-                        if (want is not None and op_name in REFUSING
+                        if (want is not None and op_name in refusing
                                 and not isinstance(exc, want)):
                             sweep.bad(name, f"{op_name} raised {type(exc).__name__}, not "
                                       f"{want.__name__}: {str(exc)[:200]}")
@@ -409,13 +410,13 @@ def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = RE
             finally:
                 tracemalloc.stop()
             sweep.outcomes[name] = outcome
-            accepted = [op for op in REFUSING if outcome.get(op) == "ok"]
+            accepted = [op for op in refusing if outcome.get(op) == "ok"]
             if expected and accepted:
                 sweep.bad(name, f"accepted by {accepted}")
-            refused = {outcome[op] for op in REFUSING if op in outcome and outcome[op] != "ok"}
+            refused = {outcome[op] for op in refusing if op in outcome and outcome[op] != "ok"}
             if expected and len(refused) > 1:
                 sweep.bad(name, "not the same error through every path: " + ", ".join(
-                    f"{op}: {outcome[op]}" for op in REFUSING if op in outcome))
+                    f"{op}: {outcome[op]}" for op in refusing if op in outcome))
             if peak > HOSTILE_MEMORY_LIMIT:
                 sweep.bad(name, f"peak Python memory {peak >> 20} MiB")
             sweep.counters["peak_bytes_max"] = max(sweep.counters.get("peak_bytes_max", 0), peak)
