@@ -386,12 +386,29 @@ VALUE_DOC_KNOWN = {
 }
 
 
+def _unhashable_code(v: Any) -> bool:
+    """A tensor entry whose dtype code is a list or a map: the known defect of
+    :func:`test_value_doc_tensor_with_an_unhashable_dtype_code`, kept out of the random
+    search so that it is reported once, deterministically."""
+    return isinstance(v, list) and any(isinstance(t, list) and t and isinstance(t[0], (list, dict))
+                                       for t in v)
+
+
 @pytest.mark.parametrize("key", _params(VALUE_DOC_VALID, VALUE_DOC_KNOWN))
 @REFUSE
 @given(data=st.data())
 def test_value_doc_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
-    value = data.draw(_mutation(VALUE_DOC_VALID[key], msgpack_values))
+    value = data.draw(_mutation(VALUE_DOC_VALID[key], msgpack_values).filter(
+        lambda v: not _unhashable_code(v)))
     doc = _with(VALID_VALUE_DOC, key, value)
+    _refused(lambda: decode_value(msgpack.packb(doc, use_bin_type=True), where="k"))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: decode_value tests a tensor entry's dtype "
+                   "code with 'r[0] not in CODE_DTYPES': a list there raises a raw TypeError "
+                   "(unhashable type), not CorruptCheckpointError")
+def test_value_doc_tensor_with_an_unhashable_dtype_code() -> None:
+    doc = _with(VALID_VALUE_DOC, "tensors", [[[], None, None], None])
     _refused(lambda: decode_value(msgpack.packb(doc, use_bin_type=True), where="k"))
 
 
