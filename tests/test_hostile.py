@@ -204,3 +204,33 @@ def test_declared_size_is_not_allocated(local_backend: Backend, declared: int, f
     finally:
         tracemalloc.stop()
     assert peak < 16 * 1024 * 1024
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_a_refused_copy_commits_nothing_at_the_destination(memory_backend: Backend,
+                                                           local_backend: Backend,
+                                                           fmt: int) -> None:
+    """ckptfs cp of a hostile source (a pickle where the state or value document belongs,
+    digests valid) into a run that has a checkpoint: the copy raises the error the load
+    raises, the destination gets no marker for the step and no file, and its latest is still
+    the previous checkpoint, which loads."""
+    from ckptfs.protocol.copy import copy_step
+    from ckptfs.testing.reliability import state_for
+    from ckptfs.testing.reliability.hostile import hostile_cases
+    from ckptfs.testing.reliability.hostile_v2 import hostile_v2_cases
+
+    pl: Any = Planter(memory_backend) if fmt == 1 else PlanterV2(memory_backend)
+    make = hostile_cases if fmt == 1 else hostile_v2_cases
+    name = "state.msgpack is a pickle" if fmt == 1 else "value document is a pickle"
+    build = next(b for n, b, _ in make(pl, "/nonexistent/sentinel", local=False) if n == name)
+    step = build()
+    src = memory_backend.open()
+    with pytest.raises(CorruptCheckpointError) as loaded:
+        src.load(step)
+    dst = local_backend.open()
+    dst.save(1, state_for(1))
+    before = local_backend.raw_files()
+    with pytest.raises(CorruptCheckpointError) as copied:
+        copy_step(src.storage, dst.storage, step)
+    assert type(copied.value) is type(loaded.value)
+    paths.assert_not_committed(local_backend, step, 1, before)
