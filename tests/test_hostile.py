@@ -28,7 +28,12 @@ from ckptfs.testing.reliability import (
     store_on,
 )
 from ckptfs.testing.reliability.hostile import REFUSING
-from ckptfs.testing.reliability.hostile_v2 import RANK_FILE, PlanterV2, hostile_v2_names
+from ckptfs.testing.reliability.hostile_v2 import (
+    RANK_FILE,
+    PlanterV2,
+    hostile_v2_cases,
+    hostile_v2_names,
+)
 
 
 def _inspect(store: CheckpointStore, step: int) -> object:
@@ -217,7 +222,6 @@ def test_a_refused_copy_commits_nothing_at_the_destination(memory_backend: Backe
     from ckptfs.protocol.copy import copy_step
     from ckptfs.testing.reliability import state_for
     from ckptfs.testing.reliability.hostile import hostile_cases
-    from ckptfs.testing.reliability.hostile_v2 import hostile_v2_cases
 
     pl: Any = Planter(memory_backend) if fmt == 1 else PlanterV2(memory_backend)
     make = hostile_cases if fmt == 1 else hostile_v2_cases
@@ -234,3 +238,59 @@ def test_a_refused_copy_commits_nothing_at_the_destination(memory_backend: Backe
         copy_step(src.storage, dst.storage, step)
     assert type(copied.value) is type(loaded.value)
     paths.assert_not_committed(local_backend, step, 1, before)
+
+
+# -- two ranks: a collective load of a hostile sharded checkpoint -----------------------------
+
+def rank_load_into(rank: int, world: int, url: str, steps: dict[str, int]) -> dict[str, str]:
+    """On each gloo rank: ``store.load(step, into=...)`` (collective) of each hostile step;
+    the error class each raised, or "ok"."""
+    import torch
+
+    import ckptfs
+    from ckptfs.testing.reliability.hostile_v2 import donor_state
+
+    store = ckptfs.open(url, retries=0)
+    out = {}
+    for name, step in steps.items():
+        into = donor_state()
+        for group in ("model", "optimizer"):
+            into[group] = {k: torch.zeros_like(v) for k, v in into[group].items()}
+        try:
+            store.load(step, into=into)
+            out[name] = "ok"
+        except Exception as exc:
+            out[name] = type(exc).__name__
+    return out
+
+
+#: (case, what a load on one rank raises); the known defects of the collective load.
+TWO_RANK_CASES = {"value document is a pickle": "CorruptCheckpointError",
+                  "value document tree nested 300 deep": "UnsafeCheckpointError",
+                  "rank file is a symlink to a file outside the root": "UnsafeCheckpointError",
+                  "chunks that leave a gap in a tensor": "CorruptCheckpointError",
+                  "dcp.msgpack is a pickle": "CorruptCheckpointError"}
+TWO_RANK_KNOWN = {
+    "dcp.msgpack is a pickle": _SHARDED_LOAD_ERROR.format("CorruptCheckpointError"),
+    "rank file is a symlink": (
+        "the collective load (load(into=...), sharded.load_into) never runs the listing "
+        "checks: a rank file replaced by a symbolic link is read through the link on every "
+        "rank (a full load in one process: UnsafeCheckpointError)")}
+
+
+@pytest.mark.xfail(strict=True, raises=paths.KnownDefect,
+                   reason="issue 16: " + "; ".join(TWO_RANK_KNOWN.values()))
+def test_two_ranks_refuse_hostile_sharded_checkpoints(local_backend: Backend,
+                                                      tmp_path: Any) -> None:
+    """One 2-rank gloo job loads (``load(into=...)``, collective) hostile sharded checkpoints:
+    every rank raises the error a load in one process raises."""
+    from dist_util import run_ranks
+
+    pl = PlanterV2(local_backend)
+    builds = {n: b for n, b, _ in hostile_v2_cases(pl, str(tmp_path / "EXECUTED"), local=True)}
+    steps = {name: builds[name]() for name in TWO_RANK_CASES}
+    per_rank = run_ranks(rank_load_into, 2, local_backend.url, steps, timeout=240)
+    wrong = [f"{name}: ranks raised {[r[name] for r in per_rank]}, one process raises "
+             f"{want}" for name, want in TWO_RANK_CASES.items()
+             if any(r[name] != want for r in per_rank)]
+    paths.check_violations(wrong, list(TWO_RANK_KNOWN))
