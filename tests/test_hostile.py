@@ -7,7 +7,7 @@ Every hostile input goes through every reader (issue 16, part 7): ``load`` (veri
 ``ckptfs cp`` (which must refuse it with the same error and commit nothing at the destination)
 and ``ckptfs inspect``; through the sub-storage of artifacts and the Lightning integration; and
 restated for the sharded format (format v2), where it must get the error its v1 counterpart
-gets."""
+gets, also from the in-place load (``load(into=...)``) on one rank and on two."""
 
 from __future__ import annotations
 
@@ -40,9 +40,28 @@ def _inspect(store: CheckpointStore, step: int) -> object:
     return paths.read("inspect", store, step)
 
 
+def _into() -> dict[str, Any]:
+    """A state dict shaped like the v2 donor's, to load into."""
+    import torch
+
+    from ckptfs.testing.reliability.hostile_v2 import donor_state
+
+    into = donor_state()
+    for group in ("model", "optimizer"):
+        into[group] = {k: torch.zeros_like(v) for k, v in into[group].items()}
+    return into
+
+
+def _load_into(store: CheckpointStore, step: int) -> object:
+    return store.load(step, into=_into())
+
+
 #: Every reader that must refuse a hostile checkpoint (the sweep's own, and ckptfs inspect).
 READERS = (*REFUSING, "inspect")
 INSPECT = {"inspect": _inspect}
+#: Format v2 also loads in place (``load(into=...)``, the collective load, on one rank).
+V2_READERS = (*READERS, "load into")
+V2_EXTRA = {**INSPECT, "load into": _load_into}
 
 
 def _check(sweep: Any, *, cases: int) -> None:
@@ -86,6 +105,12 @@ _NO_COVERAGE = ("the chunks of a tensor in dcp.msgpack are not checked to cover 
                 "once when the document is decoded: {}")
 _HEADER = ("the v2 reader never reads a rank file's safetensors header chunk (its digest is "
            "valid): load, copy and inspect accept a header that disagrees with dcp.msgpack")
+_INTO_NO_LISTING = ("load(into=...) (sharded.load_into) never runs the listing checks: a "
+                    "symbolic link is read through, and a declared size the storage does not "
+                    "hold is requested, failing as ShardedLoadError (a full load: "
+                    "UnsafeCheckpointError / CorruptCheckpointError before any read)")
+_INTO_NO_TREE = ("load(into=...) never decodes the stored tree in dcp.msgpack: a tree a full "
+                 "load refuses (CorruptCheckpointError) is accepted")
 V2_KNOWN: dict[str, str] = {
     **{name: _WRAPS_UNSAFE for name, _ in hostile_v2_names(local=True)
        if name.startswith("manifest path")},
@@ -122,6 +147,10 @@ V2_KNOWN: dict[str, str] = {
     "value document with an ext type": (
         "decode_value turns the msgpack ext type's UnsafeCheckpointError into "
         "CorruptCheckpointError 'not a ckptfs value' (v1: UnsafeCheckpointError)"),
+    **{name: _INTO_NO_LISTING for name, _ in hostile_v2_names(local=True)
+       if "symlink" in name or name.startswith(("a rank file declared", "dcp.msgpack declared"))},
+    **{name: _INTO_NO_TREE for name, _ in hostile_v2_names(local=True)
+       if name.startswith("stored tree")},
 }
 #: Violations no known defect excuses.
 _SEVERE = ("untyped", "executed", "outside the checkpoints", "wrote to storage",
@@ -160,8 +189,8 @@ def _planter(where: str, tmp_path_factory: pytest.TempPathFactory) -> PlanterV2:
 def test_hostile_sharded_checkpoint(where: str, case: str,
                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     pl = _planter(where, tmp_path_factory)
-    sweep = hostile_sweep(pl.backend, fmt=2, only={case}, planter=pl, extra=INSPECT)
-    assert sweep.tried == 1 and set(READERS) <= set(sweep.outcomes[case])
+    sweep = hostile_sweep(pl.backend, fmt=2, only={case}, planter=pl, extra=V2_EXTRA)
+    assert sweep.tried == 1 and set(V2_READERS) <= set(sweep.outcomes[case])
     # never tolerated, known defect or not
     assert [v for v in sweep.violations if any(s in v for s in _SEVERE)] == []
     paths.check_violations(sweep.violations, [""] if case in V2_KNOWN else [])
@@ -245,19 +274,13 @@ def test_a_refused_copy_commits_nothing_at_the_destination(memory_backend: Backe
 def rank_load_into(rank: int, world: int, url: str, steps: dict[str, int]) -> dict[str, str]:
     """On each gloo rank: ``store.load(step, into=...)`` (collective) of each hostile step;
     the error class each raised, or "ok"."""
-    import torch
-
     import ckptfs
-    from ckptfs.testing.reliability.hostile_v2 import donor_state
 
     store = ckptfs.open(url, retries=0)
     out = {}
     for name, step in steps.items():
-        into = donor_state()
-        for group in ("model", "optimizer"):
-            into[group] = {k: torch.zeros_like(v) for k, v in into[group].items()}
         try:
-            store.load(step, into=into)
+            store.load(step, into=_into())
             out[name] = "ok"
         except Exception as exc:
             out[name] = type(exc).__name__
@@ -272,10 +295,7 @@ TWO_RANK_CASES = {"value document is a pickle": "CorruptCheckpointError",
                   "dcp.msgpack is a pickle": "CorruptCheckpointError"}
 TWO_RANK_KNOWN = {
     "dcp.msgpack is a pickle": _SHARDED_LOAD_ERROR.format("CorruptCheckpointError"),
-    "rank file is a symlink": (
-        "the collective load (load(into=...), sharded.load_into) never runs the listing "
-        "checks: a rank file replaced by a symbolic link is read through the link on every "
-        "rank (a full load in one process: UnsafeCheckpointError)")}
+    "rank file is a symlink": _INTO_NO_LISTING}
 
 
 @pytest.mark.xfail(strict=True, raises=paths.KnownDefect,
