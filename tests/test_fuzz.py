@@ -297,6 +297,8 @@ V2_MANIFEST_VALID: dict[str, Valid] = {
 _V2_DEFAULTS = ("the v2 manifest decoder (ShardedManifest.from_doc) reads '{}' with "
                 "doc.get(..., default): a manifest without it decodes (v1 requires every key)")
 V2_MANIFEST_KNOWN = {
+    "step": "the v2 manifest decoder checks only step >= 0: a step beyond 10^12 - 1 (no step "
+            "directory can name it, docs/protocol.md section 1) decodes; v1 refuses it",
     "created": _V2_DEFAULTS.format("created"),
     "metadata": _V2_DEFAULTS.format("metadata"),
     "world_size": _V2_DEFAULTS.format("world_size") + "; a world_size of 0 decodes too",
@@ -445,6 +447,16 @@ def test_dcp_doc_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
     value = data.draw(_mutation(DCP_DOC_VALID[key], msgpack_values))
     doc = _with(VALID_DCP_DOC, key, value)
     _refused(lambda: decode_metadata(msgpack.packb(doc, use_bin_type=True), where="d"))
+
+
+@pytest.mark.parametrize("step", [-1, MAX_STEP + 1, 10**40, True, 1.0])
+def test_steps_a_step_directory_cannot_name_are_refused(step: Any) -> None:
+    """Regression (issue 16): the v1 manifest and the marker accepted a step beyond
+    10^12 - 1, which no step directory can name (docs/protocol.md section 1)."""
+    _refused(lambda: decode_manifest(json.dumps(
+        _with(json.loads(VALID_MANIFEST), "step", step)).encode()))
+    _refused(lambda: Marker.from_bytes(json.dumps(
+        _with(json.loads(VALID_MARKER), "step", step)).encode()))
 
 
 def test_the_valid_documents_decode() -> None:
