@@ -232,6 +232,16 @@ def _mutation(valid: Valid, values: Any) -> Any:
     return st.just(DELETE) | values.filter(lambda v: not valid(v))
 
 
+#: Checked on every example besides the drawn value (those the oracle rejects), so that a
+#: refusal that fails for a plain case fails every run, not only when the search finds it.
+FIXED: list[Any] = [DELETE, None, "x", -1, MAX_STEP + 1, 2**64 - 1, [], {}, True, 1.5]
+
+
+def _fixed(valid: Valid, *, binary: bool = False) -> list[Any]:
+    return [v for v in FIXED + ([b"x"] if binary else [])
+            if v == DELETE or not valid(v)]
+
+
 def _with(doc: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     out = dict(doc)
     if value == DELETE:
@@ -271,9 +281,10 @@ V1_MANIFEST_VALID: dict[str, Valid] = {
 @REFUSE
 @given(data=st.data())
 def test_manifest_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
-    value = data.draw(_mutation(V1_MANIFEST_VALID[key], json_values))
-    doc = _with(json.loads(VALID_MANIFEST), key, value)
-    _refused(lambda: decode_manifest(json.dumps(doc).encode()))
+    valid = V1_MANIFEST_VALID[key]
+    for value in [*_fixed(valid), data.draw(_mutation(valid, json_values))]:
+        doc = _with(json.loads(VALID_MANIFEST), key, value)
+        _refused(lambda: decode_manifest(json.dumps(doc).encode()))  # noqa: B023
 
 
 def _v2_manifest() -> bytes:
@@ -311,9 +322,10 @@ V2_MANIFEST_KNOWN = {
 @REFUSE
 @given(data=st.data())
 def test_v2_manifest_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
-    value = data.draw(_mutation(V2_MANIFEST_VALID[key], json_values))
-    doc = _with(json.loads(VALID_V2_MANIFEST), key, value)
-    _refused(lambda: decode_manifest(json.dumps(doc).encode()))
+    valid = V2_MANIFEST_VALID[key]
+    for value in [*_fixed(valid), data.draw(_mutation(valid, json_values))]:
+        doc = _with(json.loads(VALID_V2_MANIFEST), key, value)
+        _refused(lambda: decode_manifest(json.dumps(doc).encode()))  # noqa: B023
 
 
 MARKER_VALID: dict[str, Valid] = {
@@ -333,9 +345,10 @@ MARKER_VALID: dict[str, Valid] = {
 @REFUSE
 @given(data=st.data())
 def test_marker_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
-    value = data.draw(_mutation(MARKER_VALID[key], json_values))
-    doc = _with(json.loads(VALID_MARKER), key, value)
-    _refused(lambda: Marker.from_bytes(json.dumps(doc).encode()))
+    valid = MARKER_VALID[key]
+    for value in [*_fixed(valid), data.draw(_mutation(valid, json_values))]:
+        doc = _with(json.loads(VALID_MARKER), key, value)
+        _refused(lambda: Marker.from_bytes(json.dumps(doc).encode()))  # noqa: B023
 
 
 def _state_doc_blob() -> bytes:
@@ -366,9 +379,10 @@ def _load_state_doc(blob: bytes) -> None:
 @REFUSE
 @given(data=st.data())
 def test_state_doc_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
-    value = data.draw(_mutation(STATE_DOC_VALID[key], msgpack_values))
-    doc = _with(VALID_STATE_DOC, key, value)
-    _refused(lambda: _load_state_doc(msgpack.packb(doc, use_bin_type=True)))
+    valid = STATE_DOC_VALID[key]
+    for value in [*_fixed(valid, binary=True), data.draw(_mutation(valid, msgpack_values))]:
+        doc = _with(VALID_STATE_DOC, key, value)
+        _refused(lambda: _load_state_doc(msgpack.packb(doc, use_bin_type=True)))  # noqa: B023
 
 
 VALID_VALUE_DOC = msgpack.unpackb(encode_value({"a": torch.ones(2), "b": (1, "x")}, key="k"),
@@ -400,10 +414,12 @@ def _unhashable_code(v: Any) -> bool:
 @REFUSE
 @given(data=st.data())
 def test_value_doc_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
-    value = data.draw(_mutation(VALUE_DOC_VALID[key], msgpack_values).filter(
-        lambda v: not _unhashable_code(v)))
-    doc = _with(VALID_VALUE_DOC, key, value)
-    _refused(lambda: decode_value(msgpack.packb(doc, use_bin_type=True), where="k"))
+    valid = VALUE_DOC_VALID[key]
+    drawn = data.draw(_mutation(valid, msgpack_values).filter(lambda v: not _unhashable_code(v)))
+    for value in [*_fixed(valid, binary=True), drawn]:
+        doc = _with(VALID_VALUE_DOC, key, value)
+        _refused(lambda: decode_value(msgpack.packb(doc, use_bin_type=True),  # noqa: B023
+                                      where="k"))
 
 
 @pytest.mark.xfail(strict=True, reason="issue 16: decode_value tests a tensor entry's dtype "
@@ -444,9 +460,11 @@ DCP_DOC_KNOWN = {
 @REFUSE
 @given(data=st.data())
 def test_dcp_doc_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
-    value = data.draw(_mutation(DCP_DOC_VALID[key], msgpack_values))
-    doc = _with(VALID_DCP_DOC, key, value)
-    _refused(lambda: decode_metadata(msgpack.packb(doc, use_bin_type=True), where="d"))
+    valid = DCP_DOC_VALID[key]
+    for value in [*_fixed(valid, binary=True), data.draw(_mutation(valid, msgpack_values))]:
+        doc = _with(VALID_DCP_DOC, key, value)
+        _refused(lambda: decode_metadata(msgpack.packb(doc, use_bin_type=True),  # noqa: B023
+                                         where="d"))
 
 
 @pytest.mark.parametrize("step", [-1, MAX_STEP + 1, 10**40, True, 1.0])
