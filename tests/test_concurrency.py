@@ -5,6 +5,7 @@ garbage collection while a save waits just before its commit."""
 
 from __future__ import annotations
 
+import paths
 import pytest
 
 from ckptfs.errors import CheckpointNotFoundError
@@ -67,3 +68,17 @@ def test_checkpoint_deleted_while_loading_is_not_found_not_corrupt(
         reader.load(1)
     assert fired
     assert reader.load(2)["trainer"]["step"] == 2
+
+
+@pytest.mark.parametrize("where", ["memory", "local",
+                                   pytest.param("s3", marks=pytest.mark.slow)])
+def test_writers_of_every_path_race_one_winner(where: str,
+                                               request: pytest.FixtureRequest) -> None:
+    """A save, an async save, a copy (ckptfs cp) and a sharded save on one rank race on one
+    step, each with its own state: exactly one commits, the others get
+    CheckpointExistsError, and the committed checkpoint is exactly the winner's state."""
+    backend: Backend = request.getfixturevalue(f"{where}_backend")
+    sweep = sweep_free_race(backend, trials=2, writers=4,
+                            paths=[paths.V1, paths.ASYNC, paths.CP, paths.V2])
+    assert sweep.tried == 2
+    assert sweep.violations == []

@@ -2,10 +2,11 @@
 any mutating call (and once just after the commit took effect) leaves the previous latest
 intact, every retained committed checkpoint verifiable, and the next save working.  On all six
 backends; the sweeps live in :mod:`ckptfs.testing.reliability` (also run by the figures
-command)."""
+command).  The save sweep also runs through every other writer (tests/paths.py)."""
 
 from __future__ import annotations
 
+import paths
 import pytest
 
 from ckptfs.testing.backend import Backend
@@ -50,3 +51,31 @@ def test_save_crash_with_parallel_file_writes(where: str, request: pytest.Fixtur
     sweep = sweep_save_crashes(backend, threads=4)
     assert sweep.tried > sweep.counters["calls_per_save"]
     assert sweep.violations == []
+
+
+def _path_params() -> list[object]:
+    """save_async and ckptfs cp on local disk and memory, the sub-storage and the copy of a
+    sharded checkpoint on memory; every other combination, and the object stores, with
+    --runslow.  The sharded save (two simulated ranks driving DCP's call sequence) has its own
+    sweep in tests/test_sharded_crash.py."""
+    default = {("memory", "async"), ("memory", "cp"), ("local", "async"), ("local", "cp"),
+               ("memory", "sub"), ("memory", "cp-v2")}
+    out: list[object] = []
+    for where in ("memory", "local", "s3", "ministack", "gcs", "azure"):
+        for p in paths.params(["async", "cp", "sub", "v2", "cp-v2"]):
+            (path,) = p.values
+            slow = [] if (where, path.name) in default else [pytest.mark.slow]
+            out.append(pytest.param(where, path, id=f"{where}-{path.name}", marks=slow))
+    return out
+
+
+@pytest.mark.parametrize(("where", "path"), _path_params())
+def test_save_crash_at_every_call_on_every_path(where: str, path: paths.WritePath,
+                                                request: pytest.FixtureRequest) -> None:
+    """The crash sweep through another writer: the background thread of save_async, the
+    destination of ckptfs cp (its source is a scratch root), a sub-storage, dcp.save on one
+    rank (DCP reports the crash as ShardedSaveError: it counts as the crash)."""
+    backend: Backend = request.getfixturevalue(f"{where}_backend")
+    sweep = sweep_save_crashes(backend, path=path)
+    paths.check_violations(sweep.violations)
+    assert sweep.tried > sweep.counters["calls_per_save"] >= 4

@@ -1,7 +1,8 @@
 """Issue 11, the read side: names matched exactly, step directories addressed by their listed
 name, a delete racing a reader, stray entries and permanent errors, access problems that are
 not corruption, symlinks under quick verify.  Each test failed before its fix; the storage
-tests run on local disk, memory:// and S3 (moto)."""
+tests run on local disk, memory:// and S3 (moto).  The symlink, stray-file and rollback tests
+run for a checkpoint of every writer and through every reader (issue 16: tests/paths.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import paths
 import pytest
 import torch
 
@@ -352,46 +354,92 @@ def test_unreadable_attempt_is_an_access_error_not_corruption(
             call()
 
 
-# -- symlinks and stray files (local disk) -------------------------------------------------------
+# -- symlinks and stray files, through every write and read path -----------------------------
+
+def _written(backend: Backend, path: paths.WritePath, *steps: int) -> CheckpointStore:
+    """The checkpoints ``steps`` written through ``path``; a reader store on the same view."""
+    writer = backend.open()
+    for step in steps:
+        path.save(writer, step, state_for(step))
+    return backend.open()
 
 
-def test_quick_verify_and_load_refuse_a_symlink(local_backend: Backend) -> None:
-    store = local_backend.open()
-    info = store.save(1, state_for(1))
-    target = f"{local_backend.raw_root}/{info.path}/tensors-00000.safetensors"
-    outside = f"{local_backend.raw_root}/../outside.safetensors"
+def _tensor_file(info: Any) -> str:
+    return next(e.path for e in info.manifest.files if e.path.endswith(".safetensors"))
+
+
+def _every_path(default: tuple[str, ...] = ("local", "memory")) -> list[Any]:
+    """(backend, write path): v1 on local, memory and S3 (as before), every other path on
+    ``default`` (S3 with --runslow), two gloo ranks on local disk with --runslow."""
+    out = []
+    for where in ("local", "memory", "s3"):
+        names = ["v1", "v2", "async", "cp", "sub"] + (["v2x2"] if where == "local" else [])
+        for p in paths.params(names, slow=[] if where in default else names[1:]):
+            (path,) = p.values
+            if where not in default and path is paths.V1 and where != "s3":
+                continue
+            out.append(pytest.param(where, path, id=f"{where}-{path.name}", marks=p.marks))
+    return out
+
+
+_LINK_PATHS = [p for p in _every_path(("local",)) if p.values[0] == "local"]
+
+
+@pytest.mark.parametrize(("where", "path"), _LINK_PATHS)
+def test_every_reader_refuses_a_symlink(where: str, path: paths.WritePath,
+                                        request: pytest.FixtureRequest) -> None:
+    """A tensor file replaced by a link to a file outside the checkpoint (same bytes, so only
+    the link check can refuse it), for a checkpoint of every writer: quick and full verify
+    report it, load, ckptfs cp and inspect refuse it with UnsafeCheckpointError, and the copy
+    commits nothing."""
+    backend = path.at(request.getfixturevalue(f"{where}_backend"))
+    store = _written(backend, path, 1)
+    info = store.info(1)
+    target = f"{backend.raw_root}/{info.path}/{_tensor_file(info)}"
+    outside = f"{backend.raw_root}/../outside-{path.name}.safetensors"
     os.replace(target, outside)
     os.symlink(os.path.abspath(outside), target)
-    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
-        store.verify(1, quick=True)
-    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
-        store.load(1)
+    for how in ("verify-quick", "verify"):
+        with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+            paths.read(how, store, 1)
+    for how in ("load", "load-unverified", "cp", "inspect"):
+        with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+            paths.read(how, store, 1)
 
 
+@pytest.mark.parametrize(("where", "path"), _every_path())
 def test_stray_file_is_ignored_by_load_and_reported_by_verify(
-        backend: Backend, caplog: pytest.LogCaptureFixture) -> None:
-    store = backend.open()
-    info = store.save(1, state_for(1))
+        where: str, path: paths.WritePath, request: pytest.FixtureRequest,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A file the manifest does not list: load ignores it (and logs it), verify reports it,
+    ckptfs cp copies the checkpoint without it, inspect shows the checkpoint."""
+    backend = path.at(request.getfixturevalue(f"{where}_backend"))
+    store = _written(backend, path, 1)
+    info = store.info(1)
     backend.raw_write(f"{info.path}/notes.txt", b"hello")
     with caplog.at_level(logging.WARNING, logger="ckptfs"):
         assert _same(store.load(1), state_for(1))
     assert any("notes.txt" in r.getMessage() for r in caplog.records)
     with pytest.raises(CorruptCheckpointError, match=r"notes\.txt: not in the manifest"):
         store.verify(1, quick=True)
+    copy = paths.read("cp", store, 1)
+    assert copy.verify(1, quick=True).ok and _same(copy.load(1), state_for(1))
+    assert paths.read("inspect", store, 1)["step"] == 1
 
 
+@pytest.mark.parametrize(("where", "path"), _every_path())
 def test_latest_rollback_checks_the_commit_load_rollback_checks_the_data(
-        backend: Backend) -> None:
+        where: str, path: paths.WritePath, request: pytest.FixtureRequest) -> None:
     """The documented difference: latest() checks marker and manifest; load() also the
     files.  A newest step with a damaged tensor file is still latest(), and load() refuses it
     (or, with allow_rollback, loads the previous one)."""
-    store = backend.open()
-    store.save(1, state_for(1))
-    info = store.save(2, state_for(2))
-    path = f"{info.path}/tensors-00000.safetensors"
-    data = bytearray(backend.raw_read(path))
+    backend = path.at(request.getfixturevalue(f"{where}_backend"))
+    store = _written(backend, path, 1, 2)
+    info = store.info(2)
+    damaged = f"{info.path}/{_tensor_file(info)}"
+    data = bytearray(backend.raw_read(damaged))
     data[-1] ^= 0xFF
-    backend.raw_write(path, bytes(data))
+    backend.raw_write(damaged, bytes(data))
     latest = store.latest(allow_rollback=True)
     assert latest is not None and latest.step == 2
     with pytest.raises(CorruptCheckpointError, match="step 2"):

@@ -1,13 +1,14 @@
 """``ckptfs inspect`` (docs/cli.md): what a checkpoint holds, without reading tensor bytes.
 
-It reads the marker and manifest, ``state.msgpack`` (digest-checked) and each safetensors
-*header* (two ranged reads per file), and checks all of it as a full load does: the listing
-(links, missing and resized files), the tree with the loader's own decoder (``build_tree``, on
-stand-in tensors), each tensor against its header.  So inspect refuses, with the loader's typed
-error, every checkpoint a load refuses for what inspect reads; only the tensor bytes are left to
-``verify``.  Values of extension types are shown by type name, so it works on checkpoints whose
-types this process has not registered (they are checked as plain dicts, as ``export`` loads
-them).
+Everything is first checked by the format table's check
+(:func:`ckptfs.protocol.formats.check_checkpoint`, the one ``ckptfs cp`` runs before copying):
+the listing (links, missing and resized files), ``state.msgpack`` (digest-checked) and its tree
+with the loader's own decoder, each safetensors *header* (two ranged reads per file) against the
+state document; format v2: ``dcp.msgpack``, every value document, the stored tree.  So inspect
+refuses, with the loader's typed error, every checkpoint a load refuses for what it reads; only
+the tensor bytes are left to ``verify``.  Values of extension types are shown by type name, so
+it works on checkpoints whose types this process has not registered (they are checked as plain
+dicts, as ``export`` loads them).
 
 The rows are bounded: ``--max-items`` children per container and ``--max-rows`` rows in all,
 the rest summarized (``kind: "more"``) with counts from one depth-first pass that builds no
@@ -20,34 +21,21 @@ import argparse
 import heapq
 import json
 import math
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
-
-import torch
+from typing import Any
 
 from ckptfs.cli.core import EXIT_OK, add_store_args, emit, int_option, open_from_args, step_option
 from ckptfs.cli.tools import resolve
-from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
-from ckptfs.format.extensions import EXT_TAG, unregistered_as_dict
-from ckptfs.format.layout import STATE_NAME
-from ckptfs.format.limits import MAX_HEADER_BYTES, MAX_STATE_DOC_BYTES
+from ckptfs.format.extensions import EXT_TAG
 from ckptfs.format.serialize import (
-    CODE_DTYPES,
-    HeaderEntry,
     TensorSlot,
-    build_tree,
-    decode_state_doc,
     dtype_code,
-    parse_safetensors_header,
 )
-from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
-from ckptfs.protocol.listing import check_listing
-from ckptfs.protocol.reader import read_file_verified
-from ckptfs.protocol.resolve import CheckpointInfo, storage_url
+from ckptfs.protocol.formats import check_checkpoint
+from ckptfs.protocol.reader import CheckedV1
+from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.store import CheckpointStore
-from ckptfs.storage.base import Storage, read_range
 
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1,
              "F8_E5M2FNUZ": 1, "F16": 2, "BF16": 2, "I16": 2, "U16": 2, "F32": 4, "I32": 4,
@@ -63,45 +51,6 @@ DEFAULT_MAX_ROWS = 20_000
 #: Characters of a value shown in a row, and of a key.
 VALUE_CHARS = 60
 KEY_CHARS = 1000
-#: A tensor for every slot while the state tree is checked (never read: no bytes behind it).
-_NO_TENSOR = torch.empty(0)
-
-
-class _HeaderOnly:
-    """The first bytes of a safetensors file posing as the whole file (its size known from the
-    manifest), so :func:`parse_safetensors_header` checks the header without the data."""
-
-    def __init__(self, head: bytes, size: int) -> None:
-        self.head, self.size = head, size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, item: slice) -> bytes:
-        if item.stop is not None and item.stop > len(self.head):
-            raise IndexError("beyond the header")
-        return self.head[item]
-
-
-def read_header(storage: Storage, info: CheckpointInfo, path: str, size: int
-                ) -> dict[str, HeaderEntry]:
-    """The entries of one safetensors file, from two ranged reads (length, then header)."""
-    full = f"{info.path}/{path}"
-    where = storage_url(storage, full)
-    try:
-        first = read_range(storage, full, 0, 8)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: listed in the manifest but missing",
-                                     step=info.step, path=full) from None
-    if len(first) < 8 or size < 8:
-        raise CorruptCheckpointError(f"{where}: too short for safetensors", step=info.step)
-    (hlen,) = struct.unpack("<Q", first)
-    if hlen > min(MAX_HEADER_BYTES, size - 8):
-        raise UnsafeCheckpointError(f"{where}: safetensors header length {hlen} exceeds the "
-                                    f"file or {MAX_HEADER_BYTES} B", step=info.step)
-    head = first + read_range(storage, full, 8, hlen)
-    _, entries = parse_safetensors_header(cast(Any, _HeaderOnly(head, size)), where=where)
-    return entries
 
 
 def _short(value: Any, room: int) -> str:
@@ -249,30 +198,6 @@ def _tally(nodes: Iterator[Any], slots: list[TensorSlot]) -> tuple[int, int, int
     return rows, tensors, nbytes
 
 
-def _extension_refs(tree: Any) -> set[int]:
-    """The tensor references inside extension values (numpy arrays): their decoders look at
-    the tensor (dtype, element count), so the tree check gives them a stand-in of that dtype
-    and shape."""
-    refs: set[int] = set()
-    stack: list[tuple[Iterator[Any], bool]] = [(iter((tree,)), False)]
-    while stack:
-        it, inside = stack[-1]
-        for node in it:
-            if type(node) is not list or len(node) != 2:
-                continue
-            if node[0] == "T":
-                if inside and type(node[1]) is int:
-                    refs.add(node[1])
-                continue
-            kids = _kid_nodes(node)
-            if kids is not None:
-                stack.append((kids, inside or node[0] == EXT_TAG))
-                break
-        else:
-            stack.pop()
-    return refs
-
-
 @dataclass
 class _Level:
     children: Iterator[tuple[str, Any]]
@@ -332,13 +257,12 @@ def tree_rows(tree: Any, slots: list[TensorSlot], *, max_items: int = DEFAULT_MA
 def inspect_info(store: CheckpointStore, info: CheckpointInfo, *,
                  max_items: int = DEFAULT_MAX_ITEMS,
                  max_rows: int = DEFAULT_MAX_ROWS) -> dict[str, Any]:
-    """What ``ckptfs inspect`` shows (docs/cli.md).  Everything it reads is checked as a full
-    load checks it (the listing; the state document with the loader's own decoder, so a tree
-    load refuses is refused here with the same typed error; each safetensors header), so it
-    refuses what load refuses, except what only the tensor bytes would show (``verify``)."""
-    storage = store.storage
+    """What ``ckptfs inspect`` shows (docs/cli.md).  Everything is checked first by the format
+    table's check (:func:`ckptfs.protocol.formats.check_checkpoint`, the one ``ckptfs cp`` runs
+    too), so inspect refuses what load refuses, with the same typed error, except what only
+    the tensor bytes would show (``verify``); the rows are then rendered from what it decoded."""
     m = info.manifest
-    check_listing(storage, info)
+    checked = check_checkpoint(store.storage, info)
     out: dict[str, Any] = {
         "url": info.url, "step": info.step, "attempt": info.attempt, "created": info.created,
         "format_version": m.format_version, "hash_algorithm": m.hash_algorithm,
@@ -347,59 +271,22 @@ def inspect_info(store: CheckpointStore, info: CheckpointInfo, *,
                    "algorithm": e.algorithm} for e in m.files[:max_items]]}
     if len(m.files) > max_items:
         out["files_omitted"] = len(m.files) - max_items
-    if m.format_version == SHARDED_FORMAT_VERSION:
-        out["tree"] = _sharded_rows(storage, info, max_rows)
-        out["tree_note"] = ("format v2 (sharded): the flat DCP keys from dcp.msgpack; see "
-                            "docs/sharded.md")
+    if isinstance(checked, CheckedV1):
+        out["tree"] = list(tree_rows(checked.tree, checked.slots, max_items=max_items,
+                                     max_rows=max_rows))
+        out["tensors"] = {"count": len(checked.slots),
+                          "bytes": sum(_slot_bytes(s) for s in checked.slots)}
         return out
-    entry = m.file(STATE_NAME)
-    where = f"{info.url}/{STATE_NAME}"
-    if entry.size > MAX_STATE_DOC_BYTES:
-        raise UnsafeCheckpointError(f"{where}: declared size {entry.size} B "
-                                    f"exceeds {MAX_STATE_DOC_BYTES} B", step=info.step)
-    doc = read_file_verified(storage, info, entry, verify=True)
-    tree, slots = decode_state_doc(bytes(doc), where=where)
-    del doc
-    sizes = {e.path: e.size for e in m.files}
-    headers: dict[str, dict[str, HeaderEntry]] = {}
-    for s in slots:
-        if s.file not in sizes:
-            raise CorruptCheckpointError(f"{info.url}: state references {s.file}, which is not "
-                                         "in the manifest", step=info.step)
-        if s.file not in headers:
-            headers[s.file] = read_header(storage, info, s.file, sizes[s.file])
-        h = headers[s.file].get(s.name)
-        if h is None or h.dtype != s.dtype or h.shape != s.shape:
-            raise CorruptCheckpointError(f"{info.url}/{s.file}: tensor {s.name!r} is missing or "
-                                         "differs from the state document", step=info.step)
-    # The loader's own tree decoder, with stand-in tensors: depth, tags, keys, big ints, dtypes
-    # and extension payloads are refused exactly as a load refuses them.  A tensor inside an
-    # extension value (a numpy array) gets an uninitialized stand-in of its dtype and shape
-    # (its size is bounded by its file, checked above; the pages are never touched); the
-    # others share one empty tensor.  Types this process has not registered decode as plain
-    # dicts, as export does.
-    stand_ins = [_NO_TENSOR] * len(slots)
-    for i in _extension_refs(tree):
-        if 0 <= i < len(slots):
-            stand_ins[i] = torch.empty(slots[i].shape, dtype=CODE_DTYPES[slots[i].dtype])
-    with unregistered_as_dict():
-        state = build_tree(tree, stand_ins, where=where)
-    if not isinstance(state, dict):
-        raise CorruptCheckpointError(f"{where}: the state root is not a dict", step=info.step)
-    del state, stand_ins
-    out["tree"] = list(tree_rows(tree, slots, max_items=max_items, max_rows=max_rows))
-    out["tensors"] = {"count": len(slots), "bytes": sum(_slot_bytes(s) for s in slots)}
+    out["tree"] = _sharded_rows(checked.metadata.state_dict_metadata, max_rows)
+    out["tree_note"] = ("format v2 (sharded): the flat DCP keys from dcp.msgpack; see "
+                        "docs/sharded.md")
     return out
 
 
-def _sharded_rows(storage: Storage, info: CheckpointInfo, max_rows: int
-                  ) -> list[dict[str, Any]]:
+def _sharded_rows(entries: dict[str, Any], max_rows: int) -> list[dict[str, Any]]:
     """The first ``max_rows`` flat DCP keys (sorted), then one summary row for the rest."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ckptfs.protocol.sharded_read import read_document
-
-    entries = read_document(storage, info, verify=True).metadata.state_dict_metadata
     shown = set(heapq.nsmallest(max_rows, entries))
     rows = []
     rest = [0, 0, 0]

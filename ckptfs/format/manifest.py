@@ -25,7 +25,13 @@ from ckptfs.errors import (
     UnsupportedValueError,
 )
 from ckptfs.format.hashing import ALGORITHMS, digest_bytes, parse_digest
-from ckptfs.format.layout import FORMAT_VERSION, MANIFEST_NAME, check_relpath, is_attempt_name
+from ckptfs.format.layout import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MAX_STEP,
+    check_relpath,
+    is_attempt_name,
+)
 from ckptfs.format.limits import (
     MAX_BIGINT_DIGITS,
     MAX_FILE_SIZE,
@@ -345,8 +351,9 @@ def _require(doc: dict[str, Any], keys: frozenset[str], what: str) -> None:
 
 
 def _step(step: object) -> int:
-    if not _is_int(step) or step < 0:  # type: ignore[operator]
-        raise TypeError(f"'step' is not a non-negative int: {step!r:.40}")
+    # docs/protocol.md: 0 <= step <= 10^12 - 1, the steps a step directory can name
+    if not _is_int(step) or not 0 <= step <= MAX_STEP:  # type: ignore[operator]
+        raise TypeError(f"'step' is not an int in [0, {MAX_STEP}]: {step!r:.40}")
     return step  # type: ignore[return-value]
 
 

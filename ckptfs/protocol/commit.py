@@ -27,11 +27,12 @@ background thread of an async save) goes through one object, an :class:`Attempt`
    the storage's bounded retries (:class:`~ckptfs.storage.base.Retrying`).  Nothing written is
    read back.
 4. ``commit`` checks the final manifest again with the reader's own decoder (so nothing is
-   committed that a reader refuses, for every writer), writes ``MANIFEST.json``, fsyncs and
-   renames the attempt into place (local disk), and creates ``step-N/COMPLETE`` *exclusively*
-   in one request (``link`` on local disk, ``If-None-Match: *`` on S3, ``ifGenerationMatch=0``
-   on GCS, ``If-None-Match`` on Azure).  The marker records the attempt and the manifest's
-   digest, so it can only vouch for that manifest.
+   committed that a reader refuses, for every writer), writes ``MANIFEST.json``, fsyncs every
+   directory of the attempt (files in subdirectories included, whichever rank or copy wrote
+   them) and renames the attempt into place (local disk), and creates ``step-N/COMPLETE``
+   *exclusively* in one request (``link`` on local disk, ``If-None-Match: *`` on S3,
+   ``ifGenerationMatch=0`` on GCS, ``If-None-Match`` on Azure).  The marker records the
+   attempt and the manifest's digest, so it can only vouch for that manifest.
 
 The outcome of the marker request itself can be ambiguous; it is settled here, once: the
 marker is re-read, and if it names this attempt the commit succeeded (a retried request whose
@@ -297,6 +298,10 @@ class Attempt:
             mbytes = check_manifest(manifest, who)
             self.storage.write_bytes(f"{self.write_dir}/{MANIFEST_NAME}", mbytes)
             if self.sync:
+                # Every file's entry in its own directory, deepest first (a rank's
+                # ``rank-00003/``), then the attempt's: whoever wrote the files.
+                for sub in subdirectories(f.path for f in manifest.files):
+                    self.storage.sync_dir(f"{self.write_dir}/{sub}")
                 self.storage.sync_dir(self.write_dir)
             if self.write_dir != self.final_dir:
                 self.storage.rename_dir(self.write_dir, self.final_dir)
@@ -350,6 +355,15 @@ class Attempt:
     def reread(self) -> CheckpointInfo:
         """The committed checkpoint as a reader sees it (after :meth:`commit`)."""
         return read_committed(self.storage, self.step)
+
+
+def subdirectories(relpaths: Iterable[str]) -> list[str]:
+    """The directories (relative, every ancestor) holding ``relpaths``, deepest first."""
+    dirs: set[str] = set()
+    for p in relpaths:
+        parts = p.split("/")[:-1]
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return sorted(dirs, key=lambda d: (-d.count("/"), d))
 
 
 def placeholder_digest(algorithm: str) -> str:

@@ -5,11 +5,15 @@ Design decision: **a copy is a new save of the same bytes, not a file transfer.*
 source's: an interrupted earlier copy, or a concurrent one, can then never share a path with
 this one), streams every file from the source through it (hashed while written, as every save
 is), and refuses a file whose size or digest differs from the source's manifest before anything
-is committed.  Then it commits the source manifest with only ``attempt`` changed (files,
-digests, metadata, ``created`` are the source's), so a copy is either committed whole or absent,
-and every reader limit is checked by the same commit as any save.  A destination step that is
-already committed is left alone: the copy succeeds only if it holds the same content (same files
-with the same digests, same metadata), else :class:`~ckptfs.errors.CheckpointExistsError`.
+is committed.  Before anything is written at the destination, the source is checked as a load
+checks it (:func:`~ckptfs.protocol.formats.check_checkpoint`: the listing, every document
+decoded, every tensor file's header), so copying a source that a reader refuses fails with the
+error the load raises and commits nothing.  Then it commits the source manifest with only
+``attempt`` changed (files, digests, metadata, ``created`` are the source's), so a copy is
+either committed whole or absent, and every reader limit is checked by the same commit as any
+save.  A destination step that is already committed is left alone: the copy succeeds only if it
+holds the same content (same files with the same digests, same metadata), else
+:class:`~ckptfs.errors.CheckpointExistsError`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ckptfs.format.hashing import format_digest
 from ckptfs.format.manifest import FileEntry, Manifest
 from ckptfs.format.sharded import ChunkedFileEntry
 from ckptfs.protocol.commit import Attempt
-from ckptfs.protocol.listing import check_listing
+from ckptfs.protocol.formats import check_checkpoint
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
     find_step_dir,
@@ -80,9 +84,12 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
             f"delete it first ('ckptfs prune' or store.delete({step})) or copy to another run "
             "root")
 
-    # Like a load: every listed file present with its declared size (nothing is read for a
-    # size the storage does not hold), no symbolic link anywhere.
-    check_listing(src, info)
+    # What a load of the source refuses, the copy refuses, before anything is written at the
+    # destination (the same typed error): the listing (links, missing, resized files: nothing
+    # is read for a size the storage does not hold), every document decoded, every tensor
+    # file's header checked; the tensor bytes are checked against their digests as they are
+    # copied.
+    check_checkpoint(src, info)
     try:
         with Attempt.open(dst, step, algorithm=manifest.hash_algorithm,
                           durable=durable) as att:

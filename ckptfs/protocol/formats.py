@@ -11,6 +11,11 @@ version  load                                   full verify (after the shared li
          costs ~1 s to import)                   decoded
 =======  =====================================  ==========================================
 
+A third column, ``check`` (:func:`check_checkpoint`), refuses what a load would refuse without
+reading tensor data (every document decoded, every tensor file's header or chunk table checked
+against it): ``ckptfs cp`` runs it before copying, so a copy never commits, at its destination,
+a checkpoint that a reader of the source refuses.
+
 What every version shares lives here, once: the options are checked before any I/O
 (``map_location`` in every ``torch.load`` form, ``keys``, ``mmap``), the listing checks
 (:mod:`ckptfs.protocol.listing`: links, missing, resized, stray), and ``map_location`` is applied
@@ -25,26 +30,37 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ckptfs.errors import FormatVersionError
+from ckptfs.errors import CorruptCheckpointError, FormatVersionError
 from ckptfs.format.layout import FORMAT_VERSION
+from ckptfs.format.limits import MAX_DEPTH
 from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
+from ckptfs.format.sharded_metadata import DcpDocument
 from ckptfs.protocol.listing import check_listing, listing_report
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
-from ckptfs.protocol.reader import VerifyReport, check_mmap_storage, load_v1, verify_v1
-from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.reader import (
+    VerifyReport,
+    check_mmap_storage,
+    check_v1,
+    load_v1,
+    verify_v1,
+)
+from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import Storage
 
 Loader = Callable[..., dict[Any, Any]]
 Verifier = Callable[..., None]
+Checker = Callable[[Storage, CheckpointInfo], Any]
 
 
 @dataclass(frozen=True)
 class FormatOps:
-    """How one manifest format version is loaded and fully verified."""
+    """How one manifest format version is loaded, fully verified, and checked without its
+    tensor data (:func:`check_checkpoint`)."""
 
     version: int
     load: Callable[[], Loader]
     verify: Callable[[], Verifier]
+    check: Callable[[], Checker]
 
 
 def _v2_load() -> Loader:
@@ -59,9 +75,67 @@ def _v2_verify() -> Verifier:
     return cast(Verifier, verify_v2)
 
 
+def _v2_check() -> Checker:
+    return check_v2
+
+
+def check_v2(storage: Storage, info: CheckpointInfo) -> DcpDocument:
+    """The ``check`` of version 2: the listing, ``dcp.msgpack`` (read, chunk digests checked,
+    decoded; every item a chunk of a listed file), every stored value document (read, checked,
+    decoded: never unpickled), and the stored tree rebuilt over the stored keys, as
+    :func:`ckptfs.protocol.sharded.load_full` rebuilds it.  Values of types not registered in
+    this process are checked as plain dicts."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from ckptfs.format.extensions import unregistered_as_dict
+    from ckptfs.format.sharded import decode_value
+    from ckptfs.format.sharded_tree import restore
+    from ckptfs.protocol.sharded_read import read_chunks, read_document, sharded_manifest
+
+    manifest = sharded_manifest(info)
+    check_listing(storage, info)
+    doc = read_document(storage, info)
+    where = storage_url(storage, info.path)
+    md = doc.metadata
+    with unregistered_as_dict():
+        for index, loc in sorted((md.storage_data or {}).items(),
+                                 key=lambda kv: (kv[1].path, kv[1].offset)):
+            if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                view = read_chunks(storage, info, manifest.chunked(loc.path), loc.offset,
+                                   loc.length)
+                decode_value(view, where=f"stored value {index.fqn!r}")
+    if doc.tree is not None:
+        state = restore(doc.tree, _stored_view(doc.tree, where), where=where)
+        if not isinstance(state, dict):
+            raise CorruptCheckpointError(f"{where}: the state root is not a dict",
+                                         step=info.step)
+    return doc
+
+
+def _stored_view(tree: Any, where: str) -> Any:
+    """What a full load hands :func:`~ckptfs.format.sharded_tree.restore`, for a checkpoint
+    holding every value its tree names (placeholders: no value is read)."""
+    from ckptfs.format.serialize import build_tree
+
+    def fill(node: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH or not (isinstance(node, list) and len(node) == 2
+                                     and isinstance(node[1], list)):
+            return None  # restore refuses it, with its own error
+        tag, payload = node
+        if tag == "d":
+            return {str(build_tree(item[0], [], where=where)): fill(item[1], depth + 1)
+                    for item in payload if isinstance(item, list) and len(item) == 2}
+        if tag in ("l", "t"):
+            return [fill(c, depth + 1) for c in payload]
+        return None
+
+    return fill(tree, 0)
+
+
 FORMATS: dict[int, FormatOps] = {
-    FORMAT_VERSION: FormatOps(FORMAT_VERSION, lambda: load_v1, lambda: verify_v1),
-    SHARDED_FORMAT_VERSION: FormatOps(SHARDED_FORMAT_VERSION, _v2_load, _v2_verify),
+    FORMAT_VERSION: FormatOps(FORMAT_VERSION, lambda: load_v1, lambda: verify_v1,
+                              lambda: check_v1),
+    SHARDED_FORMAT_VERSION: FormatOps(SHARDED_FORMAT_VERSION, _v2_load, _v2_verify, _v2_check),
 }
 
 
@@ -106,5 +180,14 @@ def verify_checkpoint(storage: Storage, info: CheckpointInfo, *, quick: bool = F
     return report
 
 
-__all__ = ["FORMATS", "FormatOps", "VerifyReport", "check_listing", "load_checkpoint",
-           "ops_for", "verify_checkpoint"]
+def check_checkpoint(storage: Storage, info: CheckpointInfo) -> Any:
+    """Raise what a load of ``info`` would raise (the same typed error), reading every document
+    and every tensor file's header but no tensor data.  What it cannot know: the bytes of the
+    tensors (their digests are checked by whoever reads them: a load, a verify, a copy).
+    Returns what the version's check decoded (v1: :class:`~ckptfs.protocol.reader.CheckedV1`;
+    v2: the :class:`~ckptfs.format.sharded.DcpDocument`), for ``ckptfs inspect``."""
+    return ops_for(info).check()(storage, info)
+
+
+__all__ = ["FORMATS", "FormatOps", "VerifyReport", "check_checkpoint", "check_listing",
+           "load_checkpoint", "ops_for", "verify_checkpoint"]

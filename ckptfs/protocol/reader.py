@@ -26,6 +26,7 @@ from ckptfs.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
+from ckptfs.format.extensions import unregistered_as_dict
 from ckptfs.format.hashing import (
     HASH_INLINE_BYTES,
     BackgroundHasher,
@@ -35,12 +36,16 @@ from ckptfs.format.hashing import (
     read_chunk_size,
 )
 from ckptfs.format.layout import FORMAT_VERSION, STATE_NAME
-from ckptfs.format.limits import MAX_STATE_DOC_BYTES
+from ckptfs.format.limits import MAX_HEADER_BYTES, MAX_STATE_DOC_BYTES
 from ckptfs.format.manifest import FileEntry
 from ckptfs.format.serialize import (
+    CODE_DTYPES,
+    HeaderEntry,
+    TensorSlot,
     build_tree,
     decode_state_doc,
     dtype_code,
+    parse_safetensors_header,
     tensor_memoryview,
     tensors_from_buffer,
 )
@@ -53,12 +58,12 @@ from ckptfs.protocol.load_options import (
     tensor_refs,
 )
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
-from ckptfs.storage.base import LocalFiles, Storage, supports
+from ckptfs.storage.base import LocalFiles, Storage, read_range, supports
 
 log = logging.getLogger("ckptfs")
 
-__all__ = ["VerifyReport", "check_mmap_storage", "load_v1", "map_file_verified",
-           "read_file_verified", "verify_v1"]
+__all__ = ["VerifyReport", "check_mmap_storage", "check_v1", "load_v1", "map_file_verified",
+           "read_file_verified", "read_header", "verify_v1"]
 T = TypeVar("T")
 
 
@@ -275,6 +280,107 @@ def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where}: the state root is not a dict", step=info.step)
     return state
+
+
+class _HeaderOnly:
+    """The first bytes of a safetensors file posing as the whole file (its size known from the
+    manifest), so :func:`parse_safetensors_header` checks the header without the data."""
+
+    def __init__(self, head: bytes, size: int) -> None:
+        self.head, self.size = head, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, item: slice) -> bytes:
+        if item.stop is not None and item.stop > len(self.head):
+            raise IndexError("beyond the header")  # pragma: no cover - bounded by the parser
+        return self.head[item]
+
+
+def read_header(storage: Storage, info: CheckpointInfo, entry: FileEntry
+                ) -> dict[str, HeaderEntry]:
+    """The entries of one safetensors file of the checkpoint, from two ranged reads (length,
+    then header), checked exactly as a load checks them (bounds, tiling of the data region,
+    against the size in the manifest); the tensor data is not read."""
+    full = f"{info.path}/{entry.path}"
+    where = storage_url(storage, full)
+    try:
+        first = read_range(storage, full, 0, 8) if entry.size >= 8 else b""
+        if len(first) < 8:
+            raise CorruptCheckpointError(f"{where}: {entry.size} bytes is too short for "
+                                         "safetensors", step=info.step, path=full)
+        hlen = int.from_bytes(first, "little")
+        if hlen > min(MAX_HEADER_BYTES, entry.size - 8):
+            raise UnsafeCheckpointError(
+                f"{where}: safetensors header length {hlen} exceeds the file ({entry.size} B) "
+                f"or the {MAX_HEADER_BYTES}-byte limit", step=info.step, path=full)
+        head = first + read_range(storage, full, 8, hlen)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: listed in the manifest but missing",
+                                     step=info.step, path=full) from None
+    if len(head) != 8 + hlen:
+        raise CorruptCheckpointError(f"{where}: size differs from the manifest (shorter than "
+                                     "its header)", step=info.step, path=full)
+    _, entries = parse_safetensors_header(cast(Any, _HeaderOnly(head, entry.size)),
+                                          where=where)
+    return entries
+
+
+def _placeholder(slot: TensorSlot) -> torch.Tensor:
+    """A tensor of the slot's dtype and shape holding one element (broadcast)."""
+    one = torch.zeros((1,) * len(slot.shape), dtype=CODE_DTYPES[slot.dtype])
+    return one.expand(slot.shape)
+
+
+@dataclass(frozen=True)
+class CheckedV1:
+    """What :func:`check_v1` decoded: the tagged tree and the tensor slots (``ckptfs inspect``
+    renders them without reading anything again)."""
+
+    tree: Any
+    slots: list[TensorSlot]
+
+
+def check_v1(storage: Storage, info: CheckpointInfo) -> CheckedV1:
+    """Refuse, with the error :func:`load_v1` would raise, a format v1 checkpoint a load would
+    refuse, without reading tensor data: the listing, ``state.msgpack`` (read, digest checked,
+    decoded, its tree rebuilt over placeholders), and the header of every tensor file the state
+    references (its entries must be those of the state document).  Values of types not
+    registered in this process are checked as plain dicts (``ckptfs cp`` does not know the
+    program's classes).  Used by ``ckptfs cp`` before it copies anything."""
+    manifest = info.manifest
+    by_path = {e.path: e for e in manifest.files}
+    state_entry = by_path.get(STATE_NAME)
+    where = storage_url(storage, f"{info.path}/{STATE_NAME}")
+    if state_entry is None:
+        raise CorruptCheckpointError(f"{info.url}: manifest lists no {STATE_NAME}",
+                                     step=info.step)
+    if state_entry.size > MAX_STATE_DOC_BYTES:
+        raise UnsafeCheckpointError(f"{where}: declared size {state_entry.size} exceeds "
+                                    f"{MAX_STATE_DOC_BYTES} B", step=info.step)
+    check_listing(storage, info)
+    doc = read_file_verified(storage, info, state_entry, verify=True)
+    tree, slots = decode_state_doc(bytes(doc), where=where)
+    del doc
+    missing = sorted({s.file for s in slots if s.file not in by_path})
+    if missing:
+        raise CorruptCheckpointError(f"{info.url}: state references files not in the manifest: "
+                                     f"{missing}", step=info.step)
+    headers: dict[str, dict[str, HeaderEntry]] = {}
+    for slot in slots:
+        if slot.file not in headers:
+            headers[slot.file] = read_header(storage, info, by_path[slot.file])
+        h = headers[slot.file].get(slot.name)
+        if h is None or h.shape != slot.shape or h.dtype != slot.dtype:
+            raise CorruptCheckpointError(
+                f"{info.url}/{slot.file}: tensor {slot.name!r} is missing or differs from the "
+                "state document", step=info.step)
+    with unregistered_as_dict():
+        state = build_tree(tree, [_placeholder(s) for s in slots], where=where)
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{where}: the state root is not a dict", step=info.step)
+    return CheckedV1(tree, slots)
 
 
 def verify_v1(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,

@@ -13,12 +13,16 @@ reports all of them.
 One module per concern, all re-exported here:
 
 - :mod:`.common`: :class:`Sweep`, the state saved at each step, :func:`check_store`.
+- :mod:`.paths`: the write paths a sweep can run through (``store.save``, the sharded save on
+  one rank, ``save_async``, ``ckptfs cp``, a sub-storage): ``sweep(backend, path=...)``.
 - :mod:`.crash`: crash points of save, delete, prune and gc.
 - :mod:`.power`: power cuts on local disk.
 - :mod:`.races`: zombie writers, free-step races, reader during saves, prune during a save.
 - :mod:`.corruption`: the corruption matrix.
 - :mod:`.transient`: saves under transient faults through the retry layer.
-- :mod:`.hostile`: hostile checkpoints (valid marker, malicious contents).
+- :mod:`.hostile`: hostile checkpoints (valid marker, malicious contents), read through load,
+  verify, ``ckptfs cp`` (and any reader the caller adds); :mod:`.hostile_v2`: the same
+  restated for the sharded format (``hostile_sweep(fmt=2)``).
 - :mod:`.report`: the figures command (docs/reliability.json and the table in
   docs/reliability.md); ``__main__`` runs it.
 """
@@ -41,6 +45,7 @@ from ckptfs.testing.reliability.crash import (
 )
 from ckptfs.testing.reliability.hostile import HOSTILE_MEMORY_LIMIT, hostile_cases, hostile_sweep
 from ckptfs.testing.reliability.hostile import Planter as Planter  # used by tests/test_hostile.py
+from ckptfs.testing.reliability.paths import WRITE_PATHS, SubBackend, WritePath
 from ckptfs.testing.reliability.power import sweep_power_cut_delete, sweep_power_cuts
 from ckptfs.testing.reliability.races import (
     all_race_sweeps,
@@ -73,7 +78,10 @@ __all__ = [
     "NAME_OF",
     "SERVER_OF",
     "SWEEP_SHARD_BYTES",
+    "WRITE_PATHS",
+    "SubBackend",
     "Sweep",
+    "WritePath",
     "all_race_sweeps",
     "backends",
     "check_store",

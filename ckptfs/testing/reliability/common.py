@@ -30,6 +30,9 @@ class Sweep:
     tried: int = 0
     violations: list[str] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
+    #: Per scenario, what each operation did (the error class, or "ok"): how the sweeps compare
+    #: one input's outcome across paths (the same typed error through every path).
+    outcomes: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def bad(self, scenario: str, what: str) -> None:
         self.violations.append(f"[{self.backend} {self.name}] {scenario}: {what}")
@@ -100,6 +103,31 @@ def check_store(sweep: Sweep, scenario: str, backend: Backend, committed: set[in
             if recheck is None or s in recheck or full_all:
                 reader.verify(s, quick=not full_all)
     return reader
+
+
+def died(exc: BaseException) -> bool:
+    """Whether ``exc`` is a simulated crash, or carries one: DCP catches every exception of a
+    rank's step (``BaseException`` included) and reports it in a ``CheckpointException``, which
+    the sharded save raises as :class:`~ckptfs.errors.ShardedSaveError`.  A killed process
+    raises nothing; in the sweeps the crashed writer's storage refuses every later call, so
+    whatever the wrapper does afterwards cannot reach storage."""
+    from ckptfs.testing.faults import SimulatedCrash
+
+    todo: list[Any] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple) and e:
+            e = e[0]
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        if isinstance(e, SimulatedCrash):
+            return True
+        seen.add(id(e))
+        failures = getattr(e, "failures", None)
+        todo += [e.__cause__, e.__context__,
+                 *(failures.values() if isinstance(failures, dict) else ())]
+    return False
 
 
 def prune_and_gc_api() -> tuple[Any, Any] | None:

@@ -20,6 +20,7 @@ from ckptfs.testing.reliability.common import (
     states_equal,
     store_on,
 )
+from ckptfs.testing.reliability.paths import V1, WritePath
 
 
 def _flip(data: bytes, pos: int, bit: int = 0) -> bytes:
@@ -28,20 +29,23 @@ def _flip(data: bytes, pos: int, bit: int = 0) -> bytes:
     return bytes(b)
 
 
-def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None) -> Sweep:
+def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None,
+                      path: WritePath = V1) -> Sweep:
     """Every file of a committed checkpoint (state.msgpack, each safetensors file, MANIFEST.json,
-    COMPLETE) flipped, truncated, extended, deleted, swapped with another checkpoint's; a stray
-    file added; the manifest replaced by another checkpoint's; the marker edited field by field.
-    Full verify and ``load(verify=True)`` must detect every one, naming the file; quick verify
-    every size or inventory change.  With ``marker_byte_sweep`` every byte of the marker is also
-    flipped: each flip must be detected or provably harmless (the marker still parses and binds
-    the same step, attempt and manifest digest)."""
-    sweep = Sweep(backend.name, "corruption")
+    COMPLETE; format v2: dcp.msgpack and each rank's file) flipped, truncated, extended,
+    deleted, swapped with another checkpoint's; a stray file added; the manifest replaced by
+    another checkpoint's; the marker edited field by field.  Full verify and
+    ``load(verify=True)`` must detect every one, naming the file; quick verify every size or
+    inventory change.  With ``marker_byte_sweep`` every byte of the marker is also flipped: each
+    flip must be detected or provably harmless (the marker still parses and binds the same step,
+    attempt and manifest digest).  ``path``: how both checkpoints are written (:mod:`.paths`)."""
+    backend = path.at(backend)
+    sweep = Sweep(backend.name, "corruption" if path is V1 else f"corruption ({path.name})")
     if marker_byte_sweep is None:
         marker_byte_sweep = backend.protocol in ("file", "memory")
     store = store_on(raw_storage(backend))
-    store.save(1, state_for(1))
-    store.save(2, state_for(2))
+    path.save(store, 1, state_for(1))
+    path.save(store, 2, state_for(2))
     t_step, o_step = 2, 1  # damage the newest, so "latest" meets the damage
     info1, info2 = store.info(t_step), store.info(o_step)
     pristine = {rel: backend.raw_read(rel) for rel in backend.raw_files(StepPaths(t_step).dir)}
@@ -73,23 +77,27 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
     def remove(rel: str) -> Callable[[], None]:
         return lambda: backend.raw_delete(rel)
 
-    files = [f"{info1.path}/{e.path}" for e in info1.manifest.files] + [manifest_rel]
-    for rel in files:
+    relpaths = [e.path for e in info1.manifest.files] + ["MANIFEST.json"]
+    for relpath in relpaths:
+        rel = f"{info1.path}/{relpath}"
         data = pristine[rel]
-        base = rel.rsplit("/", 1)[-1]
         for pos_name, pos in (("first", 0), ("middle", len(data) // 2), ("last", len(data) - 1)):
-            add(f"flip {pos_name} byte of {base}", rel, put(rel, _flip(data, pos)), False)
-        add(f"truncate {base} by 1 byte", rel, put(rel, data[:-1]), True)
-        add(f"truncate {base} to half", rel, put(rel, data[:len(data) // 2]), True)
-        add(f"extend {base} by 1 byte", rel, put(rel, data + b"\0"), True)
-        add(f"delete {base}", rel, remove(rel), True)
-        other = backend.raw_read(f"{info2.path}/{base}")
-        add(f"replace {base} with step {o_step}'s", rel, put(rel, other), len(other) != len(data))
+            add(f"flip {pos_name} byte of {relpath}", rel, put(rel, _flip(data, pos)), False)
+        add(f"truncate {relpath} by 1 byte", rel, put(rel, data[:-1]), True)
+        add(f"truncate {relpath} to half", rel, put(rel, data[:len(data) // 2]), True)
+        add(f"extend {relpath} by 1 byte", rel, put(rel, data + b"\0"), True)
+        add(f"delete {relpath}", rel, remove(rel), True)
+        other = backend.raw_read(f"{info2.path}/{relpath}")
+        add(f"replace {relpath} with step {o_step}'s", rel, put(rel, other),
+            len(other) != len(data))
+    tensor_file = next(e.path for e in info1.manifest.files if e.path.endswith(".safetensors"))
+    stray_tensors = ("tensors-99999.safetensors" if path.format_version == 1
+                     else "rank-00099/data-0.safetensors")
     add("stray file in the attempt", f"{info1.path}/stray.bin",
         lambda: backend.raw_write(f"{info1.path}/stray.bin", b"junk"), True)
-    add("stray safetensors in the attempt", f"{info1.path}/tensors-99999.safetensors",
-        lambda: backend.raw_write(f"{info1.path}/tensors-99999.safetensors",
-                                  pristine[f"{info1.path}/tensors-00000.safetensors"]), True)
+    add("stray safetensors in the attempt", f"{info1.path}/{stray_tensors}",
+        lambda: backend.raw_write(f"{info1.path}/{stray_tensors}",
+                                  pristine[f"{info1.path}/{tensor_file}"]), True)
     add("manifest replaced by another checkpoint's", manifest_rel,
         lambda: backend.raw_write(manifest_rel, other_manifest), False)
     def swap_pair() -> None:
@@ -114,7 +122,9 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
     reader = backend.open()
     for name, rel, mutate, sized in cases:
         sweep.tried += 1
-        base = rel.rsplit("/", 1)[-1]
+        # the file as named inside the attempt (rank-00000/data-0.safetensors), or its name
+        base = rel.removeprefix(info1.path + "/").rsplit("/", 1)[-1] if rel == marker_rel \
+            else rel.removeprefix(info1.path + "/")
         mutate()
         stray = "stray" in name
         # full verify
@@ -126,6 +136,8 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
                 sweep.bad(name, f"full verify does not name {base}: {exc}")
             else:
                 sweep.count("detected")
+        except Exception as exc:
+            sweep.bad(name, f"full verify raised untyped {type(exc).__name__}: {exc}")
         # load
         try:
             loaded = reader.load(t_step, verify=True)
@@ -138,6 +150,8 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
                 sweep.bad(name, f"load does not name {base}: {exc}")
             else:
                 load_detected += 1
+        except Exception as exc:
+            sweep.bad(name, f"load raised untyped {type(exc).__name__}: {exc}")
         # no silent rollback: the newest is damaged, so loading "the latest" must raise, never
         # return the older checkpoint (a stray file changes nothing load reads)
         try:
@@ -146,7 +160,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
                 sweep.bad(name, "load() of the latest returned instead of raising")
         except CorruptCheckpointError:
             sweep.count("latest_raised")
-        except CkptfsError as exc:
+        except Exception as exc:
             sweep.bad(name, f"load() of the latest raised {type(exc).__name__}: {exc}")
         if sized:
             quick_tried += 1
@@ -155,6 +169,8 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
                 sweep.bad(name, "quick verify missed a size/inventory change")
             except CkptfsError:
                 quick_detected += 1
+            except Exception as exc:
+                sweep.bad(name, f"quick verify raised untyped {type(exc).__name__}: {exc}")
         restore([rel, manifest_rel] if rel == marker_rel else [rel])
     sweep.count("load_detected", load_detected)
     sweep.count("quick_tried", quick_tried)

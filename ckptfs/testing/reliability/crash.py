@@ -18,12 +18,14 @@ from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
 from ckptfs.testing.reliability.common import (
     Sweep,
     check_store,
+    died,
     prune_and_gc_api,
     raw_storage,
     scenario_guard,
     state_for,
     store_on,
 )
+from ckptfs.testing.reliability.paths import V1, WritePath
 
 
 def count_calls(backend: Backend, action: Callable[[CheckpointStore], object]) -> FaultyStorage:
@@ -32,16 +34,22 @@ def count_calls(backend: Backend, action: Callable[[CheckpointStore], object]) -
     return fs
 
 
-def sweep_save_crashes(backend: Backend, *, tear: bool | None = None,
-                       threads: int = 1) -> Sweep:
+def sweep_save_crashes(backend: Backend, *, tear: bool | None = None, threads: int = 1,
+                       path: WritePath = V1) -> Sweep:
     """Crash a save at every mutating storage call (before it takes effect), once after the
     last call (the commit took effect, the writer never heard), and, where partial files exist
     (local disk, memory://), tear every data write; after each, check with a fresh reader and
     save again (same step, next step).  With ``threads`` > 1 the data files are written in
     parallel: the k-th call is then whichever thread gets there, and the other threads find the
-    writer dead at their next call."""
-    sweep = Sweep(backend.name, "save-crash")
-    counter = count_calls(backend, lambda st: st.save(0, state_for(0)))
+    writer dead at their next call.
+
+    ``path``: how the save writes (:mod:`.paths`): ``store.save``, ``save_async`` (the crash
+    hits the background thread), ``ckptfs cp`` (the crash hits the destination; the source is
+    a scratch root), or any of them through a sub-storage.  A copy of a step already committed
+    with the same content is not refused (``cp`` is idempotent): it must return that commit."""
+    backend = path.at(backend)
+    sweep = Sweep(backend.name, "save-crash" if path is V1 else f"save-crash ({path.name})")
+    counter = count_calls(backend, lambda st: path.save(st, 0, state_for(0)))
     ops = [c for c in counter.calls if c.index]
     n = len(ops)
     marker_k = next(c.index for c in ops if c.op == "create_exclusive")
@@ -63,12 +71,12 @@ def sweep_save_crashes(backend: Backend, *, tear: bool | None = None,
                            crash_after=kind == "crash-after",
                            tear_at=k if kind == "tear" else None)
         try:
-            store_on(fs, threads).save(step, state_for(step))
+            path.save(store_on(fs, threads), step, state_for(step))
             sweep.bad(scenario, "the save did not crash")
-        except SimulatedCrash:
-            pass
         except BaseException as exc:
-            sweep.bad(scenario, f"the save raised {type(exc).__name__}: {exc} instead of dying")
+            if not died(exc):
+                sweep.bad(scenario, f"the save raised {type(exc).__name__}: {exc} instead of "
+                          "dying")
         if fs.count != k and not (kind == "tear" and threads > 1):
             # (a torn write dies after persisting its prefix: other threads may have gone on)
             sweep.bad(scenario, f"crashed at call {fs.count}, not {k} (call order changed)")
@@ -79,14 +87,15 @@ def sweep_save_crashes(backend: Backend, *, tear: bool | None = None,
                             recheck={step - 1, step})
         with scenario_guard(sweep, scenario + ", then saving again"):
             try:
-                again.save(step, state_for(step))
-                if took_effect:
+                before = again.info(step).attempt if took_effect else None
+                got = path.save(again, step, state_for(step))
+                if took_effect and not (path.copies and got.attempt == before):
                     sweep.bad(scenario, "re-saving the committed step was not refused")
             except CheckpointExistsError:
                 if not took_effect:
                     sweep.bad(scenario, "re-saving an uncommitted step was refused")
             committed.add(step)
-            again.save(step + 1, state_for(step + 1))
+            path.save(again, step + 1, state_for(step + 1))
             committed.add(step + 1)
         step += 2
     check_store(sweep, "end of sweep", backend, committed, max(committed), full_all=True)

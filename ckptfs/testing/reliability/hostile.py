@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptfs.errors import CkptfsError, UnsafeCheckpointError
+from ckptfs.errors import (
+    CkptfsError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    UnsafeCheckpointError,
+)
 from ckptfs.format.layout import StepPaths
 from ckptfs.protocol.resolve import read_committed
 from ckptfs.protocol.store import CheckpointStore
@@ -95,7 +101,7 @@ def _nested_msgpack(depth: int) -> bytes:
     return bytes([head[0] + 1]) + head[1:] + _packb("tree") + inner
 
 
-class _Evil:
+class Evil:
     """Unpickling this creates the sentinel file: proof that something executed."""
 
     def __init__(self, sentinel: str) -> None:
@@ -108,8 +114,9 @@ class _Evil:
 def hostile_cases(pl: Planter, sentinel: str, *, local: bool
                   ) -> list[tuple[str, Callable[[], int], str]]:
     """(name, plant -> step, expected) for every hostile input; ``expected`` is what load must
-    raise: "unsafe" (:class:`UnsafeCheckpointError`), "typed" (any CkptfsError), or "" (may
-    load, harmlessly)."""
+    raise (:data:`EXPECTED_ERRORS`): "unsafe" (:class:`UnsafeCheckpointError`), "version"
+    (:class:`FormatVersionError`), "typed" (:class:`CorruptCheckpointError`, any subclass), or
+    "" (may load, harmlessly)."""
     import io
     import pickle
     import struct
@@ -155,7 +162,7 @@ def hostile_cases(pl: Planter, sentinel: str, *, local: bool
     add("duplicate file entries", lambda: pl.plant(entries=pl.entries(f) + pl.entries(f)))
     add("files is not a list", lambda: pl.plant(doc_edit=lambda d: d.update(files={"a": 1})))
     add("format version from the future",
-        lambda: pl.plant(doc_edit=lambda d: d.update(format_version=99)))
+        lambda: pl.plant(doc_edit=lambda d: d.update(format_version=99)), "version")
     add("manifest is not JSON", lambda: pl.plant(manifest=b"\x80\x04\x95pickle"))
     add("manifest with NaN", lambda: pl.plant(manifest=b'{"schema": NaN}'))
     add("manifest JSON nested 100000 deep",
@@ -210,12 +217,12 @@ def hostile_cases(pl: Planter, sentinel: str, *, local: bool
         with_files(**{"tensors-00000__safetensors": (
             lambda h: struct.pack("<Q", len(h)) + h)(b"[" * 100_000 + b"]" * 100_000)}))
 
-    evil = pickle.dumps(_Evil(sentinel))
+    evil = pickle.dumps(Evil(sentinel))
     add("state.msgpack is a pickle", with_files(state__msgpack=evil))
     buf = io.BytesIO()
     import torch as _torch
 
-    _torch.save({"x": _Evil(sentinel)}, buf)
+    _torch.save({"x": Evil(sentinel)}, buf)
     add("tensor file is a torch.save zip (pickle inside)",
         with_files(**{"tensors-00000__safetensors": buf.getvalue()}))
     add("a pickle listed in the manifest but referenced by nothing",
@@ -261,14 +268,15 @@ def hostile_cases(pl: Planter, sentinel: str, *, local: bool
         with_files(state__msgpack=_packb({"schema": "evil", "format_version": 1})))
     _ = shard
     if local:
-        add("state.msgpack is a symlink to a file outside the root", lambda: _symlinked(
+        add("state.msgpack is a symlink to a file outside the root", lambda: plant_symlinked(
             pl, "state.msgpack", sentinel + ".secret"), "unsafe")
-        add("attempt directory is a symlink", lambda: _symlinked(pl, None, None), "unsafe")
+        add("attempt directory is a symlink", lambda: plant_symlinked(pl, None, None), "unsafe")
     return cases
 
 
-def _symlinked(pl: Planter, rel: str | None, target: str | None) -> int:
-    """Plant a valid checkpoint, then replace a file (or the attempt directory) by a symlink."""
+def plant_symlinked(pl: Any, rel: str | None, target: str | None) -> int:
+    """Plant a valid checkpoint with ``pl`` (a :class:`Planter` of either format), then replace
+    its file ``rel`` (or, with ``rel`` None, the attempt directory) by a symbolic link."""
     import shutil as _shutil
 
     step = pl.plant()
@@ -285,26 +293,80 @@ def _symlinked(pl: Planter, rel: str | None, target: str | None) -> int:
         real = adir + "-real"
         _shutil.move(adir, real)
         os.symlink(real, adir)
-    return step
+    return int(step)
 
 
 def _recorder(paths: list[str]) -> Callable[[str, str], None]:
     return lambda op, path: paths.append(path)
 
 
-def hostile_sweep(backend: Backend) -> Sweep:
-    """Every hostile input: a typed error (CkptfsError) from latest/load/verify, no storage
-    access outside the checkpoint, nothing written, nothing executed, bounded memory."""
+#: What a reader does with a hostile checkpoint, by operation (``hostile_sweep(reads=...)``).
+#: The loads and the copy must refuse it (:data:`REFUSING`, and every reader given as
+#: ``hostile_sweep(extra=...)``: the tests add ``ckptfs inspect``'s); ``latest`` and the
+#: verifications may pass (a consistent manifest vouches for the bytes: refusing hostile
+#: content is the loader's job), but may raise nothing untyped.
+READS = ("latest", "load", "load unverified", "verify", "verify quick", "copy")
+REFUSING = ("load", "load unverified", "copy")
+#: Another reader: ``reader(store, step)``.
+Reader = Callable[[CheckpointStore, int], object]
+#: What load must raise, by the ``expected`` of a case.
+EXPECTED_ERRORS: dict[str, type[CkptfsError]] = {
+    "typed": CorruptCheckpointError, "unsafe": UnsafeCheckpointError,
+    "version": FormatVersionError}
+
+
+def _copy_refused(reader: CheckpointStore, step: int, sweep: Sweep, name: str) -> None:
+    """``ckptfs cp`` of the hostile step into a fresh root: whatever it raises propagates, and
+    nothing may be committed (nor left) at the destination."""
+    from ckptfs.protocol.copy import copy_step
+    from ckptfs.storage.fsspec import FsspecStorage
+
+    dst = FsspecStorage(f"memory://hostile-copy-{uuid.uuid4().hex[:12]}")
+    try:
+        copy_step(reader.storage, dst, step, threads=1)
+    except BaseException:
+        left = [e.name for e in dst.list_tree("")] if dst.exists("") else []
+        if dst.exists(StepPaths(step).marker):
+            sweep.bad(name, "the refused copy committed the step at the destination")
+        elif left:
+            sweep.bad(name, f"the refused copy left files at the destination: {left[:3]}")
+        raise
+    finally:
+        if dst.exists(""):
+            dst.delete_tree("")
+
+
+def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = READS,
+                  extra: Mapping[str, Reader] | None = None, only: set[str] | None = None,
+                  planter: Any = None) -> Sweep:
+    """Every hostile input (of format ``fmt``: :func:`hostile_cases`, or
+    :func:`~ckptfs.testing.reliability.hostile_v2.hostile_v2_cases`), through every reader in
+    ``reads``: the loads, the copy and inspect refuse it with the error of its kind
+    (:data:`EXPECTED_ERRORS`), all of them with the same error class; the copy commits nothing;
+    no operation raises anything untyped, accesses storage outside the checkpoints, writes to
+    storage, executes anything, or uses more than :data:`HOSTILE_MEMORY_LIMIT`.
+    ``sweep.outcomes[case]`` records what each operation did.  ``extra``: more readers, which
+    must refuse too (the tests pass ``ckptfs inspect``'s).  ``only``: these cases;
+    ``planter``: a planter of ``fmt`` for ``backend`` made earlier (its donor save reused)."""
     import tempfile
     import tracemalloc
 
-    sweep = Sweep(backend.name, "hostile")
+    sweep = Sweep(backend.name, "hostile" if fmt == 1 else f"hostile (format v{fmt})")
     local = backend.protocol == "file"
-    pl = Planter(backend)
     inner = raw_storage(backend)
     with tempfile.TemporaryDirectory() as tmp:
         sentinel = os.path.join(tmp, "EXECUTED")
-        for name, build, expected in hostile_cases(pl, sentinel, local=local):
+        if fmt == 1:
+            cases = hostile_cases(planter or Planter(backend), sentinel, local=local)
+        else:
+            from ckptfs.testing.reliability.hostile_v2 import PlanterV2, hostile_v2_cases
+
+            cases = hostile_v2_cases(planter or PlanterV2(backend), sentinel, local=local)
+        if only is not None:
+            cases = [c for c in cases if c[0] in only]
+            if {c[0] for c in cases} != only:
+                raise ValueError(f"no such hostile cases: {only - {c[0] for c in cases}}")
+        for name, build, expected in cases:
             sweep.tried += 1
             try:
                 step = build()
@@ -316,35 +378,45 @@ def hostile_sweep(backend: Backend) -> Sweep:
             reader = CheckpointStore(audited, threads=1)
             before = backend.raw_files()
             outside_before = set(os.listdir(tmp))
-            ops: list[tuple[str, Callable[[], object]]] = [
-                ("latest", reader.latest), ("load", lambda: reader.load(step)),  # noqa: B023
-                ("load unverified", lambda: reader.load(step, verify=False)),  # noqa: B023
-                ("verify", lambda: reader.verify(step)),  # noqa: B023
-                ("verify quick", lambda: reader.verify(step, quick=True))]  # noqa: B023
-            accepted = []
+            ops: dict[str, Callable[[], object]] = {
+                "latest": reader.latest, "load": lambda: reader.load(step),  # noqa: B023
+                "load unverified": lambda: reader.load(step, verify=False),  # noqa: B023
+                "verify": lambda: reader.verify(step),  # noqa: B023
+                "verify quick": lambda: reader.verify(step, quick=True),  # noqa: B023
+                "copy": lambda: _copy_refused(reader, step, sweep, name)}  # noqa: B023
+            for op_name, fn in (extra or {}).items():
+                ops[op_name] = lambda fn=fn: fn(reader, step)  # type: ignore[misc]  # noqa: B023
+            refusing = (*REFUSING, *(extra or {}))
+            outcome: dict[str, str] = {}
             tracemalloc.start()
             try:
-                for op_name, op in ops:
+                for op_name in (*reads, *(extra or {})):
                     try:
-                        op()
-                        if op_name.startswith("load"):
-                            # verify may pass: a consistent manifest vouches for the bytes;
-                            # refusing hostile content is the loader's job
-                            accepted.append(op_name)
+                        ops[op_name]()
+                        outcome[op_name] = "ok"
                     except CkptfsError as exc:
                         sweep.count(type(exc).__name__)
-                        if (expected == "unsafe" and op_name.startswith("load")
-                                and not isinstance(exc, UnsafeCheckpointError)):
+                        outcome[op_name] = type(exc).__name__
+                        want = EXPECTED_ERRORS.get(expected)
+                        if (want is not None and op_name in refusing
+                                and not isinstance(exc, want)):
                             sweep.bad(name, f"{op_name} raised {type(exc).__name__}, not "
-                                      f"UnsafeCheckpointError: {str(exc)[:200]}")
+                                      f"{want.__name__}: {str(exc)[:200]}")
                     except BaseException as exc:
+                        outcome[op_name] = f"untyped {type(exc).__name__}"
                         sweep.bad(name, f"{op_name} raised untyped {type(exc).__name__}: "
                                   f"{str(exc)[:200]}")
                 peak = tracemalloc.get_traced_memory()[1]
             finally:
                 tracemalloc.stop()
+            sweep.outcomes[name] = outcome
+            accepted = [op for op in refusing if outcome.get(op) == "ok"]
             if expected and accepted:
                 sweep.bad(name, f"accepted by {accepted}")
+            refused = {outcome[op] for op in refusing if op in outcome and outcome[op] != "ok"}
+            if expected and len(refused) > 1:
+                sweep.bad(name, "not the same error through every path: " + ", ".join(
+                    f"{op}: {outcome[op]}" for op in refusing if op in outcome))
             if peak > HOSTILE_MEMORY_LIMIT:
                 sweep.bad(name, f"peak Python memory {peak >> 20} MiB")
             sweep.counters["peak_bytes_max"] = max(sweep.counters.get("peak_bytes_max", 0), peak)

@@ -12,25 +12,29 @@ from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
 from ckptfs.testing.reliability.common import (
     Sweep,
     check_store,
+    died,
     raw_storage,
     scenario_guard,
     state_for,
     store_on,
 )
+from ckptfs.testing.reliability.paths import V1, WritePath
 
 
-def sweep_power_cuts(backend: Backend) -> Sweep:
+def sweep_power_cuts(backend: Backend, *, path: WritePath = V1) -> Sweep:
     """On local disk: a first save completes, then a second is cut by a power failure after each
     of its mutating calls (0..n, n = completed), with unsynced file data lost (emptied or
-    halved) and unsynced directory entries rolled back.  A save that returned must survive."""
-    sweep = Sweep(backend.name, "power-cut")
+    halved) and unsynced directory entries rolled back.  A save that returned must survive.
+    ``path``: how the second save writes (:mod:`.paths`: ``save_async``, ``ckptfs cp``...)."""
+    backend = path.at(backend)
+    sweep = Sweep(backend.name, "power-cut" if path is V1 else f"power-cut ({path.name})")
     if backend.protocol != "file":
         raise ValueError("the power-cut model needs local disk")
     probe = backend.sibling()
     fs0 = FaultyStorage(raw_storage(probe), power_model=True)
     store_on(fs0).save(1, state_for(1))
     first = fs0.count
-    store_on(fs0).save(2, state_for(2))
+    path.save(store_on(fs0), 2, state_for(2))
     ops = [c for c in fs0.calls if c.index > first]
     n = len(ops)
     marker_k = next(i for i, c in enumerate(ops, 1) if c.op == "create_exclusive")
@@ -46,11 +50,12 @@ def sweep_power_cuts(backend: Backend) -> Sweep:
             store_on(fs).save(1, state_for(1))
             fs.crash_at = fs.count + k + 1
             try:
-                store_on(fs).save(2, state_for(2))
+                path.save(store_on(fs), 2, state_for(2))
                 if k < n:
                     sweep.bad(scenario, "the save did not stop")
-            except SimulatedCrash:
-                pass
+            except BaseException as exc:
+                if not died(exc):
+                    raise
             lost_counts = fs.power_cut(lost_data=lost)
             sweep.count("files_lost", lost_counts["lost_files"])
             sweep.count("entries_rolled_back", lost_counts["rolled_back_entries"])
@@ -59,8 +64,8 @@ def sweep_power_cuts(backend: Backend) -> Sweep:
             with scenario_guard(sweep, scenario + ", then saving again"):
                 again = b.open()
                 if 2 not in committed:
-                    again.save(2, state_for(2))
-                again.save(3, state_for(3))
+                    path.save(again, 2, state_for(2))
+                path.save(again, 3, state_for(3))
                 again.verify(3)
     return sweep
 

@@ -5,7 +5,7 @@ with gates that pause one writer before a chosen storage call."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError
@@ -23,6 +23,7 @@ from ckptfs.testing.reliability.common import (
     states_equal,
     store_on,
 )
+from ckptfs.testing.reliability.paths import V1, WritePath
 
 
 class _Gate:
@@ -136,9 +137,13 @@ def sweep_zombie(backend: Backend) -> Sweep:
     return sweep
 
 
-def sweep_free_race(backend: Backend, *, trials: int = 3, writers: int = 2) -> Sweep:
-    """Unsynchronised writers (separate clients) racing on one step: one winner per trial."""
-    sweep = Sweep(backend.name, "race-free")
+def sweep_free_race(backend: Backend, *, trials: int = 3, writers: int = 2,
+                    paths: Sequence[WritePath] = (V1,)) -> Sweep:
+    """Unsynchronised writers (separate clients) racing on one step: one winner per trial.
+    Writer ``i`` writes through ``paths[i % len(paths)]`` (:mod:`.paths`: a save, an async
+    save, a copy and a sharded save racing each other), each its own state."""
+    sweep = Sweep(backend.name, "race-free" if tuple(paths) == (V1,) else
+                  "race-free (" + ", ".join(p.name for p in paths) + ")")
     exclusive = backend.open(retries=0).capabilities.exclusive_across_processes or (
         backend.protocol == "memory")
     committed: set[int] = set()
@@ -152,7 +157,7 @@ def sweep_free_race(backend: Backend, *, trials: int = 3, writers: int = 2) -> S
 
         def go(i: int, step: int = step, barrier: threading.Barrier = barrier) -> None:
             barrier.wait()
-            stores[i].save(step, state_for(step + 1000 * i))  # noqa: B023
+            paths[i % len(paths)].save(stores[i], step, state_for(step + 1000 * i))  # noqa: B023
 
         threads = []
         for i in range(writers):
