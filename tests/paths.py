@@ -197,7 +197,7 @@ def read(name: str, store: CheckpointStore, step: int) -> Any:
     if name == "verify-quick":
         return store.verify(step, quick=True)
     if name == "inspect":
-        from ckptfs.cli.tools import inspect_info
+        from ckptfs.cli.inspection import inspect_info
 
         return inspect_info(store, store.info(step))
     if name == "cp":
