@@ -172,10 +172,12 @@ def verify_checkpoint(storage: Storage, info: CheckpointInfo, *, quick: bool = F
     format's own checks (every byte re-read and re-hashed).  Problems are collected (all of
     them, naming each file) in the report; the caller decides whether to raise."""
     report = VerifyReport(info.step, info.attempt, info.url, "quick" if quick else "full")
-    _, report.problems = listing_report(storage, info)
+    _, found = listing_report(storage, info)
+    report.problems = [p.text for p in found]
+    report.unsafe = [p.text for p in found if p.kind == "link"]
     report.files = len(info.manifest.files)
     report.bytes = info.manifest.total_bytes
-    if not quick and not any("symbolic link" in p for p in report.problems):
+    if not quick and not report.unsafe:
         ops_for(info).verify()(storage, info, report, threads=threads)
     return report
 

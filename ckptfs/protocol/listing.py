@@ -126,7 +126,8 @@ def check_listing(storage: Storage, info: CheckpointInfo,
     return listing
 
 
-def listing_report(storage: Storage, info: CheckpointInfo) -> tuple[AttemptListing, list[str]]:
-    """For verify: the listing and every finding, as report lines."""
+def listing_report(storage: Storage, info: CheckpointInfo
+                   ) -> tuple[AttemptListing, list[Problem]]:
+    """For verify: the listing and every finding."""
     listing = list_attempt(storage, info)
-    return listing, [p.text for p in problems(info, listing)]
+    return listing, problems(info, listing)

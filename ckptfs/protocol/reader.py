@@ -76,6 +76,9 @@ class VerifyReport:
     files: int = 0
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
+    #: The problems that make the checkpoint unsafe to read (a symbolic link), as opposed to
+    #: corrupt: verify raises :class:`~ckptfs.UnsafeCheckpointError` for them, as load does.
+    unsafe: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -84,7 +87,7 @@ class VerifyReport:
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "attempt": self.attempt, "url": self.url, "mode": self.mode,
                 "files": self.files, "bytes": self.bytes, "ok": self.ok,
-                "problems": list(self.problems)}
+                "problems": list(self.problems), "unsafe": list(self.unsafe)}
 
 
 class _NullHasher:

@@ -11,6 +11,7 @@ from ckptfs.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     LoadOptionError,
+    UnsafeCheckpointError,
 )
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
@@ -208,9 +209,9 @@ class CheckpointStore:
         report = verify_checkpoint(self.storage, info, quick=quick, threads=self.threads)
         if not report.ok:
             check_still_committed(self.storage, info.step, info.dir_name, info.attempt)
-            raise CorruptCheckpointError(
-                f"step {info.step} at {info.url} fails {report.mode} verification: "
-                + "; ".join(report.problems), step=info.step, path=info.path)
+            cls = UnsafeCheckpointError if report.unsafe else CorruptCheckpointError
+            raise cls(f"step {info.step} at {info.url} fails {report.mode} verification: "
+                      + "; ".join(report.problems), step=info.step, path=info.path)
         return report
 
     # -- asynchronous saves: thin hooks into ckptfs.protocol.async_save (docs/async.md) -------
