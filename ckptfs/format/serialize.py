@@ -536,7 +536,8 @@ def decode_state_doc(data: bytes, *, where: str) -> tuple[Any, list[TensorSlot]]
     slots = []
     for raw in raw_slots:
         if (not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[1], str)
-                or raw[1] == _HEADER_METADATA or raw[2] not in CODE_DTYPES
+                or raw[1] == _HEADER_METADATA or not isinstance(raw[2], str)
+                or raw[2] not in CODE_DTYPES
                 or not isinstance(raw[3], list)
                 or not all(_is_int(d) and d >= 0 for d in raw[3])):
             raise CorruptCheckpointError(f"{where}: malformed tensor slot {raw!r:.200}")

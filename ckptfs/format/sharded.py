@@ -383,7 +383,8 @@ def decode_value(data: bytes | bytearray | memoryview, *, where: str) -> Any:
         raise CorruptCheckpointError(f"{where}: 'tensors' of the value is not a list")
     tensors = []
     for r in raw:
-        if (not isinstance(r, list) or len(r) != 3 or r[0] not in CODE_DTYPES
+        if (not isinstance(r, list) or len(r) != 3 or not isinstance(r[0], str)
+                or r[0] not in CODE_DTYPES
                 or not isinstance(r[1], list) or not all(_is_int(d) and d >= 0 for d in r[1])
                 or not isinstance(r[2], bytes)):
             raise CorruptCheckpointError(f"{where}: malformed tensor in value")
