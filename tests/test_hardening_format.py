@@ -403,6 +403,25 @@ def test_self_referencing_state(local_backend: Backend, path: paths.WritePath,
     refused_before_writing(local_backend, {"a": loop}, "a/again/x", path)
 
 
+def test_the_dtensor_search_survives_a_cycle_and_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 16): the walk that looks for DTensors before a save (save_async's
+    refusal of a sharded state without torch.distributed, and ``wants_sharded_save`` under a
+    one-rank process group) recursed without a guard: a self-referencing state raised a raw
+    RecursionError from save_async instead of the serializer's UnsupportedValueError."""
+    from ckptfs.protocol import collective
+
+    loop: dict[str, Any] = {}
+    loop["again"] = {"x": loop}
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert collective.find_dtensor({"a": loop, "deep": deep}) is None
+    assert not collective.has_dtensor({"a": loop, "deep": deep})
+    monkeypatch.setattr(collective, "is_dtensor", lambda t: t.device.type == "meta")
+    loop["w"] = [torch.ones(1), torch.ones(1, device="meta")]
+    assert collective.find_dtensor({"a": loop}) == ("a", "w", 1)
+
+
 # -- the decoders are as strict as the spec ----------------------------------------------------
 
 def _state_doc(**over: Any) -> dict[str, Any]:
