@@ -302,11 +302,13 @@ def _recorder(paths: list[str]) -> Callable[[str, str], None]:
 
 #: What a reader does with a hostile checkpoint, by operation (``hostile_sweep(reads=...)``).
 #: The loads and the copy must refuse it (:data:`REFUSING`, and every reader given as
-#: ``hostile_sweep(extra=...)``: the tests add ``ckptfs inspect``'s); ``latest`` and the
-#: verifications may pass (a consistent manifest vouches for the bytes: refusing hostile
-#: content is the loader's job), but may raise nothing untyped.
+#: ``hostile_sweep(extra=...)``: the tests add ``ckptfs inspect``'s), all with the same error
+#: class; the full verification must refuse it too (:data:`REPORTING`: it reports every problem
+#: in one :class:`CorruptCheckpointError`, whatever the kind of each); ``latest`` and the quick
+#: verification may pass (they read no document content), but may raise nothing untyped.
 READS = ("latest", "load", "load unverified", "verify", "verify quick", "copy")
 REFUSING = ("load", "load unverified", "copy")
+REPORTING = ("verify",)
 #: Another reader: ``reader(store, step)``.
 Reader = Callable[[CheckpointStore, int], object]
 #: What load must raise, by the ``expected`` of a case.
@@ -342,7 +344,8 @@ def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = RE
     """Every hostile input (of format ``fmt``: :func:`hostile_cases`, or
     :func:`~ckptfs.testing.reliability.hostile_v2.hostile_v2_cases`), through every reader in
     ``reads``: the loads, the copy and inspect refuse it with the error of its kind
-    (:data:`EXPECTED_ERRORS`), all of them with the same error class; the copy commits nothing;
+    (:data:`EXPECTED_ERRORS`), all of them with the same error class, and the full verification
+    refuses it too (:data:`REPORTING`); the copy commits nothing;
     no operation raises anything untyped, accesses storage outside the checkpoints, writes to
     storage, executes anything, or uses more than :data:`HOSTILE_MEMORY_LIMIT`.
     ``sweep.outcomes[case]`` records what each operation did.  ``extra``: more readers, which
@@ -410,7 +413,7 @@ def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = RE
             finally:
                 tracemalloc.stop()
             sweep.outcomes[name] = outcome
-            accepted = [op for op in refusing if outcome.get(op) == "ok"]
+            accepted = [op for op in (*refusing, *REPORTING) if outcome.get(op) == "ok"]
             if expected and accepted:
                 sweep.bad(name, f"accepted by {accepted}")
             refused = {outcome[op] for op in refusing if op in outcome and outcome[op] != "ok"}
