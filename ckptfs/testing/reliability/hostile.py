@@ -19,11 +19,17 @@ from ckptfs.errors import (
     UnsafeCheckpointError,
 )
 from ckptfs.format.layout import StepPaths
-from ckptfs.protocol.resolve import read_committed
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage
-from ckptfs.testing.reliability.common import Sweep, raw_storage, state_for, store_on
+from ckptfs.testing.reliability.common import (
+    Evil,
+    Sweep,
+    plant_symlinked,
+    raw_storage,
+    state_for,
+    store_on,
+)
 
 #: A hostile checkpoint may make the reader use at most this much Python memory.
 HOSTILE_MEMORY_LIMIT = 64 * 1024 * 1024
@@ -99,16 +105,6 @@ def _nested_msgpack(depth: int) -> bytes:
     head = _packb({"schema": "ckptfs.state", "format_version": 1, "tensors": []})
     # replace the 3-entry map header with a 4-entry one and append the "tree" key
     return bytes([head[0] + 1]) + head[1:] + _packb("tree") + inner
-
-
-class Evil:
-    """Unpickling this creates the sentinel file: proof that something executed."""
-
-    def __init__(self, sentinel: str) -> None:
-        self.sentinel = sentinel
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (open, (self.sentinel, "w"))
 
 
 def hostile_cases(pl: Planter, sentinel: str, *, local: bool
@@ -272,28 +268,6 @@ def hostile_cases(pl: Planter, sentinel: str, *, local: bool
             pl, "state.msgpack", sentinel + ".secret"), "unsafe")
         add("attempt directory is a symlink", lambda: plant_symlinked(pl, None, None), "unsafe")
     return cases
-
-
-def plant_symlinked(pl: Any, rel: str | None, target: str | None) -> int:
-    """Plant a valid checkpoint with ``pl`` (a :class:`Planter` of either format), then replace
-    its file ``rel`` (or, with ``rel`` None, the attempt directory) by a symbolic link."""
-    import shutil as _shutil
-
-    step = pl.plant()
-    b = pl.backend
-    info = read_committed(raw_storage(b), step)
-    root = b.raw_root
-    adir = os.path.join(root, *info.path.split("/"))
-    if rel is not None and target is not None:
-        with open(target, "wb") as fh:
-            fh.write(pl.files[rel])  # same bytes, so only the link check can refuse it
-        os.unlink(os.path.join(adir, rel))
-        os.symlink(target, os.path.join(adir, rel))
-    else:
-        real = adir + "-real"
-        _shutil.move(adir, real)
-        os.symlink(real, adir)
-    return int(step)
 
 
 def _recorder(paths: list[str]) -> Callable[[str, str], None]:
