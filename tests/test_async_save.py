@@ -661,6 +661,7 @@ def _save_threads() -> int:
 
 
 def test_context_manager_and_close_flush(local_backend: Backend) -> None:
+    _settle()  # a store dropped by an earlier test may stop its thread while this one counts
     before = _save_threads()
     with local_backend.open() as store:
         fut = store.save_async(1, state_for(1))
