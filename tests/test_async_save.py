@@ -38,7 +38,7 @@ from ckptfs.errors import (
 from ckptfs.format import extensions
 from ckptfs.format.serialize import plan_state, supported_dtypes
 from ckptfs.lifecycle.manager import CheckpointManager
-from ckptfs.protocol import async_save, staging
+from ckptfs.protocol import async_save, collective, staging
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.base import Storage
 from ckptfs.testing.backend import Backend
@@ -448,7 +448,7 @@ def test_sharded_state_is_refused_by_name(monkeypatch: pytest.MonkeyPatch,
     refuses a DTensor) without torch.distributed initialized cannot be saved collectively:
     save_async refuses it, naming the key path and why, rather than writing one rank's shards
     as a full state (the collective form: tests/test_async_sharded.py)."""
-    monkeypatch.setattr(async_save, "is_dtensor", lambda t: t.device.type == "meta")
+    monkeypatch.setattr(collective, "is_dtensor", lambda t: t.device.type == "meta")
     store = memory_backend.open()
     with pytest.raises(UnsupportedValueError, match=r"'model/layers/1/w'.*not initialized"):
         store.save_async(1, {"model": {"layers": [{"w": torch.ones(1)},
@@ -661,6 +661,7 @@ def _save_threads() -> int:
 
 
 def test_context_manager_and_close_flush(local_backend: Backend) -> None:
+    _settle()  # a store dropped by an earlier test may stop its thread while this one counts
     before = _save_threads()
     with local_backend.open() as store:
         fut = store.save_async(1, state_for(1))

@@ -12,20 +12,9 @@ import pytest
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability import Sweep, corruption_matrix
 
-#: What a damaged sharded (format v2) checkpoint still gets past (the v2 reader).
-V2_DEFECTS = ("a flipped byte in a rank file's safetensors header chunk is not detected by "
-              "load(verify=True) (the v2 reader never reads the header chunk), and a damaged "
-              "dcp.msgpack makes load() of the latest raise ShardedLoadError wrapping DCP's "
-              "'metadata is None', not CorruptCheckpointError")
-#: The violations those two defects produce, and nothing else.
-V2_KNOWN = ("safetensors: load(verify=True) returned",
-            "safetensors: load() of the latest returned instead of raising",
-            "dcp.msgpack: load() of the latest raised ShardedLoadError",
-            "dcp.msgpack with step 1's: load() of the latest raised ShardedLoadError")
 
-
-def check_matrix(sweep: Sweep, backend: Backend, known: tuple[str, ...] = ()) -> None:
-    paths.check_violations(sweep.violations, known)
+def check_matrix(sweep: Sweep, backend: Backend) -> None:
+    paths.check_violations(sweep.violations)
     assert sweep.tried >= 35
     assert sweep.counters["detected"] == sweep.tried  # full verify: 100%, naming the file
     stray = sweep.counters["load_unaffected_by_stray"]
@@ -50,11 +39,10 @@ def _matrix_params() -> list[object]:
     """Every path on memory:// (local disk and S3 with --runslow); two ranks on local disk only
     (memory:// is per process)."""
     names = ["async", "cp", "sub", "v2", "cp-v2"]
-    known = {"v2": V2_DEFECTS, "cp-v2": V2_DEFECTS, "v2x2": V2_DEFECTS}
     out: list[object] = []
     for where in ("memory", "local", "s3"):
-        for p in paths.params(names + (["v2x2"] if where == "local" else []), xfail=known,
-                              slow=[] if where == "memory" else names, sweep=True):
+        for p in paths.params(names + (["v2x2"] if where == "local" else []),
+                              slow=[] if where == "memory" else names):
             out.append(pytest.param(where, *p.values, marks=p.marks,
                                     id=f"{where}-{p.id}"))
     return out
@@ -64,5 +52,4 @@ def _matrix_params() -> list[object]:
 def test_corruption_matrix_on_every_path(where: str, path: paths.WritePath,
                                          request: pytest.FixtureRequest) -> None:
     backend: Backend = request.getfixturevalue(f"{where}_backend")
-    known = V2_KNOWN if path.format_version == 2 else ()
-    check_matrix(corruption_matrix(backend, path=path), path.at(backend), known)
+    check_matrix(corruption_matrix(backend, path=path), path.at(backend))

@@ -8,6 +8,7 @@ UnsafeCheckpointError / FormatVersionError), never accepted."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import struct
 from collections.abc import Callable
@@ -31,14 +32,16 @@ from ckptfs.format.serialize import (
     plan_state,
 )
 from ckptfs.format.sharded import (
+    METADATA_NAME,
+    V2_FILE_KEYS,
     Chunk,
     ChunkedFileEntry,
     ShardedManifest,
     chunk_list_digest,
-    decode_metadata,
     decode_value,
     encode_value,
 )
+from ckptfs.format.sharded_metadata import decode_metadata
 from ckptfs.format.versions import decode_manifest
 
 FUZZ = settings(max_examples=250, deadline=None,
@@ -256,11 +259,6 @@ def _refused(fn: Callable[[], Any]) -> None:
         fn()
 
 
-def _params(valid: dict[str, Valid], known: dict[str, str]) -> list[Any]:
-    return [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=f"issue 16: {known[k]}"))
-            if k in known else k for k in sorted(valid)]
-
-
 _MANIFEST_COMMON: dict[str, Valid] = {
     "schema": _equals(MANIFEST_SCHEMA),
     "step": _int_in(0, MAX_STEP),
@@ -277,7 +275,7 @@ V1_MANIFEST_VALID: dict[str, Valid] = {
 }
 
 
-@pytest.mark.parametrize("key", _params(V1_MANIFEST_VALID, {}))
+@pytest.mark.parametrize("key", sorted(V1_MANIFEST_VALID))
 @REFUSE
 @given(data=st.data())
 def test_manifest_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
@@ -288,10 +286,14 @@ def test_manifest_refuses_a_mutated_field(key: str, data: st.DataObject) -> None
 
 
 def _v2_manifest() -> bytes:
+    """A valid v2 manifest: ``dcp.msgpack`` (required: exactly one) and one rank file."""
+    meta = (Chunk(0, 16, "2" * 64),)
     chunks = (Chunk(0, 8, "0" * 64), Chunk(8, 4, "1" * 64))
-    entry = ChunkedFileEntry("rank-00000/data-0.safetensors", 12,
-                             chunk_list_digest("sha256", chunks), chunks, 0)
-    return ShardedManifest(5, "a-20260101T000000Z-0123456789abcdef", (entry,),
+    entries = (ChunkedFileEntry(METADATA_NAME, 16, chunk_list_digest("sha256", meta), meta,
+                                None),
+               ChunkedFileEntry("rank-00000/data-0.safetensors", 12,
+                                chunk_list_digest("sha256", chunks), chunks, 0))
+    return ShardedManifest(5, "a-20260101T000000Z-0123456789abcdef", entries,
                            "2026-01-01T00:00:00+00:00", "sha256", {"tensor_count": 0},
                            world_size=1).to_bytes()
 
@@ -301,24 +303,13 @@ V2_MANIFEST_VALID: dict[str, Valid] = {
     **_MANIFEST_COMMON,
     "format_version": _equals(2),
     "layout": _equals("sharded"),
-    "world_size": _int_in(1, 2**31),
+    "world_size": lambda v: type(v) is int and v >= 1,  # §8.2: an int >= 1, no upper bound
     "files": lambda v: isinstance(v, list) and all(
-        isinstance(e, dict) and FILE_KEYS | {"chunks"} <= set(e) for e in v),
-}
-_V2_DEFAULTS = ("the v2 manifest decoder (ShardedManifest.from_doc) reads '{}' with "
-                "doc.get(..., default): a manifest without it decodes (v1 requires every key)")
-V2_MANIFEST_KNOWN = {
-    "step": "the v2 manifest decoder checks only step >= 0: a step beyond 10^12 - 1 (no step "
-            "directory can name it, docs/protocol.md section 1) decodes; v1 refuses it",
-    "created": _V2_DEFAULTS.format("created"),
-    "metadata": _V2_DEFAULTS.format("metadata"),
-    "world_size": _V2_DEFAULTS.format("world_size") + "; a world_size of 0 decodes too",
-    "hash_algorithm": _V2_DEFAULTS.format("hash_algorithm") + "; any string is accepted as "
-                      "the algorithm (v1 checks it against the known algorithms)",
+        isinstance(e, dict) and set(e) >= V2_FILE_KEYS for e in v),
 }
 
 
-@pytest.mark.parametrize("key", _params(V2_MANIFEST_VALID, V2_MANIFEST_KNOWN))
+@pytest.mark.parametrize("key", sorted(V2_MANIFEST_VALID))
 @REFUSE
 @given(data=st.data())
 def test_v2_manifest_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
@@ -341,7 +332,7 @@ MARKER_VALID: dict[str, Valid] = {
 }
 
 
-@pytest.mark.parametrize("key", _params(MARKER_VALID, {}))
+@pytest.mark.parametrize("key", sorted(MARKER_VALID))
 @REFUSE
 @given(data=st.data())
 def test_marker_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
@@ -375,7 +366,7 @@ def _load_state_doc(blob: bytes) -> None:
         raise CorruptCheckpointError("s: the state root is not a dict")
 
 
-@pytest.mark.parametrize("key", _params(STATE_DOC_VALID, {}))
+@pytest.mark.parametrize("key", sorted(STATE_DOC_VALID))
 @REFUSE
 @given(data=st.data())
 def test_state_doc_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
@@ -394,40 +385,17 @@ VALUE_DOC_VALID: dict[str, Valid] = {
     "tensors": lambda v: isinstance(v, list) and all(
         isinstance(t, list) and len(t) == 3 for t in v),
 }
-VALUE_DOC_KNOWN = {
-    "format_version": "decode_value never reads a value document's format_version (a "
-                      "missing one, 99 or 'x' decode)",
-    "tree": "decode_value reads the tree with doc.get('tree'): a value document without one "
-            "decodes as None",
-}
 
 
-def _unhashable_code(v: Any) -> bool:
-    """A tensor entry whose dtype code is a list or a map: the known defect of
-    :func:`test_value_doc_tensor_with_an_unhashable_dtype_code`, kept out of the random
-    search so that it is reported once, deterministically."""
-    return isinstance(v, list) and any(isinstance(t, list) and t and isinstance(t[0], (list, dict))
-                                       for t in v)
-
-
-@pytest.mark.parametrize("key", _params(VALUE_DOC_VALID, VALUE_DOC_KNOWN))
+@pytest.mark.parametrize("key", sorted(VALUE_DOC_VALID))
 @REFUSE
 @given(data=st.data())
 def test_value_doc_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
     valid = VALUE_DOC_VALID[key]
-    drawn = data.draw(_mutation(valid, msgpack_values).filter(lambda v: not _unhashable_code(v)))
-    for value in [*_fixed(valid, binary=True), drawn]:
+    for value in [*_fixed(valid, binary=True), data.draw(_mutation(valid, msgpack_values))]:
         doc = _with(VALID_VALUE_DOC, key, value)
         _refused(lambda: decode_value(msgpack.packb(doc, use_bin_type=True),  # noqa: B023
                                       where="k"))
-
-
-@pytest.mark.xfail(strict=True, reason="issue 16: decode_value tests a tensor entry's dtype "
-                   "code with 'r[0] not in CODE_DTYPES': a list there raises a raw TypeError "
-                   "(unhashable type), not CorruptCheckpointError")
-def test_value_doc_tensor_with_an_unhashable_dtype_code() -> None:
-    doc = _with(VALID_VALUE_DOC, "tensors", [[[], None, None], None])
-    _refused(lambda: decode_value(msgpack.packb(doc, use_bin_type=True), where="k"))
 
 
 VALID_DCP_DOC: dict[str, Any] = {
@@ -450,13 +418,7 @@ DCP_DOC_VALID: dict[str, Valid] = {
 }
 
 
-DCP_DOC_KNOWN = {
-    "storage_data": "decode_metadata iterates 'storage_data' without checking that it is a "
-                    "list: an empty map decodes (as no stored item)",
-}
-
-
-@pytest.mark.parametrize("key", _params(DCP_DOC_VALID, DCP_DOC_KNOWN))
+@pytest.mark.parametrize("key", sorted(DCP_DOC_VALID))
 @REFUSE
 @given(data=st.data())
 def test_dcp_doc_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
@@ -465,6 +427,38 @@ def test_dcp_doc_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
         doc = _with(VALID_DCP_DOC, key, value)
         _refused(lambda: decode_metadata(msgpack.packb(doc, use_bin_type=True),  # noqa: B023
                                          where="d"))
+
+
+def _nested(doc: dict[str, Any], path: tuple[Any, ...], value: Any) -> bytes:
+    """``doc`` (deep-copied) with ``value`` at the key path ``path``, as msgpack."""
+    out = copy.deepcopy(doc)
+    node = out
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return msgpack.packb(out, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+#: Every place a decoder looks a code or name read from storage up in a table: (what, decode).
+TABLE_LOOKUPS: dict[str, Callable[[Any], Any]] = {
+    "state document: a tensor slot's dtype code": lambda v: _load_state_doc(
+        _nested(VALID_STATE_DOC, ("tensors", 0, 2), v)),
+    "value document: an inline tensor's dtype code": lambda v: decode_value(
+        _nested(VALID_VALUE_DOC, ("tensors", 0, 0), v), where="k"),
+    "dcp.msgpack: a tensor's dtype name": lambda v: decode_metadata(
+        _nested(VALID_DCP_DOC, ("state_dict_metadata", "w", "dtype"), v), where="d"),
+    "dcp.msgpack: a tensor's memory_format": lambda v: decode_metadata(
+        _nested(VALID_DCP_DOC, ("state_dict_metadata", "w", "memory_format"), v), where="d"),
+}
+
+
+@pytest.mark.parametrize("value", [[], ["F32"], {}, {"a": 1}], ids=repr)
+@pytest.mark.parametrize("where", sorted(TABLE_LOOKUPS))
+def test_an_unhashable_code_is_refused(where: str, value: Any) -> None:
+    """Regression (issue 16): a dtype code (or memory format) that is a msgpack array or map
+    raised a raw ``TypeError: unhashable type`` from the table lookup (value documents, the v1
+    state document, ``dcp.msgpack``'s memory_format), not CorruptCheckpointError."""
+    _refused(lambda: TABLE_LOOKUPS[where](value))
 
 
 @pytest.mark.parametrize("step", [-1, MAX_STEP + 1, 10**40, True, 1.0])

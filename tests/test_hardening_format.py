@@ -50,38 +50,6 @@ def roundtrip(backend: Backend, state: dict[str, Any], step: int = 1) -> dict[An
 #: is not one of them: its source cannot hold these values (its hostile sources are in
 #: tests/test_hostile.py).
 WRITERS = paths.params(["v1", "v2", "async", "sub"])
-#: Known defects of a path for one case (the case id): xfail(strict) at run time.
-_DOTTED = ("the sharded save names the value by DCP's dotted key ('{}'), not by its key path "
-           "('{}') as the single-process save does")
-KNOWN: dict[tuple[str, str], str] = {
-    ("v2", "tensor-nested"): "a nested tensor: ShardedSaveError wrapping torch's RuntimeError "
-                             "(NestedTensorImpl doesn't support sizes), not "
-                             "UnsupportedValueError naming model/layer.w",
-    ("v2", "tensor-wrapper"): "a __torch_dispatch__ wrapper subclass: ShardedSaveError wrapping "
-                              "NotImplementedError(aten.is_pinned), not UnsupportedValueError",
-    ("v2", "tensor-meta"): "a meta tensor: ShardedSaveError wrapping NotImplementedError (Cannot "
-                           "copy out of meta tensor), not UnsupportedValueError",
-    ("v2", "tensor-jagged"): _DOTTED.format("model.layer.w", "model/layer.w"),
-    ("v2", "tensor-quantized"): _DOTTED.format("model.layer.w", "model/layer.w"),
-    ("v2", "tensor-sparse"): _DOTTED.format("model.layer.w", "model/layer.w"),
-    ("v2", "tensor-complex128"): _DOTTED.format("model.layer.w", "model/layer.w"),
-    ("v2", "value-surrogate"): _DOTTED.format("s.x", "s/x"),
-    ("v2", "value-bigint"): _DOTTED.format("s.x", "s/x"),
-    ("v2", "value-bytearray"): _DOTTED.format("s.x", "s/x"),
-    ("v2", "value-tensor-in-key"): "a dict key holding a tensor ({('a', tensor): 1}) is saved "
-                                   "and committed; the single-process save refuses it (s/<key>)",
-    ("v2", "value-bigint-key"): "a dict key of 5000 digits: raw ValueError (Exceeds the limit "
-                                "(4300 digits) for integer string conversion) from str(key) in "
-                                "sharded_tree.dcp_view, not UnsupportedValueError",
-}
-
-
-def known_defect(request: pytest.FixtureRequest, path: paths.WritePath, case: str) -> None:
-    reason = KNOWN.get((path.name, case))
-    if reason is not None:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"issue 16: {reason}"))
-
-
 def refused_before_writing(backend: Backend, state: dict[str, Any], where: str,
                            path: paths.WritePath = paths.V1, metadata: Any = None,
                            arm: Callable[[], None] | None = None) -> UnsupportedValueError:
@@ -194,13 +162,10 @@ def _quantized() -> torch.Tensor:
 ], ids=["nested", "jagged", "wrapper", "quantized", "sparse", "meta", "complex128"])
 @pytest.mark.parametrize("path", WRITERS)
 def test_unstorable_tensors_are_typed_errors(local_backend: Backend, name: str, make: Any,
-                                              why: str, path: paths.WritePath,
-                                              request: pytest.FixtureRequest) -> None:
-    known_defect(request, path, f"tensor-{name}")
+                                              why: str, path: paths.WritePath) -> None:
     err = refused_before_writing(local_backend, {"model": {"layer.w": make()}}, "model/layer.w",
                                  path)
-    if path.format_version == 1:
-        assert why in str(err)
+    assert why in str(err)  # the serializer's own check, on every path
 
 
 def test_dtensor_is_a_typed_error_for_the_plain_format() -> None:
@@ -235,9 +200,7 @@ def test_dtensor_is_a_typed_error_for_the_plain_format() -> None:
 
 @pytest.mark.parametrize("path", WRITERS)
 def test_oversized_metadata_refused_before_writing(memory_backend: Backend,
-                                                   path: paths.WritePath,
-                                                   request: pytest.FixtureRequest) -> None:
-    known_defect(request, path, "oversized-metadata")
+                                                   path: paths.WritePath) -> None:
     err = refused_before_writing(memory_backend, {"w": torch.ones(2)}, "MANIFEST.json", path,
                                  metadata={"notes": "x" * (65 * 2**20)})
     assert str(limits.MAX_MANIFEST_BYTES) in str(err)
@@ -246,9 +209,7 @@ def test_oversized_metadata_refused_before_writing(memory_backend: Backend,
 @pytest.mark.parametrize("path", paths.params(["v1", "v2", "async", "cp", "sub"],
                                               slow=["async", "cp", "sub"]))
 def test_metadata_at_the_limit_commits_and_loads(memory_backend: Backend,
-                                                 path: paths.WritePath,
-                                                 request: pytest.FixtureRequest) -> None:
-    known_defect(request, path, "metadata-at-the-limit")
+                                                 path: paths.WritePath) -> None:
     backend = path.at(memory_backend)
     store = backend.open()
     probe = path.save(store, 1, {"w": torch.ones(2)}, metadata={"notes": ""})
@@ -264,9 +225,7 @@ def test_metadata_at_the_limit_commits_and_loads(memory_backend: Backend,
 @pytest.mark.parametrize("path", WRITERS)
 def test_oversized_marker_refused_before_writing(local_backend: Backend,
                                                  monkeypatch: pytest.MonkeyPatch,
-                                                 path: paths.WritePath,
-                                                 request: pytest.FixtureRequest) -> None:
-    known_defect(request, path, "oversized-marker")
+                                                 path: paths.WritePath) -> None:
 
     def long_host() -> None:
         monkeypatch.setattr("socket.gethostname", lambda: "h" * (limits.MAX_MARKER_BYTES + 1))
@@ -287,18 +246,14 @@ def test_oversized_marker_refused_before_writing(local_backend: Backend,
 @pytest.mark.parametrize("path", WRITERS)
 def test_metadata_the_reader_would_refuse_or_change(local_backend: Backend, meta: Any,
                                                      where: str, why: str,
-                                                     path: paths.WritePath,
-                                                     request: pytest.FixtureRequest) -> None:
-    known_defect(request, path, f"metadata-{why}")
+                                                     path: paths.WritePath) -> None:
     err = refused_before_writing(local_backend, {"w": torch.ones(1)}, where, path,
                                  metadata=meta)
     assert why in str(err)
 
 
 @pytest.mark.parametrize("path", WRITERS)
-def test_self_referencing_metadata(local_backend: Backend, path: paths.WritePath,
-                                   request: pytest.FixtureRequest) -> None:
-    known_defect(request, path, "metadata-loop")
+def test_self_referencing_metadata(local_backend: Backend, path: paths.WritePath) -> None:
     loop: dict[str, Any] = {}
     loop["me"] = loop
     refused_before_writing(local_backend, {}, "me", path, metadata={"x": loop})
@@ -388,19 +343,34 @@ def test_header_over_the_limit_is_refused(local_backend: Backend,
 @pytest.mark.parametrize("path", WRITERS)
 def test_values_the_format_cannot_hold(local_backend: Backend, name: str,
                                        state: dict[str, Any], where: str,
-                                       path: paths.WritePath,
-                                       request: pytest.FixtureRequest) -> None:
-    known_defect(request, path, f"value-{name}")
+                                       path: paths.WritePath) -> None:
     refused_before_writing(local_backend, state, where, path)
 
 
 @pytest.mark.parametrize("path", WRITERS)
-def test_self_referencing_state(local_backend: Backend, path: paths.WritePath,
-                                request: pytest.FixtureRequest) -> None:
-    known_defect(request, path, "state-loop")
+def test_self_referencing_state(local_backend: Backend, path: paths.WritePath) -> None:
     loop: dict[str, Any] = {}
     loop["again"] = {"x": loop}
     refused_before_writing(local_backend, {"a": loop}, "a/again/x", path)
+
+
+def test_the_dtensor_search_survives_a_cycle_and_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 16): the walk that looks for DTensors before a save (save_async's
+    refusal of a sharded state without torch.distributed, and ``wants_sharded_save`` under a
+    one-rank process group) recursed without a guard: a self-referencing state raised a raw
+    RecursionError from save_async instead of the serializer's UnsupportedValueError."""
+    from ckptfs.protocol import collective
+
+    loop: dict[str, Any] = {}
+    loop["again"] = {"x": loop}
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert collective.find_dtensor({"a": loop, "deep": deep}) is None
+    assert not collective.has_dtensor({"a": loop, "deep": deep})
+    monkeypatch.setattr(collective, "is_dtensor", lambda t: t.device.type == "meta")
+    loop["w"] = [torch.ones(1), torch.ones(1, device="meta")]
+    assert collective.find_dtensor({"a": loop}) == ("a", "w", 1)
 
 
 # -- the decoders are as strict as the spec ----------------------------------------------------

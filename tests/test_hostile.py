@@ -92,69 +92,8 @@ def test_hostile_checkpoints_through_a_sub_storage(where: str,
     _check(hostile_sweep(paths.SubBackend.of(backend), extra=INSPECT), cases=75)
 
 
-# -- format v2: one test per hostile input, so each known defect is one xfail ------------------
+# -- format v2: one test per hostile input ----------------------------------------------------
 
-_WRAPS_UNSAFE = ("the v2 manifest decoder (ShardedManifest.from_doc) catches ValueError, so "
-                 "check_relpath's UnsafeCheckpointError becomes CorruptCheckpointError "
-                 "'malformed v2 manifest' (v1: UnsafeCheckpointError)")
-_SHARDED_LOAD_ERROR = ("load raises ShardedLoadError wrapping DCP's 'AssertionError: metadata "
-                       "is None' (and DCP prints a traceback) for any failure reading "
-                       "dcp.msgpack; copy and inspect raise {}, which load(allow_rollback=True) "
-                       "would roll back from")
-_NO_COVERAGE = ("the chunks of a tensor in dcp.msgpack are not checked to cover it exactly "
-                "once when the document is decoded: {}")
-_HEADER = ("the v2 reader never reads a rank file's safetensors header chunk (its digest is "
-           "valid): load, copy and inspect accept a header that disagrees with dcp.msgpack")
-_INTO_NO_LISTING = ("load(into=...) (sharded.load_into) never runs the listing checks: a "
-                    "symbolic link is read through, and a declared size the storage does not "
-                    "hold is requested, failing as ShardedLoadError (a full load: "
-                    "UnsafeCheckpointError / CorruptCheckpointError before any read)")
-_INTO_NO_TREE = ("load(into=...) never decodes the stored tree in dcp.msgpack: a tree a full "
-                 "load refuses (CorruptCheckpointError) is accepted")
-V2_KNOWN: dict[str, str] = {
-    **{name: _WRAPS_UNSAFE for name, _ in hostile_v2_names(local=True)
-       if name.startswith("manifest path")},
-    "manifest lists no dcp.msgpack": _SHARDED_LOAD_ERROR.format("CorruptCheckpointError"),
-    **{name: _SHARDED_LOAD_ERROR.format(
-        "UnsafeCheckpointError" if expected == "unsafe" and "ext type" in name
-        else "FormatVersionError" if expected == "version" else "CorruptCheckpointError")
-       for name, expected in hostile_v2_names(local=True)
-       if name.startswith(("dcp.msgpack ", "an item ", "tensor dtype naming"))
-       and "symlink" not in name and "declared" not in name},
-    "an item at '../secret.safetensors'": _SHARDED_LOAD_ERROR.format(
-        "CorruptCheckpointError") + "; decode_metadata also turns check_relpath's "
-        "UnsafeCheckpointError into CorruptCheckpointError",
-    "an item at an absolute path": _SHARDED_LOAD_ERROR.format(
-        "CorruptCheckpointError") + "; decode_metadata also turns check_relpath's "
-        "UnsafeCheckpointError into CorruptCheckpointError",
-    "a 4 GiB tensor with no chunks": _NO_COVERAGE.format(
-        "a 4 GiB tensor declared with no chunks loads (as zeros) through every path"),
-    "overlapping chunks of a tensor": _NO_COVERAGE.format(
-        "two chunks at the same offsets load (the last read wins) through every path"),
-    "chunks that leave a gap in a tensor": _NO_COVERAGE.format(
-        "load refuses it only while copying the data, so copy and inspect accept it"),
-    "a tensor chunk outside the tensor": _NO_COVERAGE.format(
-        "load refuses it only while copying the data, so copy and inspect accept it"),
-    "a key twice in dcp.msgpack": ("duplicate keys in dcp.msgpack are accepted (the last one "
-                                   "wins); load refuses the reinterpreted bytes only while "
-                                   "copying the data, so copy and inspect accept it"),
-    "safetensors header length 2^60": _HEADER,
-    "safetensors header dtype differs from dcp.msgpack": _HEADER,
-    "safetensors header shape differs from dcp.msgpack": _HEADER,
-    "safetensors header not JSON": _HEADER,
-    "value document format version from the future": (
-        "decode_value never reads a value document's format_version: 99 loads"),
-    "value document with an ext type": (
-        "decode_value turns the msgpack ext type's UnsafeCheckpointError into "
-        "CorruptCheckpointError 'not a ckptfs value' (v1: UnsafeCheckpointError)"),
-    **{name: _INTO_NO_LISTING for name, _ in hostile_v2_names(local=True)
-       if "symlink" in name or name.startswith(("a rank file declared", "dcp.msgpack declared"))},
-    **{name: _INTO_NO_TREE for name, _ in hostile_v2_names(local=True)
-       if name.startswith("stored tree")},
-}
-#: Violations no known defect excuses.
-_SEVERE = ("untyped", "executed", "outside the checkpoints", "wrote to storage",
-           "peak Python memory", "could not plant", "refused copy", "appeared outside the root")
 _LOCAL_ONLY = {name for name, _ in hostile_v2_names(local=True)} - {
     name for name, _ in hostile_v2_names(local=False)}
 
@@ -164,8 +103,6 @@ def _v2_params() -> list[Any]:
     for where in ("memory", "local"):
         for name, _ in hostile_v2_names(local=where == "local"):
             marks: list[Any] = []
-            if name in V2_KNOWN:
-                marks.append(paths.known_defect(V2_KNOWN[name]))
             if where == "local" and name not in _LOCAL_ONLY:
                 marks.append(pytest.mark.slow)  # the same decoders as on memory://
             out.append(pytest.param(where, name, id=f"{where}-{name}", marks=marks))
@@ -191,9 +128,7 @@ def test_hostile_sharded_checkpoint(where: str, case: str,
     pl = _planter(where, tmp_path_factory)
     sweep = hostile_sweep(pl.backend, fmt=2, only={case}, planter=pl, extra=V2_EXTRA)
     assert sweep.tried == 1 and set(V2_READERS) <= set(sweep.outcomes[case])
-    # never tolerated, known defect or not
-    assert [v for v in sweep.violations if any(s in v for s in _SEVERE)] == []
-    paths.check_violations(sweep.violations, [""] if case in V2_KNOWN else [])
+    assert sweep.violations == []
 
 
 # -- sizes are checked before anything is allocated -------------------------------------------
@@ -287,30 +222,26 @@ def rank_load_into(rank: int, world: int, url: str, steps: dict[str, int]) -> di
     return out
 
 
-#: (case, what a load on one rank raises); the known defects of the collective load.
-TWO_RANK_CASES = {"value document is a pickle": "CorruptCheckpointError",
-                  "value document tree nested 300 deep": "UnsafeCheckpointError",
-                  "rank file is a symlink to a file outside the root": "UnsafeCheckpointError",
-                  "chunks that leave a gap in a tensor": "CorruptCheckpointError",
-                  "dcp.msgpack is a pickle": "CorruptCheckpointError"}
-TWO_RANK_KNOWN = {
-    "dcp.msgpack is a pickle": _SHARDED_LOAD_ERROR.format("CorruptCheckpointError"),
-    "rank file is a symlink": _INTO_NO_LISTING}
-
-
-@pytest.mark.xfail(strict=True, raises=paths.KnownDefect,
-                   reason="issue 16: " + "; ".join(TWO_RANK_KNOWN.values()))
 def test_two_ranks_refuse_hostile_sharded_checkpoints(local_backend: Backend,
                                                       tmp_path: Any) -> None:
-    """One 2-rank gloo job loads (``load(into=...)``, collective) hostile sharded checkpoints:
-    every rank raises the error a load in one process raises."""
+    """One 2-rank gloo job loads (``load(into=...)``, collective) every hostile sharded
+    checkpoint (local disk: the symbolic links included): every rank raises the error class a
+    load in one process raises, which is the class the input's kind calls for."""
     from dist_util import run_ranks
 
+    from ckptfs.testing.reliability.hostile import EXPECTED_ERRORS
+
     pl = PlanterV2(local_backend)
-    builds = {n: b for n, b, _ in hostile_v2_cases(pl, str(tmp_path / "EXECUTED"), local=True)}
-    steps = {name: builds[name]() for name in TWO_RANK_CASES}
-    per_rank = run_ranks(rank_load_into, 2, local_backend.url, steps, timeout=240)
+    cases = hostile_v2_cases(pl, str(tmp_path / "EXECUTED"), local=True)
+    steps = {name: build() for name, build, _ in cases}
+    store = store_on(raw_storage(local_backend))
+    one: dict[str, str] = {}
+    for name, _, expected in cases:
+        with pytest.raises(EXPECTED_ERRORS[expected]) as raised:
+            store.load(steps[name])
+        one[name] = type(raised.value).__name__
+    per_rank = run_ranks(rank_load_into, 2, local_backend.url, steps, timeout=400)
     wrong = [f"{name}: ranks raised {[r[name] for r in per_rank]}, one process raises "
-             f"{want}" for name, want in TWO_RANK_CASES.items()
-             if any(r[name] != want for r in per_rank)]
-    paths.check_violations(wrong, list(TWO_RANK_KNOWN))
+             f"{want}" for name, want in one.items() if any(r[name] != want for r in per_rank)]
+    assert wrong == [], "\n".join(wrong)
+    assert not (tmp_path / "EXECUTED").exists()

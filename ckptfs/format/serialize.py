@@ -141,6 +141,40 @@ def _is_dispatch_subclass(t: torch.Tensor) -> bool:
     return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
+def check_tensor(t: torch.Tensor, where: str) -> None:
+    """Raise :class:`UnsupportedValueError` naming the key path ``where`` for a tensor the
+    format cannot store (a wrapper subclass, nested, sparse, quantized or of a dtype safetensors
+    lacks, on the meta device, with dimension names).  Every writer checks every tensor with
+    this before anything is written: the single-process serializer, and the sharded save's
+    planner (its DTensors by their local shards)."""
+    if _is_dispatch_subclass(t):
+        raise UnsupportedValueError(
+            f"tensor at {where!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor "
+            "subclass that does not own plain memory; store plain tensors (a DTensor: "
+            ".full_tensor() or .to_local(); other wrappers: their inner tensors)")
+    if t.is_nested:
+        raise UnsupportedValueError(
+            f"tensor at {where!r} is a nested tensor; store its components "
+            "(t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
+    if t.is_sparse or t.layout != torch.strided:
+        raise UnsupportedValueError(
+            f"tensor at {where!r} has layout {t.layout}; convert with .to_dense()")
+    if t.is_quantized or t.dtype not in _DTYPES:
+        raise UnsupportedValueError(
+            f"tensor at {where!r} has dtype {t.dtype}, which safetensors cannot "
+            f"store; supported: {sorted(str(d) for d in _DTYPES)}"
+        )
+    if t.device.type == "meta":
+        raise UnsupportedValueError(
+            f"tensor at {where!r} is on the meta device (it has no data); materialize it "
+            "first (e.g. model.to_empty(device=...) and initialise it)")
+    names = tuple(getattr(t, "names", ()))  # named tensors (not in torch's stubs)
+    if any(n is not None for n in names):
+        raise UnsupportedValueError(
+            f"tensor at {where!r} has dimension names {names}, which the format does not "
+            "store; drop them with .rename(None)")
+
+
 class Flattener:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -235,32 +269,7 @@ class Flattener:
 
     def _add_tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
         where = _key_str(path)
-        if _is_dispatch_subclass(t):
-            raise UnsupportedValueError(
-                f"tensor at {where!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor "
-                "subclass that does not own plain memory; store plain tensors (a DTensor: "
-                ".full_tensor() or .to_local(); other wrappers: their inner tensors)")
-        if t.is_nested:
-            raise UnsupportedValueError(
-                f"tensor at {where!r} is a nested tensor; store its components "
-                "(t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
-        if t.is_sparse or t.layout != torch.strided:
-            raise UnsupportedValueError(
-                f"tensor at {where!r} has layout {t.layout}; convert with .to_dense()")
-        if t.is_quantized or t.dtype not in _DTYPES:
-            raise UnsupportedValueError(
-                f"tensor at {where!r} has dtype {t.dtype}, which safetensors cannot "
-                f"store; supported: {sorted(str(d) for d in _DTYPES)}"
-            )
-        if t.device.type == "meta":
-            raise UnsupportedValueError(
-                f"tensor at {where!r} is on the meta device (it has no data); materialize it "
-                "first (e.g. model.to_empty(device=...) and initialise it)")
-        names = tuple(getattr(t, "names", ()))  # named tensors (not in torch's stubs)
-        if any(n is not None for n in names):
-            raise UnsupportedValueError(
-                f"tensor at {where!r} has dimension names {names}, which the format does not "
-                "store; drop them with .rename(None)")
+        check_tensor(t, where)
         try:
             ident = tensor_identity(t)
         except (RuntimeError, NotImplementedError) as exc:
@@ -536,7 +545,8 @@ def decode_state_doc(data: bytes, *, where: str) -> tuple[Any, list[TensorSlot]]
     slots = []
     for raw in raw_slots:
         if (not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[1], str)
-                or raw[1] == _HEADER_METADATA or raw[2] not in CODE_DTYPES
+                or raw[1] == _HEADER_METADATA or not isinstance(raw[2], str)
+                or raw[2] not in CODE_DTYPES
                 or not isinstance(raw[3], list)
                 or not all(_is_int(d) and d >= 0 for d in raw[3])):
             raise CorruptCheckpointError(f"{where}: malformed tensor slot {raw!r:.200}")

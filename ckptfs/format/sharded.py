@@ -341,12 +341,13 @@ def tensor_code(dtype: torch.dtype, where: str) -> str:
 # Non-tensor values (DCP BYTE_IO items): ckptfs's tagged msgpack, never torch.save/pickle
 
 
-def encode_value(value: Any, *, key: str) -> bytes:
+def encode_value(value: Any, *, key: str, path: tuple[Any, ...] | None = None) -> bytes:
     """Encode one non-tensor value of the state (an int, a list of param names, a tuple of
     betas...) with the v1 tagged tree; tensors inside it are stored inline.  Raises
-    :class:`UnsupportedValueError` naming ``key`` for what the format cannot hold."""
+    :class:`UnsupportedValueError` naming its key path (``path``, the value's keys in the
+    state; else ``key``, its DCP name) for what the format cannot hold."""
     flat = Flattener()
-    tree = flat.encode(value, (key,))
+    tree = flat.encode(value, path or (key,))
     tensors = []
     for t in flat.tensors:
         code = dtype_code(t.dtype)
@@ -383,7 +384,8 @@ def decode_value(data: bytes | bytearray | memoryview, *, where: str) -> Any:
         raise CorruptCheckpointError(f"{where}: 'tensors' of the value is not a list")
     tensors = []
     for r in raw:
-        if (not isinstance(r, list) or len(r) != 3 or r[0] not in CODE_DTYPES
+        if (not isinstance(r, list) or len(r) != 3 or not isinstance(r[0], str)
+                or r[0] not in CODE_DTYPES
                 or not isinstance(r[1], list) or not all(_is_int(d) and d >= 0 for d in r[1])
                 or not isinstance(r[2], bytes)):
             raise CorruptCheckpointError(f"{where}: malformed tensor in value")

@@ -215,6 +215,7 @@ def decode_metadata(data: bytes | bytearray | memoryview, *, where: str) -> DcpD
             raise bad(f"tensor {fqn!r:.80}: dtype {e['dtype']!r:.40} is not a dtype name of §8.4")
         flags = (e["requires_grad"], e["pin_memory"])
         if not all(isinstance(f, bool) for f in flags) or \
+                not isinstance(e["memory_format"], str) or \
                 e["memory_format"] not in _MEMORY_FORMATS:
             raise bad(f"tensor {fqn!r:.80}: requires_grad, pin_memory or memory_format")
         size = _ints(e["size"], f"tensor {fqn!r:.80}: size", bad)
@@ -298,7 +299,8 @@ def decode_metadata(data: bytes | bytearray | memoryview, *, where: str) -> DcpD
         if not isinstance(raw_meta, dict) or not all(
                 isinstance(raw_meta.get(k), (str, type(None))) for k in
                 ("checkpoint_id", "save_id")) or not isinstance(raw_meta.get("modules", []),
-                                                                 list):
+                                                                 list) or \
+                not all(isinstance(m, str) for m in raw_meta.get("modules", [])):
             raise bad("storage_meta")
         sm = StorageMeta(checkpoint_id=raw_meta.get("checkpoint_id"),
                          save_id=raw_meta.get("save_id"),

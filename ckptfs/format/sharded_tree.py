@@ -78,10 +78,12 @@ def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
             for k, v in value.items():
                 if not _plain_key(k):
                     raise UnsupportedValueError(
-                        f"state key {k!r:.80} at {_where(path)} has type {type(k).__name__}; "
+                        f"state key {k!r:.80} at {_where((*path, '<key>'))} has type "
+                        f"{type(k).__name__}; "
                         "keys of a sharded state must be str, int, float, bool, None, bytes "
                         "or tuples of those (exactly these types: DCP names a value by "
                         "str(key), docs/protocol.md §8.4)")
+                encoded = keys.encode(k, (*path, "<key>"))  # before str(): an int of 5000 digits
                 sk = str(k)
                 if sk in view:
                     raise UnsupportedValueError(
@@ -89,7 +91,7 @@ def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
                         "names values by str(key), so a sharded checkpoint cannot hold both: "
                         "rename one")
                 view[sk], child = walk(v, (*path, k))
-                items.append([keys.encode(k, (*path, "<key>")), child])
+                items.append([encoded, child])
             seen.discard(id(value))
             return view, ["d", items]
         if _walked(value):

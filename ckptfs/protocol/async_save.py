@@ -70,7 +70,7 @@ from ckptfs.errors import AsyncSaveError, CheckpointExistsError, UnsupportedValu
 from ckptfs.format.hashing import new_hasher
 from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import StatePlan
-from ckptfs.protocol.collective import is_dtensor, wants_sharded_save
+from ckptfs.protocol.collective import find_dtensor, wants_sharded_save
 from ckptfs.protocol.commit import check_plan, plan_v1, save_plan
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.staging import PoolKey, StagingPool, stage
@@ -125,37 +125,25 @@ def _plan(store: CheckpointStore, step: int, state: Mapping[str, Any],
     try:
         plan, meta = plan_v1(state, metadata=metadata, shard_bytes=store.shard_bytes)
     except UnsupportedValueError:
-        refusal = _sharded_refusal(state, ())  # only on failure: no second walk of a good state
-        if refusal is not None:
-            raise refusal from None
+        where = find_dtensor(state)  # only on failure: no second walk of a good state
+        if where is not None:
+            raise _sharded_refusal(where) from None
         raise
     check_plan(step, plan, meta, store.algorithm)
     return plan, copy.deepcopy(meta)
 
 
-def _sharded_refusal(value: Any, path: tuple[Any, ...]) -> UnsupportedValueError | None:
-    """A DTensor reaching the single-process save (torch.distributed is not initialized, so the
-    collective save cannot run): writing one rank's shards as a full state would be wrong, and
-    the error says why rather than only that the serializer cannot hold a DTensor."""
-    if isinstance(value, torch.Tensor):
-        if not is_dtensor(value):
-            return None
-        where = "/".join(str(p) for p in path) or "<root>"
-        return UnsupportedValueError(
-            f"save_async got a sharded tensor (DTensor) at key path {where!r} but "
-            "torch.distributed is not initialized: a sharded state is saved collectively "
-            "by every rank of its process group (docs/async.md, docs/sharded.md); "
-            "initialize it, or save a full state dict")
-    items: Any = ()
-    if isinstance(value, Mapping):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    for k, v in items:
-        found = _sharded_refusal(v, (*path, k))
-        if found is not None:
-            return found
-    return None
+def _sharded_refusal(path: tuple[Any, ...]) -> UnsupportedValueError:
+    """A DTensor (at key path ``path``) reaching the single-process save (torch.distributed is
+    not initialized, so the collective save cannot run): writing one rank's shards as a full
+    state would be wrong, and the error says why rather than only that the serializer cannot
+    hold a DTensor."""
+    where = "/".join(str(p) for p in path) or "<root>"
+    return UnsupportedValueError(
+        f"save_async got a sharded tensor (DTensor) at key path {where!r} but "
+        "torch.distributed is not initialized: a sharded state is saved collectively "
+        "by every rank of its process group (docs/async.md, docs/sharded.md); "
+        "initialize it, or save a full state dict")
 
 
 def _clear_frames(exc: BaseException) -> None:

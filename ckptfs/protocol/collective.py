@@ -23,14 +23,34 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+def find_dtensor(value: Any) -> tuple[Any, ...] | None:
+    """The key path of the first DTensor in ``value`` (dicts, lists and tuples walked), or
+    None.  Iterative and visiting each container once: a state that contains itself (which
+    the serializer refuses, naming the cycle) or is nested beyond any limit never raises a
+    ``RecursionError`` here."""
+    seen: set[int] = set()
+    todo: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while todo:
+        node, path = todo.pop()
+        if isinstance(node, torch.Tensor):
+            if is_dtensor(node):
+                return path
+            continue
+        if isinstance(node, Mapping):
+            items: Any = node.items()
+        elif isinstance(node, (list, tuple)):
+            items = enumerate(node)
+        else:
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        todo.extend(reversed([(v, (*path, k)) for k, v in items]))
+    return None
+
+
 def has_dtensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return is_dtensor(value)
-    if isinstance(value, Mapping):
-        return any(has_dtensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(has_dtensor(v) for v in value)
-    return False
+    return find_dtensor(value) is not None
 
 
 def wants_sharded_save(state: Any, process_group: Any = None) -> bool:

@@ -81,14 +81,17 @@ def _v2_check() -> Checker:
 
 def check_v2(storage: Storage, info: CheckpointInfo) -> DcpDocument:
     """The ``check`` of version 2: the listing, ``dcp.msgpack`` (read, chunk digests checked,
-    decoded; every item a chunk of a listed file), every stored value document (read, checked,
+    decoded; every item a chunk of a listed file), every rank file's safetensors header (its
+    header chunk read, digest checked, and checked against ``dcp.msgpack``, as a load checks
+    it before using any item of the file), every stored value document (read, checked,
     decoded: never unpickled), and the stored tree rebuilt over the stored keys, as
     :func:`ckptfs.protocol.sharded.load_full` rebuilds it.  Values of types not registered in
     this process are checked as plain dicts."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from ckptfs.format.extensions import unregistered_as_dict
-    from ckptfs.format.sharded import decode_value
+    from ckptfs.format.sharded import METADATA_NAME, decode_value
+    from ckptfs.format.sharded_metadata import check_rank_header, items_by_file
     from ckptfs.format.sharded_tree import restore
     from ckptfs.protocol.sharded_read import read_chunks, read_document, sharded_manifest
 
@@ -96,6 +99,14 @@ def check_v2(storage: Storage, info: CheckpointInfo) -> DcpDocument:
     check_listing(storage, info)
     doc = read_document(storage, info)
     where = storage_url(storage, info.path)
+    by_file = items_by_file(doc)
+    for entry in manifest.files:
+        if entry.path == METADATA_NAME:
+            continue
+        rank_file = manifest.chunked(entry.path)
+        head = read_chunks(storage, info, rank_file, 0, rank_file.chunks[0].length)
+        check_rank_header(head, rank_file, by_file.get(entry.path, []),
+                          where=storage_url(storage, f"{info.path}/{entry.path}"))
     md = doc.metadata
     with unregistered_as_dict():
         for index, loc in sorted((md.storage_data or {}).items(),

@@ -16,7 +16,13 @@ list (stray)                                                           (stray fi
 
 Sizes are compared here, from the listing, before any buffer is allocated: a manifest that
 declares a 1 PiB file fails as corrupt instead of making a reader allocate (or request) what it
-declares.  Links are found from the listing alone (``Entry.is_link``, part of the
+declares.  Before that, without any I/O, :func:`check_listing` refuses a document whose size the
+format bounds (the format table's :func:`~ckptfs.format.versions.document_limits`: v1
+``state.msgpack``, v2 ``dcp.msgpack``) declared beyond its limit, as
+:class:`UnsafeCheckpointError`: what the document's own reader raises, whichever reader gets
+there first (a collective load reads ``dcp.msgpack`` before the coordinator lists).
+
+Links are found from the listing alone (``Entry.is_link``, part of the
 :class:`~ckptfs.storage.base.Storage` interface), so a storage wrapper that implements exactly
 that interface keeps the refusal.  Directory links are looked for where directories are real
 (``capabilities.real_directories``): object stores have none.
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptfs.format.layout import CHECKPOINTS_DIR, MANIFEST_NAME
 from ckptfs.format.manifest import FileEntry
+from ckptfs.format.versions import document_limits
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import Storage
 
@@ -110,10 +117,25 @@ def problems(info: CheckpointInfo, listing: AttemptListing,
     return out
 
 
+def check_document_sizes(storage: Storage, info: CheckpointInfo) -> None:
+    """:class:`UnsafeCheckpointError` for a document of ``info``'s format whose declared size
+    exceeds the limit its reader enforces (no I/O)."""
+    limits = document_limits(info.manifest)
+    for entry in info.manifest.files:
+        limit = limits.get(entry.path)
+        if limit is not None and entry.size > limit:
+            path = f"{info.path}/{entry.path}"
+            raise UnsafeCheckpointError(
+                f"{storage_url(storage, path)}: declared size {entry.size} B exceeds the "
+                f"{limit} B a reader accepts for it", step=info.step, path=path)
+
+
 def check_listing(storage: Storage, info: CheckpointInfo,
                   files: Iterable[FileEntry] | None = None) -> AttemptListing:
-    """For load and copy: raise the first finding (links first) as its typed error; strays are
-    logged and ignored.  Returns the listing."""
+    """For load and copy: refuse a bounded document declared beyond its limit (module
+    docstring), then raise the first finding of the listing (links first) as its typed error;
+    strays are logged and ignored.  Returns the listing."""
+    check_document_sizes(storage, info)
     listing = list_attempt(storage, info)
     found = problems(info, listing, files)
     for p in found:

@@ -22,6 +22,7 @@ import torch
 
 from ckptfs.errors import (
     CorruptCheckpointError,
+    ExtensionTypeError,
     LoadOptionError,
     StorageError,
     UnsafeCheckpointError,
@@ -389,7 +390,11 @@ def check_v1(storage: Storage, info: CheckpointInfo) -> CheckedV1:
 def verify_v1(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
               threads: int = 4) -> None:
     """Full verification of a format v1 checkpoint, after the shared listing checks: every
-    file the listing did not already condemn is re-read and re-hashed."""
+    file the listing did not already condemn is re-read and re-hashed; then, when every byte
+    is as committed, the documents are checked as a load checks them (:func:`check_v1`:
+    ``state.msgpack`` decoded and its tree rebuilt, every referenced tensor file's header
+    checked; extension type names are not looked up), so that verify never passes what a load
+    refuses (a pickle in ``state.msgpack`` with a valid digest, a hostile header)."""
 
     def check(entry: FileEntry) -> str | None:
         try:
@@ -400,6 +405,10 @@ def verify_v1(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
 
     already = {p.split(":", 1)[0] for p in report.problems}
     todo = [e for e in info.manifest.files if e.path not in already]
-    for problem in _parallel(check, todo, threads):
-        if problem:
-            report.problems.append(problem)
+    found = [problem for problem in _parallel(check, todo, threads) if problem]
+    report.problems += found
+    if not found and len(todo) == len(info.manifest.files):  # every file is as committed
+        try:
+            check_v1(storage, info)
+        except (CorruptCheckpointError, ExtensionTypeError) as exc:
+            report.problems.append(str(exc))

@@ -31,10 +31,11 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ckptfs.errors import UnsupportedValueError
-from ckptfs.format.serialize import build_tree
+from ckptfs.format.serialize import build_tree, check_tensor
 from ckptfs.format.sharded import decode_value, encode_value
+from ckptfs.protocol.collective import is_dtensor
 from ckptfs.protocol.sharded_read import dtype_mismatch
-from ckptfs.torch_compat import EmptyStateDictLoadPlanner, set_element
+from ckptfs.torch_compat import EmptyStateDictLoadPlanner, dtensor_local, set_element
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -55,15 +56,21 @@ class SavePlanner(DefaultSavePlanner):
                        is_coordinator: bool = False) -> None:
         if self._deferred is not None:
             raise self._deferred
+        check_tensors(state_dict)
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def _key_path(self, fqn: str) -> tuple[Any, ...]:
+        """The value's key path in the state (DCP's flattening map), for error messages."""
+        return tuple(getattr(self, "mappings", {}).get(fqn, (fqn,)))
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         self._encoded = {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                self._encoded[item.index.fqn] = encode_value(
-                    self.lookup_object(item.index), key=item.index.fqn)
+                fqn = item.index.fqn
+                self._encoded[fqn] = encode_value(self.lookup_object(item.index), key=fqn,
+                                                  path=self._key_path(fqn))
         if self._tree is not None and isinstance(plan.planner_data, dict):
             mappings = _Mappings(plan.planner_data)
             mappings.tree = self._tree
@@ -81,11 +88,31 @@ class SavePlanner(DefaultSavePlanner):
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
-            blob = self._encoded.get(write_item.index.fqn)
+            fqn = write_item.index.fqn
+            blob = self._encoded.get(fqn)
             if blob is None:
-                blob = encode_value(object, key=write_item.index.fqn)
+                blob = encode_value(object, key=fqn, path=self._key_path(fqn))
             return io.BytesIO(blob)
         return object
+
+
+def check_tensors(state_dict: Mapping[str, Any]) -> None:
+    """Every tensor DCP would plan (the leaves of dicts and lists of ``state_dict``; a DTensor
+    by its local shard) is one the format can store
+    (:func:`~ckptfs.format.serialize.check_tensor`, the single-process save's own check), else
+    :class:`UnsupportedValueError` naming its key path, raised in the planner's set-up, so on
+    every rank and before DCP's planning touches it (a nested or meta tensor, or a wrapper
+    subclass, made DCP itself fail with an untyped error)."""
+    todo: list[tuple[Any, tuple[Any, ...]]] = [(state_dict, ())]
+    while todo:
+        node, path = todo.pop()
+        if isinstance(node, torch.Tensor):
+            check_tensor(dtensor_local(node) if is_dtensor(node) else node,
+                         "/".join(str(p) for p in path) or "<root>")
+        elif isinstance(node, Mapping):
+            todo.extend(reversed([(v, (*path, k)) for k, v in node.items()]))
+        elif isinstance(node, list):
+            todo.extend(reversed([(v, (*path, i)) for i, v in enumerate(node)]))
 
 
 def values_from_lowest_rank(plans: list[SavePlan]) -> list[SavePlan]:

@@ -188,7 +188,8 @@ class CheckpointStore:
     def verify(self, step: int | None = None, *, quick: bool = False) -> VerifyReport:
         """Verify a committed checkpoint (the latest if ``step`` is None).
 
-        Full (default) re-hashes every file; ``quick`` compares names and sizes from one
+        Full (default) re-hashes every file and checks the documents as a load does (what a
+        load refuses, a full verify refuses); ``quick`` compares names and sizes from one
         listing.  Returns the report if everything matches, else raises
         :class:`~ckptfs.CorruptCheckpointError` listing every problem."""
         if step is not None:

@@ -6,12 +6,15 @@ bit-exactly, and no committed checkpoint is lost)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from ckptfs.protocol.resolve import read_committed
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.base import Storage
 from ckptfs.testing.backend import Backend
@@ -144,3 +147,33 @@ def states_equal(a: Any, b: Any) -> bool:
     except AssertionError:
         return False
     return True
+
+
+class Evil:
+    """Unpickling this creates the sentinel file: proof that something executed."""
+
+    def __init__(self, sentinel: str) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.sentinel, "w"))
+
+
+def plant_symlinked(pl: Any, rel: str | None, target: str | None) -> int:
+    """Plant a valid checkpoint with ``pl`` (a hostile-input planter of either format), then replace
+    its file ``rel`` (or, with ``rel`` None, the attempt directory) by a symbolic link."""
+    step = pl.plant()
+    b = pl.backend
+    info = read_committed(raw_storage(b), step)
+    root = b.raw_root
+    adir = os.path.join(root, *info.path.split("/"))
+    if rel is not None and target is not None:
+        with open(target, "wb") as fh:
+            fh.write(pl.files[rel])  # same bytes, so only the link check can refuse it
+        os.unlink(os.path.join(adir, rel))
+        os.symlink(target, os.path.join(adir, rel))
+    else:
+        real = adir + "-real"
+        shutil.move(adir, real)
+        os.symlink(real, adir)
+    return int(step)

@@ -19,11 +19,17 @@ from ckptfs.errors import (
     UnsafeCheckpointError,
 )
 from ckptfs.format.layout import StepPaths
-from ckptfs.protocol.resolve import read_committed
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage
-from ckptfs.testing.reliability.common import Sweep, raw_storage, state_for, store_on
+from ckptfs.testing.reliability.common import (
+    Evil,
+    Sweep,
+    plant_symlinked,
+    raw_storage,
+    state_for,
+    store_on,
+)
 
 #: A hostile checkpoint may make the reader use at most this much Python memory.
 HOSTILE_MEMORY_LIMIT = 64 * 1024 * 1024
@@ -99,16 +105,6 @@ def _nested_msgpack(depth: int) -> bytes:
     head = _packb({"schema": "ckptfs.state", "format_version": 1, "tensors": []})
     # replace the 3-entry map header with a 4-entry one and append the "tree" key
     return bytes([head[0] + 1]) + head[1:] + _packb("tree") + inner
-
-
-class Evil:
-    """Unpickling this creates the sentinel file: proof that something executed."""
-
-    def __init__(self, sentinel: str) -> None:
-        self.sentinel = sentinel
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (open, (self.sentinel, "w"))
 
 
 def hostile_cases(pl: Planter, sentinel: str, *, local: bool
@@ -274,39 +270,19 @@ def hostile_cases(pl: Planter, sentinel: str, *, local: bool
     return cases
 
 
-def plant_symlinked(pl: Any, rel: str | None, target: str | None) -> int:
-    """Plant a valid checkpoint with ``pl`` (a :class:`Planter` of either format), then replace
-    its file ``rel`` (or, with ``rel`` None, the attempt directory) by a symbolic link."""
-    import shutil as _shutil
-
-    step = pl.plant()
-    b = pl.backend
-    info = read_committed(raw_storage(b), step)
-    root = b.raw_root
-    adir = os.path.join(root, *info.path.split("/"))
-    if rel is not None and target is not None:
-        with open(target, "wb") as fh:
-            fh.write(pl.files[rel])  # same bytes, so only the link check can refuse it
-        os.unlink(os.path.join(adir, rel))
-        os.symlink(target, os.path.join(adir, rel))
-    else:
-        real = adir + "-real"
-        _shutil.move(adir, real)
-        os.symlink(real, adir)
-    return int(step)
-
-
 def _recorder(paths: list[str]) -> Callable[[str, str], None]:
     return lambda op, path: paths.append(path)
 
 
 #: What a reader does with a hostile checkpoint, by operation (``hostile_sweep(reads=...)``).
 #: The loads and the copy must refuse it (:data:`REFUSING`, and every reader given as
-#: ``hostile_sweep(extra=...)``: the tests add ``ckptfs inspect``'s); ``latest`` and the
-#: verifications may pass (a consistent manifest vouches for the bytes: refusing hostile
-#: content is the loader's job), but may raise nothing untyped.
+#: ``hostile_sweep(extra=...)``: the tests add ``ckptfs inspect``'s), all with the same error
+#: class; the full verification must refuse it too (:data:`REPORTING`: it reports every problem
+#: in one :class:`CorruptCheckpointError`, whatever the kind of each); ``latest`` and the quick
+#: verification may pass (they read no document content), but may raise nothing untyped.
 READS = ("latest", "load", "load unverified", "verify", "verify quick", "copy")
 REFUSING = ("load", "load unverified", "copy")
+REPORTING = ("verify",)
 #: Another reader: ``reader(store, step)``.
 Reader = Callable[[CheckpointStore, int], object]
 #: What load must raise, by the ``expected`` of a case.
@@ -342,7 +318,8 @@ def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = RE
     """Every hostile input (of format ``fmt``: :func:`hostile_cases`, or
     :func:`~ckptfs.testing.reliability.hostile_v2.hostile_v2_cases`), through every reader in
     ``reads``: the loads, the copy and inspect refuse it with the error of its kind
-    (:data:`EXPECTED_ERRORS`), all of them with the same error class; the copy commits nothing;
+    (:data:`EXPECTED_ERRORS`), all of them with the same error class, and the full verification
+    refuses it too (:data:`REPORTING`); the copy commits nothing;
     no operation raises anything untyped, accesses storage outside the checkpoints, writes to
     storage, executes anything, or uses more than :data:`HOSTILE_MEMORY_LIMIT`.
     ``sweep.outcomes[case]`` records what each operation did.  ``extra``: more readers, which
@@ -410,7 +387,7 @@ def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = RE
             finally:
                 tracemalloc.stop()
             sweep.outcomes[name] = outcome
-            accepted = [op for op in refusing if outcome.get(op) == "ok"]
+            accepted = [op for op in (*refusing, *REPORTING) if outcome.get(op) == "ok"]
             if expected and accepted:
                 sweep.bad(name, f"accepted by {accepted}")
             refused = {outcome[op] for op in refusing if op in outcome and outcome[op] != "ok"}

@@ -22,8 +22,13 @@ from ckptfs.format.layout import StepPaths, new_attempt_name
 from ckptfs.format.manifest import Marker
 from ckptfs.format.sharded import METADATA_NAME, Chunk, chunk_list_digest
 from ckptfs.testing.backend import Backend
-from ckptfs.testing.reliability.common import raw_storage, state_for, store_on
-from ckptfs.testing.reliability.hostile import Evil, plant_symlinked
+from ckptfs.testing.reliability.common import (
+    Evil,
+    plant_symlinked,
+    raw_storage,
+    state_for,
+    store_on,
+)
 from ckptfs.testing.reliability.paths import save_v2
 
 #: The rank file of the donor (one rank).
