@@ -23,15 +23,16 @@ background thread of an async save) goes through one object, an :class:`Attempt`
    documents a reader bounds: :mod:`ckptfs.format.versions`) is checked, so a checkpoint a
    reader would refuse fails here.
 3. ``write_file`` streams a file into the attempt, hashing every byte from memory as it is
-   written (on a helper thread), fsyncing it when durable, repeated from its first byte under
-   the storage's bounded retries (:class:`~ckptfs.storage.base.Retrying`).  Nothing written is
-   read back.
+   written (on a helper thread), fsyncing it when durable (large files also along the way:
+   :class:`EarlyFlush`), repeated from its first byte under the storage's bounded retries
+   (:class:`~ckptfs.storage.base.Retrying`).  Nothing written is read back.
 4. ``commit`` checks the final manifest again with the reader's own decoder (so nothing is
-   committed that a reader refuses, for every writer), writes ``MANIFEST.json``, fsyncs and
-   renames the attempt into place (local disk), and creates ``step-N/COMPLETE`` *exclusively*
-   in one request (``link`` on local disk, ``If-None-Match: *`` on S3, ``ifGenerationMatch=0``
-   on GCS, ``If-None-Match`` on Azure).  The marker records the attempt and the manifest's
-   digest, so it can only vouch for that manifest.
+   committed that a reader refuses, for every writer), writes ``MANIFEST.json``, renames the
+   attempt into place (local disk), makes every directory entry leading to its files durable
+   (their fsyncs run at once: :func:`sync_dirs`), and creates ``step-N/COMPLETE``
+   *exclusively* in one request (``link`` on local disk, ``If-None-Match: *`` on S3,
+   ``ifGenerationMatch=0`` on GCS, ``If-None-Match`` on Azure).  The marker records the attempt
+   and the manifest's digest, so it can only vouch for that manifest.
 
 The outcome of the marker request itself can be ambiguous; it is settled here, once: the
 marker is re-read, and if it names this attempt the commit succeeded (a retried request whose
@@ -46,6 +47,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -99,6 +101,9 @@ def default_threads() -> int:
 MAX_HASH_LEAD = 256 * 1024 * 1024
 #: Largest slice handed to one ``write`` call.
 WRITE_SLICE = 16 * 1024 * 1024
+#: A durable write is flushed to disk in the background each time this many more bytes were
+#: written (see :class:`EarlyFlush`).
+FLUSH_STEP = 64 * 1024 * 1024
 
 #: The most bytes a save's parallel streaming writes may hold in buffers at once (object
 #: stores: each open stream holds ``capabilities.stream_buffer_bytes``, its part buffers).  A
@@ -141,6 +146,73 @@ class WrittenFile:
         return FileEntry(self.path, self.size, format_digest(algorithm, self.digest))
 
 
+class EarlyFlush:
+    """While a durable file is streamed, a helper thread fsyncs what is written so far each
+    time another :data:`FLUSH_STEP` bytes were written, so the data goes to disk during the
+    write instead of all at once in the final ``fsync`` (which still runs, last, and is what
+    makes the file durable).  Bounding the dirty data also keeps the writes themselves fast:
+    measured here, two processes each writing 512 MiB + fsync took 0.44 s instead of 0.65 s.
+
+    Use as a context manager around the writes; :meth:`finish` before the final ``fsync``
+    waits for a flush in flight and raises its error (the kernel reports a write-back error
+    to one ``fsync`` only, so an early one's must not be lost).  Disabled (no thread) for
+    small or non-durable files."""
+
+    def __init__(self, f: Any, enabled: bool) -> None:
+        self._f = f
+        self._enabled = enabled
+        self._pending = 0
+        self._wake = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> EarlyFlush:
+        if self._enabled:
+            self._thread = threading.Thread(target=self._run, name="ckptfs-flush", daemon=True)
+            self._thread.start()
+        return self
+
+    def wrote(self, n: int) -> None:
+        if self._thread is None:
+            return
+        self._pending += n
+        if self._pending >= FLUSH_STEP:
+            self._pending = 0
+            self._wake.set()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                self._f.fsync()
+            except BaseException as exc:  # raised by the writer
+                self._error = exc
+                return
+
+    def finish(self) -> None:
+        """Stop the helper (after its flush in flight) and raise its error, if any."""
+        if self._thread is not None:
+            self._stop = True
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self._thread is not None:
+            self._stop = True
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+
+
 def _hex(algorithm: str, data: memoryview | bytes) -> str:
     return digest_bytes(algorithm, data).split(":", 1)[1]
 
@@ -180,11 +252,7 @@ class Attempt:
         new_hasher(algorithm)  # unknown/missing algorithm: fail before writing
         att = cls(storage, step, new_attempt_name(), algorithm=algorithm, durable=durable)
         att.refuse_if_committed()
-        storage.makedirs(att.write_dir)
-        if att.sync:
-            storage.sync_dir("")  # the run root may have just gained checkpoints/
-            storage.sync_dir(CHECKPOINTS_DIR)
-            storage.sync_dir(att.paths.dir)
+        storage.makedirs(att.write_dir)  # its entries are made durable by commit()
         return att
 
     @classmethod
@@ -250,14 +318,18 @@ class Attempt:
         written = 0
         with BackgroundHasher(hasher, max_lead=MAX_HASH_LEAD,
                               background=size < 0 or size > HASH_INLINE_BYTES) as bg, \
-                self.storage.open_write(path) as f:
+                self.storage.open_write(path) as f, \
+                EarlyFlush(f, self.sync and (size < 0 or size > FLUSH_STEP)) as flush:
             for chunk in chunks():
                 bg.feed(chunk)
                 for start in range(0, len(chunk), WRITE_SLICE):
-                    f.write(chunk[start:start + WRITE_SLICE])
+                    piece = chunk[start:start + WRITE_SLICE]
+                    f.write(piece)
+                    flush.wrote(len(piece))
                 written += len(chunk)
                 del chunk
             if self.sync:
+                flush.finish()
                 f.fsync()  # type: ignore[attr-defined]
         if isinstance(hasher, PieceHasher):
             return written, "", hasher.digests()
@@ -296,12 +368,13 @@ class Attempt:
         try:
             mbytes = check_manifest(manifest, who)
             self.storage.write_bytes(f"{self.write_dir}/{MANIFEST_NAME}", mbytes)
-            if self.sync:
-                self.storage.sync_dir(self.write_dir)
             if self.write_dir != self.final_dir:
                 self.storage.rename_dir(self.write_dir, self.final_dir)
-                if self.sync:
-                    self.storage.sync_dir(self.paths.dir)
+            if self.sync:
+                # Every entry leading to this attempt's files, durable before the marker: its
+                # files in its directory, the directory (renamed) in the step's, the step's in
+                # checkpoints/, checkpoints/ in the run root (it may have just been created).
+                sync_dirs(self.storage, [self.final_dir, self.paths.dir, CHECKPOINTS_DIR, ""])
             marker = Marker(self.step, self.name, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes),
                             len(mbytes), manifest.created, who)
         except BaseException:
@@ -350,6 +423,31 @@ class Attempt:
     def reread(self) -> CheckpointInfo:
         """The committed checkpoint as a reader sees it (after :meth:`commit`)."""
         return read_committed(self.storage, self.step)
+
+
+def sync_dirs(storage: Storage, dirs: Sequence[str]) -> None:
+    """``storage.sync_dir`` of every one of ``dirs`` at once (on helper threads), raising the
+    first failure once all are done.  Concurrent fsyncs share the filesystem's journal commits:
+    measured here on ext4, 10 directory and file fsyncs one after the other took 13-27 ms, at
+    once 2.5-3 ms, and the commit of a small checkpoint is a few of them."""
+    errors: list[BaseException] = []
+
+    def one(path: str) -> None:
+        try:
+            storage.sync_dir(path)
+        except BaseException as exc:  # raised below, on the caller's thread
+            errors.append(exc)
+
+    helpers = [threading.Thread(target=one, args=(d,), name="ckptfs-sync", daemon=True)
+               for d in dirs[1:]]
+    for t in helpers:
+        t.start()
+    if dirs:
+        one(dirs[0])
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def placeholder_digest(algorithm: str) -> str:
