@@ -20,8 +20,9 @@ The rank code is a script of its own using only ckptfs's public API, so ``--base
    into plain full-size tensors: ``store.load(step)`` (every chunk verified against its digest)
    against DCP's own full load (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``, as
    ``dcp_to_torch_save`` does).  torch.distributed.checkpoint is imported before the timer in
-   both (a DCP user has imported it); ``import ckptfs`` is timed apart.  The results are
-   compared bit for bit (a digest of every tensor);
+   both (a DCP user has imported it); ``import ckptfs`` is timed apart.  The checkpoint is
+   read once before each load (so both read from the page cache, whichever was saved first).
+   The results are compared bit for bit (a digest of every tensor);
 3. **tiny**: 4 tensors of 256 KiB sharded over 2 ranks, several saves per job: the fixed cost
    of a collective save (what dominates frequent checkpoints of small models);
 4. **world sizes**: the save at 1, 2 and 4 ranks (a smaller state);
@@ -304,6 +305,18 @@ def bench_saves(envs: Mapping[str, Mapping[str, str]], *, world: int, state: str
     return out, kept
 
 
+def cache_files(root: str) -> None:
+    """Read every file under ``root`` once, so that the load after it reads from the page cache
+    whichever variant saved first: this VM pages out page-cache pages unused for about a
+    minute (DAMON ``pageout``), which would otherwise favour the variant saved last."""
+    buf = bytearray(64 * MiB)
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+
 def bench_load(envs: Mapping[str, Mapping[str, str]], kept: Mapping[str, Any], *, rounds: int,
                log: Callable[[str], None] = print) -> dict[str, Any]:
     """2 -> 1: each variant's checkpoint loaded whole in a fresh process, interleaved; the
@@ -314,6 +327,7 @@ def bench_load(envs: Mapping[str, Mapping[str, str]], kept: Mapping[str, Any], *
     facts: dict[str, Any] = {}
     for r in range(rounds):
         for lib, env in envs.items():
+            cache_files(kept[lib]["root"])
             res = run_job({"op": "load", "lib": lib, **kept[lib]}, env)
             times[lib].append(res["load"])
             imports[lib].append(res["import"])
@@ -485,9 +499,12 @@ def run(size: int, rounds: int, worlds: Sequence[int], world_size: int,
                 shutil.rmtree(k["root"], ignore_errors=True)
     out["worlds"] = {}
     for w in worlds:
-        out["worlds"][str(w)] = section(f"save W={w}", lambda w=w: bench_saves(
-            envs, world=w, state="fsdp", size=world_size, layers=layers, saves=saves,
-            rounds=rounds, root=base, log=log)[0])
+
+        def save_w(w: int = w) -> dict[str, Any]:
+            return bench_saves(envs, world=w, state="fsdp", size=world_size, layers=layers,
+                               saves=saves, rounds=rounds, root=base, log=log)[0]
+
+        out["worlds"][str(w)] = section(f"save W={w}", save_w)
     out["meta"] = {}
     for w in meta_worlds:
         where = base / f"m{w}"
