@@ -2,13 +2,14 @@
 guarantee: a full load reads chunks straight into its own tensors and still verifies each one
 before returning (on local disk and through a ranged read elsewhere), a load into the caller's
 tensors never lets an unverified byte into them, a durable write flushes large files in the
-background without losing an fsync error, and the commit's directory fsyncs, run at once, still
-all happen before the marker."""
+background without losing an fsync error, and the commit's directory fsyncs, moved after the
+data, all still happen before the marker."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,7 @@ import ckptfs
 from ckptfs.errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from ckptfs.format.sharded import ShardedManifest
 from ckptfs.protocol import commit, sharded_read
-from ckptfs.protocol.commit import Attempt, sync_dirs
+from ckptfs.protocol.commit import Attempt
 from ckptfs.protocol.sharded import save_sharded
 from ckptfs.storage.fsspec import FsspecStorage
 from ckptfs.testing.conformance import assert_state_equal
@@ -172,14 +173,25 @@ class _CountingFsync(FsspecStorage):
             yield Counting()
 
 
+def _pieces(storage: _CountingFsync, data: bytes) -> Iterator[memoryview]:
+    """``data`` in 32 KiB pieces; after the first 128 KiB, wait (at most 10 s) for the first
+    background fsync, so the test does not depend on when the helper thread gets to run."""
+    step = 32 * 1024
+    for i in range(0, len(data), step):
+        if i == 4 * step:
+            deadline = time.monotonic() + 10
+            while storage.fsyncs == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        yield memoryview(data)[i:i + step]
+
+
 def test_large_durable_file_is_flushed_while_written(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(commit, "FLUSH_STEP", 64 * 1024)
     storage = _CountingFsync(str(tmp_path / "run"))
     data = os.urandom(1024 * 1024)
-    pieces = [memoryview(data)[i:i + 32 * 1024] for i in range(0, len(data), 32 * 1024)]
     att = Attempt.join(storage, 1, "a-test", durable=True)
-    written = att.write_file("f.bin", len(data), lambda: iter(pieces))
+    written = att.write_file("f.bin", len(data), lambda: _pieces(storage, data))
     assert written.size == len(data)
     assert (tmp_path / "run" / att.file_path("f.bin")).read_bytes() == data
     assert storage.fsyncs >= 2  # at least one along the way, and the final one
@@ -189,15 +201,15 @@ def test_large_durable_file_is_flushed_while_written(tmp_path: Path,
 def test_an_early_fsync_error_fails_the_write(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A write-back error is reported to one fsync only: the background one's must fail the
-    write (it is never retried into a success), and the helper thread is gone."""
+    write (never hidden behind a final fsync that succeeds), and the helper thread is gone."""
     monkeypatch.setattr(commit, "FLUSH_STEP", 64 * 1024)
     storage = _CountingFsync(str(tmp_path / "run"))
     storage.fail_at = 1
     data = bytes(1024 * 1024)
-    pieces = [memoryview(data)[i:i + 32 * 1024] for i in range(0, len(data), 32 * 1024)]
     att = Attempt.join(storage, 1, "a-test", durable=True)
     with pytest.raises(StorageError, match="injected"):
-        att.write_file("f.bin", len(data), lambda: iter(pieces))
+        att.write_file("f.bin", len(data), lambda: _pieces(storage, data))
+    assert storage.fsyncs == 1  # the failed background one: the write stopped there
     assert not [t for t in threading.enumerate() if t.name == "ckptfs-flush"]
 
 
@@ -211,24 +223,35 @@ def test_small_or_non_durable_files_have_no_flusher(tmp_path: Path) -> None:
     assert storage.fsyncs == 1
 
 
-class _Dirs:
-    def __init__(self, fail: str | None = None) -> None:
-        self.synced: list[str] = []
-        self.fail = fail
-        self.lock = threading.Lock()
+class _Recording(FsspecStorage):
+    """Local storage recording the directory syncs, renames and exclusive creates, in order."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.events: list[tuple[str, str]] = []
 
     def sync_dir(self, path: str) -> None:
-        with self.lock:
-            self.synced.append(path)
-        if path == self.fail:
-            raise StorageError(f"fsync {path}: injected")
+        self.events.append(("sync", path))
+        super().sync_dir(path)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        self.events.append(("rename", dst))
+        super().rename_dir(src, dst)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self.events.append(("create", path))
+        super().create_exclusive(path, data)
 
 
-def test_sync_dirs_syncs_every_directory_and_raises_a_failure() -> None:
-    ok = _Dirs()
-    sync_dirs(ok, ["a", "b", "c", ""])  # type: ignore[arg-type]
-    assert sorted(ok.synced) == ["", "a", "b", "c"]
-    bad = _Dirs(fail="b")
-    with pytest.raises(StorageError, match="fsync b"):
-        sync_dirs(bad, ["a", "b", "c"])  # type: ignore[arg-type]
-    assert sorted(bad.synced) == ["a", "b", "c"]  # the others ran all the same
+def test_commit_syncs_every_directory_once_after_the_rename_before_the_marker(
+        tmp_path: Path) -> None:
+    """The attempt's directory, the step's, checkpoints/ and the run root are fsynced once
+    each, after the rename and before the marker (the power-cut sweep proves the result
+    durable: tests/test_power_cut.py); nothing is synced at open."""
+    storage = _Recording(str(tmp_path / "run"))
+    info = commit.save_checkpoint(storage, 1, {"w": torch.ones(3)})
+    step_dir = info.paths.dir
+    assert storage.events[:1] == [("rename", info.paths.attempt_dir(info.attempt))]
+    assert storage.events[1:5] == [("sync", info.paths.attempt_dir(info.attempt)),
+                                   ("sync", step_dir), ("sync", "checkpoints"), ("sync", "")]
+    assert storage.events[5:] == [("create", info.paths.marker), ("sync", step_dir)]

@@ -15,7 +15,11 @@ The rank code is a script of its own using only ckptfs's public API, so ``--base
    to the save's return (after the coordinator's commit, on every rank): ``first`` is the
    process's first save (its one-time costs included: ckptfs's gloo group, lazy imports),
    ``steady`` the median of the next ones; ``import`` is ``import ckptfs`` + ``open`` (DCP:
-   nothing left to import);
+   nothing left to import).  Before each save a rank writes and deletes a scratch file of its
+   share of the state + 25% (``--no-prewarm``: not): this VM hands memory that sat free
+   back to its host, and the page cache a save fills would otherwise be first-touched from
+   there, about 1.5-2 s per 512 MiB here for every variant alike, which buries the difference
+   between them under the VM's cost;
 2. **load 2 -> 1**: the W=2 checkpoint of each variant loaded whole, in a fresh single process,
    into plain full-size tensors: ``store.load(step)`` (every chunk verified against its digest)
    against DCP's own full load (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``, as
@@ -90,6 +94,19 @@ def warm(n):
     if n > 0:
         x = torch.empty(n, dtype=torch.uint8); x.fill_(1); del x
 
+def warm_page_cache(n):
+    """Write and delete a scratch file of n bytes: its page cache, freed by the unlink, is what
+    the timed save then fills (this VM's free memory, returned to the host, costs several times
+    more at first touch: about 1.5-2 s per 512 MiB here, the same for every variant)."""
+    if n <= 0:
+        return
+    block = bytearray(16 << 20)
+    path = f"{os.path.dirname(root.rstrip('/'))}/.warm-{os.getpid()}"
+    with open(path, "wb") as f:
+        for _ in range(0, n, len(block)):
+            f.write(block)
+    os.unlink(path)
+
 def fsdp_state(world, total_bytes, layers, seed=0):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -147,7 +164,8 @@ if spec["op"] == "save":
         state, width = tiny_state(world)
     else:
         state, width = fsdp_state(world, spec["bytes"], spec["layers"])
-    mine = torch.tensor([local_bytes(state)], dtype=torch.int64)
+    own = local_bytes(state)
+    mine = torch.tensor([own], dtype=torch.int64)
     dist.all_reduce(mine)
     dist.barrier()
     t0 = time.perf_counter()
@@ -164,6 +182,8 @@ if spec["op"] == "save":
     t_import = time.perf_counter() - t0
     times = []
     for i in range(spec["saves"]):
+        if spec.get("prewarm", True):
+            warm_page_cache(own + own // 4 + (16 << 20))
         warm(WARM)
         dist.barrier()
         t = time.perf_counter()
@@ -178,7 +198,7 @@ else:
     from torch.distributed.checkpoint import FileSystemReader
     if lib == "dcp":
         from ckptfs.torch_compat import EmptyStateDictLoadPlanner, load_state_dict
-    warm(4 * WARM)
+    warm(WARM + spec["bytes"])  # the tensors the load allocates come from memory just touched
     t0 = time.perf_counter()
     if lib == "dcp":
         t1 = time.perf_counter()
@@ -272,7 +292,8 @@ def summarize(runs: Mapping[str, list[float]], *, field: str = "s",
 
 def bench_saves(envs: Mapping[str, Mapping[str, str]], *, world: int, state: str, size: int,
                 layers: int, saves: int, rounds: int, root: Path, keep: bool = False,
-                log: Callable[[str], None] = print) -> tuple[dict[str, Any], dict[str, Any]]:
+                prewarm: bool = True, log: Callable[[str], None] = print
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Save jobs of ``world`` ranks, variants interleaved round by round: the summary (first
     save, steady state, import) and, with ``keep``, where each variant's last checkpoint is."""
     first: dict[str, list[float]] = {lib: [] for lib in envs}
@@ -285,7 +306,8 @@ def bench_saves(envs: Mapping[str, Mapping[str, str]], *, world: int, state: str
             where = root / f"{lib}-w{world}-{r}"
             shutil.rmtree(where, ignore_errors=True)
             res = run_job({"op": "save", "lib": lib, "root": str(where), "world": world,
-                           "state": state, "bytes": size, "layers": layers, "saves": saves},
+                           "state": state, "bytes": size, "layers": layers, "saves": saves,
+                           "prewarm": prewarm},
                           env, ranks=world)
             first[lib].append(res["times"][0])
             if len(res["times"]) > 1:
@@ -296,10 +318,12 @@ def bench_saves(envs: Mapping[str, Mapping[str, str]], *, world: int, state: str
                 f"{res['times'][0]:.3f} s, then {[round(t, 3) for t in res['times'][1:]]} "
                 f"(import {res['import']:.3f} s; load average {os.getloadavg()[0]:.1f})")
             if keep and r == rounds - 1:
-                kept[lib] = {"root": str(where), "step": res["step"], "dcp_dir": res["dcp_dir"]}
+                kept[lib] = {"root": str(where), "step": res["step"], "dcp_dir": res["dcp_dir"],
+                             "bytes": res["total_bytes"]}
             else:
                 shutil.rmtree(where, ignore_errors=True)
     out = {**summarize(first), **facts, "saves_per_job": saves, "rounds": rounds,
+           "page_cache_prewarmed": prewarm,
            "steady": summarize(steady) if saves > 1 else None,
            "import": summarize(imports, ratios=False)}
     return out, kept
@@ -461,7 +485,7 @@ def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 def run(size: int, rounds: int, worlds: Sequence[int], world_size: int,
         meta_worlds: Sequence[int], layers: int, root: str, *, saves: int = 2,
         tiny_rounds: int = 5, tiny_saves: int = 6, baseline: str | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        prewarm: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
     envs = variant_envs(baseline)
     out: dict[str, Any] = {"machine": machine_info(), "fs": fs_type(root), "layers": layers,
                            "variants": list(envs), "baseline": baseline,
@@ -480,13 +504,14 @@ def run(size: int, rounds: int, worlds: Sequence[int], world_size: int,
     if tiny_rounds:
         out["tiny"] = section("tiny W=2", lambda: bench_saves(
             envs, world=2, state="tiny", size=0, layers=0, saves=tiny_saves,
-            rounds=tiny_rounds, root=base, log=log)[0])
+            rounds=tiny_rounds, root=base, prewarm=prewarm, log=log)[0])
     if size:
         kept: dict[str, Any] = {}
 
         def save_w2() -> dict[str, Any]:
             res, k = bench_saves(envs, world=2, state="fsdp", size=size, layers=layers,
-                                 saves=saves, rounds=rounds, root=base, keep=True, log=log)
+                                 saves=saves, rounds=rounds, root=base, keep=True,
+                                 prewarm=prewarm, log=log)
             kept.update(k)
             return res
 
@@ -502,7 +527,8 @@ def run(size: int, rounds: int, worlds: Sequence[int], world_size: int,
 
         def save_w(w: int = w) -> dict[str, Any]:
             return bench_saves(envs, world=w, state="fsdp", size=world_size, layers=layers,
-                               saves=saves, rounds=rounds, root=base, log=log)[0]
+                               saves=saves, rounds=rounds, root=base, prewarm=prewarm,
+                               log=log)[0]
 
         out["worlds"][str(w)] = section(f"save W={w}", save_w)
     out["meta"] = {}
@@ -566,6 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--world-size", default="256MiB", help="total state of the world table")
     p.add_argument("--meta-worlds", default="2,4,8")
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--no-prewarm", action="store_true", help="do not cycle the page cache "
+                   "through a scratch file before each save (see the module docstring)")
     p.add_argument("--baseline", default=None, help="another ckptfs checkout, measured as a "
                    "third variant (before/after)")
     p.add_argument("--root", default=None, help="scratch directory (default: a temp dir)")
@@ -577,7 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = run(parse_size(a.size), a.reps, [int(w) for w in a.worlds.split(",") if w],
                   parse_size(a.world_size), [int(w) for w in a.meta_worlds.split(",") if w],
                   a.layers, scratch, saves=a.saves, tiny_rounds=a.tiny_rounds,
-                  tiny_saves=a.tiny_saves, baseline=a.baseline)
+                  tiny_saves=a.tiny_saves, baseline=a.baseline, prewarm=not a.no_prewarm)
     finally:
         if a.root is None:
             shutil.rmtree(scratch, ignore_errors=True)
