@@ -101,7 +101,9 @@ def warm_page_cache(n):
     if n <= 0:
         return
     block = bytearray(16 << 20)
-    path = f"{os.path.dirname(root.rstrip('/'))}/.warm-{os.getpid()}"
+    where = os.path.dirname(root.rstrip("/"))
+    os.makedirs(where, exist_ok=True)
+    path = f"{where}/.warm-{os.getpid()}"
     with open(path, "wb") as f:
         for _ in range(0, n, len(block)):
             f.write(block)
@@ -176,6 +178,7 @@ if spec["op"] == "save":
             dcp_save(state, storage_writer=FileSystemWriter(f"{root}/dcp-{i}"))
     else:
         import ckptfs
+        out["ckptfs"] = os.path.dirname(os.path.dirname(ckptfs.__file__))
         store = ckptfs.open(root)
         def save(i):
             store.save(1000 + i, state)
@@ -191,8 +194,9 @@ if spec["op"] == "save":
         times.append(time.perf_counter() - t)
     dist.barrier()
     dist.destroy_process_group()
-    out = {"import": t_import, "times": times, "total_bytes": int(mine.item()), "width": width,
-           "step": 1000 + spec["saves"] - 1, "dcp_dir": f"{root}/dcp-{spec['saves'] - 1}"}
+    out.update({"import": t_import, "times": times, "total_bytes": int(mine.item()),
+                "width": width, "step": 1000 + spec["saves"] - 1,
+                "dcp_dir": f"{root}/dcp-{spec['saves'] - 1}"})
 else:
     import torch.distributed.checkpoint
     from torch.distributed.checkpoint import FileSystemReader
@@ -207,6 +211,7 @@ else:
                         planner=EmptyStateDictLoadPlanner(), no_dist=True)
     else:
         import ckptfs
+        out["ckptfs"] = os.path.dirname(os.path.dirname(ckptfs.__file__))
         store = ckptfs.open(root)
         t1 = time.perf_counter()
         sd = store.load(spec["step"])
@@ -217,8 +222,8 @@ else:
         t = tensors[k]
         h.update(f"{k} {t.dtype} {list(t.shape)}\n".encode())
         h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    out = {"import": t1 - t0, "load": t2 - t1, "digest": h.hexdigest(), "tensors": len(tensors),
-           "bytes": sum(t.nbytes for t in tensors.values())}
+    out.update({"import": t1 - t0, "load": t2 - t1, "digest": h.hexdigest(),
+                "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())})
 print("RESULT " + json.dumps(out), flush=True)
 '''
 
@@ -234,9 +239,12 @@ def run_job(spec: Mapping[str, Any], env: Mapping[str, str], *, ranks: int = 1,
     """One fresh job of ``ranks`` processes running :data:`CHILD`; rank 0's result.  A job still
     running after ``timeout`` is killed, process by process."""
     full = {"port": _free_port(), "timeout": int(timeout), "warm": WARM, **spec}
+    # Run from a directory holding no ckptfs: ``python -c`` puts the working directory first
+    # on sys.path, which would shadow the variant's checkout given by PYTHONPATH.
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(full), str(r)],
                               env={**env, **RANK_ENV}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+                              stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
+             for r in range(ranks)]
     outs: list[tuple[str, str]] = []
     deadline = time.monotonic() + timeout
     try:
@@ -301,6 +309,7 @@ def bench_saves(envs: Mapping[str, Mapping[str, str]], *, world: int, state: str
     imports: dict[str, list[float]] = {lib: [] for lib in envs}
     kept: dict[str, Any] = {}
     facts: dict[str, Any] = {}
+    checkouts: dict[str, str | None] = {}
     for r in range(rounds):
         for lib, env in envs.items():
             where = root / f"{lib}-w{world}-{r}"
@@ -314,6 +323,7 @@ def bench_saves(envs: Mapping[str, Mapping[str, str]], *, world: int, state: str
                 steady[lib].append(statistics.median(res["times"][1:]))
             imports[lib].append(res["import"])
             facts = {"bytes": res["total_bytes"], "width": res["width"]}
+            checkouts[lib] = res.get("ckptfs")
             log(f"  W={world} {state} round {r + 1}/{rounds} {lib}: first "
                 f"{res['times'][0]:.3f} s, then {[round(t, 3) for t in res['times'][1:]]} "
                 f"(import {res['import']:.3f} s; load average {os.getloadavg()[0]:.1f})")
@@ -323,7 +333,7 @@ def bench_saves(envs: Mapping[str, Mapping[str, str]], *, world: int, state: str
             else:
                 shutil.rmtree(where, ignore_errors=True)
     out = {**summarize(first), **facts, "saves_per_job": saves, "rounds": rounds,
-           "page_cache_prewarmed": prewarm,
+           "page_cache_prewarmed": prewarm, "checkouts": checkouts,
            "steady": summarize(steady) if saves > 1 else None,
            "import": summarize(imports, ratios=False)}
     return out, kept
