@@ -255,11 +255,17 @@ def run_job(spec: Mapping[str, Any], env: Mapping[str, str], *, ranks: int = 1,
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    for line in outs[0][0].splitlines():
-        if line.startswith("RESULT ") and all(p.returncode == 0 for p in procs):
-            return dict(json.loads(line[7:]))
     errs = "\n".join(f"rank {r} (exit {p.returncode}): {outs[r][1][-3000:]}"
-                     for r, p in enumerate(procs) if r < len(outs))
+                     for r, p in enumerate(procs) if r < len(outs) and p.returncode != 0)
+    for line in outs[0][0].splitlines():
+        # Rank 0 reports after the job's last barrier, so every rank finished its part; a
+        # rank aborting after that, in gloo's teardown ("terminate called without an active
+        # exception", seen on this machine), does not void the figures: it is logged.
+        if line.startswith("RESULT ") and procs[0].returncode == 0:
+            if errs:
+                print(f"  (ignored: a rank failed after the job's last barrier: {errs[-300:]})",
+                      flush=True)
+            return dict(json.loads(line[7:]))
     raise RuntimeError(f"benchmark job {spec.get('op')} {spec.get('lib')} failed:\n{errs}")
 
 
