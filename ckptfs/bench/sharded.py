@@ -1,17 +1,36 @@
-"""Sharded checkpoints (format v2) against DCP's FileSystemWriter/Reader, in one run:
+"""Sharded checkpoints (format v2) against DCP's FileSystemWriter/Reader.
 
-1. **save**: W gloo ranks (processes on this machine) hold an FSDP2 MLP (``fully_shard``) and
-   its AdamW state, obtained with ``get_state_dict``; each timed save is a durable
-   ``ckptfs.open(dir).save(step, sd)`` (every byte hashed, files and directories fsynced, one
-   marker) or a ``dcp.save(sd, storage_writer=FileSystemWriter(dir))`` (its default: fsync,
-   one file per rank), alternating rep by rep.  The time is rank 0's, from a barrier before
-   the save to the save's return (which is after the coordinator's commit on every rank);
-2. **load 2 -> 1**: the last checkpoints of the W=2 save loaded in *one* process into full
-   plain tensors: ``store.load(step)`` (every chunk verified) against DCP's own full load
-   (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``, as ``dcp_to_torch_save`` does),
-   alternating; the two results are compared bit for bit;
-3. **world sizes**: the save at 1, 2 and 4 ranks (a smaller state);
-4. **cost at scale**: tiny models saved by 2, 4 and 8 ranks, counting every storage call of
+**Every measurement is a fresh job**: new Python processes (one per rank, gloo over loopback,
+``torch.distributed`` initialized as ``torchrun`` would), which import torch, build the state
+(untimed), then time the checkpoint library's import and its calls.  Variants run interleaved,
+round by round (ckptfs, DCP, ckptfs, DCP, ...), so a shared machine's load hits them alike.
+The rank code is a script of its own using only ckptfs's public API, so ``--baseline PATH``
+(another checkout, e.g. the previous commit) runs it unchanged, next to this tree.
+
+1. **save, W=2**: each rank holds an FSDP2 MLP (``fully_shard``) and its AdamW state, from
+   ``get_state_dict`` (which imports DCP in every variant, as it does for an FSDP2 user).  A
+   save is ``ckptfs.open(dir).save(step, sd)`` (durable: every byte hashed once, files and
+   directories fsynced, one marker) or ``dcp.save(sd, storage_writer=FileSystemWriter(dir))``
+   (its default: fsync of each file, one file per rank).  Times are rank 0's, from a barrier
+   to the save's return (after the coordinator's commit, on every rank): ``first`` is the
+   process's first save (its one-time costs included: ckptfs's gloo group, lazy imports),
+   ``steady`` the median of the next ones; ``import`` is ``import ckptfs`` + ``open`` (DCP:
+   nothing left to import).  Before each save a rank writes and deletes a scratch file of its
+   share of the state + 25% (``--no-prewarm``: not): this VM hands memory that sat free
+   back to its host, and the page cache a save fills would otherwise be first-touched from
+   there, about 1.5-2 s per 512 MiB here for every variant alike, which buries the difference
+   between them under the VM's cost;
+2. **load 2 -> 1**: the W=2 checkpoint of each variant loaded whole, in a fresh single process,
+   into plain full-size tensors: ``store.load(step)`` (every chunk verified against its digest)
+   against DCP's own full load (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``, as
+   ``dcp_to_torch_save`` does).  torch.distributed.checkpoint is imported before the timer in
+   both (a DCP user has imported it); ``import ckptfs`` is timed apart.  The checkpoint is
+   read once before each load (so both read from the page cache, whichever was saved first).
+   The results are compared bit for bit (a digest of every tensor);
+3. **tiny**: 4 tensors of 256 KiB sharded over 2 ranks, several saves per job: the fixed cost
+   of a collective save (what dominates frequent checkpoints of small models);
+4. **world sizes**: the save at 1, 2 and 4 ranks (a smaller state);
+5. **cost at scale**: tiny models saved by 2, 4 and 8 ranks, counting every storage call of
    each rank and measuring ``dcp.msgpack``, ``MANIFEST.json`` and DCP's pickled ``.metadata``,
    to extrapolate to 1,000 ranks.
 
@@ -26,7 +45,9 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +55,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ckptfs.bench.common import (
     DOCS_DIR,
@@ -45,18 +66,326 @@ from ckptfs.bench.common import (
     fs_type,
     machine_info,
     parse_size,
-    warm_memory,
 )
 from ckptfs.bench.latest import CountingStorage
 
 RANK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-           "torch.distributed.tensor", "ckptfs", "ckptfs.protocol.sharded"]
 WARM = 256 * MiB
+#: The variant that is this tree; ``dcp`` is DCP; ``baseline`` is ckptfs from ``--baseline``.
+CKPTFS, DCP, BASELINE = "ckptfs", "dcp", "baseline"
+
+# ----------------------------------------------------------------------------------------------
+# One process of a job (a rank of a save, or the single process of a load).  Public ckptfs API
+# only; DCP's full load is reached through torch_compat of *this* tree (the dcp variant always
+# runs this tree).
+
+CHILD = r'''
+import hashlib, json, os, sys, time
+spec = json.loads(sys.argv[1])
+rank = int(sys.argv[2])
+import torch
+torch.set_num_threads(1)
+import torch.distributed as dist
+from datetime import timedelta
+lib, root = spec["lib"], spec["root"]
+WARM = spec["warm"]
+
+def warm(n):
+    if n > 0:
+        x = torch.empty(n, dtype=torch.uint8); x.fill_(1); del x
+
+def warm_page_cache(n):
+    """Write and delete a scratch file of n bytes: its page cache, freed by the unlink, is what
+    the timed save then fills (this VM's free memory, returned to the host, costs several times
+    more at first touch: about 1.5-2 s per 512 MiB here, the same for every variant)."""
+    if n <= 0:
+        return
+    block = bytearray(16 << 20)
+    where = os.path.dirname(root.rstrip("/"))
+    os.makedirs(where, exist_ok=True)
+    path = f"{where}/.warm-{os.getpid()}"
+    with open(path, "wb") as f:
+        for _ in range(0, n, len(block)):
+            f.write(block)
+    os.unlink(path)
+
+def fsdp_state(world, total_bytes, layers, seed=0):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(seed)
+    d = max(8, int((total_bytes / (12 * layers)) ** 0.5))
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().uniform_(-0.01, 0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = p.detach().clone()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optimizer": osd}, d
+
+def tiny_state(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    return {"model": {f"w{i}": distribute_tensor(torch.randn(256, 256), mesh, [Shard(0)])
+                      for i in range(4)}}, 256
+
+def flat(state, prefix=""):
+    out = {}
+    if isinstance(state, torch.Tensor):
+        out[prefix] = state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(flat(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+def local_bytes(state):
+    from torch.distributed.tensor import DTensor
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
+               for t in flat(state).values())
+
+out = {}
+if spec["op"] == "save":
+    world = spec["world"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=spec["timeout"]))
+    if spec["state"] == "tiny":
+        state, width = tiny_state(world)
+    else:
+        state, width = fsdp_state(world, spec["bytes"], spec["layers"])
+    own = local_bytes(state)
+    mine = torch.tensor([own], dtype=torch.int64)
+    dist.all_reduce(mine)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if lib == "dcp":
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+        def save(i):
+            dcp_save(state, storage_writer=FileSystemWriter(f"{root}/dcp-{i}"))
+    else:
+        import ckptfs
+        out["ckptfs"] = os.path.dirname(os.path.dirname(ckptfs.__file__))
+        store = ckptfs.open(root)
+        def save(i):
+            store.save(1000 + i, state)
+    t_import = time.perf_counter() - t0
+    times = []
+    for i in range(spec["saves"]):
+        if spec.get("prewarm", True):
+            warm_page_cache(own + own // 4 + (16 << 20))
+        warm(WARM)
+        dist.barrier()
+        t = time.perf_counter()
+        save(i)
+        times.append(time.perf_counter() - t)
+    dist.barrier()
+    out.update({"import": t_import, "times": times, "total_bytes": int(mine.item()),
+                "width": width, "step": 1000 + spec["saves"] - 1,
+                "dcp_dir": f"{root}/dcp-{spec['saves'] - 1}"})
+    # Reported before the process group's teardown, which now and then aborts on this machine
+    # ("terminate called without an active exception", DCP and ckptfs jobs alike); then the
+    # process ends without it.
+    print("RESULT " + json.dumps(out), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+else:
+    import torch.distributed.checkpoint
+    from torch.distributed.checkpoint import FileSystemReader
+    if lib == "dcp":
+        from ckptfs.torch_compat import EmptyStateDictLoadPlanner, load_state_dict
+    warm(WARM + spec["bytes"])  # the tensors the load allocates come from memory just touched
+    t0 = time.perf_counter()
+    if lib == "dcp":
+        t1 = time.perf_counter()
+        sd = {}
+        load_state_dict(sd, storage_reader=FileSystemReader(spec["dcp_dir"]),
+                        planner=EmptyStateDictLoadPlanner(), no_dist=True)
+    else:
+        import ckptfs
+        out["ckptfs"] = os.path.dirname(os.path.dirname(ckptfs.__file__))
+        store = ckptfs.open(root)
+        t1 = time.perf_counter()
+        sd = store.load(spec["step"])
+    t2 = time.perf_counter()
+    tensors = flat(sd)
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k]
+        h.update(f"{k} {t.dtype} {list(t.shape)}\n".encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    out.update({"import": t1 - t0, "load": t2 - t1, "digest": h.hexdigest(),
+                "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())})
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(spec: Mapping[str, Any], env: Mapping[str, str], *, ranks: int = 1,
+            timeout: float = 1800.0) -> dict[str, Any]:
+    """One fresh job of ``ranks`` processes running :data:`CHILD`; rank 0's result.  A job still
+    running after ``timeout`` is killed, process by process."""
+    full = {"port": _free_port(), "timeout": int(timeout), "warm": WARM, **spec}
+    # Run from a directory holding no ckptfs: ``python -c`` puts the working directory first
+    # on sys.path, which would shadow the variant's checkout given by PYTHONPATH.
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(full), str(r)],
+                              env={**env, **RANK_ENV}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
+             for r in range(ranks)]
+    outs: list[tuple[str, str]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    errs = "\n".join(f"rank {r} (exit {p.returncode}): {outs[r][1][-3000:]}"
+                     for r, p in enumerate(procs) if r < len(outs) and p.returncode != 0)
+    for line in outs[0][0].splitlines():
+        # Rank 0 reports after the job's last barrier, so every rank finished its part; a
+        # rank failing after that does not void the figures: it is logged.
+        if line.startswith("RESULT "):
+            if errs:
+                print(f"  (ignored: a rank failed after the job's last barrier: {errs[-300:]})",
+                      flush=True)
+            return dict(json.loads(line[7:]))
+    raise RuntimeError(f"benchmark job {spec.get('op')} {spec.get('lib')} failed:\n{errs}")
+
+
+def _env(path: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def variant_envs(baseline: str | None) -> dict[str, dict[str, str]]:
+    """The environment of each variant: this tree for ckptfs and DCP, ``baseline``'s checkout
+    first on the path for ``baseline``."""
+    here = str(Path(__file__).resolve().parents[2])
+    envs = {CKPTFS: _env(here), DCP: _env(here)}
+    if baseline is not None:
+        envs[BASELINE] = _env(os.path.abspath(baseline))
+    return envs
+
+
+def _median(xs: Sequence[float]) -> float:
+    return round(statistics.median(xs), 4)
+
+
+def summarize(runs: Mapping[str, list[float]], *, field: str = "s",
+              ratios: bool = True) -> dict[str, Any]:
+    """Medians per variant and the speed-up of ckptfs over each other one (``other/ckptfs``:
+    above 1, ckptfs is faster)."""
+    out: dict[str, Any] = {f"{lib}_{field}": _median(xs) for lib, xs in runs.items() if xs}
+    c = out.get(f"{CKPTFS}_{field}")
+    if c and ratios:
+        for lib in runs:
+            if lib != CKPTFS and out.get(f"{lib}_{field}"):
+                key = "speedup" if lib == DCP else f"speedup_vs_{lib}"
+                out[key] = round(out[f"{lib}_{field}"] / c, 3)
+    out["times_s"] = {lib: [round(x, 4) for x in xs] for lib, xs in runs.items()}
+    return out
+
+
+def bench_saves(envs: Mapping[str, Mapping[str, str]], *, world: int, state: str, size: int,
+                layers: int, saves: int, rounds: int, root: Path, keep: bool = False,
+                prewarm: bool = True, log: Callable[[str], None] = print
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Save jobs of ``world`` ranks, variants interleaved round by round: the summary (first
+    save, steady state, import) and, with ``keep``, where each variant's last checkpoint is."""
+    first: dict[str, list[float]] = {lib: [] for lib in envs}
+    steady: dict[str, list[float]] = {lib: [] for lib in envs}
+    imports: dict[str, list[float]] = {lib: [] for lib in envs}
+    kept: dict[str, Any] = {}
+    facts: dict[str, Any] = {}
+    checkouts: dict[str, str | None] = {}
+    for r in range(rounds):
+        for lib, env in envs.items():
+            where = root / f"{lib}-w{world}-{r}"
+            shutil.rmtree(where, ignore_errors=True)
+            res = run_job({"op": "save", "lib": lib, "root": str(where), "world": world,
+                           "state": state, "bytes": size, "layers": layers, "saves": saves,
+                           "prewarm": prewarm},
+                          env, ranks=world)
+            first[lib].append(res["times"][0])
+            if len(res["times"]) > 1:
+                steady[lib].append(statistics.median(res["times"][1:]))
+            imports[lib].append(res["import"])
+            facts = {"bytes": res["total_bytes"], "width": res["width"]}
+            checkouts[lib] = res.get("ckptfs")
+            log(f"  W={world} {state} round {r + 1}/{rounds} {lib}: first "
+                f"{res['times'][0]:.3f} s, then {[round(t, 3) for t in res['times'][1:]]} "
+                f"(import {res['import']:.3f} s; load average {os.getloadavg()[0]:.1f})")
+            if keep and r == rounds - 1:
+                kept[lib] = {"root": str(where), "step": res["step"], "dcp_dir": res["dcp_dir"],
+                             "bytes": res["total_bytes"]}
+            else:
+                shutil.rmtree(where, ignore_errors=True)
+    out = {**summarize(first), **facts, "saves_per_job": saves, "rounds": rounds,
+           "page_cache_prewarmed": prewarm, "checkouts": checkouts,
+           "steady": summarize(steady) if saves > 1 else None,
+           "import": summarize(imports, ratios=False)}
+    return out, kept
+
+
+def cache_files(root: str) -> None:
+    """Read every file under ``root`` once, so that the load after it reads from the page cache
+    whichever variant saved first: this VM pages out page-cache pages unused for about a
+    minute (DAMON ``pageout``), which would otherwise favour the variant saved last."""
+    buf = bytearray(64 * MiB)
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+
+def bench_load(envs: Mapping[str, Mapping[str, str]], kept: Mapping[str, Any], *, rounds: int,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """2 -> 1: each variant's checkpoint loaded whole in a fresh process, interleaved; the
+    results compared bit for bit."""
+    times: dict[str, list[float]] = {lib: [] for lib in envs}
+    imports: dict[str, list[float]] = {lib: [] for lib in envs}
+    digests: dict[str, set[str]] = {lib: set() for lib in envs}
+    facts: dict[str, Any] = {}
+    for r in range(rounds):
+        for lib, env in envs.items():
+            cache_files(kept[lib]["root"])
+            res = run_job({"op": "load", "lib": lib, **kept[lib]}, env)
+            times[lib].append(res["load"])
+            imports[lib].append(res["import"])
+            digests[lib].add(res["digest"])
+            facts = {"tensors": res["tensors"], "bytes": res["bytes"]}
+            log(f"  load 2->1 round {r + 1}/{rounds} {lib}: {res['load']:.3f} s (import "
+                f"{res['import']:.3f} s; load average {os.getloadavg()[0]:.1f})")
+    same = len(set().union(*digests.values())) == 1
+    return {**summarize(times), **facts, "bit_identical": same, "rounds": rounds,
+            "import": summarize(imports, ratios=False)}
 
 
 # ----------------------------------------------------------------------------------------------
-# Launching W gloo ranks (forked from a server that imported torch once)
+# The cost figures (storage calls counted per rank): forked ranks, not timed.
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, rdv: str, out: str,
@@ -84,10 +413,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, rdv: str, out: str,
 
 def launch(fn: Callable[..., Any], world: int, spec: dict[str, Any], *,
            timeout: float = 900.0) -> list[Any]:
-    """``fn(rank, world, spec)`` on ``world`` gloo ranks; JSON results in rank order.  A job
-    still running after ``timeout`` is killed, process by process."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    """``fn(rank, world, spec)`` on ``world`` gloo ranks (spawned); JSON results in rank
+    order.  A job still running after ``timeout`` is killed, process by process."""
+    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ckptfs-bench-") as tmp:
         procs = [ctx.Process(target=_child, args=(fn, r, world, f"{tmp}/rdv", tmp, spec),
                              daemon=True) for r in range(world)]
@@ -117,26 +445,17 @@ def launch(fn: Callable[..., Any], world: int, spec: dict[str, Any], *,
         return results
 
 
-# ----------------------------------------------------------------------------------------------
-# The state: an FSDP2 MLP and its AdamW state
-
-
-def mlp_width(total_bytes: int, layers: int) -> int:
-    """Width ``d`` of ``layers`` Linear(d, d) layers whose fp32 parameters plus AdamW's two
-    moments come to about ``total_bytes``."""
-    d = int((total_bytes / (12 * layers)) ** 0.5)
-    return max(8, d)
-
-
 def fsdp_state(world: int, total_bytes: int, layers: int, seed: int = 0) -> dict[str, Any]:
     """This rank's sharded ``{"model", "optimizer"}`` (DTensors) after one AdamW step."""
+    from typing import cast
+
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    d = mlp_width(total_bytes, layers)
+    d = max(8, int((total_bytes / (12 * layers)) ** 0.5))
     mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(layers)])
@@ -155,51 +474,6 @@ def fsdp_state(world: int, total_bytes: int, layers: int, seed: int = 0) -> dict
     return {"model": msd, "optimizer": osd}
 
 
-def local_bytes(state: Any) -> int:
-    """Bytes of this rank's shards (DTensors count their local part)."""
-    from torch.distributed.tensor import DTensor
-
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes
-               for t in flat_tensors(state).values())
-
-
-# ----------------------------------------------------------------------------------------------
-# Jobs (module level: pickled by name into the ranks)
-
-
-def job_save(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Alternating timed saves (ckptfs durable, DCP FileSystemWriter); keeps the last of each."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    import ckptfs
-
-    state = fsdp_state(world, spec["bytes"], spec["layers"])
-    mine = torch.tensor([local_bytes(state)], dtype=torch.int64)
-    dist.all_reduce(mine)
-    root = Path(spec["root"])
-    times: dict[str, list[float]] = {"ckptfs": [], "dcp": []}
-    for rep in range(spec["reps"]):
-        for name in ("ckptfs", "dcp"):
-            last = rep == spec["reps"] - 1
-            where = root / f"{name}-{rep}"
-            warm_memory(WARM)
-            dist.barrier()
-            t0 = time.perf_counter()
-            if name == "ckptfs":
-                ckptfs.open(str(where)).save(1000, state)
-            else:
-                dcp_save(state, storage_writer=FileSystemWriter(str(where)))
-            times[name].append(time.perf_counter() - t0)
-            dist.barrier()
-            if rank == 0 and not last:
-                shutil.rmtree(where)
-    return {"times": times, "total_bytes": int(mine.item()),
-            "width": mlp_width(spec["bytes"], spec["layers"])}
-
-
 def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """A small model saved once by ckptfs (storage calls counted) and once by DCP."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -215,7 +489,7 @@ def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     dcp_save(state, storage_writer=FileSystemWriter(spec["root"] + "/dcp"))
     out: dict[str, Any] = {"calls": counting.calls}
     if rank == 0:
-        adir = Path(spec["root"]) / "ckptfs" / "checkpoints" / info.dir_name / info.attempt
+        adir = Path(spec["root"]) / "ckptfs" / info.path
         out["dcp_msgpack"] = (adir / "dcp.msgpack").stat().st_size
         out["manifest"] = (adir / "MANIFEST.json").stat().st_size
         out["dcp_pickle_metadata"] = (Path(spec["root"]) / "dcp" / ".metadata").stat().st_size
@@ -225,91 +499,66 @@ def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------
-# In the parent
+# The whole run
 
 
-def bench_load(root: Path, reps: int) -> dict[str, Any]:
-    """2 -> 1: the W=2 checkpoints loaded whole in this process, alternating; bit-compared."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    import ckptfs
-    from ckptfs.torch_compat import EmptyStateDictLoadPlanner as _EmptyStateDictLoadPlanner
-    from ckptfs.torch_compat import load_state_dict as _load_state_dict
-
-    ck = next(root.glob("ckptfs-*"))
-    dc = next(root.glob("dcp-*"))
-
-    def load_ckptfs() -> Any:
-        return ckptfs.open(str(ck)).load(1000)
-
-    def load_dcp() -> Any:
-        sd: dict[str, Any] = {}
-        _load_state_dict(sd, storage_reader=FileSystemReader(str(dc)),
-                         planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
-                         no_dist=True)
-        return sd
-
-    times: dict[str, list[float]] = {"ckptfs": [], "dcp": []}
-    loaded: dict[str, Any] = {}
-    for _ in range(reps):
-        for name, fn in (("ckptfs", load_ckptfs), ("dcp", load_dcp)):
-            loaded.pop(name, None)
-            warm_memory(4 * WARM)
-            t0 = time.perf_counter()
-            loaded[name] = fn()
-            times[name].append(time.perf_counter() - t0)
-    a, b = flat_tensors(loaded["ckptfs"]), flat_tensors(loaded["dcp"])
-    same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    return {"times": times, "bit_identical": same, "tensors": len(a),
-            "bytes": sum(t.nbytes for t in a.values())}
-
-
-def _median(xs: Sequence[float]) -> float:
-    return round(statistics.median(xs), 4)
-
-
-def summarize(times: Mapping[str, list[float]]) -> dict[str, Any]:
-    c, d = _median(times["ckptfs"]), _median(times["dcp"])
-    return {"ckptfs_s": c, "dcp_s": d, "speedup": round(d / c, 3),
-            "times_s": {k: [round(x, 4) for x in v] for k, v in times.items()}}
-
-
-def run(size: int, reps: int, worlds: Sequence[int], world_size: int,
-        meta_worlds: Sequence[int], layers: int, root: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"machine": machine_info(), "fs": fs_type(root),
-                           "layers": layers}
+def run(size: int, rounds: int, worlds: Sequence[int], world_size: int,
+        meta_worlds: Sequence[int], layers: int, root: str, *, saves: int = 2,
+        tiny_rounds: int = 5, tiny_saves: int = 6, baseline: str | None = None,
+        prewarm: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    envs = variant_envs(baseline)
+    out: dict[str, Any] = {"machine": machine_info(), "fs": fs_type(root), "layers": layers,
+                           "variants": list(envs), "baseline": baseline,
+                           "method": "fresh jobs, variants interleaved round by round"}
     base = Path(root)
+    base.mkdir(parents=True, exist_ok=True)
 
-    def fresh(name: str) -> Path:
-        p = base / name
-        shutil.rmtree(p, ignore_errors=True)
-        p.mkdir(parents=True)
-        return p
+    def section(name: str, fn: Callable[[], Any]) -> Any:
+        la0 = os.getloadavg()[0]
+        result = fn()
+        if isinstance(result, dict):
+            result["load_average"] = [round(la0, 2), round(os.getloadavg()[0], 2)]
+        log(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'times_s'})}")
+        return result
 
-    where = fresh("w2")
-    r = launch(job_save, 2, {"bytes": size, "layers": layers, "reps": reps, "root": str(where)})
-    out["save_w2"] = {**summarize(r[0]["times"]), "bytes": r[0]["total_bytes"],
-                      "width": r[0]["width"]}
-    print(f"save W=2 {fmt_size(r[0]['total_bytes'])}: {out['save_w2']}", flush=True)
-    out["load_2_to_1"] = {**summarize((ld := bench_load(where, reps))["times"]),
-                          **{k: v for k, v in ld.items() if k != "times"}}
-    print(f"load 2->1: {out['load_2_to_1']}", flush=True)
-    shutil.rmtree(where)
+    if tiny_rounds:
+        out["tiny"] = section("tiny W=2", lambda: bench_saves(
+            envs, world=2, state="tiny", size=0, layers=0, saves=tiny_saves,
+            rounds=tiny_rounds, root=base, prewarm=prewarm, log=log)[0])
+    if size:
+        kept: dict[str, Any] = {}
+
+        def save_w2() -> dict[str, Any]:
+            res, k = bench_saves(envs, world=2, state="fsdp", size=size, layers=layers,
+                                 saves=saves, rounds=rounds, root=base, keep=True,
+                                 prewarm=prewarm, log=log)
+            kept.update(k)
+            return res
+
+        out["save_w2"] = section("save W=2", save_w2)
+        try:
+            out["load_2_to_1"] = section("load 2->1", lambda: bench_load(envs, kept,
+                                                                         rounds=rounds, log=log))
+        finally:
+            for k in kept.values():
+                shutil.rmtree(k["root"], ignore_errors=True)
     out["worlds"] = {}
     for w in worlds:
-        where = fresh(f"w{w}")
-        r = launch(job_save, w, {"bytes": world_size, "layers": layers, "reps": reps,
-                                 "root": str(where)})
-        out["worlds"][str(w)] = {**summarize(r[0]["times"]), "bytes": r[0]["total_bytes"]}
-        print(f"save W={w}: {out['worlds'][str(w)]}", flush=True)
-        shutil.rmtree(where)
+
+        def save_w(w: int = w) -> dict[str, Any]:
+            return bench_saves(envs, world=w, state="fsdp", size=world_size, layers=layers,
+                               saves=saves, rounds=rounds, root=base, prewarm=prewarm,
+                               log=log)[0]
+
+        out["worlds"][str(w)] = section(f"save W={w}", save_w)
     out["meta"] = {}
     for w in meta_worlds:
-        where = fresh(f"m{w}")
+        where = base / f"m{w}"
+        shutil.rmtree(where, ignore_errors=True)
+        where.mkdir(parents=True)
         r = launch(job_meta, w, {"bytes": 4 * MiB, "layers": 16, "root": str(where)})
         out["meta"][str(w)] = {**r[0], "calls_other_ranks": r[1]["calls"]}
-        print(f"meta W={w}: {out['meta'][str(w)]}", flush=True)
+        log(f"meta W={w}: {out['meta'][str(w)]}")
         shutil.rmtree(where)
     return out
 
@@ -322,13 +571,16 @@ def plot(doc: Mapping[str, Any], path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     s, ld = doc["save_w2"], doc["load_2_to_1"]
-    labels = [f"save W=2\n{fmt_size(s['bytes'])}", f"load 2->1\n{fmt_size(ld['bytes'])}"]
-    xs = range(len(labels))
-    ax1.bar([x - 0.2 for x in xs], [s["ckptfs_s"], ld["ckptfs_s"]], 0.4,
-            label="ckptfs (hash + verify)")
-    ax1.bar([x + 0.2 for x in xs], [s["dcp_s"], ld["dcp_s"]], 0.4, label="DCP FileSystem")
-    ax1.set_xticks(list(xs), labels)
-    ax1.set_ylabel("seconds (median)")
+    st = s.get("steady") or {}
+    bars = [(f"save W=2\n{fmt_size(s['bytes'])}, first", s["ckptfs_s"], s["dcp_s"])]
+    if st:
+        bars.append((f"save W=2\n{fmt_size(s['bytes'])}, steady", st["ckptfs_s"], st["dcp_s"]))
+    bars.append((f"load 2->1\n{fmt_size(ld['bytes'])}", ld["ckptfs_s"], ld["dcp_s"]))
+    xs = range(len(bars))
+    ax1.bar([x - 0.2 for x in xs], [b[1] for b in bars], 0.4, label="ckptfs (hash + verify)")
+    ax1.bar([x + 0.2 for x in xs], [b[2] for b in bars], 0.4, label="DCP FileSystem")
+    ax1.set_xticks(list(xs), [b[0] for b in bars])
+    ax1.set_ylabel("seconds (median, fresh jobs)")
     ax1.legend()
     ws = sorted(doc["worlds"], key=int)
     ax2.plot([int(w) for w in ws], [doc["worlds"][w]["ckptfs_s"] for w in ws], "o-",
@@ -347,13 +599,23 @@ def plot(doc: Mapping[str, Any], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__)
-    p.add_argument("--size", default="1GiB", help="total state of the W=2 save/load")
-    p.add_argument("--reps", type=int, default=3)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="1GiB", help="total state of the W=2 save/load (0: skip)")
+    p.add_argument("--reps", type=int, default=3, help="interleaved rounds (fresh jobs) per "
+                   "variant")
+    p.add_argument("--saves", type=int, default=2, help="saves per job: the first, then the "
+                   "steady state")
+    p.add_argument("--tiny-rounds", type=int, default=5, help="rounds of the tiny save (0: skip)")
+    p.add_argument("--tiny-saves", type=int, default=6, help="saves per tiny job")
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--world-size", default="256MiB", help="total state of the world table")
     p.add_argument("--meta-worlds", default="2,4,8")
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--no-prewarm", action="store_true", help="do not cycle the page cache "
+                   "through a scratch file before each save (see the module docstring)")
+    p.add_argument("--baseline", default=None, help="another ckptfs checkout, measured as a "
+                   "third variant (before/after)")
     p.add_argument("--root", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--json", default=str(RESULTS_DIR / "sharded.json"))
     p.add_argument("--plot", default=str(DOCS_DIR / "img" / "sharded_save_load.png"))
@@ -362,16 +624,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         doc = run(parse_size(a.size), a.reps, [int(w) for w in a.worlds.split(",") if w],
                   parse_size(a.world_size), [int(w) for w in a.meta_worlds.split(",") if w],
-                  a.layers, scratch)
+                  a.layers, scratch, saves=a.saves, tiny_rounds=a.tiny_rounds,
+                  tiny_saves=a.tiny_saves, baseline=a.baseline, prewarm=not a.no_prewarm)
     finally:
         if a.root is None:
             shutil.rmtree(scratch, ignore_errors=True)
     doc["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    if a.plot:
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    if a.plot and "save_w2" in doc and "load_2_to_1" in doc:
         plot(doc, Path(a.plot))
-    print(json.dumps({k: doc[k] for k in ("save_w2", "load_2_to_1")}, indent=1))
+    print(json.dumps({k: doc[k] for k in ("tiny", "save_w2", "load_2_to_1") if k in doc},
+                     indent=1))
     return 0
 
 

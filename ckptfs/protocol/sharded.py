@@ -495,7 +495,8 @@ def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
     DCP's load.  ``keys``: only these entries (dotted paths of dict keys as DCP names them,
     e.g. ``{"trainer", "rng.ranks.1"}``); only their bytes are read."""
     check_listing(storage, info)
-    reader = ShardedReader(storage, info.step, verify=verify, threads=threads)
+    reader = ShardedReader(storage, info.step, verify=verify, threads=threads,
+                           fills_own_tensors=True)
     reader.info = info
     reader.listing_checked = True
     document = reader.load_document()

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import io
 import os
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,13 +33,14 @@ from ckptfs.errors import (
     CkptfsError,
     CorruptCheckpointError,
     LoadOptionError,
+    StorageError,
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
 from ckptfs.format.hashing import digest_bytes
 from ckptfs.format.layout import StepPaths, check_step
 from ckptfs.format.limits import MAX_METADATA_BYTES
-from ckptfs.format.serialize import CODE_DTYPES
+from ckptfs.format.serialize import CODE_DTYPES, tensor_memoryview
 from ckptfs.format.sharded import (
     METADATA_NAME,
     Chunk,
@@ -58,7 +60,7 @@ from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
 from ckptfs.protocol.sharded_io import MAX_RANGE, check_checkpoint_id
-from ckptfs.storage.base import Storage, read_range
+from ckptfs.storage.base import LocalFiles, Storage, read_range, supports
 from ckptfs.torch_compat import narrow_tensor_by_index
 
 Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
@@ -102,18 +104,100 @@ def read_chunks(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry,
         pos = start
         while pos < start + length:
             chunk = _chunk_starting(entry, pos)
-            piece = view[pos - start:pos - start + chunk.length]
-            actual = digest_bytes(entry.algorithm, piece).split(":", 1)[1]
-            if actual != chunk.digest:
-                raise CorruptCheckpointError(
-                    f"{where}: bytes {chunk.offset}..{chunk.offset + chunk.length} differ from "
-                    f"their digest in the manifest (expected {chunk.digest}, got {actual}; read "
-                    f"by rank {_rank()}): the file was modified or corrupted after commit",
-                    step=info.step, path=path)
+            check_chunk(info, entry, chunk, view[pos - start:pos - start + chunk.length],
+                        where=where)
             pos += chunk.length
             if chunk.length == 0:
                 break
     return view
+
+
+def check_chunk(info: CheckpointInfo, entry: ChunkedFileEntry, chunk: Chunk,
+                data: memoryview, *, where: str) -> None:
+    """:class:`CorruptCheckpointError` unless ``data`` (the bytes of ``chunk`` of ``entry``)
+    has the chunk's digest."""
+    actual = digest_bytes(entry.algorithm, data).split(":", 1)[1]
+    if actual != chunk.digest:
+        raise CorruptCheckpointError(
+            f"{where}: bytes {chunk.offset}..{chunk.offset + chunk.length} differ from their "
+            f"digest in the manifest (expected {chunk.digest}, got {actual}; read by rank "
+            f"{_rank()}): the file was modified or corrupted after commit",
+            step=info.step, path=f"{info.path}/{entry.path}")
+
+
+def read_chunks_into(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry,
+                     start: int, chunks: list[tuple[Chunk, memoryview]], *,
+                     verify: bool = True) -> None:
+    """Read the adjacent ``chunks`` of ``entry`` (the first at ``start``) straight into their
+    buffers (one positional read per buffer on local disk, else one ranged read copied into
+    them) and, with ``verify``, check each against its digest.  Errors as :func:`read_chunks`;
+    the buffers hold unverified bytes when it raises."""
+    path = f"{info.path}/{entry.path}"
+    where = storage_url(storage, path)
+    length = sum(c.length for c, _ in chunks)
+    if supports(storage, LocalFiles) and hasattr(os, "preadv"):
+        _pread_into(cast(LocalFiles, storage).local_path(path), start,
+                    [v for _, v in chunks], info=info, path=path, where=where)
+    else:
+        data = memoryview(read_chunks(storage, info, entry, start, length, verify=False))
+        pos = 0
+        for c, v in chunks:
+            if c.length:
+                v[:] = data[pos:pos + c.length]
+            pos += c.length
+    if verify:
+        for c, v in chunks:
+            check_chunk(info, entry, c, v, where=where)
+
+
+def _pread_into(local: str, start: int, views: list[memoryview], *, info: CheckpointInfo,
+                path: str, where: str) -> None:
+    """Fill ``views`` with the bytes of the local file ``local`` from ``start`` on, in order
+    (``preadv``: the kernel copies straight into them).  ``O_NOFOLLOW``: a file replaced by a
+    link after the listing is refused."""
+    try:
+        fd = os.open(local, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: listed in the manifest but missing (read by "
+                                     f"rank {_rank()})", step=info.step, path=path) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeCheckpointError(
+                f"{where} is a symbolic link; a checkpoint may not contain links. Refusing to "
+                "read it", step=info.step, path=path) from None
+        raise StorageError(f"{where}: cannot open: {exc}") from exc
+    try:
+        pos = start
+        todo = [v for v in views if len(v)]
+        while todo:
+            try:
+                n = os.preadv(fd, todo[:_IOV_MAX], pos)
+            except OSError as exc:
+                raise StorageError(f"read {where} failed: {exc}") from exc
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    f"{where}: ends at {pos} B, the manifest declares more: the file is "
+                    f"shorter than committed (read by rank {_rank()})", step=info.step,
+                    path=path)
+            pos += n
+            while todo and n >= len(todo[0]):
+                n -= len(todo.pop(0))
+            if n:
+                todo[0] = todo[0][n:]
+    finally:
+        os.close(fd)
+
+
+#: Buffers per ``preadv`` call (Linux's IOV_MAX).
+_IOV_MAX = 1024
+
+
+def _stored_chunk(info: CheckpointInfo, entry: ChunkedFileEntry, key: Key) -> Chunk:
+    chunk = entry.chunk_at(key[1], key[2])
+    if chunk is None:  # pragma: no cover - check_locations: every item is one chunk
+        raise CorruptCheckpointError(f"{info.url}: {entry.path} has no chunk of {key[2]} B at "
+                                     f"{key[1]}", step=info.step)
+    return chunk
 
 
 def _chunk_starting(entry: ChunkedFileEntry, offset: int) -> Chunk:
@@ -175,16 +259,24 @@ class ShardedReader(StorageReader):
        ranged read each, at most :data:`MAX_RANGE`), plus the header chunk of each rank file it
        touches, checks every chunk's digest, then the header against ``dcp.msgpack``, and only
        then copies bytes into a tensor (same dtype only: never converted) or decodes a value.
+       A full load (``fills_own_tensors``: tensors nobody sees before the load returns) reads
+       whole chunks straight into its tensors and checks them there.
     """
 
     def __init__(self, storage: Storage, step: int | None = None, *, verify: bool = True,
-                 threads: int | None = None, allow_rollback: bool = False) -> None:
+                 threads: int | None = None, allow_rollback: bool = False,
+                 fills_own_tensors: bool = False) -> None:
         super().__init__()
         self.storage = storage
         self.step = None if step is None else check_step(step)
         self.verify = verify
         self.threads = threads or default_threads()
         self.allow_rollback = allow_rollback
+        #: The planner's tensors are the load's own, returned only once every chunk read is
+        #: verified (a full load): chunks are then read straight into them and verified there,
+        #: on the reading threads, instead of into a buffer copied after the check.  Never for
+        #: the caller's tensors, which see only verified bytes.
+        self.fills_own_tensors = fills_own_tensors
         self.info: CheckpointInfo | None = None
         self.document: DcpDocument | None = None
         #: Set once the attempt's listing was checked (by the coordinator, or by the caller).
@@ -303,7 +395,9 @@ class ShardedReader(StorageReader):
         # is used (keys are sorted, so a file's header comes first).
         headers = {(p, 0, manifest.chunked(p).chunks[0].length)
                    for p in {k[0] for k in groups} - self._headers_ok}
-        for views in self._fetch(manifest, sorted(set(groups) | headers)):
+        direct = self._direct(planner, groups) if self.fills_own_tensors else {}
+        dests = {k: tensor_memoryview(t) for k, (_, t) in direct.items()}
+        for views in self._fetch(manifest, sorted(set(groups) | headers), dests):
             for key, view in views:
                 if key in headers:
                     check_rank_header(view, manifest.chunked(key[0]),
@@ -311,16 +405,42 @@ class ShardedReader(StorageReader):
                                       where=storage_url(self.storage,
                                                         f"{info.path}/{key[0]}"))
                     self._headers_ok.add(key[0])
+                elif key in direct:  # read into the tensor itself, and verified there
+                    planner.commit_tensor(*direct[key])
                 else:
                     self._apply(planner, groups[key], view, info)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _fetch(self, manifest: ShardedManifest, keys: list[Key]
-               ) -> Iterator[list[tuple[Key, memoryview]]]:
+    def _direct(self, planner: LoadPlanner, groups: dict[Key, list[ReadItem]]
+                ) -> dict[Key, tuple[ReadItem, torch.Tensor]]:
+        """The stored chunks that are read straight into their target (:attr:`fills_own_tensors`):
+        a tensor chunk read whole by one item into a contiguous CPU region of the stored dtype
+        and shape.  Anything else (a slice of a chunk, another dtype: refused by
+        :meth:`_apply`) takes the copying path."""
+        out: dict[Key, tuple[ReadItem, torch.Tensor]] = {}
+        for key, reqs in groups.items():
+            req = reqs[0]
+            if len(reqs) != 1 or req.type != LoadItemType.TENSOR:
+                continue
+            found = self._shapes.get((req.storage_index.fqn,
+                                      tuple(req.storage_index.offset or ())))
+            if found is None or any(req.storage_offsets) or tuple(req.lengths) != found[1]:
+                continue
+            target = planner.resolve_tensor(req).detach()
+            if (target.dtype == found[0] and tuple(target.shape) == found[1]
+                    and target.device.type == "cpu" and target.is_contiguous()
+                    and target.numel() * target.element_size() == key[2]):
+                out[key] = (req, target)
+        return out
+
+    def _fetch(self, manifest: ShardedManifest, keys: list[Key],
+               dests: dict[Key, memoryview]) -> Iterator[list[tuple[Key, memoryview]]]:
         """Coalesce adjacent chunks into ranged reads, run them on a pool (at most ``threads``
-        in flight beyond the one being applied), yield each verified run's chunk views."""
+        in flight beyond the one being applied), yield each verified run's chunk views.  A run
+        holding a chunk with a destination in ``dests`` is read straight into it (and the
+        run's other chunks into buffers of their own), and verified there."""
         runs: list[list[Key]] = []
         for key in keys:
             last = runs[-1][-1] if runs else None
@@ -333,8 +453,13 @@ class ShardedReader(StorageReader):
 
         def fetch(run: list[Key]) -> list[tuple[Key, memoryview]]:
             path, start = run[0][0], run[0][1]
-            length = run[-1][1] + run[-1][2] - start
             entry = manifest.chunked(path)
+            if any(k in dests for k in run):
+                bufs = [(_stored_chunk(info, entry, k), dests.get(k) or tensor_memoryview(
+                    torch.empty(k[2], dtype=torch.uint8))) for k in run]
+                read_chunks_into(self.storage, info, entry, start, bufs, verify=self.verify)
+                return [(k, v) for k, (_, v) in zip(run, bufs, strict=True)]
+            length = run[-1][1] + run[-1][2] - start
             view = read_chunks(self.storage, info, entry, start, length, verify=self.verify)
             return [(k, view[k[1] - start:k[1] - start + k[2]]) for k in run]
 
