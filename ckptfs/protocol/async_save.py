@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -79,8 +79,6 @@ if TYPE_CHECKING:
     from ckptfs.protocol.store import CheckpointStore
 
 log = logging.getLogger("ckptfs")
-
-R = TypeVar("R")
 
 
 @dataclass
@@ -616,32 +614,3 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# -- follow-up work on the caller's thread (CheckpointManager(async_save=True)) -----------------
-
-
-class DeferredCommits(Generic[R]):
-    """Async saves whose follow-up work (retention, pruning, the best record) runs on the
-    caller's thread once the save committed: at :meth:`finish`, which the owner calls before its
-    next save, its restore and in its ``wait``.  Never before the commit, never concurrently with
-    the owner's other methods, so the owner needs no locks."""
-
-    def __init__(self, store: CheckpointStore) -> None:
-        self.store = store
-        self._pending: list[tuple[SaveFuture, Callable[[CheckpointInfo], R]]] = []
-
-    def submit(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None,
-               then: Callable[[CheckpointInfo], R]) -> SaveFuture:
-        fut = self.store.save_async(step, state, metadata=metadata)
-        self._pending.append((fut, then))
-        return fut
-
-    def finish(self) -> list[R]:
-        """Wait for each pending save in order and run its follow-up; a failed save raises its
-        error (its follow-up never runs)."""
-        out: list[R] = []
-        while self._pending:
-            fut, then = self._pending.pop(0)
-            out.append(then(fut.result()))
-        return out
