@@ -43,7 +43,7 @@ from ckptfs.format.layout import (
     step_dir_name,
 )
 from ckptfs.format.limits import MAX_FILE_SIZE, MAX_FILES
-from ckptfs.format.manifest import FILE_KEYS, MANIFEST_KEYS, MANIFEST_SCHEMA, FileEntry, Manifest
+from ckptfs.format.manifest import FILE_KEYS, MANIFEST_KEYS, MANIFEST_SCHEMA, Manifest
 from ckptfs.format.sharded import (
     Chunk,
     ChunkedFileEntry,
@@ -303,5 +303,5 @@ def referenced_chunks(manifests: Iterable[Manifest]) -> dict[str, set[tuple[int,
     return out
 
 
-__all__ = ["DEFAULT_LEASE_S", "INCREMENTAL_FORMAT_VERSION", "INCREMENTAL_LAYOUT", "IncrementalManifest",
-           "Reference", "reference_name", "referenced_chunks"]
+__all__ = ["DEFAULT_LEASE_S", "INCREMENTAL_FORMAT_VERSION", "INCREMENTAL_LAYOUT",
+           "IncrementalManifest", "Reference", "reference_name", "referenced_chunks"]

@@ -39,8 +39,9 @@ DOCUMENT_LIMITS: dict[int, dict[str, int]] = {
 
 def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     """Decode a manifest of any version this ckptfs reads: v1 (:class:`Manifest`), v2
-    (:class:`ShardedManifest`) or v3 (:class:`IncrementalManifest`).  A newer version raises :class:`FormatVersionError`; anything
-    malformed :class:`CorruptCheckpointError` (or :class:`UnsafeCheckpointError`)."""
+    (:class:`ShardedManifest`) or v3 (:class:`IncrementalManifest`).  A newer version raises
+    :class:`FormatVersionError`; anything malformed :class:`CorruptCheckpointError` (or
+    :class:`UnsafeCheckpointError`)."""
     doc = load_json(data, MAX_MANIFEST_BYTES, where)  # bounded: size, depth, duplicate keys
     version = doc.get("format_version")
     if isinstance(version, int) and not isinstance(version, bool) \
