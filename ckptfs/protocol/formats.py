@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ckptfs.errors import CorruptCheckpointError, FormatVersionError
+from ckptfs.format.incremental import INCREMENTAL_FORMAT_VERSION
 from ckptfs.format.layout import FORMAT_VERSION
 from ckptfs.format.limits import MAX_DEPTH
 from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
@@ -147,6 +148,10 @@ FORMATS: dict[int, FormatOps] = {
     FORMAT_VERSION: FormatOps(FORMAT_VERSION, lambda: load_v1, lambda: verify_v1,
                               lambda: check_v1),
     SHARDED_FORMAT_VERSION: FormatOps(SHARDED_FORMAT_VERSION, _v2_load, _v2_verify, _v2_check),
+    # v3 is v1's state and tensor files, chunked, with references: the same reader, which
+    # reads a reference's chunks where they are stored (docs/protocol.md §9).
+    INCREMENTAL_FORMAT_VERSION: FormatOps(INCREMENTAL_FORMAT_VERSION, lambda: load_v1,
+                                          lambda: verify_v1, lambda: check_v1),
 }
 
 

@@ -14,13 +14,14 @@ from ckptfs.errors import (
     UnsafeCheckpointError,
 )
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
-from ckptfs.format.incremental import DEFAULT_GRACE_S
+from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES
 from ckptfs.protocol import async_save
 from ckptfs.protocol.collective import wants_sharded_save
-from ckptfs.protocol.commit import default_threads, save_checkpoint
+from ckptfs.protocol.commit import default_threads, plan_v1
 from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verify_checkpoint
+from ckptfs.protocol.incremental import ReuseMemory, write_plan
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
 from ckptfs.protocol.references import free_step, shared_attempts
 from ckptfs.protocol.resolve import (
@@ -50,16 +51,23 @@ class CheckpointStore:
 
     def __init__(self, storage: Storage, *, algorithm: str = DEFAULT_ALGORITHM,
                  durable: bool = True, threads: int | None = None,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, incremental: bool = False,
+                 lease_s: float = DEFAULT_LEASE_S) -> None:
         new_hasher(algorithm)
         self.storage = storage
+        #: Single-process saves write format v3, referencing bytes an earlier checkpoint
+        #: holds instead of writing them again (docs/incremental.md).
+        self.incremental = incremental
+        self.reuse: ReuseMemory | None = ReuseMemory() if incremental else None
+        self.lease_s = lease_s
         self.algorithm = algorithm
         self.durable = durable
         self.threads = threads or default_threads()
         self.shard_bytes = shard_bytes
         #: An uncommitted attempt younger than this may be a save still running: a delete
-        #: keeps what its manifest references (docs/protocol.md §9.5).  Exceeds the lease.
-        self.grace_s: float = DEFAULT_GRACE_S
+        #: keeps what its manifest references (docs/protocol.md §9.5).  Exceeds the lease by
+        #: the default margin for clock skew (1 h against the default 30 min lease).
+        self.grace_s: float = max(DEFAULT_GRACE_S, lease_s + DEFAULT_GRACE_S - DEFAULT_LEASE_S)
         caps = storage.capabilities
         if caps.exclusive_create == "none":
             log.warning("%s: %s", storage.url, caps.caveat or "no exclusive create on this "
@@ -91,9 +99,12 @@ class CheckpointStore:
             return sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
                                         durable=self.durable, threads=self.threads,
                                         metadata=metadata, process_group=process_group)
-        return save_checkpoint(self.storage, step, state, algorithm=self.algorithm,
-                               durable=self.durable, threads=self.threads, metadata=metadata,
-                               shard_bytes=self.shard_bytes)
+        check_step(step)
+        new_hasher(self.algorithm)
+        plan, meta = plan_v1(state, metadata=metadata, shard_bytes=self.shard_bytes)
+        return write_plan(self.storage, step, plan, meta, algorithm=self.algorithm,
+                          durable=self.durable, threads=self.threads, memory=self.reuse,
+                          lease_s=self.lease_s)
 
     def delete(self, step: int) -> None:
         """Delete a checkpoint: the marker first, so a half-deleted checkpoint never reads as
@@ -293,15 +304,19 @@ class CheckpointStore:
 
 
 def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
-         threads: int | None = None, retries: int = 3,
-         **storage_options: Any) -> CheckpointStore:
+         threads: int | None = None, retries: int = 3, incremental: bool = False,
+         lease_s: float = DEFAULT_LEASE_S, **storage_options: Any) -> CheckpointStore:
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
 
     ``retries``: how many times an idempotent storage call that failed transiently is repeated
     (with capped exponential backoff; 0 disables, see :mod:`ckptfs.storage.retry`).
+    ``incremental``: single-process saves write format v3 and reference the bytes an earlier
+    checkpoint of the run already holds instead of writing them again (docs/incremental.md);
+    ``lease_s``: how long such a save may take before it gives up its references.
     ``storage_options`` go to the fsspec implementation (e.g. ``endpoint_url``, ``key``,
     ``secret`` for S3; ``token`` for GCS; ``connection_string`` for Azure)."""
     storage: Storage = FsspecStorage(url, **storage_options)
     if retries > 0:
         storage = RetryingStorage(storage, attempts=retries + 1)
-    return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads)
+    return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads,
+                           incremental=incremental, lease_s=lease_s)
