@@ -351,3 +351,163 @@ def test_run_usage_with_an_unreadable_checkpoint(quick_backend: Backend) -> None
     usage = run_usage(quick_backend.open().storage)
     assert [c.step for c in usage.checkpoints] == [1] and list(usage.unreadable) == [2]
     assert usage.checkpoints[0].exclusive_bytes is None  # step 2 might reference it
+
+
+# -- with the incremental writer and reader ---------------------------------------------------
+
+
+_BASE: dict[str, Any] = {}
+
+
+def lora(step: int) -> dict[str, Any]:
+    """A frozen base (the same tensor objects, same bytes, at every step: what a training loop
+    saves) and a small adapter that changes."""
+    import torch
+
+    if not _BASE:
+        g = torch.Generator().manual_seed(0)
+        _BASE.update({f"layer{i}": torch.randn(64, 64, generator=g) for i in range(4)})
+    return {"base": dict(_BASE), "adapter": torch.full((8, 64), float(step)), "step": step}
+
+
+def _equal(got: Any, want: Any) -> bool:
+    import torch
+
+    if isinstance(want, torch.Tensor):
+        return (isinstance(got, torch.Tensor) and got.dtype == want.dtype
+                and got.shape == want.shape
+                and bytes(got.contiguous().view(torch.uint8).numpy())
+                == bytes(want.contiguous().view(torch.uint8).numpy()))
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(
+            _equal(got[k], want[k]) for k in want)
+    return bool(got == want)
+
+
+def stored_files(backend: Backend) -> dict[str, int]:
+    return {p: n for p, n in backend.raw_files(CHECKPOINTS_DIR).items()
+            if not p.endswith("/COMPLETE")}
+
+
+def test_saved_delete_keeps_bytes_later_loads_then_everything_freed(backend: Backend) -> None:
+    store = backend.open(incremental=True)
+    store.save(1, lora(1))
+    info2 = store.save(2, lora(2))
+    assert info2.bytes_written < info2.bytes  # the base is referenced, not written
+    first = store.info(1)
+    store.delete(1)
+    assert store.steps() == [2]
+    assert backend.raw_exists(f"{first.path}/MANIFEST.json")  # retired: step 2 uses it
+    fresh = backend.open()
+    assert _equal(fresh.load(2), lora(2))
+    fresh.verify(2)
+    usage = run_usage(fresh.storage)
+    assert usage.retired == [first.path]
+    assert usage.stored_bytes == sum(stored_files(backend).values())  # nothing else stored
+    store.delete(2)
+    assert store.steps() == []
+    report = collect(store.storage, older_than=ZERO)
+    assert [i.path for i in report.items if i.kind == "attempt"] == [first.path]
+    assert stored_files(backend) == {}  # 0 leaked bytes
+
+
+def test_run_of_saves_with_keep_last_leaks_nothing(quick_backend: Backend) -> None:
+    """Six saves, each older one deleted once two newer exist: after a gc, what is stored is
+    exactly what the committed checkpoints need (their attempts and the retired attempts they
+    reference), and each loads bit-exact."""
+    store = quick_backend.open(incremental=True)
+    for step in range(1, 7):
+        store.save(step, lora(step))
+        for old in store.steps()[:-2]:
+            store.delete(old)
+    collect(store.storage, older_than=ZERO)
+    usage = run_usage(store.storage)
+    assert [c.step for c in usage.checkpoints] == [5, 6]
+    assert usage.retired == [store.info(5).manifest.references[0].attempt_dir]
+    files = stored_files(quick_backend)
+    assert usage.stored_bytes == sum(files.values())
+    needed = {store.info(s).path for s in (5, 6)} | set(usage.retired)
+    assert {p.rsplit("/", 1)[0] for p in files} == needed
+    for step in (5, 6):
+        assert _equal(quick_backend.open().load(step), lora(step))
+    info6 = store.info(6)
+    row = {c.step: c for c in usage.checkpoints}[6]
+    assert (row.bytes, row.bytes_written) == (info6.bytes, info6.bytes_written)
+    assert row.exclusive_bytes == info6.bytes_written  # nothing references step 6's files
+
+
+class AfterFence(StorageWrapper):
+    """Runs ``action`` once, right after the saver's fence read its protector's marker (its
+    manifest is written): the delete then races a save that is past its fence."""
+
+    def __init__(self, inner: Storage, protector_marker: str, action: Any) -> None:
+        super().__init__(inner)
+        self.marker = protector_marker
+        self.action = action
+        self.manifest_written = False
+        self.fired = False
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        super().write_bytes(path, data)
+        if path.endswith("/MANIFEST.json"):
+            self.manifest_written = True
+
+    def read_bytes(self, path: str) -> bytes:
+        data = super().read_bytes(path)
+        if path == self.marker and self.manifest_written and not self.fired:
+            self.fired = True
+            self.action()
+        return data
+
+
+def test_delete_racing_a_save_past_its_fence_keeps_its_bytes(quick_backend: Backend) -> None:
+    store = quick_backend.open(incremental=True)
+    store.save(1, lora(1))
+    protector = store.info(1)
+    deleter = quick_backend.open()
+
+    def delete_and_collect() -> None:
+        deleter.delete(1)  # the save's manifest is young: what it references is kept
+        assert quick_backend.raw_exists(f"{protector.path}/MANIFEST.json")
+        collect(deleter.storage, older_than=DEFAULT_GRACE)
+        assert quick_backend.raw_exists(f"{protector.path}/MANIFEST.json")
+
+    hooked = AfterFence(store.storage, StepPaths(1).marker, delete_and_collect)
+    store.storage = hooked
+    info = store.save(2, lora(2))
+    assert hooked.fired and info.bytes_written < info.bytes
+    assert deleter.steps() == [2]
+    assert _equal(quick_backend.open().load(2), lora(2))
+    quick_backend.open().verify(2)
+
+
+def test_in_flight_save_manifest_protects_from_gc(quick_backend: Backend,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc during the same race: the protector saved two hours ago (its attempt is older than
+    the grace), its marker removed by a delete that stopped right after it, the save young and
+    past its fence: gc's scan keeps the protector's attempt, from the save's manifest alone."""
+    import ckptfs.protocol.commit as commit
+
+    def two_hours_ago() -> str:
+        return new_attempt_name(datetime.now(timezone.utc) - timedelta(hours=2))
+
+    store = quick_backend.open(incremental=True)
+    monkeypatch.setattr(commit, "new_attempt_name", two_hours_ago)
+    store.save(1, lora(1))
+    monkeypatch.undo()
+    protector = store.info(1)
+    other = quick_backend.open()
+    seen: list[Any] = []
+
+    def crash_deleter_then_gc() -> None:
+        quick_backend.raw_delete(StepPaths(1).marker)  # a delete that stopped after the marker
+        seen.append(collect(other.storage, older_than=DEFAULT_GRACE))
+
+    store.storage = AfterFence(store.storage, StepPaths(1).marker, crash_deleter_then_gc)
+    info = store.save(2, lora(2))  # its fence saw the marker (t1 < t2): it commits
+    (report,) = seen
+    assert [i.path for i in report.retired] == [protector.path] and report.items == []
+    assert {r.attempt_dir for r in info.manifest.references} == {protector.path}
+    assert _equal(quick_backend.open().load(2), lora(2))
+    report = collect(other.storage, older_than=DEFAULT_GRACE)  # now step 2 is committed
+    assert [i.path for i in report.retired] == [protector.path] and report.items == []

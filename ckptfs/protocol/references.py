@@ -279,11 +279,6 @@ class RunUsage:
     unreadable: dict[int, str] = field(default_factory=dict)
 
 
-def logical_bytes(manifest: Manifest) -> int:
-    return manifest.logical_bytes if isinstance(manifest, IncrementalManifest) \
-        else manifest.total_bytes
-
-
 def run_usage(storage: Storage) -> RunUsage:
     """Sizes of every committed checkpoint and the run's stored bytes, from one listing and
     the marker and manifest of each committed step."""
@@ -295,10 +290,9 @@ def run_usage(storage: Storage) -> RunUsage:
     for info in committed.infos:
         key = (info.step, info.attempt)
         shared = any(key in used for other, used in by_checkpoint.items() if other != key)
-        exclusive = None if committed.unreadable else (0 if shared else info.total_bytes)
-        usage.checkpoints.append(CheckpointUsage(info.step, info.attempt,
-                                                 logical_bytes(info.manifest),
-                                                 info.total_bytes, exclusive))
+        exclusive = None if committed.unreadable else (0 if shared else info.bytes_written)
+        usage.checkpoints.append(CheckpointUsage(info.step, info.attempt, info.bytes,
+                                                 info.bytes_written, exclusive))
     usage.checkpoints.sort(key=lambda c: c.step)
     live = {(c.step, c.attempt) for c in usage.checkpoints}
     used_anywhere = set().union(*by_checkpoint.values()) if by_checkpoint else set()
