@@ -21,6 +21,14 @@ Three kinds of garbage, each removed only when it is older than a grace period:
 Concurrent ``gc`` and ``prune`` runs on one run root are safe: something another process
 removed first is noted (``note``), not reported as a failure.
 
+Incremental (format v3) attempts share bytes: an uncommitted attempt older than the grace whose
+manifest is v3 (or does not decode) is removed only if none of its files is referenced.  Every
+step's marker is read first, then one reference scan runs with gc's grace
+(:func:`ckptfs.protocol.references.scan_references`, docs/protocol.md §9.5), then gc decides.
+An attempt still referenced (*retired* by a delete) is kept and reported in
+:attr:`GcReport.retired` with the bytes it keeps stored; if a committed manifest cannot be read,
+every such attempt is kept and the refusal is listed in ``skipped``.
+
 A step's committed attempt and its marker are never touched; a step whose marker does not parse
 is left alone entirely (that is for ``verify`` and a human, not for a collector).  Everything
 removed (or that would be, with ``dry_run``) is listed with its size in a :class:`GcReport`.
