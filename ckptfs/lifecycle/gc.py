@@ -286,9 +286,10 @@ def _referenced(storage: Storage, base: str, grace: timedelta, now: datetime,
     """The attempts holding referenced files (one scan of the run root, with gc's grace), or
     ``None`` (keep every v3 attempt) when a committed manifest cannot be read."""
     if grace.total_seconds() < DEFAULT_LEASE_S:
-        log.warning("gc at %s: grace %s is shorter than an incremental save's lease (%d s): an "
-                    "in-flight save's references are protected only while it is younger than "
-                    "the grace", storage.url, grace, DEFAULT_LEASE_S)
+        log.warning("gc at %s: grace %s is shorter than the default lease of an incremental "
+                    "save (%d s): an in-flight save's references are protected only while it "
+                    "is younger than the grace (keep the grace above every saver's lease_s "
+                    "plus clock skew)", storage.url, grace, DEFAULT_LEASE_S)
     try:
         return referenced_attempts(scan_references(storage, grace_s=grace.total_seconds(),
                                                    now=now))
