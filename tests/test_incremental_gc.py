@@ -188,19 +188,23 @@ def test_delete_keeps_referenced_then_gc_frees_everything(backend: Backend) -> N
     a_files = attempt_files(backend, a)
     store.delete(1)
     assert store.steps() == [2]
-    assert attempt_files(backend, a) == a_files  # retired: kept whole, without its marker
+    # retired: without its marker, only the referenced file and the manifest kept (the
+    # manifest says "v3, may be referenced" to a later delete or gc); state.msgpack freed
+    kept = {p: n for p, n in a_files.items()
+            if p.endswith(("/tensors-00000.safetensors", "/MANIFEST.json"))}
+    assert attempt_files(backend, a) == kept and len(kept) == len(a_files) - 1
     assert not backend.raw_exists(StepPaths(1).marker)
     report = collect(store.storage, older_than=DEFAULT_GRACE)
     assert report.items == []
     assert [i.path for i in report.retired] == [a.dir]
-    assert report.retired[0].bytes == sum(a_files.values()) == report.bytes_retired
+    assert report.retired[0].bytes == sum(kept.values()) == report.bytes_retired
     assert report.as_dict()["bytes_retired"] == report.bytes_retired
     store.delete(2)
     assert store.steps() == [] and backend.raw_files(StepPaths(2).dir) == {}
-    assert attempt_files(backend, a) == a_files  # b was young: no gc in delete
+    assert attempt_files(backend, a) == kept  # b was young: no gc in delete
     report = collect(store.storage, older_than=ZERO)
     assert [i.path for i in report.items if i.kind == "attempt"] == [a.dir]
-    assert report.retired == [] and report.bytes_freed == sum(a_files.values())
+    assert report.retired == [] and report.bytes_freed == sum(kept.values())
     assert backend.raw_files(CHECKPOINTS_DIR) == {}  # 0 leaked bytes
 
 
@@ -218,7 +222,8 @@ def test_in_flight_save_protects_from_delete_and_gc(quick_backend: Backend) -> N
     s = plant_v3(quick_backend, 2, {"tensors-00000.safetensors": b"s" * 10}, commit=False,
                  age_h=0.1, refs=(a.ref("tensors-00000.safetensors", 0, (0, 80)),))
     store = quick_backend.open()
-    kept = attempt_files(quick_backend, a)
+    kept = {p: n for p, n in attempt_files(quick_backend, a).items()
+            if not p.endswith("/state.msgpack")}  # what a retired attempt keeps
     store.delete(1)
     assert attempt_files(quick_backend, a) == kept
     report = collect(store.storage, older_than=DEFAULT_GRACE)
@@ -326,7 +331,7 @@ def test_ls_sizes(quick_backend: Backend, capsys: pytest.CaptureFixture[str]) ->
     rows = {r["step"]: r for r in doc["checkpoints"]}
     assert rows[1] == {"step": 1, "committed": True, "attempt": a.attempt,
                        "bytes": 100 + state, "bytes_written": 100 + state,
-                       "exclusive_bytes": 0}  # B references it: deleting frees nothing
+                       "exclusive_bytes": state}  # B references its tensors: kept
     assert rows[2] == {"step": 2, "committed": True, "attempt": b.attempt,
                        "bytes": 30 + state + 20 + 40, "bytes_written": 30 + state,
                        "exclusive_bytes": 30 + state}
@@ -339,7 +344,7 @@ def test_ls_sizes(quick_backend: Backend, capsys: pytest.CaptureFixture[str]) ->
     doc = _ls(quick_backend, capsys)
     assert doc["checkpoints"][0] == {"step": 1, "committed": False, "retired": True}
     assert [r["step"] for r in doc["checkpoints"]] == [1, 2, 7]
-    assert doc["stored_bytes"] == a_dir + b_dir and doc["retired"] == [a.dir]
+    assert doc["stored_bytes"] == a_dir - state + b_dir and doc["retired"] == [a.dir]
     assert doc["checkpoints"][1]["exclusive_bytes"] == 30 + state
     assert cli_main(["ls", quick_backend.url]) == 0
     assert "           1  retired" in capsys.readouterr().out

@@ -55,7 +55,12 @@ from ckptfs.format.layout import (
     parse_step_dir,
 )
 from ckptfs.format.versions import decode_manifest
-from ckptfs.protocol.references import referenced_attempts, scan_references
+from ckptfs.protocol.references import (
+    References,
+    free_unreferenced,
+    referenced_attempts,
+    scan_references,
+)
 from ckptfs.protocol.resolve import read_marker
 from ckptfs.storage.base import (
     EmptyDirRemoval,
@@ -155,7 +160,7 @@ def collect(storage: Storage, *, older_than: timedelta = DEFAULT_GRACE, dry_run:
     now = now or datetime.now(timezone.utc)
     report = GcReport(storage.url, dry_run, older_than.total_seconds())
     for prefix in ["", *_artifact_prefixes(storage)]:
-        _collect_checkpoints(storage, prefix, older_than, now, report)
+        _collect_checkpoints(storage, prefix, older_than, now, report, dry_run)
     if multipart:
         _collect_multipart(storage, older_than, now, report)
     for item in report.items:
@@ -196,7 +201,7 @@ class _StepScan:
 
 
 def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: datetime,
-                         report: GcReport) -> None:
+                         report: GcReport, dry_run: bool = False) -> None:
     base = f"{prefix}{CHECKPOINTS_DIR}"
     sub = SubStorage(storage, prefix.rstrip("/")) if prefix else storage
     steps: list[_StepScan] = []
@@ -246,17 +251,21 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
     # Every marker above was read before this scan starts (docs/protocol.md §9.5): an
     # attempt found uncommitted is freed only if nothing read after its marker went away
     # references it.
-    used = _referenced(sub, base, grace, now, report) if shared else {}
+    refs = _referenced(sub, base, grace, now, report) if shared else {}
+    used = None if refs is None else referenced_attempts(refs)
     for scan in steps:
         removable = 0
         for item in scan.items:
             key = shared.get(id(item))
             if key is not None and (used is None or key in used):
                 kept = "unknown" if used is None else f"{used[key]} B"
+                freed = 0 if refs is None else free_unreferenced(
+                    sub, item.path[len(prefix):], refs, dry_run=dry_run)
                 report.retired.append(GcItem(
-                    "retired", item.path, item.bytes, item.age_s,
+                    "retired", item.path, item.bytes - freed, item.age_s,
                     note=f"kept: no marker, but {kept} of its files are referenced by "
-                         "committed (or in-flight) checkpoints"))
+                         f"committed (or in-flight) checkpoints; {freed} B of its other files "
+                         f"{'would be ' if dry_run else ''}freed"))
                 continue
             report.items.append(item)
             removable += 1
@@ -282,17 +291,16 @@ def _may_be_referenced(storage: Storage, paths: StepPaths, attempt: str,
 
 
 def _referenced(storage: Storage, base: str, grace: timedelta, now: datetime,
-                report: GcReport) -> dict[tuple[int, str], int] | None:
-    """The attempts holding referenced files (one scan of the run root, with gc's grace), or
-    ``None`` (keep every v3 attempt) when a committed manifest cannot be read."""
+                report: GcReport) -> References | None:
+    """The referenced files (one scan of the run root, with gc's grace), or ``None`` (keep
+    every v3 attempt whole) when a committed manifest cannot be read."""
     if grace.total_seconds() < DEFAULT_LEASE_S:
         log.warning("gc at %s: grace %s is shorter than the default lease of an incremental "
                     "save (%d s): an in-flight save's references are protected only while it "
                     "is younger than the grace (keep the grace above every saver's lease_s "
                     "plus clock skew)", storage.url, grace, DEFAULT_LEASE_S)
     try:
-        return referenced_attempts(scan_references(storage, grace_s=grace.total_seconds(),
-                                                   now=now))
+        return scan_references(storage, grace_s=grace.total_seconds(), now=now)
     except CorruptCheckpointError as exc:
         report.skipped.append(f"{base}: uncommitted incremental attempts kept: {exc}")
         log.warning("gc at %s: %s", storage.url, exc)

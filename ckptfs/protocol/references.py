@@ -222,14 +222,35 @@ def shared_attempts(storage: Storage, paths: StepPaths) -> list[str]:
     return out
 
 
+def free_unreferenced(storage: Storage, attempt_dir: str, refs: References, *,
+                      dry_run: bool = False) -> int:
+    """Delete the files of a retired attempt that nothing references (its ``state.msgpack``,
+    the files of tensors that changed since), keeping its referenced files and its
+    ``MANIFEST.json`` (what tells a later delete or gc that the attempt is format v3 and may be
+    referenced).  Returns the bytes freed.  Safe for the reason the scan is (§9.5): a save can
+    reference only a file its protector references, which the scan kept."""
+    freed = 0
+    for e in storage.list_tree(attempt_dir):
+        if e.name in refs or e.basename == MANIFEST_NAME or e.is_link:
+            continue
+        if not dry_run:
+            try:
+                storage.delete(e.name)
+            except StorageNotFoundError:
+                continue  # another delete or gc freed it first
+        freed += e.size
+    return freed
+
+
 def free_step(storage: Storage, paths: StepPaths, *, grace_s: float,
               now: datetime | None = None) -> list[str]:
     """Called after the step's marker was deleted: scan for references, then delete every
-    entry of the step directory except the attempts holding a referenced file, which are kept
-    whole (*retired*: logged).  Returns the retired attempts.  Raises what
+    entry of the step directory except the attempts holding a referenced file, which are
+    *retired* (logged): only their referenced files and manifest are kept
+    (:func:`free_unreferenced`).  Returns the retired attempts.  Raises what
     :func:`scan_references` raises, having deleted nothing."""
-    used = referenced_attempts(scan_references(storage, grace_s=grace_s, skip_step=paths.step,
-                                               now=now))
+    refs = scan_references(storage, grace_s=grace_s, skip_step=paths.step, now=now)
+    used = referenced_attempts(refs)
     children = storage.list_dir(paths.dir)
     kept = [c.basename for c in children
             if (paths.step, c.basename.removeprefix(TMP_PREFIX)) in used]
@@ -238,10 +259,12 @@ def free_step(storage: Storage, paths: StepPaths, *, grace_s: float,
         return []
     for child in children:
         if child.basename in kept:
-            log.info("step %d at %s: attempt %s kept (retired: no marker, %d B of its files "
-                     "are referenced by other checkpoints); garbage collection removes it once "
-                     "nothing references it", paths.step, storage.url, child.basename,
-                     used[(paths.step, child.basename.removeprefix(TMP_PREFIX))])
+            freed = free_unreferenced(storage, child.name, refs)
+            log.info("step %d at %s: attempt %s retired (no marker; %d B of its files are "
+                     "referenced by other checkpoints and kept, %d B freed); garbage "
+                     "collection removes the rest once nothing references it", paths.step,
+                     storage.url, child.basename,
+                     used[(paths.step, child.basename.removeprefix(TMP_PREFIX))], freed)
         elif child.is_dir:
             storage.delete_tree(child.name)
         else:
@@ -256,9 +279,9 @@ def free_step(storage: Storage, paths: StepPaths, *, grace_s: float,
 class CheckpointUsage:
     """Sizes of one committed checkpoint.  ``bytes``: its logical size (a full load reads
     this much); ``bytes_written``: its own files; ``exclusive_bytes``: what deleting it would
-    free (its own files, unless another committed checkpoint references one of them: then its
-    attempt is kept whole and nothing is freed, 0); ``None`` when an unreadable committed
-    checkpoint makes it unknown."""
+    free (its own files that no other committed checkpoint references: a referenced file is
+    kept, with the attempt's manifest); ``None`` when an unreadable committed checkpoint makes
+    it unknown."""
 
     step: int
     attempt: str
@@ -285,17 +308,23 @@ def run_usage(storage: Storage) -> RunUsage:
     committed = read_all_committed(storage)
     usage = RunUsage(unreadable={parse_step_dir(n) or 0: str(e)
                                  for n, e in committed.unreadable.items()})
-    by_checkpoint = {(i.step, i.attempt): referenced_attempts(referenced_chunks([i.manifest]))
+    by_checkpoint = {(i.step, i.attempt): set(referenced_chunks([i.manifest]))
                      for i in committed.infos}
     for info in committed.infos:
         key = (info.step, info.attempt)
-        shared = any(key in used for other, used in by_checkpoint.items() if other != key)
-        exclusive = None if committed.unreadable else (0 if shared else info.bytes_written)
+        used_by_others: set[str] = set()
+        for other, files in by_checkpoint.items():
+            if other != key:
+                used_by_others |= files
+        # what a delete frees: its own files no other committed checkpoint references
+        free = sum(f.size for f in info.manifest.files
+                   if f"{info.path}/{f.path}" not in used_by_others)
+        exclusive = None if committed.unreadable else free
         usage.checkpoints.append(CheckpointUsage(info.step, info.attempt, info.bytes,
                                                  info.bytes_written, exclusive))
     usage.checkpoints.sort(key=lambda c: c.step)
     live = {(c.step, c.attempt) for c in usage.checkpoints}
-    used_anywhere = set().union(*by_checkpoint.values()) if by_checkpoint else set()
+    used_anywhere = {location_attempt(loc) for files in by_checkpoint.values() for loc in files}
     retired: set[tuple[str, str]] = set()
     for entry in committed.listing:
         parts = _parts(entry)
