@@ -180,3 +180,43 @@ def test_export_of_incremental_step(local_backend: Backend, tmp_path: Any,
     tensors = load_file(str(out))
     assert torch.equal(tensors["base/w1"], state(2)["base"]["w1"])
     assert torch.equal(tensors["adapter/a"], state(2)["adapter"]["a"])
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("reuse", [False, True], ids=["materialize", "reference"])
+def test_cp_crash_at_every_call_commits_nothing_partial(
+        kind: str, reuse: bool, request: pytest.FixtureRequest) -> None:
+    """A v3 copy killed at any mutating call of the destination leaves step 2 uncommitted (the
+    destination's step 1, which it may reference, untouched) and the next copy succeeds;
+    killed after the marker, it is committed whole."""
+    from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
+
+    src = populate(request.getfixturevalue("memory_backend"))
+    base: Backend = request.getfixturevalue(f"{kind}_backend")
+
+    def fresh(name: str) -> Backend:
+        b = base.sibling(name)
+        if reuse:
+            copy_step(src.storage, b.open().storage, 1, threads=1)
+        return b
+
+    clean = FaultyStorage(fresh("clean").open().storage)
+    copy_step(src.storage, clean, 2, threads=1)
+    total = clean.count
+    assert total >= 4
+    for k in range(1, total + 1):
+        dst_b = fresh(f"crash{k}")
+        faulty = FaultyStorage(dst_b.open().storage, crash_at=k)
+        with pytest.raises(SimulatedCrash):
+            copy_step(src.storage, faulty, 2, threads=1)
+        dst = dst_b.open()
+        assert dst.steps() == ([1] if reuse else []), f"crash at call {k} of {total}"
+        copy_step(src.storage, dst.storage, 2, threads=1)  # the retry commits
+        assert dst_b.open().verify(2).ok
+        assert bool(manifest(dst_b.open(), 2).references) == reuse
+    dst_b = fresh("after")
+    faulty = FaultyStorage(dst_b.open().storage, crash_at=total, crash_after=True)
+    with pytest.raises(SimulatedCrash):
+        copy_step(src.storage, faulty, 2, threads=1)
+    assert 2 in dst_b.open().steps() and dst_b.open().verify(2).ok
+    assert_same(state(2), dst_b.open().load(2))
