@@ -125,7 +125,7 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
     if existing is not None:
         if same_content(existing.manifest, manifest):
             return CopyResult(step, "identical", existing.attempt, len(manifest.files),
-                              manifest.total_bytes)
+                              info.bytes)
         raise CheckpointExistsError(
             f"step {step} is already committed at {storage_url(dst, existing.paths.dir)} with "
             f"different content than {info.url}; a committed checkpoint is never overwritten: "
