@@ -45,11 +45,25 @@ def sweep_save_crashes(backend: Backend, *, tear: bool | None = None, threads: i
 
     ``path``: how the save writes (:mod:`.paths`): ``store.save``, ``save_async`` (the crash
     hits the background thread), ``ckptfs cp`` (the crash hits the destination; the source is
-    a scratch root), or any of them through a sub-storage.  A copy of a step already committed
-    with the same content is not refused (``cp`` is idempotent): it must return that commit."""
+    a scratch root), or any of them through a sub-storage; ``v3``: an incremental save whose
+    model tensors are references to an earlier checkpoint's file (the sweep primes step 0, so
+    every save it crashes has references; ``counters["with_references"]``: the committed
+    checkpoints that have some).  A copy of a step already committed with the same content is
+    not refused (``cp`` is idempotent): it must return that commit."""
     backend = path.at(backend)
     sweep = Sweep(backend.name, "save-crash" if path is V1 else f"save-crash ({path.name})")
-    counter = count_calls(backend, lambda st: path.save(st, 0, state_for(0)))
+    state = path.state
+    if path.references:
+        # the save examined references a committed checkpoint: step 0 primes the run, and the
+        # calls are counted on a save with references (step 1 of a scratch run)
+        path.save(store_on(raw_storage(backend)), 0, state(0))
+        scratch = backend.sibling()
+        path.save(store_on(raw_storage(scratch)), 0, state(0))
+        counter = count_calls(scratch, lambda st: path.save(st, 1, state(1)))
+        with contextlib.suppress(FileNotFoundError):
+            raw_storage(scratch).delete_tree("")
+    else:
+        counter = count_calls(backend, lambda st: path.save(st, 0, state(0)))
     ops = [c for c in counter.calls if c.index]
     n = len(ops)
     marker_k = next(c.index for c in ops if c.op == "create_exclusive")
@@ -71,7 +85,7 @@ def sweep_save_crashes(backend: Backend, *, tear: bool | None = None, threads: i
                            crash_after=kind == "crash-after",
                            tear_at=k if kind == "tear" else None)
         try:
-            path.save(store_on(fs, threads), step, state_for(step))
+            path.save(store_on(fs, threads), step, state(step))
             sweep.bad(scenario, "the save did not crash")
         except BaseException as exc:
             if not died(exc):
@@ -84,21 +98,30 @@ def sweep_save_crashes(backend: Backend, *, tear: bool | None = None, threads: i
         if took_effect:
             committed.add(step)
         again = check_store(sweep, scenario, backend, committed, max(committed),
-                            recheck={step - 1, step})
+                            recheck={step - 1, step}, state=state)
         with scenario_guard(sweep, scenario + ", then saving again"):
             try:
                 before = again.info(step).attempt if took_effect else None
-                got = path.save(again, step, state_for(step))
+                got = path.save(again, step, state(step))
                 if took_effect and not (path.copies and got.attempt == before):
                     sweep.bad(scenario, "re-saving the committed step was not refused")
             except CheckpointExistsError:
                 if not took_effect:
                     sweep.bad(scenario, "re-saving an uncommitted step was refused")
             committed.add(step)
-            path.save(again, step + 1, state_for(step + 1))
+            path.save(again, step + 1, state(step + 1))
             committed.add(step + 1)
         step += 2
-    check_store(sweep, "end of sweep", backend, committed, max(committed), full_all=True)
+    reader = check_store(sweep, "end of sweep", backend, committed, max(committed),
+                         full_all=True, state=state)
+    if path.references:
+        from ckptfs.format.incremental import IncrementalManifest
+
+        with scenario_guard(sweep, "end of sweep"):
+            for s in sorted(committed):
+                m = reader.info(s).manifest
+                if isinstance(m, IncrementalManifest) and m.references:
+                    sweep.count("with_references")
     return sweep
 
 
