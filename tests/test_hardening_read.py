@@ -372,24 +372,14 @@ def _tensor_file(info: Any) -> str:
     return next(e.path for e in info.manifest.files if e.path.endswith(".safetensors"))
 
 
-#: ``ckptfs cp`` of a checkpoint with references (format v3) commits a copy whose references
-#: name files the destination does not hold.
-CP_OF_V3 = ("issue 17: ckptfs cp does not handle v3 references yet (another helper "
-            "implements it): the copy commits references to files the destination does not "
-            "hold, and its load fails")
-
-
-def _every_path(default: tuple[str, ...] = ("local", "memory"), *, copies: bool = False
-                ) -> list[Any]:
+def _every_path(default: tuple[str, ...] = ("local", "memory")) -> list[Any]:
     """(backend, write path): v1 on local, memory and S3 (as before), every other path on
-    ``default`` (S3 with --runslow), two gloo ranks on local disk with --runslow.  ``copies``:
-    the test copies the checkpoint with ``ckptfs cp`` (v3: a known defect, :data:`CP_OF_V3`)."""
+    ``default`` (S3 with --runslow), two gloo ranks on local disk with --runslow."""
     out = []
     for where in ("local", "memory", "s3"):
         names = ["v1", "v2", "async", "cp", "sub", "v3"] + (["v2x2"] if where == "local"
                                                            else [])
-        for p in paths.params(names, slow=[] if where in default else names[1:],
-                              xfail={"v3": CP_OF_V3} if copies else None):
+        for p in paths.params(names, slow=[] if where in default else names[1:]):
             (path,) = p.values
             if where not in default and path is paths.V1 and where != "s3":
                 continue
@@ -422,7 +412,7 @@ def test_every_reader_refuses_a_symlink(where: str, path: paths.WritePath,
             paths.read(how, store, 1)
 
 
-@pytest.mark.parametrize(("where", "path"), _every_path(copies=True))
+@pytest.mark.parametrize(("where", "path"), _every_path())
 def test_stray_file_is_ignored_by_load_and_reported_by_verify(
         where: str, path: paths.WritePath, request: pytest.FixtureRequest,
         caplog: pytest.LogCaptureFixture) -> None:
