@@ -551,3 +551,178 @@ def test_pre_v3_reader_refuses_v3(backend: Backend, monkeypatch: pytest.MonkeyPa
     assert "format version 3" in str(ei.value) and "upgrade ckptfs" in str(ei.value)
     with pytest.raises(FormatVersionError):
         backend.open().load(1)
+
+
+# -- odd states --------------------------------------------------------------------------------
+
+
+def _odd_state(g: torch.Generator) -> dict[str, Any]:
+    big = torch.randn(64, 48, generator=g)
+    tied = torch.randn(32, generator=g)
+    return {
+        "model": {
+            "fp16": torch.randn(40, generator=g).half(),
+            "bf16": torch.randn(3, 5, generator=g).bfloat16(),
+            "int8": torch.randint(-100, 100, (17,), generator=g, dtype=torch.int8),
+            "bool": torch.rand(9, generator=g) > 0.5,
+            "f64": torch.randn(2, 2, generator=g, dtype=torch.float64),
+            "scalar": torch.tensor(3.5),
+            "empty": torch.empty(0, 4),
+            "empty2": torch.empty(0, dtype=torch.int64),
+            "transposed": big.t(),  # not contiguous
+            "slice": big[10:20, 3],  # a view with an offset and a stride
+            "tied_a": tied, "tied_b": tied,
+        },
+        "a/b": torch.arange(6),  # the same key path text as ["a"]["b"]
+        "a": {"b": torch.arange(6) * 2},
+        "opt": [torch.ones(3), {"m": torch.zeros(2)}, 7, "text", None],
+    }
+
+
+def _assert_tree_equal(got: Any, want: Any, path: str = "") -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, path
+        assert got.shape == want.shape, path
+        assert torch.equal(got.contiguous().reshape(-1).view(torch.uint8),
+                           want.contiguous().reshape(-1).view(torch.uint8)), path  # bit-exact
+    elif isinstance(want, dict):
+        assert set(got) == set(want), path
+        for k in want:
+            _assert_tree_equal(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            _assert_tree_equal(a, b, f"{path}/{i}")
+    else:
+        assert got == want, path
+
+
+def test_odd_tensors_round_trip_through_references(backend: Backend) -> None:
+    """dtypes, 0-d, empty, non-contiguous, views, ties and key paths that print alike, over
+    saves that change some of them: each step loads what it saved."""
+    store = backend.open(incremental=True)
+    g = torch.Generator().manual_seed(13)
+    state = _odd_state(g)
+    saved = {}
+    for step in (1, 2, 3):
+        if step == 2:
+            state["model"]["fp16"].add_(1)
+            state["a/b"].add_(1)  # one of the two tensors named 'a/b' in the files
+        if step == 3:
+            state["a"]["b"].add_(1)
+            state["model"]["empty"] = torch.empty(0, 4)  # a new, still empty, tensor
+        info = store.save(step, state)
+        saved[step] = {
+            "model": {k: v.clone() for k, v in state["model"].items()},
+            "a/b": state["a/b"].clone(), "a": {"b": state["a"]["b"].clone()},
+            "opt": [state["opt"][0].clone(), {"m": state["opt"][1]["m"].clone()}, 7, "text",
+                    None]}
+        if step > 1:
+            assert info.manifest.references and info.bytes_written < info.bytes
+        reader = backend.open()
+        for s, want in saved.items():
+            got = reader.load(s)
+            _assert_tree_equal(got, want)
+            assert got["model"]["tied_a"] is got["model"]["tied_b"]  # the tie survives
+            assert reader.verify(s).ok
+
+
+def test_a_state_without_tensors_and_one_all_reused(backend: Backend) -> None:
+    store = backend.open(incremental=True)
+    info = store.save(1, {"n": 1, "text": "x"})
+    assert info.manifest.format_version == 3 and not info.manifest.references
+    assert store.load(1) == {"n": 1, "text": "x"}
+    w = torch.randn(100)
+    store.save(2, {"w": w})
+    info = store.save(3, {"w": w, "n": 3})
+    assert [f.path for f in info.manifest.files] == [STATE_NAME]
+    assert torch.equal(backend.open().load(3)["w"], w)
+    assert backend.open().verify(3).ok
+
+
+def test_damage_outside_the_referenced_chunks_only_hurts_its_owner(backend: Backend) -> None:
+    """Step 2 binds only the chunks it uses: a flipped byte in a tensor of step 1's file that
+    step 2 does not use fails step 1, not step 2."""
+    store = backend.open(incremental=True)
+    base, adapter = _lora(14)
+    info1 = store.save(1, _state(base, adapter, 1))
+    with torch.no_grad():
+        adapter["lora_A"] += 1
+    info2 = store.save(2, _state(base, adapter, 2))
+    (ref,) = info2.manifest.references  # type: ignore[attr-defined]
+    start, entries = local_header(store.storage, info1, info1.manifest.chunked(ref.source))  # type: ignore[attr-defined]
+    e = entries["model/lora_A"]
+    assert ref.chunk_at(start + e.begin, e.end - e.begin) is None  # not used by step 2
+    data = bytearray(backend.raw_read(ref.location))
+    data[start + e.begin + 1] ^= 0xFF
+    backend.raw_write(ref.location, bytes(data))
+    reader = backend.open()
+    _assert_equal(reader.load(2), _state(base, adapter, 2))
+    assert reader.verify(2).ok
+    with pytest.raises(CorruptCheckpointError):
+        reader.load(1)
+
+
+def test_load_into_names_the_format(backend: Backend) -> None:
+    """load(into=) fills a sharded (v2) checkpoint's state dict; a v3 one is refused with the
+    typed error naming its format, as v1 is."""
+    store = backend.open(incremental=True)
+    store.save(1, {"w": torch.ones(3)})
+    with pytest.raises(ckptfs.CheckpointNotFoundError, match="format v3"):
+        store.load(1, into={"w": torch.zeros(3)})
+
+
+class _Clock:
+    """``time.monotonic`` for :mod:`ckptfs.protocol.incremental`: each call advances by the
+    next step given (the last one repeated)."""
+
+    def __init__(self, steps: list[float], on_call: dict[int, Any] | None = None) -> None:
+        self.now, self.steps, self.calls = 1000.0, steps, 0
+        self.on_call = on_call or {}
+
+    def monotonic(self) -> float:
+        self.now += self.steps[min(self.calls, len(self.steps) - 1)]
+        self.calls += 1
+        hook = self.on_call.get(self.calls)
+        if hook is not None:
+            hook()
+        return self.now
+
+
+def test_marker_after_the_lease_keeps_a_commit_whose_references_are_there(
+        backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = backend.open(incremental=True, lease_s=60)
+    base, adapter = _lora(15)
+    store.save(1, _state(base, adapter, 1))
+    # opened, fence (within the lease), after the marker (past it)
+    monkeypatch.setattr(incremental, "time", _Clock([0.0, 1.0, 120.0]))
+    info = store.save(2, _state(base, adapter, 2))
+    assert info.manifest.references
+    monkeypatch.undo()
+    _assert_equal(backend.open().load(2), _state(base, adapter, 2))
+
+
+def test_marker_after_the_lease_uncommits_when_a_reference_is_gone(
+        backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collector judged the save abandoned (past its lease) and removed what it references
+    between the fence and the marker: the save uncommits itself and says so."""
+    store = backend.open(incremental=True, lease_s=60)
+    base, adapter = _lora(16)
+    info1 = store.save(1, _state(base, adapter, 1))
+
+    def collector() -> None:  # the protector deleted (marker first), then its bytes
+        backend.open().delete(1)
+        assert not backend.raw_exists(info1.path)
+
+    monkeypatch.setattr(incremental, "time", _Clock([0.0, 1.0, 120.0], {3: collector}))
+    with pytest.raises(CorruptCheckpointError, match="outlived its lease") as ei:
+        store.save(2, _state(base, adapter, 2))
+    assert ei.value.step == 2  # type: ignore[attr-defined]
+    monkeypatch.undo()
+    reader = backend.open()
+    assert 2 not in reader.steps()
+    # The next save of this store does not reuse the lost bytes: it writes everything or
+    # references only what is there; it loads.
+    info = store.save(3, _state(base, adapter, 3))
+    _assert_equal(reader.load(3), _state(base, adapter, 3))
+    assert info.bytes_written == info.bytes
