@@ -219,7 +219,7 @@ def test_fresh_store_has_no_hint_and_the_digest_decides(backend: Backend) -> Non
     _assert_equal(store.load(2), _snapshot(_state(base, adapter, 2)))
     # A third process reuses from step 2 (the latest), flattened: step 1's file for what step 2
     # references there, step 2's file for what step 2 wrote.
-    info = backend.open(incremental=True).save(3, _state(base, adapter, 3))
+    info = backend.open(incremental=True, threads=1).save(3, _state(base, adapter, 3))
     written, referenced = _split(store, info)
     assert written == set()
     assert referenced["model/embed"] == 2 and referenced["model/lora_B"] == 2
@@ -472,6 +472,11 @@ def test_deleted_referenced_bytes_are_a_corrupt_checkpoint(backend: Backend, wha
         assert not report.ok and not report.unsafe, report.problems
         with pytest.raises(CorruptCheckpointError):
             reader.verify(2, quick=quick)
+    # A new process's save indexes the latest (step 2), cannot, and writes every byte.
+    base, adapter = _lora(10)
+    info = backend.open(incremental=True).save(3, _state(base, adapter, 3))
+    assert not info.manifest.references and info.bytes_written == info.bytes
+    _assert_equal(reader.load(3), _state(base, adapter, 3))
 
 
 def test_referenced_file_replaced_by_a_symlink_is_unsafe(local_backend: Backend) -> None:
@@ -726,3 +731,24 @@ def test_marker_after_the_lease_uncommits_when_a_reference_is_gone(
     info = store.save(3, _state(base, adapter, 3))
     _assert_equal(reader.load(3), _state(base, adapter, 3))
     assert info.bytes_written == info.bytes
+
+
+def test_two_stores_of_one_run_interleave(backend: Backend) -> None:
+    """Two stores (two processes) alternate saves of one run: each reuses from its own last
+    save or the latest; every step loads what was saved."""
+    a, b = backend.open(incremental=True), backend.open(incremental=True)
+    base, adapter = _lora(17)
+    saved = {}
+    for step in range(1, 7):
+        with torch.no_grad():
+            adapter["lora_B"].add_(1.0)
+        state = _state(base, adapter, step)
+        info = (a if step % 2 else b).save(step, state)
+        saved[step] = _snapshot(state)
+        if step > 1:
+            written, referenced = _split(backend.open(), info)
+            assert "model/lora_B" in written and set(referenced) >= {f"model/{k}" for k in base}
+    reader = backend.open()
+    for step, want in saved.items():
+        _assert_equal(reader.load(step), want)
+        assert reader.verify(step).ok
