@@ -6,11 +6,13 @@ then looks each tensor up in a *reuse index*: the tensors a committed v3 checkpo
 holds (its own files and what it references, flattened), by ``(algorithm, digest, length,
 dtype, shape)``.  Reuse is decided by digest only, with the store's (cryptographic) algorithm.
 What to hash first is guided by a hint: a tensor is a candidate when the index holds one under
-the same key path with the same dtype and shape, and the caller's tensor has not been written to
-since the previous save in this process (same ``data_ptr`` and autograd ``_version``).  A
-candidate whose digest matches is referenced; every other tensor goes into new files, hashed
-while written (no second hash), exactly as a full save.  So a run where everything changes
-(full fine-tuning) hashes each tensor once after its first save in a process.
+the same key path with the same dtype and shape, unless the caller's tensor was written to in
+place since the previous save in this process (the same ``data_ptr`` with a new autograd
+``_version``).  A candidate whose digest matches is referenced; every other tensor goes into new
+files, hashed while written (no second hash), exactly as a full save.  So a run where everything
+changes in place (full fine-tuning) hashes each tensor once after its first save in a process;
+a tensor handed over as a new object at each save (a copy, ``.cpu()`` of a GPU tensor) is
+hashed first, and again while written if it changed.
 
 The checkpoint a save takes references from is its *protector*.  Before the marker, the commit
 object calls this module's fence: the protector must still be committed (same attempt) and the
@@ -179,8 +181,11 @@ def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorith
         if st is None or st.dtype != dtype_code(t.dtype) or st.shape != tuple(t.shape):
             continue
         before = memory.versions.get(name)
-        if before is not None and plan.versions and before != plan.versions[i]:
-            continue  # written to since the last save: it goes into a new file
+        if before is not None and plan.versions and before[0] == plan.versions[i][0] \
+                and before[1] != plan.versions[i][1]:
+            continue  # written to in place since the last save: it goes into a new file
+        # Else (no hint, the same version, or another tensor: a copy, a .cpu() of a GPU
+        # tensor) its digest decides.
         candidates.append(i)
     if not candidates:
         return {}

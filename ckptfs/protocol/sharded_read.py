@@ -74,7 +74,8 @@ def sharded_manifest(info: CheckpointInfo) -> ShardedManifest:
     """``info``'s manifest if it is format v2, else :class:`CheckpointNotFoundError`."""
     if not isinstance(info.manifest, ShardedManifest):
         raise CheckpointNotFoundError(
-            f"step {info.step} at {info.url} is a single-process (format v1) checkpoint, not a "
+            f"step {info.step} at {info.url} is a single-process (format "
+            f"v{info.manifest.format_version}) checkpoint, not a "
             f"sharded one; load it with ckptfs.open(url).load({info.step})")
     return info.manifest
 
