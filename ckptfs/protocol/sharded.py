@@ -66,6 +66,7 @@ from ckptfs.errors import (
 )
 from ckptfs.format.extensions import unregistered_as_dict
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
+from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import check_step
 from ckptfs.format.manifest import check_metadata
 from ckptfs.format.serialize import build_tree
@@ -85,7 +86,13 @@ from ckptfs.protocol.sharded_plan import (
     merge_trees,
     values_from_lowest_rank,
 )
-from ckptfs.protocol.sharded_read import ShardedReader, read_chunks, read_document
+from ckptfs.protocol.sharded_read import (
+    ShardedReader,
+    entry_location,
+    read_chunks,
+    read_document,
+    sharded_manifest,
+)
 from ckptfs.storage.base import Storage
 from ckptfs.torch_compat import default_store, group_timeout, load_state_dict
 
@@ -543,7 +550,7 @@ def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
     by_file = items_by_file(document) if document is not None else {}
 
     def check(entry: ChunkedFileEntry) -> str | None:
-        where = storage_url(storage, f"{info.path}/{entry.path}")
+        where = storage_url(storage, entry_location(info, entry))
         values = {(i.offset, i.length): i.fqn for i in by_file.get(entry.path, [])
                   if i.offsets is None}
         try:
@@ -560,8 +567,11 @@ def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
             return f"{entry.path}: {exc}"
         return None
 
-    todo = [e for e in info.manifest.files
+    manifest = sharded_manifest(info)
+    todo = [e for e in manifest.files
             if isinstance(e, ChunkedFileEntry) and e.path not in condemned]
+    todo += [manifest.chunked(r.path) for r in references_of(manifest)
+             if r.path not in condemned]
     with ThreadPoolExecutor(max(1, min(threads or 4, len(todo) or 1)),
                             thread_name_prefix="ckptfs-verify") as pool:
         for problem in pool.map(check, todo):
@@ -570,13 +580,16 @@ def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
 
 
 def _runs(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry) -> Any:
-    """(offset, verified bytes) of ``entry``, in runs of whole chunks of at most
-    :data:`MAX_RANGE` (a larger chunk alone), in file order."""
+    """(offset, verified bytes) of ``entry``, in runs of adjacent whole chunks of at most
+    :data:`MAX_RANGE` (a larger chunk alone), in file order.  A reference's chunks (format
+    v4) need not tile its file: a run ends where they leave a gap."""
     start, end = 0, 0
     for c in entry.chunks:
-        if end > start and c.offset + c.length - start > MAX_RANGE:
+        if end > start and (c.offset != end or c.offset + c.length - start > MAX_RANGE):
             yield start, read_chunks(storage, info, entry, start, end - start)
-            start = end
+            start = c.offset
+        elif end == start:
+            start = c.offset
         end = c.offset + c.length
     if end > start:
         yield start, read_chunks(storage, info, entry, start, end - start)
