@@ -66,7 +66,7 @@ from ckptfs.errors import (
 )
 from ckptfs.format.extensions import unregistered_as_dict
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
-from ckptfs.format.incremental import references_of
+from ckptfs.format.incremental import DEFAULT_LEASE_S, references_of
 from ckptfs.format.layout import check_step
 from ckptfs.format.manifest import check_metadata
 from ckptfs.format.serialize import build_tree
@@ -74,6 +74,7 @@ from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, decode_value
 from ckptfs.format.sharded_metadata import DcpDocument, check_rank_header, items_by_file
 from ckptfs.format.sharded_tree import dcp_view, restore, write_back
 from ckptfs.protocol.collective import is_distributed
+from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
 from ckptfs.protocol.reader import VerifyReport
@@ -168,7 +169,8 @@ def collective_group(process_group: Any = None, *, what: str = "a checkpoint col
 
 
 _PASS_THROUGH = (CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError,
-                 InvalidStepError, CorruptCheckpointError, LoadOptionError, ExtensionTypeError)
+                 InvalidStepError, CorruptCheckpointError, LoadOptionError, ExtensionTypeError,
+                 ProtectorGoneError)
 
 
 def map_failure(exc: CheckpointException, what: str,
@@ -417,9 +419,12 @@ class SavePrep:
 def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group: Any,
                  algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 kind: str = "save", live: _Liveness | None = None) -> SavePrep:
+                 kind: str = "save", live: _Liveness | None = None,
+                 memory: ReuseMemory | None = None,
+                 lease_s: float = DEFAULT_LEASE_S) -> SavePrep:
     """Writer, planner and DCP view of a collective save.  A bad state or metadata does not
-    raise here: the planner raises it inside DCP, so every rank fails together."""
+    raise here: the planner raises it inside DCP, so every rank fails together.  ``memory``:
+    an incremental save (format v4), each rank reusing its own unchanged items."""
     check_step(step)
     deferred: BaseException | None = None
     view: dict[str, Any] = {}
@@ -430,7 +435,8 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
     except CkptfsError as exc:
         deferred = exc
     writer = ShardedWriter(storage, step, algorithm=algorithm, durable=durable,
-                           threads=threads, metadata=metadata, tree=skeleton)
+                           threads=threads, metadata=metadata, tree=skeleton, memory=memory,
+                           lease_s=lease_s)
     planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer)
     if live is None:
         live = _Liveness(group, kind, step)
@@ -441,20 +447,45 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
 def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
                  algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 process_group: Any = None) -> CheckpointInfo:
+                 process_group: Any = None, memory: ReuseMemory | None = None,
+                 lease_s: float = DEFAULT_LEASE_S) -> CheckpointInfo:
     """Collective save of ``state`` (plain tensors, DTensors, values) as step ``step``; every
-    rank of the group calls it and gets the same :class:`CheckpointInfo`."""
+    rank of the group calls it and gets the same :class:`CheckpointInfo`.
+
+    ``memory`` (the store's, ``incremental=True``): format v4, every rank referencing the
+    items of its previous save in this process that did not change (docs/protocol.md §9.6).
+    If a checkpoint referenced is deleted before the save commits (or the lease runs out),
+    every rank gets :class:`ProtectorGoneError` from the coordinator's fence, and the save is
+    retried once, on every rank, writing every byte."""
     check_step(step)
     live = _Liveness(_participants(process_group), "save", step,
                      timeout=_timeout_of(process_group))
     what = f"sharded save of step {step} at {storage.url}"
     group = collective_group(process_group, what=what, default=ShardedSaveError, live=live)
     p = prepare_save(storage, step, state, group=group, algorithm=algorithm, durable=durable,
-                     threads=threads, metadata=metadata, live=live)
-    md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
-                             process_group=group, no_dist=group is None),
-              p.what, ShardedSaveError, p.live)
-    return p.info(md)
+                     threads=threads, metadata=metadata, live=live, memory=memory,
+                     lease_s=lease_s)
+
+    def save(p: SavePrep) -> CheckpointInfo:
+        md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
+                                 process_group=group, no_dist=group is None),
+                  p.what, ShardedSaveError, p.live)
+        info = p.info(md)
+        p.writer.remember(info)
+        return info
+
+    if memory is None:
+        return save(p)
+    try:
+        return save(p)
+    except ProtectorGoneError as exc:  # every rank got it: every rank retries
+        log.warning("%s: step %d: %s; writing every byte instead", storage.url, step, exc)
+        p.writer.forget()
+    live = _Liveness(_participants(process_group), "save", step,
+                     timeout=_timeout_of(process_group))
+    return save(prepare_save(storage, step, state, group=group, algorithm=algorithm,
+                             durable=durable, threads=threads, metadata=metadata, live=live,
+                             memory=memory, lease_s=lease_s))
 
 
 def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,

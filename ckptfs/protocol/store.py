@@ -93,7 +93,8 @@ class CheckpointStore:
             from ckptfs.protocol import sharded  # imports DCP (~1 s): only when collective
             return sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
                                         durable=self.durable, threads=self.threads,
-                                        metadata=metadata, process_group=process_group)
+                                        metadata=metadata, process_group=process_group,
+                                        memory=self.reuse, lease_s=self.lease_s)
         check_step(step)
         new_hasher(self.algorithm)
         plan, meta = plan_v1(state, metadata=metadata, shard_bytes=self.shard_bytes)
