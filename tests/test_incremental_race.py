@@ -164,6 +164,9 @@ def test_saves_racing_prunes_and_gc_never_commit_a_missing_byte(
     assert isinstance(m, IncrementalManifest)
     needed = {f"{info.path}/{f.path}" for f in m.files} | {f"{info.path}/MANIFEST.json"}
     needed |= {r.location for r in m.references}
+    # a referenced attempt is kept whole (retired, docs/protocol.md §9.5): its manifest too
+    needed |= {f"{r.attempt_dir}/{n}" for r in m.references for n in ("MANIFEST.json",
+                                                                       "state.msgpack")}
     left = set(_stored_files(backend))
     assert left == needed, (sorted(left - needed), sorted(needed - left))
     assert store.verify(last).ok

@@ -65,6 +65,10 @@ REFERENCE_KEYS = frozenset({"path", "step", "attempt", "source", "size", "algori
 #: A save that references stored bytes commits within this many seconds of opening its attempt,
 #: or not at all (docs/protocol.md §9.4); garbage collection's grace must exceed it.
 DEFAULT_LEASE_S = 30 * 60
+#: Default grace of a delete's reference scan and of garbage collection (docs/protocol.md §9.5):
+#: an uncommitted attempt younger than this may be a save still running (its manifest's
+#: references are kept; its files are not collected).  Must exceed the lease plus clock skew.
+DEFAULT_GRACE_S = 60 * 60
 #: Name of the ``k``-th reference of an attempt (the ``file`` of state.msgpack's slots).
 REFERENCE_TEMPLATE = "ref-{index:05d}.safetensors"
 
@@ -401,7 +405,7 @@ def referenced_chunks(manifests: Iterable[Manifest]) -> dict[str, set[tuple[int,
     return out
 
 
-__all__ = ["DEFAULT_LEASE_S", "INCREMENTAL_FORMAT_VERSION", "INCREMENTAL_LAYOUT",
-           "SHARDED_INCREMENTAL_FORMAT_VERSION", "IncrementalManifest", "Reference",
-           "ReferencedFile", "ReferencingManifest", "ShardedIncrementalManifest",
+__all__ = ["DEFAULT_GRACE_S", "DEFAULT_LEASE_S", "INCREMENTAL_FORMAT_VERSION",
+           "INCREMENTAL_LAYOUT", "SHARDED_INCREMENTAL_FORMAT_VERSION", "IncrementalManifest",
+           "Reference", "ReferencedFile", "ReferencingManifest", "ShardedIncrementalManifest",
            "has_references", "reference_name", "referenced_chunks", "references_of"]

@@ -14,7 +14,7 @@ from ckptfs.errors import (
     UnsafeCheckpointError,
 )
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
-from ckptfs.format.incremental import DEFAULT_LEASE_S
+from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES
 from ckptfs.protocol import async_save
@@ -23,6 +23,7 @@ from ckptfs.protocol.commit import default_threads, plan_v1
 from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verify_checkpoint
 from ckptfs.protocol.incremental import ReuseMemory, write_plan
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
+from ckptfs.protocol.references import free_step, shared_attempts
 from ckptfs.protocol.resolve import (
     MAX_RESOLVE_PASSES,
     CheckpointInfo,
@@ -63,6 +64,10 @@ class CheckpointStore:
         self.durable = durable
         self.threads = threads or default_threads()
         self.shard_bytes = shard_bytes
+        #: An uncommitted attempt younger than this may be a save still running: a delete
+        #: keeps what its manifest references (docs/protocol.md §9.5).  Exceeds the lease by
+        #: the default margin for clock skew (1 h against the default 30 min lease).
+        self.grace_s: float = max(DEFAULT_GRACE_S, lease_s + DEFAULT_GRACE_S - DEFAULT_LEASE_S)
         caps = storage.capabilities
         if caps.exclusive_create == "none":
             log.warning("%s: %s", storage.url, caps.caveat or "no exclusive create on this "
@@ -105,15 +110,30 @@ class CheckpointStore:
     def delete(self, step: int) -> None:
         """Delete a checkpoint: the marker first, so a half-deleted checkpoint never reads as
         committed, then every attempt of the step.  Every directory of the step is deleted,
-        by its listed name (a non-canonical ``step-0000000000020`` included)."""
+        by its listed name (a non-canonical ``step-0000000000020`` included).
+
+        An incremental (format v3) attempt whose files another checkpoint references (a
+        committed one, or a save younger than :attr:`grace_s`) is kept whole, without its
+        marker (*retired*, logged); garbage collection removes it once nothing references it
+        (docs/protocol.md §9.5).  If a committed checkpoint's manifest cannot be read, the
+        step is still deleted (no marker) but its v3 attempts are all kept, with a warning
+        naming the unreadable checkpoint."""
         check_step(step)
         names = list_step_dirs(self.storage).get(step) or [step_dir_name(step)]
         for name in names:
             paths = StepPaths(step, name)
+            shared = shared_attempts(self.storage, paths)  # v3 attempts: may be referenced
             self.storage.delete(paths.marker)
             if self.durable and self.capabilities.fsync and self.storage.exists(paths.dir):
                 self.storage.sync_dir(paths.dir)  # the marker's removal is durable first
-            self.storage.delete_tree(paths.dir)
+            if not shared:
+                self.storage.delete_tree(paths.dir)
+                continue
+            try:
+                free_step(self.storage, paths, grace_s=self.grace_s)
+            except CorruptCheckpointError as exc:
+                log.warning("step %d at %s is deleted (its marker is gone) but its files are "
+                            "kept: %s; then run 'ckptfs gc'", step, self.url, exc)
 
     # -- reading -------------------------------------------------------------------------------
 
