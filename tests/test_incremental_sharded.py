@@ -10,6 +10,7 @@ process on what it wrote."""
 from __future__ import annotations
 
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from ckptfs.format.incremental import (
     references_of,
 )
 from ckptfs.format.layout import StepPaths
+from ckptfs.lifecycle.gc import collect
 from ckptfs.protocol.formats import check_checkpoint
 from ckptfs.protocol.incremental import ReuseMemory
 from ckptfs.protocol.sharded import save_sharded
@@ -142,6 +144,20 @@ def test_sharded_incremental_two_ranks(tmp_path: Path) -> None:
     (bad2 / ref.location).unlink()
     with pytest.raises(CorruptCheckpointError, match="missing"):
         ckptfs.open(str(bad2)).load(3)
+
+    # Deletes and gc never take what a v4 checkpoint references: step 1 deleted (its attempt
+    # retired, its files still used by 2 and 3), then 2; step 3 still loads bit-exact.  Once
+    # 3 is gone too, gc frees every byte.
+    store.delete(1)
+    store.delete(2)
+    assert (run / ref.location).exists()
+    assert_state_equal(store.load(3), r0["plain"][2])
+    assert store.verify(3).ok
+    collect(store.storage, older_than=timedelta(0))
+    assert_state_equal(store.load(3), r0["plain"][2])
+    store.delete(3)
+    collect(store.storage, older_than=timedelta(0))
+    assert not [p for p in (run / "checkpoints").rglob("*") if p.is_file()]
 
 
 def test_pre_v4_reader_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
