@@ -305,7 +305,6 @@ def _train_step(model: torch.nn.Module, seed: int) -> None:
                 p.add_(torch.randn(p.shape, generator=g))
 
 
-@pytest.mark.xfail(strict=True, reason="reference-aware delete lands with h-incr-gc")
 def test_manager_retention_keeps_every_retained_step_loadable(backend: Backend) -> None:
     store = backend.open(incremental=True)
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptfs.format.hashing import ALGORITHMS, parse_digest
@@ -47,11 +47,16 @@ from ckptfs.format.manifest import FILE_KEYS, MANIFEST_KEYS, MANIFEST_SCHEMA, Ma
 from ckptfs.format.sharded import (
     Chunk,
     ChunkedFileEntry,
+    ShardedManifest,
     check_tiling,
     chunk_list_digest,
+    rank_of_file,
 )
 
 INCREMENTAL_FORMAT_VERSION = 3
+#: Format v4, sharded incremental: format v2's layout, manifest and documents, plus v3's
+#: ``references`` (docs/protocol.md §9.6).
+SHARDED_INCREMENTAL_FORMAT_VERSION = 4
 INCREMENTAL_LAYOUT = "incremental"
 #: Keys every v3 manifest, file entry and reference must have (docs/protocol.md §9.2).
 V3_MANIFEST_KEYS = MANIFEST_KEYS | {"layout", "references"}
@@ -295,17 +300,112 @@ def _decode_reference(raw: Any, seen: set[str], step: int, attempt: str,
     return Reference(path, ref_step, ref_attempt, source, size, algo, tuple(chunks))
 
 
+@dataclass(frozen=True)
+class ReferencedFile(ChunkedFileEntry):
+    """A v4 reference seen as a rank file (what :meth:`ShardedIncrementalManifest.chunked`
+    returns for a reference's ``path``): ``location`` (from the run root) is where its bytes
+    are read, and ``chunks`` are only the chunks this checkpoint uses (the header chunk first,
+    then one per item it reads there): sorted and disjoint, not a tiling."""
+
+    location: str = ""
+
+
+@dataclass(frozen=True)
+class ShardedIncrementalManifest(ShardedManifest):
+    """The manifest of a sharded incremental checkpoint (format v4, docs/protocol.md §9.6):
+    format v2's (its own ``files``: rank files and ``dcp.msgpack``) plus ``references``, the
+    chunks of rank files of other attempts of the run that ``dcp.msgpack`` places items in
+    (under the reference's ``path``, at the chunk's offset in the source file)."""
+
+    references: tuple[Reference, ...] = field(default=())
+    format_version: int = SHARDED_INCREMENTAL_FORMAT_VERSION
+
+    def reference(self, path: str) -> Reference | None:
+        for ref in self.references:
+            if ref.path == path:
+                return ref
+        return None
+
+    def chunked(self, path: str) -> ChunkedFileEntry:
+        """The file ``path`` of the manifest, or the reference named ``path`` as a
+        :class:`ReferencedFile` (read at its location, its used chunks only)."""
+        ref = self.reference(path)
+        if ref is None:
+            return super().chunked(path)
+        return ReferencedFile(ref.path, ref.size, chunk_list_digest(ref.algorithm, ref.chunks),
+                              ref.chunks, None, ref.location)
+
+    @property
+    def bytes_written(self) -> int:
+        return self.total_bytes
+
+    @property
+    def logical_bytes(self) -> int:
+        return self.total_bytes + sum(r.used_bytes for r in self.references)
+
+    def as_doc(self) -> dict[str, Any]:
+        doc = super().as_doc()
+        doc["references"] = [r.as_doc() for r in self.references]
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], *, where: str) -> ShardedIncrementalManifest:
+        """Decode a v4 manifest: every rule of v2 (:meth:`ShardedManifest.from_doc`), and
+        ``references`` as in v3 (each well formed, no name shared with a file or another
+        reference, at most ``MAX_FILES`` entries in all).  Typed errors only."""
+        base = super().from_doc(doc, where=where)
+        try:
+            raw_refs = doc.get("references")
+            if not isinstance(raw_refs, list) or len(raw_refs) + len(base.files) > MAX_FILES:
+                raise TypeError(f"'references' is not a list of at most {MAX_FILES} entries "
+                                "with the files")
+            seen = {f.path for f in base.files}
+            refs = [_decode_reference(raw, seen, base.step, base.attempt, where)
+                    for raw in raw_refs]
+            for ref in refs:
+                if rank_of_file(ref.source) is None:
+                    raise UnsafeCheckpointError(
+                        f"{where}: reference {ref.path!r} names {ref.source!r}, not a rank "
+                        "file (rank-NNNNN/data-K.safetensors)")
+        except CorruptCheckpointError as exc:
+            if str(exc).startswith(where):
+                raise
+            raise type(exc)(f"{where}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpointError(
+                f"{where}: malformed v4 manifest ({type(exc).__name__}: {exc})") from None
+        return cls(base.step, base.attempt, base.files, base.created, base.hash_algorithm,
+                   base.metadata, world_size=base.world_size, references=tuple(refs))
+
+
+#: A manifest whose checkpoint references chunks of other attempts (format v3 or v4).
+ReferencingManifest = IncrementalManifest | ShardedIncrementalManifest
+
+
+def has_references(manifest: Manifest) -> TypeGuard[ReferencingManifest]:
+    """Whether ``manifest``'s format carries references (v3, v4): the one test every reader,
+    listing check and delete uses."""
+    return isinstance(manifest, (IncrementalManifest, ShardedIncrementalManifest))
+
+
+def references_of(manifest: Manifest) -> tuple[Reference, ...]:
+    """The references of ``manifest`` (none for a format without them)."""
+    return manifest.references if has_references(manifest) else ()
+
+
 def referenced_chunks(manifests: Iterable[Manifest]) -> dict[str, set[tuple[int, int]]]:
     """Every file (path relative to the run root) the given manifests reference, with the
     ``(offset, length)`` of each chunk they use: what no delete may take."""
     out: dict[str, set[tuple[int, int]]] = {}
     for m in manifests:
-        if not isinstance(m, IncrementalManifest):
+        if not has_references(m):
             continue
         for ref in m.references:
             out.setdefault(ref.location, set()).update((c.offset, c.length) for c in ref.chunks)
     return out
 
 
-__all__ = ["DEFAULT_GRACE_S", "DEFAULT_LEASE_S", "INCREMENTAL_FORMAT_VERSION", "INCREMENTAL_LAYOUT",
-           "IncrementalManifest", "Reference", "reference_name", "referenced_chunks"]
+__all__ = ["DEFAULT_GRACE_S", "DEFAULT_LEASE_S", "INCREMENTAL_FORMAT_VERSION",
+           "INCREMENTAL_LAYOUT", "SHARDED_INCREMENTAL_FORMAT_VERSION", "IncrementalManifest",
+           "Reference", "ReferencedFile", "ReferencingManifest", "ShardedIncrementalManifest",
+           "has_references", "reference_name", "referenced_chunks", "references_of"]

@@ -44,7 +44,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
 from ckptfs.errors import CkptfsError, CorruptCheckpointError, StorageError, StorageNotFoundError
-from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S, IncrementalManifest
+from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S, has_references
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -276,7 +276,7 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
 def _may_be_referenced(storage: Storage, paths: StepPaths, attempt: str,
                        files: list[Entry]) -> bool:
     """An uncommitted attempt whose files another checkpoint may reference: its manifest is
-    format v3, or present but undecodable (it may be)."""
+    format v3 or v4, or present but undecodable (it may be)."""
     if not any(e.basename == MANIFEST_NAME for e in files):
         return False  # never committed, never retired: no reference can name it
     try:
@@ -284,8 +284,7 @@ def _may_be_referenced(storage: Storage, paths: StepPaths, attempt: str,
     except StorageNotFoundError:
         return False
     try:
-        return isinstance(decode_manifest(data, where=paths.manifest(attempt)),
-                          IncrementalManifest)
+        return has_references(decode_manifest(data, where=paths.manifest(attempt)))
     except CorruptCheckpointError:
         return True
 

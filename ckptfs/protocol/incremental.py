@@ -121,6 +121,10 @@ class ReuseMemory:
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     warned: bool = False
+    #: Sharded saves (format v4): this rank's items at its last committed save (by item name,
+    #: ``fqn@offsets``) and their tensors' ``(data_ptr, _version)`` then.
+    rank_index: ReuseIndex | None = None
+    rank_versions: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def index_of(storage: Storage, info: CheckpointInfo) -> ReuseIndex | None:

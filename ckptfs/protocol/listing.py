@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
-from ckptfs.format.incremental import IncrementalManifest, Reference
+from ckptfs.format.incremental import Reference, references_of
 from ckptfs.format.layout import CHECKPOINTS_DIR, MANIFEST_NAME
 from ckptfs.format.manifest import FileEntry
 from ckptfs.format.versions import document_limits
@@ -120,13 +120,13 @@ def problems(info: CheckpointInfo, listing: AttemptListing,
 
 def reference_problems(storage: Storage, info: CheckpointInfo,
                        refs: Iterable[Reference] | None = None) -> list[Problem]:
-    """The listing findings of the files a v3 checkpoint references (format v3, §9): each
+    """The listing findings of the files a checkpoint references (formats v3 and v4, §9): each
     referenced file present in its attempt, of the size the reference declares, and neither it
     nor its step or attempt directory a link.  One listing per referenced attempt.  ``refs``:
     these references only (a selective load); default every reference of ``info``."""
     manifest = info.manifest
     if refs is None:
-        refs = manifest.references if isinstance(manifest, IncrementalManifest) else ()
+        refs = references_of(manifest)
     by_dir: dict[str, list[Reference]] = {}
     for ref in refs:
         by_dir.setdefault(ref.attempt_dir, []).append(ref)

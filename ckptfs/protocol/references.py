@@ -45,7 +45,7 @@ from ckptfs.errors import (
     FormatVersionError,
     StorageNotFoundError,
 )
-from ckptfs.format.incremental import IncrementalManifest, referenced_chunks
+from ckptfs.format.incremental import has_references, referenced_chunks
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -200,7 +200,7 @@ def referenced_attempts(refs: References) -> dict[tuple[int, str], int]:
 
 def shared_attempts(storage: Storage, paths: StepPaths) -> list[str]:
     """Attempts of the step directory whose files another checkpoint may reference: those
-    whose ``MANIFEST.json`` is format v3, or is present but does not decode (it may be).  One
+    whose ``MANIFEST.json`` is format v3 or v4, or is present but does not decode (it may be).  One
     listing of the step directory and one read per attempt directory."""
     out = []
     for child in storage.list_dir(paths.dir):
@@ -217,7 +217,7 @@ def shared_attempts(storage: Storage, paths: StepPaths) -> list[str]:
         except CorruptCheckpointError:
             out.append(name)
             continue
-        if isinstance(manifest, IncrementalManifest):
+        if has_references(manifest):  # v3 or v4: its files may be referenced
             out.append(name)
     return out
 

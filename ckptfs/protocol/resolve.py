@@ -34,7 +34,7 @@ from ckptfs.errors import (
     FormatVersionError,
     StorageNotFoundError,
 )
-from ckptfs.format.incremental import IncrementalManifest
+from ckptfs.format.incremental import has_references
 from ckptfs.format.layout import CHECKPOINTS_DIR, MARKER_NAME, StepPaths, parse_step_dir
 from ckptfs.format.manifest import Manifest, Marker
 from ckptfs.format.versions import decode_manifest
@@ -79,7 +79,7 @@ class CheckpointInfo:
         """The checkpoint's logical size: every byte a full load reads (an incremental
         checkpoint's own files and the chunks it references in earlier ones)."""
         m = self.manifest
-        return m.logical_bytes if isinstance(m, IncrementalManifest) else m.total_bytes
+        return m.logical_bytes if has_references(m) else m.total_bytes
 
     @property
     def bytes_written(self) -> int:

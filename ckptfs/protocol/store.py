@@ -56,7 +56,8 @@ class CheckpointStore:
         new_hasher(algorithm)
         self.storage = storage
         #: Single-process saves write format v3, referencing bytes an earlier checkpoint
-        #: holds instead of writing them again (docs/incremental.md).
+        #: holds instead of writing them again (docs/incremental.md); sharded saves write
+        #: format v4, each rank referencing its own unchanged items (docs/protocol.md §9.6).
         self.incremental = incremental
         self.reuse: ReuseMemory | None = ReuseMemory() if incremental else None
         self.lease_s = lease_s
@@ -98,7 +99,8 @@ class CheckpointStore:
             from ckptfs.protocol import sharded  # imports DCP (~1 s): only when collective
             return sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
                                         durable=self.durable, threads=self.threads,
-                                        metadata=metadata, process_group=process_group)
+                                        metadata=metadata, process_group=process_group,
+                                        memory=self.reuse, lease_s=self.lease_s)
         check_step(step)
         new_hasher(self.algorithm)
         plan, meta = plan_v1(state, metadata=metadata, shard_bytes=self.shard_bytes)
@@ -312,6 +314,8 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     (with capped exponential backoff; 0 disables, see :mod:`ckptfs.storage.retry`).
     ``incremental``: single-process saves write format v3 and reference the bytes an earlier
     checkpoint of the run already holds instead of writing them again (docs/incremental.md);
+    sharded saves (under a process group) write format v4, every rank referencing the items
+    of its previous save in this process that did not change (docs/protocol.md §9.6);
     ``lease_s``: how long such a save may take before it gives up its references.
     ``storage_options`` go to the fsspec implementation (e.g. ``endpoint_url``, ``key``,
     ``secret`` for S3; ``token`` for GCS; ``connection_string`` for Azure)."""
