@@ -21,6 +21,7 @@ from ckptfs.format import versions
 from ckptfs.format.hashing import digest_bytes
 from ckptfs.format.incremental import IncrementalManifest
 from ckptfs.format.layout import MANIFEST_NAME, STATE_NAME
+from ckptfs.format.versions import MAX_READ_VERSION
 from ckptfs.protocol import incremental
 from ckptfs.protocol.formats import verify_checkpoint
 from ckptfs.protocol.reader import local_header, reference_chunks
@@ -530,7 +531,7 @@ def test_newer_format_version_is_refused(backend: Backend) -> None:
     store.save(1, _state(base, adapter, 1))
     info = store.save(2, _state(base, adapter, 2))
     doc = json.loads(backend.raw_read(f"{info.path}/{MANIFEST_NAME}"))
-    doc["format_version"] = 4
+    doc["format_version"] = MAX_READ_VERSION + 1
     _recommit(backend, info, doc)
     reader = backend.open()
     with pytest.raises(FormatVersionError):
@@ -714,8 +715,12 @@ def test_marker_after_the_lease_uncommits_when_a_reference_is_gone(
     base, adapter = _lora(16)
     info1 = store.save(1, _state(base, adapter, 1))
 
-    def collector() -> None:  # the protector deleted (marker first), then its bytes
-        backend.open().delete(1)
+    def collector() -> None:  # the protector deleted (marker first), then its bytes, by a
+        # collector that judged this save abandoned (a delete would have kept what the young
+        # save's manifest references, §9.5: so the files go the way such a collector's do)
+        other = backend.open()
+        other.storage.delete(info1.paths.marker)
+        other.storage.delete_tree(info1.path)
         assert not backend.raw_exists(info1.path)
 
     monkeypatch.setattr(incremental, "time", _Clock([0.0, 1.0, 120.0], {3: collector}))
