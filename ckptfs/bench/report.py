@@ -462,6 +462,8 @@ def _incremental_section(inc: Mapping[str, Any] | None, plots: Mapping[str, str]
                   f"- bound: one full state {ret['first_save_bytes']:,} B + the retained "
                   f"checkpoints' own bytes {sum(ret['retained_own_bytes'].values()):,} B + "
                   f"metadata {ret['metadata_bytes']:,} B = {ret['bound_bytes']:,} B",
+                  f"- after `gc` with no grace (retired attempts no longer referenced removed): "
+                  f"{ret.get('stored_after_gc_bytes')} B",
                   f"- retained {ret['retained']}, verified: "
                   + ", ".join(f"{k} {v}" for k, v in ret["verified"].items()), ""]
     s3 = inc.get("s3")
