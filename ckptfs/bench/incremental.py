@@ -342,7 +342,7 @@ def bench_local(base: int, tensors: int, rounds: int, workdir: Path,
             doc = max(x.get("state_doc", 0) for x in f["series"])
             diff = abs(i["bytes_written"] - f["bytes_written"])
             res["targets"] = [_target("finetune_time", rt, detail),
-                              _target("finetune_bytes", diff, f"|incremental - v1| = {diff} B "
+                              _target("finetune_bytes", diff, f"abs(incremental - v1) = {diff} B "
                                       f"(state document {doc} B)", goal=doc)]
         out[case.name] = res
         del case, savers
