@@ -55,6 +55,13 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                 max_size=4),
     max_leaves=20)
+#: What a manifest's metadata may hold (JSON without the infinities a writer refuses).
+finite_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=20)
 
 msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
@@ -467,7 +474,7 @@ def _v3_manifests(draw: st.DrawFn) -> Any:
                                                     "rank-00001/data-0.safetensors"])),
                               end + draw(st.integers(0, 100)), algo, tuple(chunks)))
     return IncrementalManifest(draw(st.integers(0, MAX_STEP)), V3_ATTEMPT, tuple(files),
-                               "2026-01-01T00:00:00+00:00", algo, {"k": draw(json_values)},
+                               "2026-01-01T00:00:00+00:00", algo, {"k": draw(finite_json_values)},
                                references=tuple(refs))
 
 

@@ -263,6 +263,7 @@ def test_v3_refused_by_a_pre_v3_reader(v3_run: Path, monkeypatch: pytest.MonkeyP
     from ckptfs.errors import FormatVersionError
     from ckptfs.format import versions
 
+    monkeypatch.setattr(versions, "READ_VERSIONS", (1, 2))
     monkeypatch.setattr(versions, "MAX_READ_VERSION", 2)
     with pytest.raises(FormatVersionError, match="format version 3"):
         ckptfs.open(str(v3_run)).load(2)
