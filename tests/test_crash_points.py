@@ -15,6 +15,7 @@ from ckptfs.testing.reliability import (
     sweep_gc_crashes,
     sweep_prune_crashes,
     sweep_save_crashes,
+    sweep_shared_gc_crashes,
 )
 
 
@@ -28,6 +29,35 @@ def test_delete_crash_at_every_call(any_backend: Backend) -> None:
     sweep = sweep_delete_crashes(any_backend)
     assert sweep.tried >= 3
     assert sweep.counters.get("still_committed", 0) >= 1  # the crash before the marker delete
+    assert sweep.violations == []
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "s3", "gcs", "azure"])
+def test_delete_of_shared_bytes_crash_at_every_call(where: str,
+                                                    request: pytest.FixtureRequest) -> None:
+    """Incremental checkpoints (format v3): the deleted step holds the frozen model the later
+    steps reference; a crash at every call of its delete, then the delete again, never takes a
+    byte they use, and leaves exactly the referenced file and the retired attempt's manifest."""
+    if where not in ("local", "memory") and not request.config.getoption("--runslow"):
+        pytest.skip("larger sweep: run with --runslow")
+    backend: Backend = request.getfixturevalue(f"{where}_backend")
+    sweep = sweep_delete_crashes(backend, path=paths.V3)
+    assert sweep.tried == sweep.counters["calls_per_delete"] + 1 >= 4
+    assert sweep.violations == []
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "s3", "gcs", "azure"])
+def test_gc_of_shared_bytes_crash_at_every_call(where: str,
+                                                request: pytest.FixtureRequest) -> None:
+    """Incremental checkpoints: gc crashed at every call with a retired step whose file the
+    committed ones reference: they verify after every crash; clean runs leave only that file
+    and the retired attempt's manifest."""
+    if where not in ("local", "memory") and not request.config.getoption("--runslow"):
+        pytest.skip("larger sweep: run with --runslow")
+    backend: Backend = request.getfixturevalue(f"{where}_backend")
+    sweep = sweep_shared_gc_crashes(backend)
+    assert sweep.counters["retired_first_run"] == 1
+    assert sweep.tried == sweep.counters["calls_per_gc"] + 1 >= 3
     assert sweep.violations == []
 
 

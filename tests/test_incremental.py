@@ -756,3 +756,34 @@ def test_two_stores_of_one_run_interleave(backend: Backend) -> None:
     for step, want in saved.items():
         _assert_equal(reader.load(step), want)
         assert reader.verify(step).ok
+
+
+def test_rot_in_a_stored_chunk_is_never_carried_into_a_new_checkpoint(
+        backend: Backend, caplog: pytest.LogCaptureFixture) -> None:
+    """A chunk of the newest checkpoint's files rotted after its commit; a new process saves
+    the same (correct, in memory) tensors: the chunk is read and checked before its first
+    reuse, so the new checkpoint writes that tensor again and is whole; the others are still
+    referenced (each checked once per process, then trusted)."""
+    location, offset = _lora_pair(backend)
+    data = bytearray(backend.raw_read(location))
+    data[offset] ^= 0x40
+    backend.raw_write(location, bytes(data))
+    base, adapter = _lora(10)
+    with torch.no_grad():
+        adapter["lora_B"] += 1
+    store = backend.open(incremental=True)
+    with caplog.at_level("WARNING", logger="ckptfs"):
+        info = store.save(3, _state(base, adapter, 3))
+    assert "written again instead of referenced" in caplog.text and location in caplog.text
+    m = info.manifest
+    assert isinstance(m, IncrementalManifest) and m.references  # the intact tensors reused
+    assert info.bytes_written < info.bytes
+    got = backend.open().load(3)
+    _assert_equal(got, _state(base, adapter, 3))
+    assert backend.open().verify(3).ok
+    # the next save of this process trusts what it checked or wrote: no further reads
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ckptfs"):
+        store.save(4, _state(base, adapter, 4))
+    assert "written again" not in caplog.text
+    _assert_equal(backend.open().load(4), _state(base, adapter, 4))

@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.errors import CkptfsError, CorruptCheckpointError
-from ckptfs.format.hashing import ALGORITHMS, new_hasher
+from ckptfs.format.hashing import ALGORITHMS, digest_bytes, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
     IncrementalManifest,
     Reference,
     reference_name,
 )
-from ckptfs.format.layout import STATE_NAME
+from ckptfs.format.layout import CHECKPOINTS_DIR, STATE_NAME, step_dir_name
 from ckptfs.format.serialize import (
     StatePlan,
     TensorSlot,
@@ -60,7 +60,7 @@ from ckptfs.protocol.commit import (
 from ckptfs.protocol.listing import check_references
 from ckptfs.protocol.reader import local_header, reference_chunks
 from ckptfs.protocol.resolve import CheckpointInfo, read_marker, resolve_latest, storage_url
-from ckptfs.storage.base import Storage
+from ckptfs.storage.base import Storage, read_range
 
 log = logging.getLogger("ckptfs")
 
@@ -97,6 +97,15 @@ class Stored:
     def location(self) -> tuple[int, str, str]:
         return self.step, self.attempt, self.source
 
+    @property
+    def path(self) -> str:
+        """The file's path from the run root."""
+        return f"{CHECKPOINTS_DIR}/{step_dir_name(self.step)}/{self.attempt}/{self.source}"
+
+    @property
+    def chunk_id(self) -> tuple[str, int, int]:
+        return self.path, self.chunk.offset, self.chunk.length
+
 
 @dataclass
 class ReuseIndex:
@@ -125,6 +134,11 @@ class ReuseMemory:
     #: ``fqn@offsets``) and their tensors' ``(data_ptr, _version)`` then.
     rank_index: ReuseIndex | None = None
     rank_versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Stored chunks this process knows hold their digest's bytes (it wrote them, or read and
+    #: checked them once): ``(file path from the run root, offset, length)``.  A chunk it has
+    #: not seen is read and checked before its first reuse, so rot in an old file is never
+    #: carried into a new checkpoint while the saver holds the right bytes in memory.
+    checked: set[tuple[str, int, int]] = field(default_factory=set)
 
 
 def index_of(storage: Storage, info: CheckpointInfo) -> ReuseIndex | None:
@@ -174,10 +188,34 @@ def _latest_index(storage: Storage) -> ReuseIndex | None:
         return None
 
 
+def stored_chunk_intact(storage: Storage, st: Stored, memory: ReuseMemory) -> bool:
+    """Whether the stored chunk holds the bytes its digest names: known in this process, or
+    read and checked now (once).  A chunk that is missing or differs is never reused (logged:
+    the file it is in is damaged)."""
+    if st.chunk_id in memory.checked:
+        return True
+    try:
+        data = read_range(storage, st.path, st.chunk.offset, st.chunk.length)
+        good = len(data) == st.chunk.length and \
+            digest_bytes(st.algorithm, data).split(":", 1)[1] == st.chunk.digest
+    except (FileNotFoundError, CkptfsError):
+        good = False
+    if good:
+        with memory.lock:
+            memory.checked.add(st.chunk_id)
+    else:
+        log.warning("%s: bytes %d..%d of %s differ from their digest or are missing: tensor "
+                    "%r is written again instead of referenced (run 'ckptfs verify' on the "
+                    "checkpoints that use that file)", storage.url, st.chunk.offset,
+                    st.chunk.offset + st.chunk.length, st.path, st.name)
+    return good
+
+
 def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorithm: str,
-               threads: int) -> dict[int, Stored]:
+               threads: int, storage: Storage | None = None) -> dict[int, Stored]:
     """The plan's tensors to reference (index -> stored copy): candidates by the hint, each
-    confirmed by its digest."""
+    confirmed by its digest, and (``storage``) the stored chunk checked once per process
+    (:func:`stored_chunk_intact`)."""
     candidates = []
     for i, t in enumerate(plan.tensors):
         name = plan.names[i]
@@ -209,7 +247,7 @@ def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorith
         key = (algorithm, hexd, t.numel() * t.element_size(), dtype_code(t.dtype),
                tuple(t.shape))
         st = index.by_key.get(key)
-        if st is not None:
+        if st is not None and (storage is None or stored_chunk_intact(storage, st, memory)):
             out[i] = st
     return out
 
@@ -279,7 +317,8 @@ def write_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, 
 def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
           memory: ReuseMemory, index: ReuseIndex | None, *, algorithm: str, durable: bool,
           threads: int, lease_s: float) -> CheckpointInfo:
-    reused = find_reuse(plan, index, memory, algorithm, threads) if index is not None else {}
+    reused = find_reuse(plan, index, memory, algorithm, threads, storage) \
+        if index is not None else {}
     refs, external = references_for(reused)
     plan = relayout(plan, external) if reused or plan.external else plan
     doc = plan.document
@@ -369,16 +408,19 @@ def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
     index = ReuseIndex((info.step, info.attempt))
     m = info.manifest
     assert isinstance(m, IncrementalManifest)
+    written: list[tuple[str, int, int]] = []  # chunks this save wrote: known good
     for tf in plan.tensor_files:
         entry = m.chunked(tf.path)
         for i, (name, dtype, shape), chunk in zip(tf.members, tf.entries, entry.chunks[1:],
                                                   strict=True):
-            index.add(plan.names[i], Stored(info.step, info.attempt, tf.path, entry.size,
-                                            entry.algorithm, entry.chunks[0], chunk, name, dtype,
-                                            shape))
+            st = Stored(info.step, info.attempt, tf.path, entry.size, entry.algorithm,
+                        entry.chunks[0], chunk, name, dtype, shape)
+            index.add(plan.names[i], st)
+            written.append(st.chunk_id)
     for i, st in reused.items():
         index.add(plan.names[i], st)
     with memory.lock:
+        memory.checked.update(written)
         memory.index = index
         if plan.versions:
             memory.versions = dict(zip(plan.names, plan.versions, strict=True))
