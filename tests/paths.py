@@ -4,8 +4,10 @@ Write paths (:class:`WritePath`, ``path.save(store, step, state, metadata=)``): 
 (``store.save``), ``v2`` (the collective save on one rank: ``dcp.save(no_dist=True)`` through
 ckptfs's DCP writer), ``v2x2`` (the same on two gloo ranks, local disk only: slow, few cases),
 ``async`` (``save_async(...).result()``), ``cp`` / ``cp-v2`` (a save into a scratch root, then
-``ckptfs cp``'s ``copy_step``), ``sub`` (``store.save`` through the sub-storage of artifacts and
-the Lightning integration; ``path.at(backend)`` is then the sub-storage view of the backend).
+``ckptfs cp``'s ``copy_step``), ``v3`` (an incremental store's save of a state whose model is
+frozen: ``path.state(step)``; each save after the first has references), ``sub``
+(``store.save`` through the sub-storage of artifacts and the Lightning integration;
+``path.at(backend)`` is then the sub-storage view of the backend).
 The in-process ones live in :mod:`ckptfs.testing.reliability.paths` (the sweeps use them too).
 
 Read paths (:func:`read`): ``load``, ``load-unverified``, ``verify``, ``verify-quick``,
@@ -41,12 +43,13 @@ from ckptfs.testing.reliability.paths import (
     SUB,
     V1,
     V2,
+    V3,
     WRITE_PATHS,
     SubBackend,
     WritePath,
 )
 
-__all__ = ["ASYNC", "CP", "CP_V2", "PATHS", "SUB", "V1", "V2", "V2X2", "KnownDefect",
+__all__ = ["ASYNC", "CP", "CP_V2", "PATHS", "SUB", "V1", "V2", "V2X2", "V3", "KnownDefect",
            "SubBackend", "WritePath", "assert_not_committed", "check_violations",
            "copy_into_scratch", "known_defect", "params", "read"]
 

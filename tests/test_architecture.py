@@ -304,6 +304,8 @@ ADAPTER_USERS = {
     "ranged reads, multipart behaviour) through the adapter it opens, below the interface",
     "ckptfs.bench.latest": "the benchmark counts the HTTP requests of the s3fs client of the "
     "adapter it built (botocore events)",
+    "ckptfs.bench.incremental": "the benchmark counts the HTTP requests and uploaded bytes of "
+    "the s3fs client of the adapter it built (botocore events)",
 }
 
 
@@ -366,6 +368,8 @@ MARKER_OWNERS = {"ckptfs.protocol.commit", "ckptfs.format.manifest"}
 MARKER_BUILDERS = {
     "ckptfs.testing.reliability.hostile": "plants hostile checkpoints with valid markers on "
     "purpose (the attacker's view), through the backdoor, never through the commit",
+    "ckptfs.testing.reliability.hostile_v3": "plants hostile incremental (v3) checkpoints with "
+    "valid markers on purpose, as hostile does for v1 and v2",
     "ckptfs.bench.latest": "populates up to 10,000 committed checkpoints by raw writes to time "
     "resolving the latest among them (one real save on top)",
 }

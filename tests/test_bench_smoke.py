@@ -13,7 +13,13 @@ import pytest
 
 from ckptfs.bench.cli import main as bench_main
 from ckptfs.bench.common import QUESTIONS, REPO
-from ckptfs.bench.report import load_results, target_rows
+from ckptfs.bench.incremental import bench_retention, gc_available
+from ckptfs.bench.report import (
+    INCREMENTAL_HEADING,
+    load_results,
+    target_rows,
+    write_incremental_section,
+)
 from ckptfs.bench.variants import run_isolated
 from ckptfs.cli.core import main as cli_main
 
@@ -25,6 +31,9 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     rc = bench_main(["all", "--sizes", "2MiB", "--s3-sizes", "2MiB", "--hash-size", "1MiB",
                      "--counts", "3,12", "--reps", "1", "--in-process",
                      "--fresh-size", "2MiB", "--fresh-rounds", "1",
+                     "--incr-base", "2MiB", "--incr-rounds", "3", "--retention-base", "1MiB",
+                     "--retention-saves", "8", "--incr-s3-base", "1MiB", "--incr-s3-rounds", "2",
+                     "--incr-fresh-rounds", "1",
                      "--results", str(results), "--docs", str(docs),
                      "--note", "smoke run"])
     assert rc == 0
@@ -122,3 +131,88 @@ def test_scripts_have_help() -> None:
                          capture_output=True, text=True, timeout=120,
                          cwd=str(REPO))
     assert out.returncode == 0 and "--counts" in out.stdout
+
+
+def test_incremental_question(smoke: tuple[Path, Path]) -> None:
+    """Incremental saves side by side with full saves and DCP: the ratios of issue 17 part 6
+    are in the JSON and sane (speed is not checked at these sizes)."""
+    results, docs = smoke
+    inc = json.loads((results / "incremental.json").read_text())
+    cases = inc["cases"]
+    assert set(cases) == {"lora", "rl", "finetune"}
+    for case in cases.values():
+        assert case["rounds"] == 3
+        for v in case["variants"].values():
+            assert len(v["series"]) == 3 and v["median_s"] > 0 and v["bytes_written"] > 0
+    lora = cases["lora"]["ratios"]
+    assert 0 < lora["incremental/full"]["bytes"] < 0.1  # the adapters, not the base
+    assert 0 < lora["incremental/dcp"]["bytes"] < 0.1
+    assert lora["incremental/full"]["time"] > 0
+    incr = cases["lora"]["variants"]["ckptfs incremental"]
+    assert incr["series"][0]["bytes_written"] == incr["series"][0]["bytes"]  # first: all
+    full_logical = cases["lora"]["variants"]["ckptfs full (durable)"]["bytes"]
+    assert full_logical <= incr["bytes"] < full_logical * 1.01  # + the referenced headers
+    assert 0.45 < cases["rl"]["ratios"]["incremental/full"]["bytes"] < 0.55
+    ft = cases["finetune"]
+    assert ft["ratios"]["incremental/v1"]["bytes"] == pytest.approx(1.0, abs=0.01)
+    keys = {t["key"] for t in inc["targets"]}
+    assert {"lora_bytes", "lora_time", "rl_bytes", "finetune_time", "finetune_bytes"} <= keys
+    assert {t["key"]: t["met"] for t in inc["targets"]}["rl_bytes"] is True
+    assert {t["key"]: t["met"] for t in inc["targets"]}["finetune_bytes"] is True
+    s3 = inc["s3"]["variants"]
+    assert s3["ckptfs incremental"]["uploaded_bytes"] < s3["ckptfs full (durable)"][
+        "uploaded_bytes"] / 5
+    assert s3["ckptfs full (durable)"]["uploaded_bytes"] >= inc["s3"]["state_bytes"]
+    assert s3["ckptfs full (durable)"]["requests"].get("PutObject", 0) >= 1
+    fresh = inc["fresh"]["summary"]
+    assert 0 < fresh["incremental"]["import_s"] < fresh["incremental"]["fresh_s"]
+    assert fresh["incremental"]["first_bytes_written"] < fresh["full"]["first_bytes_written"]
+    ret = inc["retention"]
+    if gc_available():
+        assert ret["status"] == "measured" and ret["stored_bytes"] > 0
+    else:
+        assert ret["status"] == "pending gc merge" and "targets" not in ret
+    assert inc["note"] == "smoke run"
+    md = (docs / "benchmarks.md").read_text()
+    assert INCREMENTAL_HEADING in md and "img/incremental.png" in md
+    assert (docs / "img" / "incremental.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_incremental_retention_figures(tmp_path: Path) -> None:
+    """The keep_last=5 case runs end to end (forced when the reference-aware delete is not in
+    this tree: then some retained checkpoints reference deleted bytes, which it reports)."""
+    ret = bench_retention(1 << 20, 8, 7, tmp_path, force=True, log=lambda _: None)
+    assert ret["retained"][-5:] == [3, 4, 5, 6, 7]  # without gc, a prune may refuse (below)
+    assert ret["first_save_bytes"] > ret["median_bytes_written"] > 0
+    assert set(ret["verified"]) == {str(s) for s in ret["retained"]}
+    assert ret["bound_bytes"] == (ret["first_save_bytes"]
+                                  + sum(ret["retained_own_bytes"].values())
+                                  + ret["metadata_bytes"])
+    if gc_available():
+        assert ret["retained"] == [3, 4, 5, 6, 7]
+        assert all(v == "ok" for v in ret["verified"].values())
+        assert ret["stored_bytes"] <= ret["bound_bytes"]
+        assert ret["targets"][0]["met"] is True
+    else:
+        assert ret["status"].startswith("forced without the gc merge")
+        assert any(v != "ok" for v in ret["verified"].values())
+        assert ret["targets"][0]["met"] is False
+
+
+def test_report_only_incremental_splices(smoke: tuple[Path, Path], tmp_path: Path) -> None:
+    """``ckptfs bench report --only incremental`` replaces or inserts its section and leaves
+    the rest of a (partly hand-written) benchmarks.md as it is."""
+    results, _ = smoke
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    hand = ["# Benchmarks", "", "## Targets", "", "by hand", "",
+            "## How ckptfs gets these figures", "", "notes", "", "## Sharded", "", "tail"]
+    (docs / "benchmarks.md").write_text("\n".join(hand) + "\n")
+    assert cli_main(["bench", "report", "--only", "incremental", "--results", str(results),
+                     "--docs", str(docs)]) == 0
+    first = (docs / "benchmarks.md").read_text()
+    assert first.count(INCREMENTAL_HEADING) == 1
+    assert first.index("by hand") < first.index(INCREMENTAL_HEADING) < first.index("notes")
+    assert first.endswith("## Sharded\n\ntail\n")
+    write_incremental_section(results, docs)
+    assert (docs / "benchmarks.md").read_text() == first

@@ -27,9 +27,18 @@ def run_root(tmp_path: Path) -> Path:
 
 def test_ls(run_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", str(run_root), "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["checkpoints"]
-    assert rows == [{"step": 9, "committed": True}, {"step": 10, "committed": True},
-                    {"step": 11, "committed": False}]
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["checkpoints"]
+    assert [{k: r[k] for k in ("step", "committed")} for r in rows] == [
+        {"step": 9, "committed": True}, {"step": 10, "committed": True},
+        {"step": 11, "committed": False}]
+    store = ckptfs.open(str(run_root))
+    for row in rows[:2]:  # format v1: nothing shared, deleting frees all of its files
+        size = store.info(row["step"]).total_bytes
+        assert row["bytes"] == row["bytes_written"] == row["exclusive_bytes"] == size
+    assert doc["stored_bytes"] == sum(
+        p.stat().st_size for s in (9, 10) for p in (run_root / StepPaths(s).dir).rglob("*")
+        if p.is_file() and p.name != "COMPLETE")
     assert main(["ls", str(run_root)]) == 0
     out = capsys.readouterr().out
     assert "incomplete" in out and "committed" in out

@@ -2,7 +2,8 @@
 could think of; full verify and load(verify=True) detect all of it and name the file, quick
 verify detects every size and inventory change.  On all six backends, and for a checkpoint
 written by every write path (tests/paths.py): the sharded save on one rank and on two, the
-async save, ``ckptfs cp``, the sub-storage."""
+async save, ``ckptfs cp``, the sub-storage, the incremental save (format v3: the damaged
+checkpoint's model is read from a file of the older one, which is damaged too)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability import Sweep, corruption_matrix
 
 
-def check_matrix(sweep: Sweep, backend: Backend) -> None:
+def check_matrix(sweep: Sweep, backend: Backend, path: paths.WritePath | None = None) -> None:
     paths.check_violations(sweep.violations)
+    if path is not None and path.references:  # and the file it references was damaged
+        assert sweep.counters["referenced_files"] >= 1
     assert sweep.tried >= 35
     assert sweep.counters["detected"] == sweep.tried  # full verify: 100%, naming the file
     stray = sweep.counters["load_unaffected_by_stray"]
@@ -38,7 +41,7 @@ def test_corruption_matrix(any_backend: Backend) -> None:
 def _matrix_params() -> list[object]:
     """Every path on memory:// (local disk and S3 with --runslow); two ranks on local disk only
     (memory:// is per process)."""
-    names = ["async", "cp", "sub", "v2", "cp-v2"]
+    names = ["async", "cp", "sub", "v2", "cp-v2", "v3"]
     out: list[object] = []
     for where in ("memory", "local", "s3"):
         for p in paths.params(names + (["v2x2"] if where == "local" else []),
@@ -52,4 +55,4 @@ def _matrix_params() -> list[object]:
 def test_corruption_matrix_on_every_path(where: str, path: paths.WritePath,
                                          request: pytest.FixtureRequest) -> None:
     backend: Backend = request.getfixturevalue(f"{where}_backend")
-    check_matrix(corruption_matrix(backend, path=path), path.at(backend))
+    check_matrix(corruption_matrix(backend, path=path), path.at(backend), path)

@@ -15,6 +15,7 @@ from ckptfs.testing.reliability import (
     sweep_gc_crashes,
     sweep_prune_crashes,
     sweep_save_crashes,
+    sweep_shared_gc_crashes,
 )
 
 
@@ -28,6 +29,35 @@ def test_delete_crash_at_every_call(any_backend: Backend) -> None:
     sweep = sweep_delete_crashes(any_backend)
     assert sweep.tried >= 3
     assert sweep.counters.get("still_committed", 0) >= 1  # the crash before the marker delete
+    assert sweep.violations == []
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "s3", "gcs", "azure"])
+def test_delete_of_shared_bytes_crash_at_every_call(where: str,
+                                                    request: pytest.FixtureRequest) -> None:
+    """Incremental checkpoints (format v3): the deleted step holds the frozen model the later
+    steps reference; a crash at every call of its delete, then the delete again, never takes a
+    byte they use, and leaves exactly the referenced file and the retired attempt's manifest."""
+    if where not in ("local", "memory") and not request.config.getoption("--runslow"):
+        pytest.skip("larger sweep: run with --runslow")
+    backend: Backend = request.getfixturevalue(f"{where}_backend")
+    sweep = sweep_delete_crashes(backend, path=paths.V3)
+    assert sweep.tried == sweep.counters["calls_per_delete"] + 1 >= 4
+    assert sweep.violations == []
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "s3", "gcs", "azure"])
+def test_gc_of_shared_bytes_crash_at_every_call(where: str,
+                                                request: pytest.FixtureRequest) -> None:
+    """Incremental checkpoints: gc crashed at every call with a retired step whose file the
+    committed ones reference: they verify after every crash; clean runs leave only that file
+    and the retired attempt's manifest."""
+    if where not in ("local", "memory") and not request.config.getoption("--runslow"):
+        pytest.skip("larger sweep: run with --runslow")
+    backend: Backend = request.getfixturevalue(f"{where}_backend")
+    sweep = sweep_shared_gc_crashes(backend)
+    assert sweep.counters["retired_first_run"] == 1
+    assert sweep.tried == sweep.counters["calls_per_gc"] + 1 >= 3
     assert sweep.violations == []
 
 
@@ -59,10 +89,10 @@ def _path_params() -> list[object]:
     --runslow.  The sharded save (two simulated ranks driving DCP's call sequence) has its own
     sweep in tests/test_sharded_crash.py."""
     default = {("memory", "async"), ("memory", "cp"), ("local", "async"), ("local", "cp"),
-               ("memory", "sub"), ("memory", "cp-v2")}
+               ("memory", "sub"), ("memory", "cp-v2"), ("memory", "v3"), ("local", "v3")}
     out: list[object] = []
     for where in ("memory", "local", "s3", "ministack", "gcs", "azure"):
-        for p in paths.params(["async", "cp", "sub", "v2", "cp-v2"]):
+        for p in paths.params(["async", "cp", "sub", "v2", "cp-v2", "v3"]):
             (path,) = p.values
             slow = [] if (where, path.name) in default else [pytest.mark.slow]
             out.append(pytest.param(where, path, id=f"{where}-{path.name}", marks=slow))
@@ -74,8 +104,12 @@ def test_save_crash_at_every_call_on_every_path(where: str, path: paths.WritePat
                                                 request: pytest.FixtureRequest) -> None:
     """The crash sweep through another writer: the background thread of save_async, the
     destination of ckptfs cp (its source is a scratch root), a sub-storage, dcp.save on one
-    rank (DCP reports the crash as ShardedSaveError: it counts as the crash)."""
+    rank (DCP reports the crash as ShardedSaveError: it counts as the crash), an incremental
+    save (format v3) whose model tensors are references to an earlier checkpoint's file:
+    every committed checkpoint, the latest included, loads bit-exactly through its references."""
     backend: Backend = request.getfixturevalue(f"{where}_backend")
     sweep = sweep_save_crashes(backend, path=path)
     paths.check_violations(sweep.violations)
     assert sweep.tried > sweep.counters["calls_per_save"] >= 4
+    if path.references:  # every save after the primed step 0 references it (or its source)
+        assert sweep.counters["with_references"] >= sweep.counters["calls_per_save"]

@@ -280,3 +280,57 @@ def test_checker_and_ckptfs_agree_on_chunk_cover(size: list[int], chunks: list[A
     except AssertionError:
         theirs = False
     assert ours == theirs
+
+
+# -- format v3 (incremental, §9) ---------------------------------------------------------------
+
+def _incremental_run(root: Path, algorithm: str = "sha256") -> ckptfs.CheckpointStore:
+    store = ckptfs.open(str(root), algorithm=algorithm, incremental=True)
+    torch.manual_seed(0)
+    frozen = {"w": torch.randn(16, 8), "b": torch.zeros(3, dtype=torch.bfloat16),
+              "e": torch.empty(0, 4)}
+    for step in (10, 20):
+        store.save(step, {"base": frozen, "head": torch.full((4,), float(step)),
+                          "trainer": {"step": step}})
+    return store
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_by_hand_checker_accepts_incremental_checkpoint(tmp_path: Path, algorithm: str) -> None:
+    root = tmp_path / "run"
+    store = _incremental_run(root, algorithm)
+    manifest = json.loads((root / StepPaths(20).manifest(store.info(20).attempt)).read_bytes())
+    assert manifest["format_version"] == 3 and len(manifest["references"]) == 1
+    done = run_checker(tmp_path, root)
+    assert done.returncode == 0, done.stderr
+    assert "step 20: committed, 2 files verified, 4 tensors, 1 references verified" \
+        in done.stdout
+
+
+def _tamper_reference(root: Path, store: Any, where: str) -> str:
+    m = json.loads((root / StepPaths(20).manifest(store.info(20).attempt)).read_bytes())
+    ref = m["references"][0]
+    path = root / StepPaths(ref["step"]).file(ref["attempt"], ref["source"])
+    if where == "missing":
+        path.unlink()
+        return "missing"
+    if where == "size":
+        with open(path, "ab") as f:
+            f.write(b"\0")
+        return "size"
+    offset, length, _ = ref["chunks"][0 if where == "header" else -1]
+    data = bytearray(path.read_bytes())
+    data[offset + length - 1] ^= 1
+    path.write_bytes(bytes(data))
+    return "differ"
+
+
+@pytest.mark.parametrize("where", ["tensor", "header", "missing", "size"])
+def test_checker_and_ckptfs_reject_bad_references(tmp_path: Path, where: str) -> None:
+    root = tmp_path / "run"
+    store = _incremental_run(root)
+    word = _tamper_reference(root, store, where)
+    done = run_checker(tmp_path, root)
+    assert done.returncode != 0 and word in done.stderr, done.stderr
+    with pytest.raises(CorruptCheckpointError):
+        ckptfs.open(str(root)).load(20)

@@ -1,6 +1,7 @@
-"""Property-based fuzzing of every decoder that reads bytes from storage: the manifest (v1 and
-v2), the commit marker, the state document and tree, the safetensors header, ``dcp.msgpack``
-and the value documents of format v2.  Whatever the bytes, only typed errors
+"""Property-based fuzzing of every decoder that reads bytes from storage: the manifest (v1, v2
+and v3, whose references are fuzzed field by field and round-trip), the commit marker, the
+state document and tree, the safetensors header, ``dcp.msgpack`` and the value documents of
+format v2.  Whatever the bytes, only typed errors
 (:class:`~ckptfs.errors.CkptfsError`) may escape; and garbage is refused: a required field
 deleted or mutated into a value it cannot hold is refused with CorruptCheckpointError (or
 UnsafeCheckpointError / FormatVersionError), never accepted."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import struct
 from collections.abc import Callable
@@ -50,6 +52,13 @@ FUZZ = settings(max_examples=250, deadline=None,
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
     | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=20)
+#: What a manifest's metadata may hold (JSON without the infinities a writer refuses).
+finite_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                 max_size=4),
     max_leaves=20)
@@ -319,6 +328,166 @@ def test_v2_manifest_refuses_a_mutated_field(key: str, data: st.DataObject) -> N
         _refused(lambda: decode_manifest(json.dumps(doc).encode()))  # noqa: B023
 
 
+# -- format v3 (incremental): the manifest and each field of a reference ---------------------------
+
+V3_ATTEMPT = "a-20260101T000000Z-0123456789abcdef"
+V3_REF_ATTEMPT = "a-20251231T000000Z-fedcba9876543210"
+V3_REF_CHUNKS = [[0, 8, "3" * 64], [8, 4, "4" * 64]]
+
+
+def _v3_manifest() -> bytes:
+    """A valid v3 manifest: state.msgpack, one tensor file, one reference."""
+    from ckptfs.format.incremental import IncrementalManifest, Reference
+
+    state = (Chunk(0, 16, "2" * 64),)
+    chunks = (Chunk(0, 8, "0" * 64), Chunk(8, 4, "1" * 64))
+    entries = (ChunkedFileEntry("state.msgpack", 16, chunk_list_digest("sha256", state), state,
+                                None),
+               ChunkedFileEntry("tensors-00000.safetensors", 12,
+                                chunk_list_digest("sha256", chunks), chunks, None))
+    ref = Reference("ref-00000.safetensors", 3, V3_REF_ATTEMPT, "tensors-00000.safetensors",
+                    64, "sha256", tuple(Chunk(*c) for c in V3_REF_CHUNKS))
+    return IncrementalManifest(5, V3_ATTEMPT, entries, "2026-01-01T00:00:00+00:00", "sha256",
+                               {"tensor_count": 0}, references=(ref,)).to_bytes()
+
+
+VALID_V3_MANIFEST = _v3_manifest()
+V3_MANIFEST_VALID: dict[str, Valid] = {
+    **_MANIFEST_COMMON,
+    "format_version": _equals(3),
+    "layout": _equals("incremental"),
+    "files": lambda v: isinstance(v, list) and all(
+        isinstance(e, dict) and set(e) >= V2_FILE_KEYS - {"rank"} for e in v),
+    "references": lambda v: isinstance(v, list) and v == [],  # [] is valid: no references
+}
+
+
+def _relpath_ok(v: Any, taken: set[str]) -> bool:
+    from ckptfs.format.layout import check_relpath
+
+    try:
+        return check_relpath(v) not in taken
+    except (CkptfsError, TypeError, ValueError):
+        return False
+
+
+def _ref_chunks_ok(v: Any) -> bool:
+    """A chunk list a 64 B referenced file may have (§9.2): [offset, length, hex] triples,
+    the first at offset 0, sorted, disjoint, inside the file."""
+    if not isinstance(v, list) or not v:
+        return False
+    end = 0
+    for c in v:
+        if not (isinstance(c, list) and len(c) == 3 and type(c[0]) is int
+                and type(c[1]) is int and _is_digest(f"sha256:{c[2]}")):
+            return False
+        if c[0] < end or c[1] < 0 or c[0] + c[1] > 64:
+            return False
+        end = c[0] + c[1]
+    return bool(v[0][0] == 0)
+
+
+REFERENCE_VALID: dict[str, Valid] = {
+    "path": lambda v: _relpath_ok(v, {"MANIFEST.json", "COMPLETE", "state.msgpack",
+                                      "tensors-00000.safetensors"}),
+    "step": _int_in(0, MAX_STEP),
+    "attempt": lambda v: isinstance(v, str) and is_attempt_name(v) and v != V3_ATTEMPT,
+    "source": lambda v: _relpath_ok(v, {"MANIFEST.json", "COMPLETE", "state.msgpack"}),
+    "size": _int_in(12, 1 << 50),
+    "algorithm": lambda v: isinstance(v, str) and v in ALGORITHMS,
+    "chunks": _ref_chunks_ok,
+}
+
+
+@pytest.mark.parametrize("key", sorted(V3_MANIFEST_VALID))
+@REFUSE
+@given(data=st.data())
+def test_v3_manifest_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
+    valid = V3_MANIFEST_VALID[key]
+    for value in [*_fixed(valid), data.draw(_mutation(valid, json_values))]:
+        doc = _with(json.loads(VALID_V3_MANIFEST), key, value)
+        if key == "references" and isinstance(value, list) and value:
+            continue  # a list of references: the reference fields are fuzzed below
+        _refused(lambda: decode_manifest(json.dumps(doc).encode()))  # noqa: B023
+
+
+ref_values = json_values | st.lists(st.lists(st.integers(-3, 80) | st.text("0123456789abcdef",
+                                                                          max_size=4),
+                                             min_size=2, max_size=4), max_size=3)
+
+
+@pytest.mark.parametrize("key", sorted(REFERENCE_VALID))
+@REFUSE
+@given(data=st.data())
+def test_v3_reference_refuses_a_mutated_field(key: str, data: st.DataObject) -> None:
+    """Each field of a reference deleted or given a value it cannot hold (the oracle above,
+    from docs/protocol.md §9.2): the manifest is refused."""
+    valid = REFERENCE_VALID[key]
+    drawn = data.draw(_mutation(valid, ref_values if key == "chunks" else json_values))
+    for value in [*_fixed(valid), drawn]:
+        doc = json.loads(VALID_V3_MANIFEST)
+        doc["references"] = [_with(doc["references"][0], key, value)]
+        _refused(lambda: decode_manifest(json.dumps(doc).encode()))  # noqa: B023
+
+
+@FUZZ
+@given(data=st.binary(max_size=4096) | st.integers(0, len(VALID_V3_MANIFEST) - 1).map(
+    lambda i: VALID_V3_MANIFEST[:i] + bytes([VALID_V3_MANIFEST[i] ^ 0x21])
+    + VALID_V3_MANIFEST[i + 1:]))
+def test_v3_manifest_from_random_or_flipped_bytes(data: bytes) -> None:
+    only_typed(lambda: decode_manifest(data))
+
+
+@st.composite
+def _v3_manifests(draw: st.DrawFn) -> Any:
+    """Valid v3 manifests: own files tiled by chunks, references with sorted disjoint chunks
+    (the header first) inside their files, no name twice."""
+    from ckptfs.format.incremental import IncrementalManifest, Reference, reference_name
+
+    algo = draw(st.sampled_from(sorted(a for a in ALGORITHMS if ALGORITHMS[a].cryptographic)))
+    hexd = st.text("0123456789abcdef", min_size=1, max_size=64)
+
+    def tiling(size: int) -> tuple[Chunk, ...]:
+        cuts = sorted(set(draw(st.lists(st.integers(1, max(1, size - 1)), max_size=4))))
+        bounds = [0, *[c for c in cuts if c < size], size]
+        return tuple(Chunk(a, b - a, draw(hexd)) for a, b in itertools.pairwise(bounds))
+
+    files = []
+    for i, path in enumerate(["state.msgpack", *[f"tensors-{k:05d}.safetensors"
+                                                 for k in range(draw(st.integers(0, 3)))]]):
+        size = draw(st.integers(1 if i else 0, 1 << 20))
+        chunks = tiling(size) if size else ()
+        files.append(ChunkedFileEntry(path, size, chunk_list_digest(algo, list(chunks)),
+                                      chunks, None))
+    refs = []
+    for k in range(draw(st.integers(0, 4))):
+        header = draw(st.integers(8, 1024))
+        offsets = sorted(set(draw(st.lists(st.integers(header, 1 << 30), max_size=5))))
+        chunks = [Chunk(0, header, draw(hexd))]
+        for a, b in itertools.pairwise(offsets):
+            if draw(st.booleans()):
+                chunks.append(Chunk(a, draw(st.integers(0, b - a)), draw(hexd)))
+        end = chunks[-1].offset + chunks[-1].length
+        attempt = f"a-2025{draw(st.integers(10, 12))}01T000000Z-{draw(st.integers(0, 2**63)):016x}"
+        refs.append(Reference(reference_name(k), draw(st.integers(0, MAX_STEP)), attempt,
+                              draw(st.sampled_from(["tensors-00000.safetensors",
+                                                    "rank-00001/data-0.safetensors"])),
+                              end + draw(st.integers(0, 100)), algo, tuple(chunks)))
+    return IncrementalManifest(draw(st.integers(0, MAX_STEP)), V3_ATTEMPT, tuple(files),
+                               "2026-01-01T00:00:00+00:00", algo, {"k": draw(finite_json_values)},
+                               references=tuple(refs))
+
+
+@REFUSE
+@given(manifest=_v3_manifests())
+def test_a_valid_v3_manifest_round_trips(manifest: Any) -> None:
+    """Encoded and decoded again: the same manifest (files, chunks, references)."""
+    data = manifest.to_bytes()
+    got = decode_manifest(data)
+    assert got == manifest
+    assert got.to_bytes() == data
+
+
 MARKER_VALID: dict[str, Valid] = {
     "schema": _equals("ckptfs.commit"),
     "format_version": _equals(1),
@@ -476,6 +645,7 @@ def test_the_valid_documents_decode() -> None:
     nothing)."""
     decode_manifest(VALID_MANIFEST)
     decode_manifest(VALID_V2_MANIFEST)
+    decode_manifest(VALID_V3_MANIFEST)
     Marker.from_bytes(VALID_MARKER).check_manifest(VALID_MANIFEST, where="m")
     _load_state_doc(msgpack.packb(VALID_STATE_DOC, use_bin_type=True))
     assert decode_value(msgpack.packb(VALID_VALUE_DOC, use_bin_type=True), where="k")["b"] == (

@@ -1,5 +1,6 @@
 """Golden checkpoints (tests/golden/v1: format v1; tests/golden/v2: format v2, sharded, step 1
-written by 2 gloo ranks; both written once by tests/golden/make_golden.py): every future ckptfs
+written by 2 gloo ranks; tests/golden/v3: format v3, incremental, step 2 referencing step 1;
+each written once by tests/golden/make_golden.py): every future ckptfs
 must load them bit-exact and verify them, and the by-hand checker of docs/protocol.md must accept
 them.  The expected values are rebuilt from the generator's recipe, never stored as output
 blobs."""
@@ -195,3 +196,74 @@ def test_v2_by_hand_checker(v2_run: Path, tmp_path: Path) -> None:
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert expect in done.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Format v3 (incremental): step 2 references step 1's unchanged tensors
+
+
+@pytest.fixture
+def v3_run(tmp_path: Path) -> Path:
+    src = GOLDEN / "v3" / "run"
+    assert (src / "checkpoints").is_dir(), f"{src} is missing: the golden files must be committed"
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_v3_steps_metadata_and_references(v3_run: Path) -> None:
+    from ckptfs.format.incremental import IncrementalManifest
+
+    store = ckptfs.open(str(v3_run))
+    recipe = RECIPE.golden_v3()
+    assert store.steps() == sorted(recipe)
+    for step, (_, meta, algorithm) in recipe.items():
+        info = store.info(step)
+        assert info.manifest.format_version == 3 and info.manifest.hash_algorithm == algorithm
+        assert {k: v for k, v in info.metadata.items() if k != "tensor_count"} == meta
+    m = store.info(2).manifest
+    assert isinstance(m, IncrementalManifest) and len(m.references) == 1
+    ref = m.references[0]
+    assert (ref.step, ref.attempt) == (1, store.info(1).attempt)
+    assert store.info(2).bytes_written < store.info(2).bytes
+
+
+@pytest.mark.parametrize("step", sorted(RECIPE.golden_v3()))
+def test_v3_loads_bit_exact(v3_run: Path, step: int) -> None:
+    state, _, _ = RECIPE.golden_v3()[step]
+    store = ckptfs.open(str(v3_run))
+    assert_bit_exact(store.load(step), state)
+    assert_bit_exact(store.load(step, keys=["frozen"]), {"frozen": state["frozen"]})
+    assert_bit_exact(store.load(step, mmap=True), state)
+
+
+def test_v3_verifies(v3_run: Path) -> None:
+    store = ckptfs.open(str(v3_run))
+    for step in store.steps():
+        for quick in (True, False):
+            report = store.verify(step, quick=quick)
+            assert report.ok, report.problems
+
+
+def test_v3_by_hand_checker(v3_run: Path, tmp_path: Path) -> None:
+    from test_format_spec import checker_source
+
+    script = tmp_path / "check.py"
+    script.write_text(checker_source())
+    done = subprocess.run([sys.executable, str(script), str(v3_run)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "step 2: committed, 2 files verified" in done.stdout
+    assert "1 references verified" in done.stdout
+
+
+def test_v3_refused_by_a_pre_v3_reader(v3_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that knows formats 1 and 2 only (the version check of ckptfs before v3)
+    refuses v3 with FormatVersionError."""
+    from ckptfs.errors import FormatVersionError
+    from ckptfs.format import versions
+
+    monkeypatch.setattr(versions, "READ_VERSIONS", (1, 2))
+    monkeypatch.setattr(versions, "MAX_READ_VERSION", 2)
+    with pytest.raises(FormatVersionError, match="format version 3"):
+        ckptfs.open(str(v3_run)).load(2)

@@ -49,7 +49,7 @@ def roundtrip(backend: Backend, state: dict[str, Any], step: int = 1) -> dict[An
 #: The write paths every "refused before writing" case runs through (tests/paths.py); ``cp``
 #: is not one of them: its source cannot hold these values (its hostile sources are in
 #: tests/test_hostile.py).
-WRITERS = paths.params(["v1", "v2", "async", "sub"])
+WRITERS = paths.params(["v1", "v2", "async", "sub", "v3"])
 def refused_before_writing(backend: Backend, state: dict[str, Any], where: str,
                            path: paths.WritePath = paths.V1, metadata: Any = None,
                            arm: Callable[[], None] | None = None) -> UnsupportedValueError:
@@ -206,12 +206,14 @@ def test_oversized_metadata_refused_before_writing(memory_backend: Backend,
     assert str(limits.MAX_MANIFEST_BYTES) in str(err)
 
 
-@pytest.mark.parametrize("path", paths.params(["v1", "v2", "async", "cp", "sub"],
+@pytest.mark.parametrize("path", paths.params(["v1", "v2", "async", "cp", "sub", "v3"],
                                               slow=["async", "cp", "sub"]))
 def test_metadata_at_the_limit_commits_and_loads(memory_backend: Backend,
                                                  path: paths.WritePath) -> None:
     backend = path.at(memory_backend)
     store = backend.open()
+    if path.references:  # the probe references what step 0 holds, as steps 2 and 3 will
+        path.save(store, 0, {"w": torch.ones(2)})
     probe = path.save(store, 1, {"w": torch.ones(2)}, metadata={"notes": ""})
     room = limits.MAX_MANIFEST_BYTES - len(probe.manifest.to_bytes())
     path.save(store, 2, {"w": torch.ones(2)}, metadata={"notes": "x" * room})

@@ -357,10 +357,14 @@ def test_unreadable_attempt_is_an_access_error_not_corruption(
 # -- symlinks and stray files, through every write and read path -----------------------------
 
 def _written(backend: Backend, path: paths.WritePath, *steps: int) -> CheckpointStore:
-    """The checkpoints ``steps`` written through ``path``; a reader store on the same view."""
+    """The checkpoints ``steps`` written through ``path`` (``path.state(step)``); a reader store
+    on the same view.  A path with references (v3) primes step 0 first, so that every step
+    written here references it."""
     writer = backend.open()
+    if path.references:
+        path.save(writer, 0, path.state(0))
     for step in steps:
-        path.save(writer, step, state_for(step))
+        path.save(writer, step, path.state(step))
     return backend.open()
 
 
@@ -373,7 +377,8 @@ def _every_path(default: tuple[str, ...] = ("local", "memory")) -> list[Any]:
     ``default`` (S3 with --runslow), two gloo ranks on local disk with --runslow."""
     out = []
     for where in ("local", "memory", "s3"):
-        names = ["v1", "v2", "async", "cp", "sub"] + (["v2x2"] if where == "local" else [])
+        names = ["v1", "v2", "async", "cp", "sub", "v3"] + (["v2x2"] if where == "local"
+                                                           else [])
         for p in paths.params(names, slow=[] if where in default else names[1:]):
             (path,) = p.values
             if where not in default and path is paths.V1 and where != "s3":
@@ -418,12 +423,12 @@ def test_stray_file_is_ignored_by_load_and_reported_by_verify(
     info = store.info(1)
     backend.raw_write(f"{info.path}/notes.txt", b"hello")
     with caplog.at_level(logging.WARNING, logger="ckptfs"):
-        assert _same(store.load(1), state_for(1))
+        assert _same(store.load(1), path.state(1))
     assert any("notes.txt" in r.getMessage() for r in caplog.records)
     with pytest.raises(CorruptCheckpointError, match=r"notes\.txt: not in the manifest"):
         store.verify(1, quick=True)
     copy = paths.read("cp", store, 1)
-    assert copy.verify(1, quick=True).ok and _same(copy.load(1), state_for(1))
+    assert copy.verify(1, quick=True).ok and _same(copy.load(1), path.state(1))
     assert paths.read("inspect", store, 1)["step"] == 1
 
 
@@ -444,4 +449,4 @@ def test_latest_rollback_checks_the_commit_load_rollback_checks_the_data(
     assert latest is not None and latest.step == 2
     with pytest.raises(CorruptCheckpointError, match="step 2"):
         store.load()
-    assert _same(store.load(allow_rollback=True), state_for(1))
+    assert _same(store.load(allow_rollback=True), path.state(1))

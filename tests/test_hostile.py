@@ -7,7 +7,9 @@ Every hostile input goes through every reader (issue 16, part 7): ``load`` (veri
 ``ckptfs cp`` (which must refuse it with the same error and commit nothing at the destination)
 and ``ckptfs inspect``; through the sub-storage of artifacts and the Lightning integration; and
 restated for the sharded format (format v2), where it must get the error its v1 counterpart
-gets, also from the in-place load (``load(into=...)``) on one rank and on two."""
+gets, also from the in-place load (``load(into=...)``) on one rank and on two; and for the
+incremental format (format v3), whose references to other attempts' files are the new attack
+surface (paths, attempt names, chunk tables, sizes, the referenced header, the state's slots)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ from ckptfs.testing.reliability.hostile_v2 import (
     PlanterV2,
     hostile_v2_cases,
     hostile_v2_names,
+)
+from ckptfs.testing.reliability.hostile_v3 import (
+    PlanterV3,
+    hostile_v3_names,
+    mismatched_v3_cases,
 )
 
 
@@ -131,6 +138,89 @@ def test_hostile_sharded_checkpoint(where: str, case: str,
     assert sweep.violations == []
 
 
+# -- format v3 (incremental): one test per hostile input -----------------------------------------
+
+_LOCAL_ONLY_V3 = {name for name, _ in hostile_v3_names(local=True)} - {
+    name for name, _ in hostile_v3_names(local=False)}
+
+
+def _v3_params() -> list[Any]:
+    out = []
+    for where in ("memory", "local"):
+        for name, _ in hostile_v3_names(local=where == "local"):
+            marks: list[Any] = []
+            if where == "local" and name not in _LOCAL_ONLY_V3:
+                marks.append(pytest.mark.slow)  # the same decoders as on memory://
+            out.append(pytest.param(where, name, id=f"{where}-{name}", marks=marks))
+    return out
+
+
+_PLANTERS_V3: dict[str, PlanterV3] = {}
+
+
+def _planter_v3(where: str, tmp_path_factory: pytest.TempPathFactory) -> PlanterV3:
+    """One donor run (step 0, and step 1 referencing it) per backend for the whole module."""
+    if where not in _PLANTERS_V3:
+        url = (f"memory://{unique_name()}" if where == "memory"
+               else f"file://{tmp_path_factory.mktemp('hostile-v3')}/{unique_name()}")
+        _PLANTERS_V3[where] = PlanterV3(Backend(where, url))
+    return _PLANTERS_V3[where]
+
+
+@pytest.mark.parametrize(("where", "case"), _v3_params())
+def test_hostile_incremental_checkpoint(where: str, case: str,
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """load (verified or not), ``ckptfs cp`` and ``ckptfs inspect`` refuse it with the error
+    of its kind, all the same class; full verify refuses it; nothing untyped, nothing read
+    outside the checkpoints, nothing written, bounded memory."""
+    pl = _planter_v3(where, tmp_path_factory)
+    sweep = hostile_sweep(pl.backend, fmt=3, only={case}, planter=pl, extra=INSPECT)
+    assert sweep.tried == 1 and set(READERS) <= set(sweep.outcomes[case])
+    assert sweep.violations == []
+
+
+@pytest.mark.slow  # the per-case test above runs each of these
+def test_hostile_incremental_sweep_counts(memory_backend: Backend) -> None:
+    """The whole v3 sweep in one run: both kinds of refusal occur, memory stays bounded."""
+    sweep = hostile_sweep(memory_backend, fmt=3, extra=INSPECT)
+    assert sweep.tried == len(hostile_v3_names(local=False)) >= 75
+    assert sweep.counters["UnsafeCheckpointError"] > 0
+    assert sweep.counters["CorruptCheckpointError"] > 0
+    assert sweep.counters["peak_bytes_max"] < HOSTILE_MEMORY_LIMIT
+    assert sweep.violations == []
+
+
+_MISMATCHED = ["reference chunk digest is another chunk's",
+               "reference header digest is another chunk's",
+               "reference algorithm not the one its digests were made with"]
+
+
+def _mismatch_params() -> list[Any]:
+    """Every verifying reader on each case; ``ckptfs inspect`` checks headers, not tensor
+    bytes (as for a v1 file), so only where the header or the algorithm is wrong."""
+    out = []
+    for case in _MISMATCHED:
+        for reader in ("load", "verify", "cp", "inspect"):
+            if reader == "inspect" and case == _MISMATCHED[0]:
+                continue
+            out.append(pytest.param(case, reader, id=f"{case}-{reader}"))
+    return out
+
+
+@pytest.mark.parametrize(("case", "reader"), _mismatch_params())
+def test_incremental_reference_digest_mismatch(memory_backend: Backend, case: str,
+                                               reader: str) -> None:
+    """A reference whose digests do not match the bytes it binds: every verifying reader
+    refuses it with CorruptCheckpointError (``load(verify=False)`` reads it as it reads a
+    corrupted file: not a reader that checks digests)."""
+    pl = PlanterV3(memory_backend)
+    build = dict(mismatched_v3_cases(pl))[case]
+    step = build()
+    store = store_on(raw_storage(memory_backend))
+    with pytest.raises(CorruptCheckpointError):
+        paths.read(reader, store, step)
+
+
 # -- sizes are checked before anything is allocated -------------------------------------------
 
 def _declare(backend: Backend, fmt: int, declared: int) -> int:
@@ -175,21 +265,23 @@ def test_declared_size_is_not_allocated(local_backend: Backend, declared: int, f
     assert peak < 16 * 1024 * 1024
 
 
-@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("fmt", [1, 2, 3])
 def test_a_refused_copy_commits_nothing_at_the_destination(memory_backend: Backend,
                                                            local_backend: Backend,
                                                            fmt: int) -> None:
     """ckptfs cp of a hostile source (a pickle where the state or value document belongs,
-    digests valid) into a run that has a checkpoint: the copy raises the error the load
-    raises, the destination gets no marker for the step and no file, and its latest is still
-    the previous checkpoint, which loads."""
+    digests valid; format v3: a referenced header declaring dtype PICKLE) into a run that has
+    a checkpoint: the copy raises the error the load raises, the destination gets no marker
+    for the step and no file, and its latest is still the previous checkpoint, which loads."""
     from ckptfs.protocol.copy import copy_step
     from ckptfs.testing.reliability import state_for
     from ckptfs.testing.reliability.hostile import hostile_cases
+    from ckptfs.testing.reliability.hostile_v3 import hostile_v3_cases
 
-    pl: Any = Planter(memory_backend) if fmt == 1 else PlanterV2(memory_backend)
-    make = hostile_cases if fmt == 1 else hostile_v2_cases
-    name = "state.msgpack is a pickle" if fmt == 1 else "value document is a pickle"
+    pl: Any = {1: Planter, 2: PlanterV2, 3: PlanterV3}[fmt](memory_backend)
+    make: Any = {1: hostile_cases, 2: hostile_v2_cases, 3: hostile_v3_cases}[fmt]
+    name = {1: "state.msgpack is a pickle", 2: "value document is a pickle",
+            3: "referenced header dtype 'PICKLE' (digest valid)"}[fmt]
     build = next(b for n, b, _ in make(pl, "/nonexistent/sentinel", local=False) if n == name)
     step = build()
     src = memory_backend.open()

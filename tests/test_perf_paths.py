@@ -235,9 +235,10 @@ def test_latest_is_three_http_requests_on_s3(request: pytest.FixtureRequest,
 
 
 def test_single_process_paths_never_import_the_sharded_machinery(tmp_path: Path) -> None:
-    """A one-process job (save, load, verify, save_async, the manager's save and restore) must
-    not pay torch.distributed.checkpoint's import (0.7-1 s in a fresh process: it made the
-    first save of every process 2.5x slower).  Checked in a fresh interpreter."""
+    """A one-process job (save, load, verify, save_async, the manager's save and restore,
+    incremental saves and their loads) must not pay torch.distributed.checkpoint's import
+    (0.7-1 s in a fresh process: it made the first save of every process 2.5x slower).
+    Checked in a fresh interpreter."""
     import subprocess
     import sys
 
@@ -248,6 +249,13 @@ def test_single_process_paths_never_import_the_sharded_machinery(tmp_path: Path)
         "s.save_async(2, {'a': torch.ones(3)}).result(); s.latest(); s.steps()\n"
         "m = ckptfs.CheckpointManager(s, keep_last=2)\n"
         "m.save(3, model=torch.nn.Linear(2, 2)); m.restore_latest(model=torch.nn.Linear(2, 2))\n"
+        f"i = ckptfs.open({str(tmp_path) + '-incr'!r}, incremental=True)\n"
+        "w = torch.ones(1000); i.save(1, {'w': w}); i.save(2, {'w': w, 'n': 2})\n"
+        "assert i.info(2).bytes_written < 1000 and i.latest().manifest.format_version == 3\n"
+        "i.load(2); i.load(2, keys=['w']); i.verify(2); i.save_async(3, {'w': w}).result()\n"
+        "j = ckptfs.open(i.url, incremental=True)\n"
+        "assert j.save(4, {'w': w}).bytes_written < 1000\n"
+        "j.load(4); j.load(4, mmap=True)\n"
         "bad = sorted(k for k in sys.modules if k.startswith(('torch.distributed.checkpoint',"
         " 'torch.distributed.tensor', 'ckptfs.protocol.sharded')))\n"
         "print('IMPORTED', bad)\n")

@@ -1,7 +1,7 @@
 """Benchmarks: what full content hashing and the commit protocol cost, next to what people use.
 
-Five questions (``ckptfs bench hash|save|interleaved|s3|latest``, or ``all``; the scripts in
-``benchmarks/`` call the same functions), rendered (``ckptfs bench report``) into
+The questions (``ckptfs bench hash|save|interleaved|s3|latest|fresh|incremental``, or ``all``;
+the scripts in ``benchmarks/`` call the same functions), rendered (``ckptfs bench report``) into
 ``docs/benchmarks.md`` with plots in ``docs/img/``.  One module per concern:
 
 * :mod:`ckptfs.bench.common`: sizes, timing with peak RSS, machine description, the
@@ -16,6 +16,10 @@ Five questions (``ckptfs bench hash|save|interleaved|s3|latest``, or ``all``; th
 * :mod:`ckptfs.bench.latest`: **latest**, storage requests and time to resolve the latest
   checkpoint among 10 to 10,000 (:class:`~ckptfs.bench.latest.CountingStorage`,
   :func:`~ckptfs.bench.latest.count_http`);
+* :mod:`ckptfs.bench.fresh`: **fresh**, import + first save/load in a new process;
+* :mod:`ckptfs.bench.incremental`: **incremental**, what incremental saves (format v3) write and
+  cost against full saves and DCP (LoRA-like, RL-like, full fine-tuning, ``keep_last=5``
+  retention, S3, a fresh process);
 * :mod:`ckptfs.bench.report`: target ratios, the Markdown report and its plots;
 * :mod:`ckptfs.bench.cli`: ``ckptfs bench ...`` (``add_subcommands``, ``main``) and the isolated
   worker's entry point (``python -m ckptfs.bench.cli SPEC``).

@@ -1,5 +1,5 @@
-"""``ckptfs bench {hash,save,interleaved,s3,latest,fresh,all,report}`` (also ``main``, which the
-scripts in ``benchmarks/`` call) and the isolated worker's entry point:
+"""``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,all,report}`` (also
+``main``, which the scripts in ``benchmarks/`` call) and the isolated worker's entry point:
 ``python -m ckptfs.bench.cli SPEC`` runs one variant (:func:`ckptfs.bench.variants.run_isolated`);
 ``python -m ckptfs.bench.cli ARGS`` is ``ckptfs bench ARGS``."""
 
@@ -24,8 +24,9 @@ from ckptfs.bench.common import (
 )
 from ckptfs.bench.fresh import bench_fresh
 from ckptfs.bench.hashing import bench_hash
+from ckptfs.bench.incremental import bench_incremental
 from ckptfs.bench.latest import bench_latest
-from ckptfs.bench.report import write_report
+from ckptfs.bench.report import write_incremental_section, write_report
 from ckptfs.bench.save import bench_interleaved, bench_s3, bench_save
 from ckptfs.bench.variants import run_worker
 
@@ -58,6 +59,18 @@ def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
     if q == "latest":
         return bench_latest([int(c) for c in args.counts.split(",")], reps=max(args.reps, 3),
                             s3_max=args.s3_max)
+    if q == "incremental":
+        out = bench_incremental(
+            full=args.incr_full, base=parse_size(args.incr_base) if args.incr_base else None,
+            rounds=args.incr_rounds,
+            retention_base=parse_size(args.retention_base) if args.retention_base else None,
+            retention_saves=args.retention_saves,
+            s3_base=parse_size(args.incr_s3_base) if args.incr_s3_base else None,
+            s3_rounds=args.incr_s3_rounds, fresh_rounds=args.incr_fresh_rounds,
+            force_retention=args.retention_without_gc)
+        out["machine"] = machine_info()  # machine.json is only rewritten by ``all``
+        out["note"] = args.note
+        return out
     raise ValueError(q)
 
 
@@ -65,7 +78,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = Path(args.results)
     what = args.bench_command
     if what == "report":
-        print(write_report(results, Path(args.docs)))
+        if args.only == "incremental":
+            print(write_incremental_section(results, Path(args.docs)))
+        else:
+            print(write_report(results, Path(args.docs)))
         return 0
     questions = QUESTIONS if what == "all" else (what,)
     machine = machine_info()
@@ -111,6 +127,31 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "baseline": (("--baseline",), dict(default="", help="a checkout (e.g. a git worktree of "
                                        "the previous commit) whose ckptfs runs as 'baseline' "
                                        "beside this one")),
+    "incr_full": (("--full",), dict(
+        action="store_true", default=False, help="incremental: the issue's sizes (a 1 GiB "
+        "LoRA base in 32 x 32 MiB, 1 GiB RL and fine-tuning states, the retention run and the "
+        "S3 case at 1 GiB); default: 256 MiB (retention 128 MiB, S3 64 MiB)")),
+    "incr_base": (("--incr-base",), dict(default="", help="incremental: the LoRA base size "
+                                         "(also the RL and fine-tuning state size)")),
+    "incr_rounds": (("--incr-rounds",), dict(type=int, default=6, help="incremental: saves "
+                                             "per variant, interleaved (the first, then the "
+                                             "steady state)")),
+    "retention_base": (("--retention-base",), dict(default="", help="incremental: the LoRA "
+                                                   "base of the keep_last=5 run")),
+    "retention_saves": (("--retention-saves",), dict(type=int, default=100, help="incremental: "
+                                                     "saves of the keep_last=5 run")),
+    "retention_without_gc": (("--retention-without-gc",), dict(
+        action="store_true", default=False, help="incremental: run the keep_last=5 case even "
+        "without the reference-aware delete (its figures are then not valid)")),
+    "incr_s3_base": (("--incr-s3-base",), dict(default="", help="incremental: the LoRA base "
+                                               "saved to moto")),
+    "incr_s3_rounds": (("--incr-s3-rounds",), dict(type=int, default=3, help="incremental: "
+                                                   "saves per variant to moto")),
+    "incr_fresh_rounds": (("--incr-fresh-rounds",), dict(type=int, default=2, help="incremental: "
+                                                         "fresh-process rounds")),
+    "only": (("--only",), dict(default="", choices=["", "incremental"], help="render only "
+                               "this section (and its plot) into the existing benchmarks.md, "
+                               "leaving the rest of it as it is")),
     "in_process": (("--in-process",), dict(
         action="store_true", default=False, help="run variants in this process (smoke tests; "
         "RSS then less meaningful)")),
@@ -130,8 +171,11 @@ _OWN: dict[str, tuple[str, ...]] = {
     "s3": ("reps", "s3_sizes", "s3_reps", "in_process", *_COMMON),
     "latest": ("reps", "counts", "s3_max", *_COMMON),
     "fresh": ("fresh_size", "fresh_rounds", "baseline", *_COMMON),
+    "incremental": ("incr_full", "incr_base", "incr_rounds", "retention_base", "retention_saves",
+                    "retention_without_gc", "incr_s3_base", "incr_s3_rounds", "incr_fresh_rounds",
+                    *_COMMON),
     "all": tuple(_OPTIONS),
-    "report": ("results", "docs"),
+    "report": ("results", "docs", "only"),
 }
 
 
@@ -146,7 +190,7 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "all") -> None:
 
 
 def add_subcommands(subparsers: Any) -> None:
-    """``ckptfs bench {hash,save,s3,latest,all,report}``."""
+    """``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,all,report}``."""
     p = subparsers.add_parser("bench", help="run the benchmarks (see docs/benchmarks.md)")
     sub = p.add_subparsers(dest="bench_command", required=True)
     helps = {"hash": "hashing throughput of every algorithm",
@@ -156,6 +200,9 @@ def add_subcommands(subparsers: Any) -> None:
              "latest": "cost of resolving latest vs number of checkpoints",
              "fresh": "import + first save/load in a fresh process, and steady state, "
                       "against DCP, torch.save and (--baseline) another checkout",
+             "incremental": "incremental saves (format v3): bytes written and time per save "
+                            "against full saves and DCP (LoRA-like, RL-like, full fine-tuning, "
+                            "keep_last=5 retention, S3, a fresh process)",
              "all": "everything, then the report",
              "report": "regenerate docs/benchmarks.md and docs/img/ from the JSON"}
     for name, text in helps.items():

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_DIR = REPO / "docs"
 RESULT_TAG = "@@ckptfs-bench@@ "
-QUESTIONS = ("hash", "save", "interleaved", "s3", "latest", "fresh")
+QUESTIONS = ("hash", "save", "interleaved", "s3", "latest", "fresh", "incremental")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -164,6 +164,7 @@ def write_report(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
     lines += _save_section(data.get("s3"), plots, "Save and load on S3 (moto)", "s3")
     lines += _latest_section(data.get("latest"), plots)
     lines += _fresh_section(data.get("fresh"))
+    lines += _incremental_section(data.get("incremental"), plots)
     notes = REPO / "benchmarks" / "NOTES.md"
     if notes.exists():
         lines += ["", notes.read_text().strip(), ""]
@@ -361,6 +362,7 @@ def _plots(data: Mapping[str, Any], img: Path) -> dict[str, str]:
                 fig.savefig(img / name, dpi=110)
                 plt.close(fig)
                 out[f"{key}-{op}-{size}"] = f"img/{name}"
+    out.update(_incremental_plot(data.get("incremental"), img))
     lt = data.get("latest")
     if lt and lt["rows"]:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -391,3 +393,177 @@ def _plots(data: Mapping[str, Any], img: Path) -> dict[str, str]:
         out["latest"] = "img/latest.png"
     return out
 
+
+
+# -- incremental saves (``ckptfs bench incremental``) ------------------------------------------
+
+INCREMENTAL_HEADING = "## Incremental checkpoints (format v3)"
+#: Where a spliced section goes when the document has none yet: before the hand-written notes
+#: (where :func:`write_report` puts it).
+_NOTES_HEADING = "## How ckptfs gets these figures"
+KEEP_LAST_TEXT = "100 LoRA-like saves with `keep_last=5`"
+
+
+def _incremental_section(inc: Mapping[str, Any] | None, plots: Mapping[str, str]) -> list[str]:
+    if not inc:
+        return []
+    m = inc.get("machine") or {}
+    lines = [INCREMENTAL_HEADING, "",
+             "`ckptfs bench incremental` (module `ckptfs.bench.incremental`, entry "
+             "`benchmarks/incremental.py`; raw figures in `benchmarks/results/incremental.json`)"
+             + (" at the issue's sizes (`--full`)." if inc.get("full_sizes") else
+                " at the default sizes (`--full` runs the issue's 1 GiB ones).")
+             + " Each case runs its variants side by side in one process, interleaved round by "
+             "round (each round changes the state in place, untimed, then times every variant "
+             "once, the order rotating); local disk "
+             f"({inc.get('workdir_fs', '')}), durable saves (fsync), a few GiB touched and freed "
+             "before each timed save. Every variant keeps its run (DCP: one directory per step), "
+             "so all grow their page cache alike. Round 0 is each variant's first save (an "
+             "incremental save with nothing to reference writes everything); *steady* is the "
+             "median of the later rounds. *Bytes written*: `info.bytes_written` (the "
+             "checkpoint's own files; manifest and marker aside), for DCP the directory's size. "
+             f"Load average before {inc.get('load_before')}, after {inc.get('load_after')}"
+             + (f"; {m.get('date_utc')}" if m.get("date_utc") else "") + ".", ""]
+    if inc.get("note"):
+        lines += [f"**{inc['note']}**", ""]
+    targets = inc.get("targets") or []
+    if targets:
+        lines += ["| target | measured | goal | met | detail |", "|---|---:|---:|:---:|---|"]
+        for t in targets:
+            lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | "
+                         f"{'yes' if t['met'] else '**no**'} | {t['detail']} |")
+        lines.append("")
+    ret = inc.get("retention") or {}
+    if ret.get("status") == "pending gc merge":
+        lines += [f"- {KEEP_LAST_TEXT}: **pending gc merge** ({ret.get('reason', '')}).", ""]
+    for case in (inc.get("cases") or {}).values():
+        lines += [f"### {case['case']}: {case['description']}", "",
+                  f"{fmt_size(case['state_bytes'])} in {case['tensors']} tensors, "
+                  f"{fmt_size(case['changing_bytes'])} changing per step "
+                  f"({case['changing_fraction'] * 100:.2f}%); {case['rounds']} rounds.", "",
+                  "| variant | first save (s) | steady save (s) | CPU s | bytes written per "
+                  "save | logical bytes |", "|---|---:|---:|---:|---:|---:|"]
+        for name, v in case["variants"].items():
+            lines.append(f"| {name} | {v['first_s']:.3f} | {v['median_s']:.3f} | "
+                         f"{v['cpu_s']:.3f} | {v['bytes_written']:,} | {v['bytes']:,} |")
+        lines.append("")
+        for k, r in case.get("ratios", {}).items():
+            lines.append(f"- {k}: bytes **{r['bytes']:.4f}x**, time **{r['time']:.3f}x**")
+        lines.append("")
+    if ret.get("status") and ret["status"] != "pending gc merge":
+        lines += [f"### {KEEP_LAST_TEXT}", "", f"Status: {ret['status']}. {ret['description']}; "
+                  f"{ret['saves']} saves through `CheckpointManager(keep_last="
+                  f"{ret['keep_last']})` of an incremental store; median save "
+                  f"{ret['median_save_s']} s writing {ret['median_bytes_written']:,} B.", "",
+                  f"- stored at the end (run directory walked): {ret['stored_bytes']:,} B "
+                  f"({ret['stored_over_one_full_state']}x one full state; without incremental "
+                  f"saves the {len(ret['retained'])} retained checkpoints would hold "
+                  f"{ret['without_incremental_bytes']:,} B)",
+                  f"- bound: one full state {ret['first_save_bytes']:,} B + the retained "
+                  f"checkpoints' own bytes {sum(ret['retained_own_bytes'].values()):,} B + "
+                  f"metadata {ret['metadata_bytes']:,} B = {ret['bound_bytes']:,} B",
+                  f"- after `gc` with no grace (retired attempts no longer referenced removed): "
+                  f"{ret.get('stored_after_gc_bytes')} B",
+                  f"- retained {ret['retained']}, verified: "
+                  + ", ".join(f"{k} {v}" for k, v in ret["verified"].items()), ""]
+    s3 = inc.get("s3")
+    if s3:
+        lines += ["### The LoRA-like case to S3 (moto)", "",
+                  f"{s3['description']}; {fmt_size(s3['state_bytes'])}, {s3['rounds']} saves "
+                  f"per variant, {s3['server']}. Requests are the HTTP requests s3fs sent "
+                  "(botocore events), uploaded bytes their request bodies; steady state.", "",
+                  "| variant | steady save (s) | requests per save | uploaded per save |",
+                  "|---|---:|---|---:|"]
+        for name, v in s3["variants"].items():
+            ops = ", ".join(f"{k} {n}" for k, n in sorted(v["requests"].items()))
+            lines.append(f"| {name} | {v['median_s']:.3f} | {v['requests_total']} ({ops}) | "
+                         f"{v['uploaded_bytes']:,} B |")
+        r = s3["ratios"]
+        lines += ["", f"- incremental/full: uploaded **{r['uploaded']:.4f}x**, requests "
+                  f"{r['requests']:.2f}x, time **{r['time']:.3f}x**", ""]
+    fr = inc.get("fresh")
+    if fr:
+        lines += ["### A fresh process: a resumed job's first incremental save", "",
+                  f"A new process builds the LoRA-like state ({fmt_size(fr['base_bytes'])} base, "
+                  "untimed), then times `import ckptfs` + `open` + its first save: incremental "
+                  "into a run holding a committed checkpoint of the same base (it reads that "
+                  "checkpoint's manifest and headers and hashes every tensor once to confirm "
+                  "the reuse), against a full save; then "
+                  f"{fr['steady_saves']} more saves in the same process (steady). Medians of "
+                  f"{fr['rounds']} rounds, variants interleaved.", "",
+                  "| variant | fresh (s) | of which import (s) | first save (s) | steady (s) | "
+                  "first save writes | steady save writes |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, v in fr["summary"].items():
+            steady = "" if v["steady_s"] is None else f"{v['steady_s']:.3f}"
+            lines.append(f"| {name} | {v['fresh_s']:.3f} | {v['import_s']:.3f} | "
+                         f"{v['first_save_s']:.3f} | {steady} | {v['first_bytes_written']:,} B | "
+                         f"{v['steady_bytes_written'] or 0:,} B |")
+        ratio = fr["ratios"]["fresh incremental/full"]
+        lines += ["", f"- fresh incremental/full: **{ratio:.3f}x**", ""]
+    if "incremental" in plots:
+        lines += [f"![bytes written and time per save]({plots['incremental']})", ""]
+    return lines
+
+
+def _incremental_plot(inc: Mapping[str, Any] | None, img: Path) -> dict[str, str]:
+    """Bytes written and time per save over the LoRA-like run (and the RL-like one)."""
+    cases = (inc or {}).get("cases") or {}
+    if not cases:
+        return {}
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is a dev dependency
+        return {}
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    styles = {"incremental": "o-", "full": "s--", "v1": "s--", "DCP": "^:"}
+    for cname, case in cases.items():
+        if cname == "finetune":
+            continue
+        for vname, v in case["variants"].items():
+            style = next((st for k, st in styles.items() if k in vname), "o-")
+            label = f"{cname}: {vname}"
+            xs = [p["round"] for p in v["series"]]
+            a1.plot(xs, [p["bytes_written"] for p in v["series"]], style, label=label,
+                    alpha=1.0 if cname == "lora" else 0.5)
+            a2.plot(xs, [p["time_s"] for p in v["series"]], style, label=label,
+                    alpha=1.0 if cname == "lora" else 0.5)
+    a1.set_yscale("log")
+    a1.set_ylabel("bytes written per save")
+    a2.set_ylabel("seconds per save (durable)")
+    for a in (a1, a2):
+        a.set_xlabel("save (round; 0 = the first in the process)")
+    a1.set_title("Bytes written per save")
+    a2.set_title("Time per save")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(img / "incremental.png", dpi=110)
+    plt.close(fig)
+    return {"incremental": "img/incremental.png"}
+
+
+def write_incremental_section(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
+                              md_name: str = "benchmarks.md") -> Path:
+    """Render only the incremental section and its plot into an existing report: the section
+    is replaced where it is, else inserted before the hand-written notes (where
+    :func:`write_report` puts it).  The rest of the document is left as it is."""
+    p = results_dir / "incremental.json"
+    inc = json.loads(p.read_text()) if p.exists() else None
+    img = docs_dir / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    section = _incremental_section(inc, _incremental_plot(inc, img))
+    out = docs_dir / md_name
+    old = out.read_text().splitlines() if out.exists() else ["# Benchmarks", ""]
+    if INCREMENTAL_HEADING in old:
+        start = old.index(INCREMENTAL_HEADING)
+        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")),
+                   len(old))
+    elif _NOTES_HEADING in old:
+        start = end = old.index(_NOTES_HEADING)
+    else:
+        start = end = len(old)
+    new = [*old[:start], *section, *old[end:]]
+    out.write_text("\n".join(new).rstrip() + "\n")
+    return out

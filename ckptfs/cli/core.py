@@ -22,7 +22,8 @@ from ckptfs.errors import (
     CkptfsError,
     CorruptCheckpointError,
 )
-from ckptfs.format.layout import MAX_STEP
+from ckptfs.format.layout import MAX_STEP, parse_step_dir
+from ckptfs.protocol.references import run_usage
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 
@@ -108,14 +109,45 @@ def cmd_ls(args: argparse.Namespace) -> int:
     store = open_from_args(args)
     committed = store.steps()
     everything = store.all_steps()
+    usage = run_usage(store.storage)
+    sizes = {c.step: c for c in usage.checkpoints}
     incomplete = sorted(set(everything) - set(committed))
-    rows = [{"step": s, "committed": True} for s in committed]
-    rows += [{"step": s, "committed": False} for s in incomplete]
+    rows: list[dict[str, Any]] = []
+    for s in committed:
+        row: dict[str, Any] = {"step": s, "committed": True}
+        c = sizes.get(s)
+        if c is not None:
+            row.update(attempt=c.attempt, bytes=c.bytes, bytes_written=c.bytes_written,
+                       exclusive_bytes=c.exclusive_bytes)
+        elif s in usage.unreadable:
+            row["error"] = usage.unreadable[s]
+        rows.append(row)
+    retired = {parse_step_dir(p.split("/")[1]) for p in usage.retired}
+    rows += [{"step": s, "committed": False, **({"retired": True} if s in retired else {})}
+             for s in incomplete]
     rows.sort(key=lambda r: r["step"])
-    lines = [f"{r['step']:>12}  {'committed' if r['committed'] else 'incomplete'}" for r in rows]
-    emit(args, {"url": store.url, "checkpoints": rows},
+    lines = [_ls_line(r) for r in rows]
+    if rows:
+        lines.append(f"stored {usage.stored_bytes} bytes (committed checkpoints"
+                     + (f" and {len(usage.retired)} retired attempt(s) they reference)"
+                        if usage.retired else ")"))
+    emit(args, {"url": store.url, "checkpoints": rows, "stored_bytes": usage.stored_bytes,
+                "retired": usage.retired},
          "\n".join(lines) if lines else f"no checkpoints at {store.url}")
     return EXIT_OK
+
+
+def _ls_line(row: dict[str, Any]) -> str:
+    state = "committed" if row["committed"] else "retired" if row.get("retired") \
+        else "incomplete"
+    head = f"{row['step']:>12}  {state}"
+    if "error" in row:
+        return f"{head}  UNREADABLE: {row['error']}"
+    if "bytes" not in row:
+        return head
+    only = row["exclusive_bytes"]
+    return (f"{head}  {row['bytes']:>14} B  written {row['bytes_written']} B  "
+            f"frees {'?' if only is None else only} B")
 
 
 def cmd_latest(args: argparse.Namespace) -> int:

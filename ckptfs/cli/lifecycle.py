@@ -95,6 +95,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     lines += [f"  {i.kind:10} {i.path}  {i.bytes} bytes" for i in items]
     lines += [f"  {i.kind:10} {i.path}: {i.note}" for i in report.items if i.note]
     lines += [f"  kept (younger than grace): {p}" for p in report.kept_young]
+    lines += [f"  kept (retired: referenced by checkpoints): {i.path}  {i.bytes} bytes"
+              for i in report.retired]
     lines += [f"  skipped: {s}" for s in report.skipped]
     lines += [f"  FAILED {i.path}: {i.error}" for i in report.items if i.error]
     emit(args, report.as_dict(), "\n".join(lines))

@@ -94,7 +94,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
         infos = [resolve(src, args.step)]
     rows: list[dict[str, Any]] = []
     failed = False
-    with progress_bar(args, sum(i.total_bytes for i in infos), "cp") as bar:
+    with progress_bar(args, sum(i.bytes for i in infos), "cp") as bar:
         for info in infos:
             try:
                 res = copy_step(src.storage, dst.storage, info.step, durable=dst.durable,

@@ -87,6 +87,8 @@ for _name, _code in [
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _code
 CODE_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE: dict[str, int] = {code: torch.empty((), dtype=dt).element_size()
+                             for code, dt in CODE_DTYPES.items()}
 
 # Tags of the tree encoding (docs/protocol.md, "state.msgpack").
 _DICT, _LIST, _TUPLE, _TENSOR, _BIGINT, _SIZE, _DTYPE = "d", "l", "t", "T", "i", "S", "dt"
@@ -295,6 +297,14 @@ class TensorFile:
     prefix: bytes
     members: tuple[int, ...]
     size: int
+    #: each member's (name in the file, dtype code, shape), in file order
+    entries: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+
+    @property
+    def pieces(self) -> list[int]:
+        """The file's chunks (format v2/v3): its header, then each tensor's bytes."""
+        return [len(self.prefix)] + [math.prod(shape) * _ITEMSIZE[dtype]
+                                     for _, dtype, shape in self.entries]
 
 
 @dataclass(frozen=True, eq=False)
@@ -310,6 +320,18 @@ class StatePlan:
     document: bytes
     tensor_files: tuple[TensorFile, ...]
     tensors: tuple[torch.Tensor, ...]
+    #: What :func:`relayout` needs to plan the files again over part of the tensors (an
+    #: incremental save that references the others): the encoded tree, each tensor's name
+    #: (its key path) and top-level key, and the slots of tensors stored elsewhere.
+    tree: Any = None
+    names: tuple[str, ...] = ()
+    tops: tuple[Any, ...] = ()
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    external: dict[int, TensorSlot] = field(default_factory=dict)
+    #: Each tensor's name in the files (``names`` with a ``#n`` suffix on a clash) and the
+    #: caller's tensors' ``(data_ptr, _version)`` at planning (kept by :meth:`rebind`): what an
+    #: incremental save takes as a hint of what did not change.
+    versions: tuple[tuple[int, int], ...] = ()
     files: list[PlannedFile] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -340,7 +362,19 @@ class StatePlan:
             if new.dtype != old.dtype or new.shape != old.shape:
                 raise ValueError(f"rebind: tensor {i} is {new.dtype}{list(new.shape)}, the "
                                  f"plan's is {old.dtype}{list(old.shape)}")
-        return StatePlan(self.document, self.tensor_files, tuple(tensors))
+        return StatePlan(self.document, self.tensor_files, tuple(tensors), self.tree,
+                         self.names, self.tops, self.shard_bytes, dict(self.external),
+                         self.versions)
+
+    def slots(self) -> list[TensorSlot]:
+        """Where each tensor is stored (its file and name there), index order."""
+        out: list[TensorSlot | None] = [None] * len(self.tensors)
+        for i, slot in self.external.items():
+            out[i] = slot
+        for tf in self.tensor_files:
+            for i, (name, dtype, shape) in zip(tf.members, tf.entries, strict=True):
+                out[i] = TensorSlot(tf.path, name, dtype, shape)
+        return [s for s in out if s is not None]
 
 
 def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePlan:
@@ -360,44 +394,71 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
             "state is nested too deeply for Python's stack (the format allows "
             f"{MAX_DEPTH} levels); flatten it") from None
 
+    if flat.largest[0] > MAX_STATE_DOC_BYTES:
+        raise _state_doc_too_large(flat.largest[0], flat)
+    versions = tuple(_version_of(t) for t in flat.tensors)
+    plan = relayout(StatePlan(b"", (), tuple(flat.tensors), tree, tuple(flat.names),
+                              tuple(flat.tops), shard_bytes, {}, versions), {})
+    if len(plan.document) > MAX_STATE_DOC_BYTES:
+        raise _state_doc_too_large(len(plan.document), flat)
+    return plan
+
+
+def _version_of(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        return t.data_ptr(), t._version
+    except (RuntimeError, NotImplementedError, AttributeError):  # pragma: no cover
+        return -1, -1
+
+
+def relayout(plan: StatePlan, external: dict[int, TensorSlot]) -> StatePlan:
+    """``plan`` with the tensors of ``external`` (index -> where another file already holds
+    them) left out of its files, and its document naming them there.  The other tensors are
+    sharded as :func:`plan_state` shards them (by top-level key, then element size)."""
+    tensors = plan.tensors
+    shard_bytes = plan.shard_bytes
+    todo = [i for i in range(len(tensors)) if i not in external]
     # Shards: by top-level key (format/sharding_plan.py: "model" alone is cheap to load), then
     # sorted inside a shard by element size so every tensor's offset is aligned to its element
     # size (safetensors forbids gaps).
-    shards = plan_shards([t.numel() * t.element_size() for t in flat.tensors],
-                         [_header_entry_estimate(n, t) for n, t in zip(flat.names, flat.tensors,
-                                                                        strict=True)],
-                         flat.tops, shard_bytes=shard_bytes, header_budget=SHARD_HEADER_BUDGET)
-    if len(shards) + 1 > MAX_FILES:
+    shards = plan_shards([tensors[i].numel() * tensors[i].element_size() for i in todo],
+                         [_header_entry_estimate(plan.names[i], tensors[i]) for i in todo],
+                         [plan.tops[i] for i in todo], shard_bytes=shard_bytes,
+                         header_budget=SHARD_HEADER_BUDGET)
+    shards = [[todo[j] for j in members] for members in shards]
+    if len(shards) + len({s.file for s in external.values()}) + 1 > MAX_FILES:
         raise UnsupportedValueError(
             f"the state would need {len(shards) + 1} files, more than the format's {MAX_FILES}; "
             f"raise shard_bytes (now {shard_bytes})")
 
-    slots: list[TensorSlot | None] = [None] * len(flat.tensors)
+    slots: list[TensorSlot | None] = [None] * len(tensors)
+    for i, slot in external.items():
+        slots[i] = slot
     tensor_files: list[TensorFile] = []
     for sidx, members in enumerate(shards):
         fname = tensor_file_name(sidx)
-        members = sorted(members, key=lambda i: -flat.tensors[i].element_size())
+        members = sorted(members, key=lambda i: -tensors[i].element_size())
         used: set[str] = {_HEADER_METADATA}  # a tensor may not shadow the metadata entry
         entries: list[tuple[str, torch.Tensor]] = []
+        described: list[tuple[str, str, tuple[int, ...]]] = []
         for i in members:
-            name = flat.names[i]
+            name = plan.names[i]
             n = 1
             while name in used:
                 n += 1
-                name = f"{flat.names[i]}#{n}"
+                name = f"{plan.names[i]}#{n}"
             used.add(name)
-            t = flat.tensors[i]
+            t = tensors[i]
             slots[i] = TensorSlot(fname, name, _DTYPES[t.dtype], tuple(t.shape))
             entries.append((name, t))
+            described.append((name, _DTYPES[t.dtype], tuple(t.shape)))
         prefix, size = _safetensors_prefix(fname, entries)
-        tensor_files.append(TensorFile(fname, prefix, tuple(members), size))
+        tensor_files.append(TensorFile(fname, prefix, tuple(members), size, tuple(described)))
 
-    if flat.largest[0] > MAX_STATE_DOC_BYTES:
-        raise _state_doc_too_large(flat.largest[0], flat)
     doc = {
         "schema": STATE_SCHEMA,
         "format_version": STATE_FORMAT_VERSION,
-        "tree": tree,
+        "tree": plan.tree,
         "tensors": [[s.file, s.name, s.dtype, list(s.shape)] for s in slots if s is not None],
     }
     try:
@@ -405,8 +466,11 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
     except (OverflowError, ValueError, TypeError) as exc:  # pragma: no cover - encode() checks
         raise UnsupportedValueError(f"state cannot be encoded as msgpack: {exc}") from exc
     if len(blob) > MAX_STATE_DOC_BYTES:
-        raise _state_doc_too_large(len(blob), flat)
-    return StatePlan(blob, tuple(tensor_files), tuple(flat.tensors))
+        raise UnsupportedValueError(
+            f"the state's non-tensor part (state.msgpack) would be {len(blob)} B, more than the "
+            f"format's {MAX_STATE_DOC_BYTES} B limit")
+    return StatePlan(blob, tuple(tensor_files), tensors, plan.tree, plan.names, plan.tops,
+                     shard_bytes, dict(external), plan.versions)
 
 
 _HEADER_METADATA = "__metadata__"

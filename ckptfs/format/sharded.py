@@ -173,7 +173,8 @@ class ShardedManifest(Manifest):
             raise KeyError(path)
         return entry
 
-    def to_bytes(self) -> bytes:
+    def as_doc(self) -> dict[str, Any]:
+        """The manifest's JSON document (§8.2; a subclass adds its own keys)."""
         files = []
         for e in self.files:
             if not isinstance(e, ChunkedFileEntry):
@@ -181,14 +182,16 @@ class ShardedManifest(Manifest):
             files.append({"path": e.path, "size": e.size, "digest": e.digest,
                           "algorithm": e.algorithm, "rank": e.rank,
                           "chunks": [[c.offset, c.length, c.digest] for c in e.chunks]})
-        doc = {
-            "schema": MANIFEST_SCHEMA, "format_version": SHARDED_FORMAT_VERSION,
+        return {
+            "schema": MANIFEST_SCHEMA, "format_version": self.format_version,
             "layout": SHARDED_LAYOUT, "step": self.step, "attempt": self.attempt,
             "created": self.created, "hash_algorithm": self.hash_algorithm,
             "world_size": self.world_size, "files": files, "metadata": self.metadata,
         }
-        return (json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
-                + "\n").encode()
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.as_doc(), sort_keys=True, separators=(",", ":"),
+                           allow_nan=False) + "\n").encode()
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any], *, where: str) -> ShardedManifest:

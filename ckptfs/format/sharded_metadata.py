@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
+from ckptfs.format.incremental import ReferencedFile, references_of
 from ckptfs.format.layout import check_relpath
 from ckptfs.format.limits import MAX_DEPTH, MAX_HEADER_BYTES
 from ckptfs.format.manifest import unique_pairs
@@ -382,9 +383,11 @@ def _intersecting(boxes: list[tuple[list[int], list[int]]]
 
 
 def check_locations(doc: DcpDocument, manifest: ShardedManifest, *, where: str) -> None:
-    """Every stored item is exactly one chunk of a rank file of ``manifest``, after that file's
-    header chunk; each rank file's chunks are its header and then one per item stored in it."""
+    """Every stored item is exactly one chunk of a rank file of ``manifest`` (or of a reference,
+    format v4), after that file's header chunk; each rank file's (and reference's) chunks are
+    its header and then one per item stored in it."""
     files = {e.path: e for e in manifest.files if isinstance(e, ChunkedFileEntry)}
+    files.update({r.path: manifest.chunked(r.path) for r in references_of(manifest)})
     per_file: dict[str, int] = {}
     for item in doc.items:
         e = files.get(item.path)
@@ -414,10 +417,36 @@ def check_rank_header(head: bytes | bytearray | memoryview, entry: ChunkedFileEn
     """``head`` (the header chunk of the rank file ``entry``, digest already checked) is a
     safetensors header (§2.4 bounds, no key named twice) whose ``__metadata__`` names the
     file's rank and whose entries are exactly ``items``: the same names, dtypes, shapes and
-    offsets as ``dcp.msgpack``.  :class:`CorruptCheckpointError` naming the file otherwise."""
+    offsets as ``dcp.msgpack``.  For a reference (format v4, a :class:`ReferencedFile`: a
+    rank file of another attempt), each of ``items`` must be the header's entry of its name
+    (same dtype, shape and offsets); the file holds others this checkpoint does not read.
+    :class:`CorruptCheckpointError` naming the file otherwise."""
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: safetensors header {what}")
 
+    header = _parse_header(head, bad)
+    meta = header.pop("__metadata__", None)
+    if isinstance(entry, ReferencedFile):
+        # A rank file of another attempt (format v4): it holds more items than this checkpoint
+        # reads there; each item dcp.msgpack places in it must be the header's entry of that
+        # name, with the same dtype, shape and offsets.
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise bad(f"__metadata__ {meta!r:.80} is not a map of strings")
+        _check_entries(header, {i.name: i for i in items}, len(head), bad)
+        return
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()) or \
+            meta.get("rank") != str(entry.rank):
+        raise bad(f"__metadata__ {meta!r:.80} does not name rank {entry.rank}")
+    want = {i.name: i for i in items}
+    if set(header) != set(want):
+        extra = sorted(set(header) - set(want))[:3]
+        lost = sorted(set(want) - set(header))[:3]
+        raise bad(f"and dcp.msgpack list different items (only in the header: {extra}; only "
+                  f"in dcp.msgpack: {lost})")
+    _check_entries(header, want, len(head), bad)
+
+
+def _parse_header(head: bytes | bytearray | memoryview, bad: Any) -> dict[str, Any]:
     head = bytes(head)
     if len(head) < 8:
         raise bad("shorter than 8 bytes")
@@ -430,19 +459,17 @@ def check_rank_header(head: bytes | bytearray | memoryview, entry: ChunkedFileEn
         raise bad(f"is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise bad("is not an object")
-    meta = header.pop("__metadata__", None)
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()) or \
-            meta.get("rank") != str(entry.rank):
-        raise bad(f"__metadata__ {meta!r:.80} does not name rank {entry.rank}")
-    want = {i.name: i for i in items}
-    if set(header) != set(want):
-        extra = sorted(set(header) - set(want))[:3]
-        lost = sorted(set(want) - set(header))[:3]
-        raise bad(f"and dcp.msgpack list different items (only in the header: {extra}; only "
-                  f"in dcp.msgpack: {lost})")
-    for name, e in header.items():
-        i = want[name]
-        begin = i.offset - len(head)
+    return header
+
+
+def _check_entries(header: dict[str, Any], want: dict[str, StoredItem], head_len: int,
+                   bad: Any) -> None:
+    """Each item of ``want`` is the header's entry of its name: same dtype, shape, offsets."""
+    for name, i in want.items():
+        if name not in header:
+            raise bad(f"has no entry {name!r:.80}, which dcp.msgpack places in this file")
+        e = header[name]
+        begin = i.offset - head_len
         try:
             dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
         except (KeyError, TypeError):

@@ -11,19 +11,30 @@ version   layout       documents with a size limit (before reading)  spec
 ========  ===========  ============================================  =====================
 1         single       ``state.msgpack``: ``MAX_STATE_DOC_BYTES``    docs/protocol.md §2-5
 2         sharded      ``dcp.msgpack``: ``MAX_METADATA_BYTES``        docs/protocol.md §8
+3         incremental  ``state.msgpack``: ``MAX_STATE_DOC_BYTES``    docs/protocol.md §9
+4         sharded      ``dcp.msgpack``: ``MAX_METADATA_BYTES``        docs/protocol.md §9.6
 ========  ===========  ============================================  =====================
+
+Version 4 (sharded incremental) is version 2 with version 3's ``references``.
 """
 
 from __future__ import annotations
 
 from ckptfs.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
+from ckptfs.format.incremental import (
+    INCREMENTAL_FORMAT_VERSION,
+    SHARDED_INCREMENTAL_FORMAT_VERSION,
+    IncrementalManifest,
+    ShardedIncrementalManifest,
+)
 from ckptfs.format.layout import FORMAT_VERSION, STATE_NAME
 from ckptfs.format.limits import MAX_MANIFEST_BYTES, MAX_METADATA_BYTES, MAX_STATE_DOC_BYTES
 from ckptfs.format.manifest import MANIFEST_SCHEMA, Manifest, check_document_size, load_json
 from ckptfs.format.sharded import METADATA_NAME, SHARDED_FORMAT_VERSION, ShardedManifest
 
 #: Manifest format versions this ckptfs reads (and writes).
-READ_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION)
+READ_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION,
+                 SHARDED_INCREMENTAL_FORMAT_VERSION)
 #: Highest manifest format version this ckptfs reads.
 MAX_READ_VERSION = max(READ_VERSIONS)
 
@@ -31,24 +42,32 @@ MAX_READ_VERSION = max(READ_VERSIONS)
 DOCUMENT_LIMITS: dict[int, dict[str, int]] = {
     FORMAT_VERSION: {STATE_NAME: MAX_STATE_DOC_BYTES},
     SHARDED_FORMAT_VERSION: {METADATA_NAME: MAX_METADATA_BYTES},
+    INCREMENTAL_FORMAT_VERSION: {STATE_NAME: MAX_STATE_DOC_BYTES},
+    SHARDED_INCREMENTAL_FORMAT_VERSION: {METADATA_NAME: MAX_METADATA_BYTES},
 }
 
 
 def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
-    """Decode a manifest of any version this ckptfs reads: v1 (:class:`Manifest`) or v2
-    (:class:`ShardedManifest`).  A newer version raises :class:`FormatVersionError`; anything
-    malformed :class:`CorruptCheckpointError` (or :class:`UnsafeCheckpointError`)."""
+    """Decode a manifest of any version this ckptfs reads: v1 (:class:`Manifest`), v2
+    (:class:`ShardedManifest`) or v3 (:class:`IncrementalManifest`).  A newer version raises
+    :class:`FormatVersionError`; anything malformed :class:`CorruptCheckpointError` (or
+    :class:`UnsafeCheckpointError`)."""
     doc = load_json(data, MAX_MANIFEST_BYTES, where)  # bounded: size, depth, duplicate keys
     version = doc.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) \
-            and version > MAX_READ_VERSION:
+    newest = max(READ_VERSIONS)
+    if isinstance(version, int) and not isinstance(version, bool) and version > newest:
         raise FormatVersionError(
             f"{where}: written by format version {version}; this ckptfs reads up to "
-            f"{MAX_READ_VERSION}: upgrade ckptfs")
-    if version != SHARDED_FORMAT_VERSION:
+            f"{newest}: upgrade ckptfs")
+    if version not in (SHARDED_FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION,
+                       SHARDED_INCREMENTAL_FORMAT_VERSION):
         return Manifest.from_bytes(data, where=where)  # v1: its own strict codec
     if doc.get("schema") != MANIFEST_SCHEMA:
         raise CorruptCheckpointError(f"{where}: schema is {doc.get('schema')!r}")
+    if version == INCREMENTAL_FORMAT_VERSION:
+        return IncrementalManifest.from_doc(doc, where=where)
+    if version == SHARDED_INCREMENTAL_FORMAT_VERSION:
+        return ShardedIncrementalManifest.from_doc(doc, where=where)
     return ShardedManifest.from_doc(doc, where=where)
 
 

@@ -21,6 +21,14 @@ Three kinds of garbage, each removed only when it is older than a grace period:
 Concurrent ``gc`` and ``prune`` runs on one run root are safe: something another process
 removed first is noted (``note``), not reported as a failure.
 
+Incremental (format v3) attempts share bytes: an uncommitted attempt older than the grace whose
+manifest is v3 (or does not decode) is removed only if none of its files is referenced.  Every
+step's marker is read first, then one reference scan runs with gc's grace
+(:func:`ckptfs.protocol.references.scan_references`, docs/protocol.md §9.5), then gc decides.
+An attempt still referenced (*retired* by a delete) is kept and reported in
+:attr:`GcReport.retired` with the bytes it keeps stored; if a committed manifest cannot be read,
+every such attempt is kept and the refusal is listed in ``skipped``.
+
 A step's committed attempt and its marker are never touched; a step whose marker does not parse
 is left alone entirely (that is for ``verify`` and a human, not for a collector).  Everything
 removed (or that would be, with ``dry_run``) is listed with its size in a :class:`GcReport`.
@@ -36,16 +44,27 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
 from ckptfs.errors import CkptfsError, CorruptCheckpointError, StorageError, StorageNotFoundError
+from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S, has_references
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
+    MANIFEST_NAME,
     MARKER_NAME,
     TMP_PREFIX,
+    StepPaths,
     parse_attempt_name,
     parse_step_dir,
+)
+from ckptfs.format.versions import decode_manifest
+from ckptfs.protocol.references import (
+    References,
+    free_unreferenced,
+    referenced_attempts,
+    scan_references,
 )
 from ckptfs.protocol.resolve import read_marker
 from ckptfs.storage.base import (
     EmptyDirRemoval,
+    Entry,
     ModifiedTimes,
     MultipartUploads,
     Storage,
@@ -55,13 +74,13 @@ from ckptfs.storage.sub import SubStorage
 
 log = logging.getLogger("ckptfs")
 
-DEFAULT_GRACE = timedelta(hours=1)
+DEFAULT_GRACE = timedelta(seconds=DEFAULT_GRACE_S)
 ARTIFACTS_DIR = "artifacts"
 
 
 @dataclass
 class GcItem:
-    kind: str  # "attempt" | "tmp" | "multipart" | "empty-step"
+    kind: str  # "attempt" | "tmp" | "tmp-file" | "multipart" | "empty-step" | "retired"
     path: str
     bytes: int
     age_s: float | None
@@ -85,6 +104,13 @@ class GcReport:
     items: list[GcItem] = field(default_factory=list)
     kept_young: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    #: uncommitted incremental attempts kept because committed (or in-flight) checkpoints
+    #: reference their files (kind "retired"; ``bytes``: what they keep stored)
+    retired: list[GcItem] = field(default_factory=list)
+
+    @property
+    def bytes_retired(self) -> int:
+        return sum(i.bytes for i in self.retired)
 
     @property
     def bytes_freed(self) -> int:
@@ -98,7 +124,8 @@ class GcReport:
         return {"url": self.url, "dry_run": self.dry_run, "grace_s": self.grace_s,
                 "items": [i.as_dict() for i in self.items], "bytes_freed": self.bytes_freed,
                 "bytes_found": self.bytes_found, "kept_young": self.kept_young,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "retired": [i.as_dict() for i in self.retired],
+                "bytes_retired": self.bytes_retired}
 
 
 def parse_duration(text: str) -> timedelta:
@@ -133,7 +160,7 @@ def collect(storage: Storage, *, older_than: timedelta = DEFAULT_GRACE, dry_run:
     now = now or datetime.now(timezone.utc)
     report = GcReport(storage.url, dry_run, older_than.total_seconds())
     for prefix in ["", *_artifact_prefixes(storage)]:
-        _collect_checkpoints(storage, prefix, older_than, now, report)
+        _collect_checkpoints(storage, prefix, older_than, now, report, dry_run)
     if multipart:
         _collect_multipart(storage, older_than, now, report)
     for item in report.items:
@@ -162,9 +189,23 @@ def _artifact_prefixes(storage: Storage) -> list[str]:
     return [f"{e.name.rstrip('/')}/" for e in storage.list_dir(ARTIFACTS_DIR) if e.is_dir]
 
 
+@dataclass
+class _StepScan:
+    """One step directory as gc listed it: its entry count, whether it is committed, and the
+    items found in it (removal candidates)."""
+
+    path: str
+    entries: int
+    committed: bool
+    items: list[GcItem] = field(default_factory=list)
+
+
 def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: datetime,
-                         report: GcReport) -> None:
+                         report: GcReport, dry_run: bool = False) -> None:
     base = f"{prefix}{CHECKPOINTS_DIR}"
+    sub = SubStorage(storage, prefix.rstrip("/")) if prefix else storage
+    steps: list[_StepScan] = []
+    shared: dict[int, tuple[int, str]] = {}  # id(item) -> (step, attempt): v3, maybe used
     for step_entry in storage.list_dir(base):
         step = parse_step_dir(step_entry.basename)
         if step is None or not step_entry.is_dir:
@@ -178,7 +219,8 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
             except CorruptCheckpointError as exc:
                 report.skipped.append(f"{step_dir}: marker does not parse ({exc}); left alone")
                 continue
-        removable = 0
+        scan = _StepScan(step_dir, len(children), committed is not None)
+        steps.append(scan)
         for child in children:
             name = child.basename
             if name in (MARKER_NAME, committed):
@@ -199,11 +241,69 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
             if age < grace:
                 report.kept_young.append(path)
                 continue
-            size = sum(e.size for e in storage.list_tree(path)) if child.is_dir else child.size
-            report.items.append(GcItem(kind, path, size, age.total_seconds()))
+            files = storage.list_tree(path) if child.is_dir else []
+            size = sum(e.size for e in files) if child.is_dir else child.size
+            item = GcItem(kind, path, size, age.total_seconds())
+            scan.items.append(item)
+            if kind == "attempt" and _may_be_referenced(
+                    sub, StepPaths(step, step_entry.basename), name, files):
+                shared[id(item)] = (step, name)
+    # Every marker above was read before this scan starts (docs/protocol.md §9.5): an
+    # attempt found uncommitted is freed only if nothing read after its marker went away
+    # references it.
+    refs = _referenced(sub, base, grace, now, report) if shared else {}
+    used = None if refs is None else referenced_attempts(refs)
+    for scan in steps:
+        removable = 0
+        for item in scan.items:
+            key = shared.get(id(item))
+            if key is not None and (used is None or key in used):
+                kept = "unknown" if used is None else f"{used[key]} B"
+                freed = 0 if refs is None else free_unreferenced(
+                    sub, item.path[len(prefix):], refs, dry_run=dry_run)
+                report.retired.append(GcItem(
+                    "retired", item.path, item.bytes - freed, item.age_s,
+                    note=f"kept: no marker, but {kept} of its files are referenced by "
+                         f"committed (or in-flight) checkpoints; {freed} B of its other files "
+                         f"{'would be ' if dry_run else ''}freed"))
+                continue
+            report.items.append(item)
             removable += 1
-        if committed is None and removable and removable == len(children):
-            report.items.append(GcItem("empty-step", step_dir, 0, None))
+        if not scan.committed and removable and removable == scan.entries:
+            report.items.append(GcItem("empty-step", scan.path, 0, None))
+
+
+def _may_be_referenced(storage: Storage, paths: StepPaths, attempt: str,
+                       files: list[Entry]) -> bool:
+    """An uncommitted attempt whose files another checkpoint may reference: its manifest is
+    format v3 or v4, or present but undecodable (it may be)."""
+    if not any(e.basename == MANIFEST_NAME for e in files):
+        return False  # never committed, never retired: no reference can name it
+    try:
+        data = storage.read_bytes(paths.manifest(attempt))
+    except StorageNotFoundError:
+        return False
+    try:
+        return has_references(decode_manifest(data, where=paths.manifest(attempt)))
+    except CorruptCheckpointError:
+        return True
+
+
+def _referenced(storage: Storage, base: str, grace: timedelta, now: datetime,
+                report: GcReport) -> References | None:
+    """The referenced files (one scan of the run root, with gc's grace), or ``None`` (keep
+    every v3 attempt whole) when a committed manifest cannot be read."""
+    if grace.total_seconds() < DEFAULT_LEASE_S:
+        log.warning("gc at %s: grace %s is shorter than the default lease of an incremental "
+                    "save (%d s): an in-flight save's references are protected only while it "
+                    "is younger than the grace (keep the grace above every saver's lease_s "
+                    "plus clock skew)", storage.url, grace, DEFAULT_LEASE_S)
+    try:
+        return scan_references(storage, grace_s=grace.total_seconds(), now=now)
+    except CorruptCheckpointError as exc:
+        report.skipped.append(f"{base}: uncommitted incremental attempts kept: {exc}")
+        log.warning("gc at %s: %s", storage.url, exc)
+        return None
 
 
 def _marker_attempt(storage: Storage, prefix: str, step: int, name: str) -> str | None:

@@ -71,7 +71,8 @@ from ckptfs.format.hashing import new_hasher
 from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import StatePlan
 from ckptfs.protocol.collective import find_dtensor, wants_sharded_save
-from ckptfs.protocol.commit import check_plan, plan_v1, save_plan
+from ckptfs.protocol.commit import check_plan, plan_v1
+from ckptfs.protocol.incremental import write_plan
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.staging import PoolKey, StagingPool, stage
 
@@ -478,6 +479,8 @@ class _Job:
         self.algorithm = store.algorithm
         self.durable = store.durable
         self.threads = store.threads
+        self.reuse = store.reuse
+        self.lease_s = store.lease_s
 
     def run(self) -> None:
         fut = self.fut
@@ -488,9 +491,10 @@ class _Job:
         with saver.background_thread():
             try:
                 assert self.plan is not None
-                info = save_plan(self.storage, fut.step, self.plan, self.meta,
-                                 algorithm=self.algorithm, durable=self.durable,
-                                 threads=self.threads)
+                info = write_plan(self.storage, fut.step, self.plan, self.meta,
+                                  algorithm=self.algorithm, durable=self.durable,
+                                  threads=self.threads, memory=self.reuse,
+                                  lease_s=self.lease_s)
             except BaseException as exc:
                 self._release()
                 saver.settle(fut, exc, None)

@@ -359,10 +359,14 @@ class Attempt:
 
     # -- committing ----------------------------------------------------------------------------
 
-    def commit(self, manifest: Manifest, **writer: Any) -> CheckpointInfo:
+    def commit(self, manifest: Manifest, *, fence: Callable[[], None] | None = None,
+               **writer: Any) -> CheckpointInfo:
         """Write ``manifest`` and create the marker exclusively: the checkpoint is committed
         when this returns.  ``writer``: extra facts the marker records (``world_size``,
-        ``copied_from``).  See the module docstring for the outcomes."""
+        ``copied_from``).  ``fence``: called after the manifest is written (and durable) and
+        before the marker is created; an error it raises discards the attempt (an incremental
+        save checks there that what it references is still committed, docs/protocol.md §9.4).
+        See the module docstring for the outcomes."""
         if manifest.step != self.step or manifest.attempt != self.name:
             raise AssertionError("the manifest is not this attempt's")  # pragma: no cover
         who = writer_identity(**writer)
@@ -382,6 +386,8 @@ class Attempt:
                     self.storage.sync_dir(f"{self.final_dir}/{sub}")
                 for d in (self.final_dir, self.paths.dir, CHECKPOINTS_DIR, ""):
                     self.storage.sync_dir(d)
+            if fence is not None:
+                fence()
             marker = Marker(self.step, self.name, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes),
                             len(mbytes), manifest.created, who)
         except BaseException:

@@ -14,29 +14,59 @@ either committed whole or absent, and every reader limit is checked by the same 
 save.  A destination step that is already committed is left alone: the copy succeeds only if it
 holds the same content (same files with the same digests, same metadata), else
 :class:`~ckptfs.errors.CheckpointExistsError`.
+
+An incremental checkpoint (format v3, docs/protocol.md §9) references files of other attempts
+of its run, which the destination does not have.  Its copy is a v3 checkpoint that holds every
+byte it uses itself, or references only the destination's own committed checkpoint:
+
+* a tensor file the state document names (one of the source's own files, or a reference's
+  ``path``) whose tensors the destination's latest committed v3 checkpoint already holds, all of
+  them in one file, under the same names and the same digests (same algorithm, length, dtype
+  and shape), becomes a reference to that file at the destination (decided by digest, as an
+  incremental save decides; that checkpoint is the copy's *protector*, fenced before the marker
+  exactly as a save's: :func:`ckptfs.protocol.incremental.index_of`, ``Attempt.commit(fence=)``);
+* else a source's own file is copied byte for byte, and a reference is *materialized*: a file
+  of the destination attempt named by the reference's ``path``, holding exactly the tensors the
+  state reads there (a new safetensors header over them, then their bytes, each tensor one
+  chunk), every tensor's bytes read from the referenced file and checked against the digest the
+  source's manifest binds while they are written.
+
+The state document is copied unchanged: its slots name files by ``path`` and tensors by name,
+and both are kept.  A source byte that differs from its digest (own file or referenced chunk)
+fails the copy with :class:`~ckptfs.errors.CorruptCheckpointError` before anything commits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import struct
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
-from ckptfs.errors import CheckpointExistsError, CorruptCheckpointError
-from ckptfs.format.hashing import format_digest
+from ckptfs.errors import CheckpointExistsError, CkptfsError, CorruptCheckpointError
+from ckptfs.format.hashing import ALGORITHMS, format_digest, new_hasher
+from ckptfs.format.incremental import DEFAULT_LEASE_S, IncrementalManifest, Reference
+from ckptfs.format.layout import STATE_NAME
 from ckptfs.format.manifest import FileEntry, Manifest
-from ckptfs.format.sharded import ChunkedFileEntry
-from ckptfs.protocol.commit import Attempt
+from ckptfs.format.serialize import HeaderEntry
+from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
+from ckptfs.protocol.commit import Attempt, placeholder_digest
 from ckptfs.protocol.formats import check_checkpoint
+from ckptfs.protocol.incremental import ProtectorGoneError, ReuseIndex, Stored, index_of
+from ckptfs.protocol.listing import check_references
+from ckptfs.protocol.reader import CheckedV1, local_header, reference_chunks
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
     find_step_dir,
     read_committed,
     read_marker,
+    resolve_latest,
     storage_url,
 )
-from ckptfs.storage.base import Storage
+from ckptfs.storage.base import Storage, read_range
 
 log = logging.getLogger("ckptfs")
 
@@ -63,8 +93,26 @@ def same_content(a: Manifest, b: Manifest) -> bool:
         return sorted((e.path, e.size, e.digest,
                        e.chunks if isinstance(e, ChunkedFileEntry) else ()) for e in m.files)
 
+    if isinstance(a, IncrementalManifest) or isinstance(b, IncrementalManifest):
+        return (a.step == b.step and a.format_version == b.format_version
+                and a.metadata == b.metadata and v3_content(a) == v3_content(b))
     return (a.step == b.step and a.format_version == b.format_version
             and files(a) == files(b) and a.metadata == b.metadata)
+
+
+def v3_content(m: Manifest) -> tuple[Any, ...]:
+    """What a v3 checkpoint holds, wherever its bytes live: its state document's digest and,
+    for each file name the state uses (own file or reference), the digests of the tensor
+    chunks it reads there.  A copy that materializes or re-references a file keeps these."""
+    state = m.file(STATE_NAME) if any(e.path == STATE_NAME for e in m.files) else None
+    tensors: dict[str, tuple[str, ...]] = {}
+    for e in m.files:
+        if isinstance(e, ChunkedFileEntry) and e.path != STATE_NAME:
+            tensors[e.path] = tuple(sorted(c.digest for c in e.chunks[1:]))
+    if isinstance(m, IncrementalManifest):
+        for r in m.references:
+            tensors[r.path] = tuple(sorted(c.digest for c in r.chunks[1:]))
+    return (None if state is None else state.digest), sorted(tensors.items())
 
 
 def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, threads: int = 4,
@@ -77,7 +125,7 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
     if existing is not None:
         if same_content(existing.manifest, manifest):
             return CopyResult(step, "identical", existing.attempt, len(manifest.files),
-                              manifest.total_bytes)
+                              info.bytes)
         raise CheckpointExistsError(
             f"step {step} is already committed at {storage_url(dst, existing.paths.dir)} with "
             f"different content than {info.url}; a committed checkpoint is never overwritten: "
@@ -89,7 +137,9 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
     # is read for a size the storage does not hold), every document decoded, every tensor
     # file's header checked; the tensor bytes are checked against their digests as they are
     # copied.
-    check_checkpoint(src, info)
+    checked = check_checkpoint(src, info)
+    if isinstance(manifest, IncrementalManifest):
+        return _copy_v3(src, dst, info, manifest, checked, durable=durable, progress=progress)
     try:
         with Attempt.open(dst, step, algorithm=manifest.hash_algorithm,
                           durable=durable) as att:
@@ -166,6 +216,258 @@ def _check_copied(src: Storage, dst: Storage, info: CheckpointInfo, entry: FileE
             f"{storage_url(src, source)}: content digest differs from the manifest (expected "
             f"{entry.digest}, got {got}): the source is corrupt; nothing was committed at "
             f"{dst.url}", step=info.step, path=source)
+
+
+# -- format v3 -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Materialized:
+    """A reference of the source written as a file of the destination attempt: a new
+    safetensors header over the tensors the state reads there, then their bytes."""
+
+    ref: Reference
+    prefix: bytes
+    tensors: tuple[tuple[str, Chunk], ...]  # the source chunk of each tensor, in file order
+
+    @property
+    def pieces(self) -> list[int]:
+        return [len(self.prefix), *(c.length for _, c in self.tensors)]
+
+    @property
+    def size(self) -> int:
+        return sum(self.pieces)
+
+
+def _materialized(ref: Reference, located: dict[str, tuple[HeaderEntry, Chunk]]
+                  ) -> _Materialized:
+    order = sorted(located.items(), key=lambda kv: (kv[1][1].offset, kv[0]))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "producer": "ckptfs"}}
+    pos = 0
+    for name, (e, c) in order:
+        header[name] = {"dtype": e.dtype, "shape": list(e.shape),
+                        "data_offsets": [pos, pos + c.length]}
+        pos += c.length
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-len(hbytes) % 8)
+    return _Materialized(ref, struct.pack("<Q", len(hbytes)) + hbytes,
+                         tuple((n, c) for n, (_, c) in order))
+
+
+def _materialized_chunks(src: Storage, info: CheckpointInfo, m: _Materialized,
+                         progress: Progress | None) -> Callable[[], Iterator[memoryview]]:
+    """The new header, then each tensor's bytes read from the referenced file (ranged reads of
+    at most :data:`COPY_CHUNK`)."""
+    loc = m.ref.location
+
+    def chunks() -> Iterator[memoryview]:
+        yield memoryview(m.prefix)
+        for _, c in m.tensors:
+            end = c.offset + c.length
+            for off in range(c.offset, end, COPY_CHUNK):
+                n = min(COPY_CHUNK, end - off)
+                try:
+                    data = read_range(src, loc, off, n)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"{storage_url(src, loc)}: referenced by step {info.step} as "
+                        f"{m.ref.path} but missing; nothing was committed",
+                        step=info.step, path=loc) from None
+                if len(data) != n:
+                    raise CorruptCheckpointError(
+                        f"{storage_url(src, loc)}: shorter than step {info.step} references; "
+                        "nothing was committed", step=info.step, path=loc)
+                yield memoryview(data)
+                if progress is not None:
+                    progress(n)
+
+    return chunks
+
+
+def _check_materialized(src: Storage, dst: Storage, info: CheckpointInfo, m: _Materialized,
+                        pieces: list[str], algorithm: str) -> None:
+    """Every tensor written from a referenced file hashed, while written, to the digest the
+    source's manifest binds for its chunk."""
+    if m.ref.algorithm == algorithm:
+        got = pieces[1:]
+    else:  # the reference's own algorithm: read the chunks again (never written so)
+        got = [_digest_range(src, m.ref, c) for _, c in m.tensors]
+    for (name, c), actual in zip(m.tensors, got, strict=True):
+        if actual != c.digest:
+            raise CorruptCheckpointError(
+                f"{storage_url(src, m.ref.location)}: bytes {c.offset}..{c.offset + c.length} "
+                f"(tensor {name!r}), referenced by step {info.step} as {m.ref.path}, differ "
+                f"from their digest in its manifest (expected {c.digest}, got {actual}): the "
+                f"source is corrupt; nothing was committed at {dst.url}",
+                step=info.step, path=m.ref.location)
+
+
+def _digest_range(src: Storage, ref: Reference, c: Chunk) -> str:
+    h = new_hasher(ref.algorithm)
+    end = c.offset + c.length
+    for off in range(c.offset, end, COPY_CHUNK):
+        h.update(read_range(src, ref.location, off, min(COPY_CHUNK, end - off)))
+    return h.hexdigest()
+
+
+def _destination_index(dst: Storage, algorithm: str) -> ReuseIndex | None:
+    """The reuse index of the destination's latest committed checkpoint (format v3 only, a
+    cryptographic algorithm only), or ``None``."""
+    if not ALGORITHMS[algorithm].cryptographic:
+        return None
+    try:
+        latest = resolve_latest(dst)
+        return None if latest is None else index_of(dst, latest)
+    except CkptfsError as exc:
+        log.warning("%s: the copy references nothing there: its latest checkpoint cannot be "
+                    "indexed (%s)", dst.url, exc)
+        return None
+
+
+def _held(index: ReuseIndex) -> dict[tuple[int, str, str], dict[str, Stored]]:
+    """The indexed tensors by the file that holds them, by their name in that file."""
+    out: dict[tuple[int, str, str], dict[str, Stored]] = {}
+    for st in (*index.by_key.values(), *index.by_name.values()):
+        out.setdefault(st.location, {})[st.name] = st
+    return out
+
+
+def _reusable(path: str, wanted: dict[str, tuple[HeaderEntry, Chunk]], algorithm: str,
+              held: dict[tuple[int, str, str], dict[str, Stored]]) -> Reference | None:
+    """A reference (named ``path``) to one destination file that holds every ``wanted`` tensor
+    under the same name with the same digest, length, dtype and shape; else ``None``."""
+    if not wanted:
+        return None
+    for tensors in held.values():
+        got = []
+        for name, (e, c) in wanted.items():
+            st = tensors.get(name)
+            if st is None or st.key != (algorithm, c.digest, c.length, e.dtype, e.shape):
+                break
+            got.append(st)
+        else:
+            first = got[0]
+            chunks = {(st.chunk.offset, st.chunk.length): st.chunk for st in got}
+            chunks.pop((first.header.offset, first.header.length), None)
+            return Reference(path, first.step, first.attempt, first.source, first.size,
+                             first.algorithm, (first.header, *(chunks[k] for k in sorted(chunks))))
+    return None
+
+
+def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: IncrementalManifest,
+             checked: Any, *, durable: bool, progress: Progress | None,
+             reuse: bool = True, lease_s: float = DEFAULT_LEASE_S) -> CopyResult:
+    """Copy a v3 checkpoint so that it holds every byte it uses, or references the
+    destination's latest committed checkpoint (module docstring)."""
+    step, algo = info.step, manifest.hash_algorithm
+    used: dict[str, set[str]] = {}
+    for slot in cast(CheckedV1, checked).slots:
+        used.setdefault(slot.file, set()).add(slot.name)
+    index = _destination_index(dst, algo) if reuse else None
+    held = _held(index) if index is not None else {}
+    dst_refs: list[Reference] = []
+    copies: list[ChunkedFileEntry] = []
+    mats: list[_Materialized] = []
+    for entry in manifest.files:
+        assert isinstance(entry, ChunkedFileEntry)
+        ref = None
+        if held and entry.path in used:
+            start, entries = local_header(src, info, entry)
+            wanted = {}
+            for name in used[entry.path]:
+                e = entries[name]
+                chunk = entry.chunk_at(start + e.begin, e.end - e.begin)
+                if chunk is not None:
+                    wanted[name] = (e, chunk)
+            if len(wanted) == len(used[entry.path]):
+                ref = _reusable(entry.path, wanted, algo, held)
+        if ref is not None:
+            dst_refs.append(ref)
+        else:
+            copies.append(entry)
+    for sref in manifest.references:
+        located = reference_chunks(src, info, sref, used.get(sref.path, set()))
+        ref = _reusable(sref.path, located, algo, held) if held else None
+        if ref is not None:
+            dst_refs.append(ref)
+        else:
+            mats.append(_materialized(sref, located))
+
+    def build(name: str, entries: list[ChunkedFileEntry]) -> IncrementalManifest:
+        return IncrementalManifest(step, name, tuple(entries), manifest.created, algo,
+                                   dict(manifest.metadata), references=tuple(dst_refs))
+
+    def fence_for(opened: float) -> Callable[[], None] | None:
+        if not dst_refs or index is None:
+            return None
+        pstep, pattempt = index.protector
+
+        def fence() -> None:
+            if time.monotonic() - opened > lease_s:
+                raise ProtectorGoneError(f"the copy ran longer than its {lease_s:.0f} s lease")
+            marker = read_marker(dst, pstep)
+            if marker is None or marker.attempt != pattempt:
+                raise ProtectorGoneError(f"step {pstep} at {dst.url}, whose stored bytes this "
+                                         "copy references, was deleted meanwhile")
+        return fence
+
+    hexd = placeholder_digest(algo).split(":", 1)[1]
+    try:
+        with Attempt.open(dst, step, algorithm=algo, durable=durable) as att:
+            opened = time.monotonic()
+            att.check(build(att.name, [*copies, *(
+                make_entry(m.ref.path, m.size, algo, _tiles(m.pieces, [hexd] * len(m.pieces)),
+                           None) for m in mats)]))
+            written: list[ChunkedFileEntry] = []
+            for entry in sorted(copies, key=lambda e: -e.size):
+                w = att.write_file(entry.path, entry.size,
+                                   _source_chunks(src, info, entry, progress),
+                                   pieces=[c.length for c in entry.chunks])
+                _check_copied(src, dst, info, entry, w.digest, list(w.pieces))
+                written.append(entry)
+            for m in mats:
+                w = att.write_file(m.ref.path, m.size, _materialized_chunks(src, info, m, progress),
+                                   pieces=m.pieces)
+                _check_materialized(src, dst, info, m, list(w.pieces), algo)
+                written.append(make_entry(m.ref.path, w.size, algo,
+                                          _tiles(m.pieces, list(w.pieces)), None))
+            out = att.commit(build(att.name, written), fence=fence_for(opened),
+                             copied_from=info.url)
+            if dst_refs and time.monotonic() - opened > lease_s:
+                _recheck(dst, out)
+    except ProtectorGoneError as exc:
+        log.warning("%s: step %d: %s; copying every byte instead", dst.url, step, exc)
+        return _copy_v3(src, dst, info, manifest, checked, durable=durable, progress=progress,
+                        reuse=False, lease_s=lease_s)
+    except CheckpointExistsError:
+        winner = _committed_at(dst, step, quiet=True)
+        if winner is not None and same_content(winner.manifest, manifest):
+            return CopyResult(step, "identical", winner.attempt, len(manifest.files),
+                              manifest.logical_bytes)
+        raise
+    log.info("copied step %d from %s to %s (%d files materialized, %d referenced there)",
+             step, src.url, dst.url, len(mats), len(dst_refs))
+    return CopyResult(step, "copied", out.attempt, len(written), manifest.logical_bytes)
+
+
+def _tiles(lengths: list[int], digests: list[str]) -> list[Chunk]:
+    out, pos = [], 0
+    for length, hexd in zip(lengths, digests, strict=True):
+        out.append(Chunk(pos, length, hexd))
+        pos += length
+    return out
+
+
+def _recheck(dst: Storage, info: CheckpointInfo) -> None:
+    """The marker landed after the lease: if a collector removed what the copy references
+    meanwhile, uncommit it (as an incremental save does, docs/protocol.md §9.4)."""
+    try:
+        check_references(dst, info)
+    except CorruptCheckpointError as exc:
+        dst.delete(info.paths.marker)
+        raise CorruptCheckpointError(
+            f"{info.url}: the copy outlived its lease and bytes it references were removed "
+            f"meanwhile ({exc}); it was uncommitted: copy again", step=info.step) from None
 
 
 def _committed_at(storage: Storage, step: int, *, quiet: bool = False) -> CheckpointInfo | None:

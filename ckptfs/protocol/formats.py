@@ -31,6 +31,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ckptfs.errors import CorruptCheckpointError, FormatVersionError
+from ckptfs.format.incremental import (
+    INCREMENTAL_FORMAT_VERSION,
+    SHARDED_INCREMENTAL_FORMAT_VERSION,
+    references_of,
+)
 from ckptfs.format.layout import FORMAT_VERSION
 from ckptfs.format.limits import MAX_DEPTH
 from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
@@ -93,20 +98,26 @@ def check_v2(storage: Storage, info: CheckpointInfo) -> DcpDocument:
     from ckptfs.format.sharded import METADATA_NAME, decode_value
     from ckptfs.format.sharded_metadata import check_rank_header, items_by_file
     from ckptfs.format.sharded_tree import restore
-    from ckptfs.protocol.sharded_read import read_chunks, read_document, sharded_manifest
+    from ckptfs.protocol.sharded_read import (
+        entry_location,
+        read_chunks,
+        read_document,
+        sharded_manifest,
+    )
 
     manifest = sharded_manifest(info)
     check_listing(storage, info)
     doc = read_document(storage, info)
     where = storage_url(storage, info.path)
     by_file = items_by_file(doc)
-    for entry in manifest.files:
-        if entry.path == METADATA_NAME:
+    paths = [e.path for e in manifest.files] + [r.path for r in references_of(manifest)]
+    for path in paths:
+        if path == METADATA_NAME:
             continue
-        rank_file = manifest.chunked(entry.path)
+        rank_file = manifest.chunked(path)
         head = read_chunks(storage, info, rank_file, 0, rank_file.chunks[0].length)
-        check_rank_header(head, rank_file, by_file.get(entry.path, []),
-                          where=storage_url(storage, f"{info.path}/{entry.path}"))
+        check_rank_header(head, rank_file, by_file.get(path, []),
+                          where=storage_url(storage, entry_location(info, rank_file)))
     md = doc.metadata
     with unregistered_as_dict():
         for index, loc in sorted((md.storage_data or {}).items(),
@@ -147,6 +158,14 @@ FORMATS: dict[int, FormatOps] = {
     FORMAT_VERSION: FormatOps(FORMAT_VERSION, lambda: load_v1, lambda: verify_v1,
                               lambda: check_v1),
     SHARDED_FORMAT_VERSION: FormatOps(SHARDED_FORMAT_VERSION, _v2_load, _v2_verify, _v2_check),
+    # v3 is v1's state and tensor files, chunked, with references: the same reader, which
+    # reads a reference's chunks where they are stored (docs/protocol.md §9).
+    INCREMENTAL_FORMAT_VERSION: FormatOps(INCREMENTAL_FORMAT_VERSION, lambda: load_v1,
+                                          lambda: verify_v1, lambda: check_v1),
+    # v4 is v2 with references: the same reader, which reads a reference's chunks where they
+    # are stored and checks its header against the items dcp.msgpack places there (§9.6).
+    SHARDED_INCREMENTAL_FORMAT_VERSION: FormatOps(SHARDED_INCREMENTAL_FORMAT_VERSION, _v2_load,
+                                                  _v2_verify, _v2_check),
 }
 
 

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptfs.format.incremental import Reference, references_of
 from ckptfs.format.layout import CHECKPOINTS_DIR, MANIFEST_NAME
 from ckptfs.format.manifest import FileEntry
 from ckptfs.format.versions import document_limits
@@ -117,6 +118,62 @@ def problems(info: CheckpointInfo, listing: AttemptListing,
     return out
 
 
+def reference_problems(storage: Storage, info: CheckpointInfo,
+                       refs: Iterable[Reference] | None = None) -> list[Problem]:
+    """The listing findings of the files a checkpoint references (formats v3 and v4, §9): each
+    referenced file present in its attempt, of the size the reference declares, and neither it
+    nor its step or attempt directory a link.  One listing per referenced attempt.  ``refs``:
+    these references only (a selective load); default every reference of ``info``."""
+    manifest = info.manifest
+    if refs is None:
+        refs = references_of(manifest)
+    by_dir: dict[str, list[Reference]] = {}
+    for ref in refs:
+        by_dir.setdefault(ref.attempt_dir, []).append(ref)
+    out: list[Problem] = []
+    for adir, members in sorted(by_dir.items()):
+        step_dir, attempt = adir.rsplit("/", 1)
+        linked = False
+        if storage.capabilities.real_directories:
+            for parent, name in ((CHECKPOINTS_DIR, step_dir.rsplit("/", 1)[1]),
+                                 (step_dir, attempt)):
+                for e in storage.list_dir(parent):
+                    if e.basename == name and e.is_link:
+                        out.append(Problem("link", f"{parent}/{name}",
+                                           f"{parent}/{name}: symbolic link (refused)"))
+                        linked = True
+        if linked:
+            continue
+        sizes: dict[str, int] = {}
+        links: set[str] = set()
+        for e in storage.list_tree(adir):
+            if e.is_link:
+                links.add(e.name)
+            else:
+                sizes[e.name] = e.size
+        for ref in members:
+            loc = ref.location
+            if loc in links:
+                out.append(Problem("link", loc, f"{ref.path}: references {loc}, a symbolic "
+                                                "link (refused)"))
+            elif loc not in sizes:
+                out.append(Problem("missing", loc, f"{ref.path}: references {loc}, which is "
+                                                   "missing (deleted while this checkpoint "
+                                                   "needs it)"))
+            elif sizes[loc] != ref.size:
+                out.append(Problem("size", loc, f"{ref.path}: references {loc}, whose size "
+                                                f"differs (declared {ref.size} B, found "
+                                                f"{sizes[loc]} B)"))
+    return out
+
+
+def check_references(storage: Storage, info: CheckpointInfo,
+                     refs: Iterable[Reference] | None = None) -> None:
+    """Raise the first :func:`reference_problems` finding as its typed error."""
+    for p in reference_problems(storage, info, refs):
+        raise p.error(storage, info)
+
+
 def check_document_sizes(storage: Storage, info: CheckpointInfo) -> None:
     """:class:`UnsafeCheckpointError` for a document of ``info``'s format whose declared size
     exceeds the limit its reader enforces (no I/O)."""
@@ -141,6 +198,8 @@ def check_listing(storage: Storage, info: CheckpointInfo,
     for p in found:
         if p.kind != "stray":
             raise p.error(storage, info)
+    if files is None:
+        check_references(storage, info)
     strays = [p.text.split(":", 1)[0] for p in found]
     if strays:
         log.warning("%s: files not in the manifest are ignored by load (run 'ckptfs verify' "
@@ -152,4 +211,4 @@ def listing_report(storage: Storage, info: CheckpointInfo
                    ) -> tuple[AttemptListing, list[Problem]]:
     """For verify: the listing and every finding."""
     listing = list_attempt(storage, info)
-    return listing, problems(info, listing)
+    return listing, problems(info, listing) + reference_problems(storage, info)

@@ -32,9 +32,16 @@ from ckptfs.format.hashing import (
     HASH_INLINE_BYTES,
     BackgroundHasher,
     Hasher,
+    PieceHasher,
+    digest_bytes,
     format_digest,
     new_hasher,
     read_chunk_size,
+)
+from ckptfs.format.incremental import (
+    INCREMENTAL_FORMAT_VERSION,
+    IncrementalManifest,
+    Reference,
 )
 from ckptfs.format.layout import FORMAT_VERSION, STATE_NAME
 from ckptfs.format.limits import MAX_HEADER_BYTES, MAX_STATE_DOC_BYTES
@@ -50,7 +57,8 @@ from ckptfs.format.serialize import (
     tensor_memoryview,
     tensors_from_buffer,
 )
-from ckptfs.protocol.listing import check_listing, problems
+from ckptfs.format.sharded import Chunk, ChunkedFileEntry, chunk_list_digest
+from ckptfs.protocol.listing import check_listing, check_references, problems
 from ckptfs.protocol.load_options import (
     KeyPath,
     TensorMap,
@@ -102,6 +110,30 @@ class _NullHasher:
 _NULL_HASHER: Hasher = _NullHasher()
 
 
+class ChunkListHasher:
+    """Hashes a chunked file (formats v2, v3) as it streams, each chunk on its own; its
+    :meth:`hexdigest` is the digest of the chunk list (§8.1), what the manifest records."""
+
+    def __init__(self, entry: ChunkedFileEntry) -> None:
+        self.entry = entry
+        self.pieces = PieceHasher(entry.algorithm, [c.length for c in entry.chunks])
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None:
+        self.pieces.update(data)
+
+    def hexdigest(self) -> str:
+        got = [Chunk(c.offset, c.length, d)
+               for c, d in zip(self.entry.chunks, self.pieces.digests(), strict=False)]
+        return chunk_list_digest(self.entry.algorithm, got).split(":", 1)[1]
+
+
+def file_hasher(entry: FileEntry) -> Hasher:
+    """What a file's manifest digest is taken over: its bytes (v1), or its chunk list."""
+    if isinstance(entry, ChunkedFileEntry):
+        return ChunkListHasher(entry)
+    return new_hasher(entry.algorithm)
+
+
 def read_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry, *,
                        verify: bool = True) -> memoryview:
     """Read one manifest file into a buffer of exactly its declared size, hashing as it is read.
@@ -116,7 +148,7 @@ def read_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry,
     path = f"{info.path}/{entry.path}"
     where = storage_url(storage, path)
     view = tensor_memoryview(torch.empty(entry.size, dtype=torch.uint8))
-    hasher = new_hasher(entry.algorithm) if verify else None
+    hasher = file_hasher(entry) if verify else None
     pos = 0
     try:
         # The chunk just read is hashed on a helper thread while the next one is read.
@@ -150,7 +182,7 @@ def read_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry,
     return view
 
 
-def _parallel(fn: Callable[[FileEntry], T], items: list[FileEntry], threads: int) -> list[T]:
+def _parallel(fn: Callable[[Any], T], items: list[Any], threads: int) -> list[T]:
     if threads <= 1 or len(items) <= 1:
         return [fn(i) for i in items]
     with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="ckptfs-io") as pool:
@@ -195,7 +227,7 @@ def map_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry, 
         os.close(fd)
     view = memoryview(mapping)
     if verify:
-        hasher = new_hasher(entry.algorithm)
+        hasher = file_hasher(entry)
         step = read_chunk_size(size)
         for pos in range(0, size, step):
             hasher.update(view[pos:pos + step])
@@ -216,7 +248,7 @@ def check_mmap_storage(storage: Storage, info: CheckpointInfo) -> None:
             f"{info.url}: mmap=True maps files of a local-disk checkpoint; this store is "
             f"{storage.capabilities.protocol}://. Load without mmap (or copy the checkpoint to "
             "local disk first: ckptfs cp)")
-    if info.manifest.format_version != FORMAT_VERSION:
+    if info.manifest.format_version not in (FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION):
         raise LoadOptionError(
             f"{info.url}: mmap=True is supported for format v1 checkpoints; this one is "
             f"format v{info.manifest.format_version} (docs/sharded.md): load it without mmap")
@@ -252,15 +284,20 @@ def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
         tree = prune_tagged(tree, selection(paths),
                             lambda k: build_tree(k, [], where=where), info.url)
         wanted = sorted(i for i in tensor_refs(tree, set()) if 0 <= i < len(slots))
+    refs = references_of(info)
     needed = sorted({slots[i].file for i in wanted})
-    missing = [n for n in needed if n not in by_path]
+    missing = [n for n in needed if n not in by_path and n not in refs]
     if missing:
         raise CorruptCheckpointError(f"{info.url}: state references files not in the manifest: "
                                      f"{missing}", step=info.step)
-    # The files this load reads: present with their declared sizes (from the same listing).
-    for p in problems(info, listing, [by_path[n] for n in needed]):
+    local = [n for n in needed if n in by_path]
+    # The files this load reads: present with their declared sizes (from the same listing),
+    # those it references in other attempts too.
+    for p in problems(info, listing, [by_path[n] for n in local]):
         if p.kind != "stray":
             raise p.error(storage, info)
+    used_refs = [refs[n] for n in needed if n in refs]
+    check_references(storage, info, used_refs)
 
     read = map_file_verified if mmap else read_file_verified
 
@@ -268,8 +305,16 @@ def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
         buf = read(storage, info, entry, verify=verify)
         return tensors_from_buffer(buf, where=storage_url(storage, f"{info.path}/{entry.path}"))
 
-    loaded = dict(zip(needed, _parallel(load_file, [by_path[n] for n in needed], threads),
+    loaded = dict(zip(local, _parallel(load_file, [by_path[n] for n in local], threads),
                       strict=True))
+    if used_refs:
+        names: dict[str, set[str]] = {}
+        for i in wanted:
+            if slots[i].file in refs:
+                names.setdefault(slots[i].file, set()).add(slots[i].name)
+        got = _parallel(lambda r: load_reference(storage, info, r, names[r.path], verify=verify),
+                        used_refs, threads)
+        loaded.update({r.path: t for r, t in zip(used_refs, got, strict=True)})
     unselected = torch.empty(0)  # never reached: the pruned tree does not reference it
     tensors: list[torch.Tensor] = [unselected] * len(slots)
     for i in wanted:
@@ -284,6 +329,164 @@ def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where}: the state root is not a dict", step=info.step)
     return state
+
+
+def references_of(info: CheckpointInfo) -> dict[str, Reference]:
+    """The references of a v3 checkpoint by the name its state document uses (others: none)."""
+    m = info.manifest
+    return {r.path: r for r in m.references} if isinstance(m, IncrementalManifest) else {}
+
+
+def _check_ref_chunk(storage: Storage, info: CheckpointInfo, ref: Reference, chunk: Chunk,
+                     data: bytes | bytearray | memoryview) -> None:
+    actual = digest_bytes(ref.algorithm, data).split(":", 1)[1]
+    if actual != chunk.digest:
+        raise CorruptCheckpointError(
+            f"{storage_url(storage, ref.location)}: bytes {chunk.offset}.."
+            f"{chunk.offset + chunk.length}, referenced by step {info.step} as {ref.path}, "
+            f"differ from their digest in its manifest (expected {chunk.digest}, got "
+            f"{actual}): the file was modified or corrupted after commit",
+            step=info.step, path=ref.location)
+
+
+def _read_ref(storage: Storage, info: CheckpointInfo, ref: Reference, start: int,
+              length: int) -> bytes:
+    try:
+        data = read_range(storage, ref.location, start, length)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{storage_url(storage, ref.location)}: referenced by step {info.step} as "
+            f"{ref.path} but missing", step=info.step, path=ref.location) from None
+    if len(data) != length:
+        raise CorruptCheckpointError(
+            f"{storage_url(storage, ref.location)}: {len(data)} B at offset {start}, step "
+            f"{info.step} references {length} B: the file is shorter than committed",
+            step=info.step, path=ref.location)
+    return data
+
+
+def local_header(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry
+                 ) -> tuple[int, dict[str, HeaderEntry]]:
+    """The safetensors header of a chunked file of the checkpoint (format v3): its header chunk
+    read, checked against its digest, and parsed with the bounds of §2.4."""
+    path = f"{info.path}/{entry.path}"
+    where = storage_url(storage, path)
+    head = entry.chunks[0] if entry.chunks else Chunk(0, 0, "")
+    if head.length < 8 or head.length - 8 > MAX_HEADER_BYTES:
+        raise UnsafeCheckpointError(f"{where}: its first chunk ({head.length} B) is not a "
+                                    "safetensors header", step=info.step, path=path)
+    try:
+        data = read_range(storage, path, 0, head.length)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: listed in the manifest but missing",
+                                     step=info.step, path=path) from None
+    actual = digest_bytes(entry.algorithm, data).split(":", 1)[1]
+    if len(data) != head.length or actual != head.digest:
+        raise CorruptCheckpointError(f"{where}: its header differs from the manifest's digest",
+                                     step=info.step, path=path)
+    if int.from_bytes(data[:8], "little") + 8 != head.length:
+        raise CorruptCheckpointError(f"{where}: its header length differs from its header "
+                                     "chunk", step=info.step, path=path)
+    return parse_safetensors_header(cast(Any, _HeaderOnly(data, entry.size)), where=where)
+
+
+def reference_header(storage: Storage, info: CheckpointInfo, ref: Reference, *,
+                     verify: bool = True) -> tuple[int, dict[str, HeaderEntry]]:
+    """The safetensors header of a referenced file: its header chunk read, checked against
+    its digest, and parsed with the bounds of §2.4 (against the referenced file's size)."""
+    where = storage_url(storage, ref.location)
+    head = ref.chunks[0]
+    if head.length < 8 or head.length - 8 > MAX_HEADER_BYTES:
+        raise UnsafeCheckpointError(f"{where}: the header chunk step {info.step} references "
+                                    f"({head.length} B) is not a safetensors header",
+                                    step=info.step, path=ref.location)
+    data = _read_ref(storage, info, ref, 0, head.length)
+    if verify:
+        _check_ref_chunk(storage, info, ref, head, data)
+    if int.from_bytes(data[:8], "little") + 8 != head.length:
+        raise CorruptCheckpointError(f"{where}: its header length differs from the header "
+                                     f"chunk step {info.step} references", step=info.step,
+                                     path=ref.location)
+    return parse_safetensors_header(cast(Any, _HeaderOnly(data, ref.size)), where=where)
+
+
+def reference_chunks(storage: Storage, info: CheckpointInfo, ref: Reference,
+                     names: set[str] | None, *, verify: bool = True
+                     ) -> dict[str, tuple[HeaderEntry, Chunk]]:
+    """Each tensor ``names`` (default: every tensor the reference binds a chunk of) with the
+    chunk the reference binds for its bytes: :class:`CorruptCheckpointError` for a name the
+    header lacks or whose bytes are not exactly one chunk of the reference."""
+    start, entries = reference_header(storage, info, ref, verify=verify)
+    out: dict[str, tuple[HeaderEntry, Chunk]] = {}
+    wanted = names if names is not None else set(entries)
+    for name in sorted(wanted):
+        e = entries.get(name)
+        chunk = None if e is None else ref.chunk_at(start + e.begin, e.end - e.begin)
+        if e is None or chunk is None:
+            if names is None:
+                continue  # not a tensor this checkpoint uses
+            raise CorruptCheckpointError(
+                f"{storage_url(storage, ref.location)}: tensor {name!r}, which step "
+                f"{info.step} reads there ({ref.path}), is not in the file's header or its "
+                "bytes are not a chunk the reference binds", step=info.step, path=ref.location)
+        out[name] = (e, chunk)
+    return out
+
+
+def load_reference(storage: Storage, info: CheckpointInfo, ref: Reference, names: set[str],
+                   *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of a referenced file: its header chunk and each tensor's chunk
+    read (adjacent chunks in one ranged read) and checked against the digests in this
+    checkpoint's manifest before a tensor is made of them."""
+    located = reference_chunks(storage, info, ref, names, verify=verify)
+    order = sorted(located.items(), key=lambda kv: kv[1][1].offset)
+    groups: list[list[tuple[str, tuple[HeaderEntry, Chunk]]]] = []
+    for item in order:  # adjacent chunks read together, up to _COALESCE bytes at a time
+        c = item[1][1]
+        if groups:
+            head, last = groups[-1][0][1][1], groups[-1][-1][1][1]
+            if last.offset + last.length == c.offset \
+                    and c.offset + c.length - head.offset <= _COALESCE:
+                groups[-1].append(item)
+                continue
+        groups.append([item])
+    out: dict[str, torch.Tensor] = {}
+    for group in groups:
+        first, last = group[0][1][1], group[-1][1][1]
+        length = last.offset + last.length - first.offset
+        buf = bytearray(_read_ref(storage, info, ref, first.offset, length)) if length \
+            else bytearray()
+        for name, (e, chunk) in group:
+            lo = chunk.offset - first.offset
+            if verify:
+                _check_ref_chunk(storage, info, ref, chunk, memoryview(buf)[lo:lo + chunk.length])
+            dtype = CODE_DTYPES[e.dtype]
+            if chunk.length == 0:
+                out[name] = torch.empty(e.shape, dtype=dtype)
+            else:
+                out[name] = torch.frombuffer(buf, dtype=torch.uint8, count=chunk.length,
+                                             offset=lo).view(dtype).reshape(e.shape)
+    return out
+
+
+_COALESCE = 64 << 20
+
+
+def verify_reference(storage: Storage, info: CheckpointInfo, ref: Reference) -> None:
+    """Every chunk a reference binds read and checked (its header chunk and each tensor's,
+    in reads of at most 64 MiB)."""
+    reference_header(storage, info, ref, verify=True)
+    for chunk in ref.chunks[1:]:
+        hasher = new_hasher(ref.algorithm)
+        end = chunk.offset + chunk.length
+        for off in range(chunk.offset, end, _COALESCE):
+            hasher.update(_read_ref(storage, info, ref, off, min(_COALESCE, end - off)))
+        if hasher.hexdigest() != chunk.digest:
+            raise CorruptCheckpointError(
+                f"{storage_url(storage, ref.location)}: bytes {chunk.offset}..{end}, "
+                f"referenced by step {info.step} as {ref.path}, differ from their digest in "
+                "its manifest: the file was modified or corrupted after commit",
+                step=info.step, path=ref.location)
 
 
 class _HeaderOnly:
@@ -367,11 +570,16 @@ def check_v1(storage: Storage, info: CheckpointInfo) -> CheckedV1:
     doc = read_file_verified(storage, info, state_entry, verify=True)
     tree, slots = decode_state_doc(bytes(doc), where=where)
     del doc
-    missing = sorted({s.file for s in slots if s.file not in by_path})
+    refs = references_of(info)
+    missing = sorted({s.file for s in slots if s.file not in by_path and s.file not in refs})
     if missing:
         raise CorruptCheckpointError(f"{info.url}: state references files not in the manifest: "
                                      f"{missing}", step=info.step)
     headers: dict[str, dict[str, HeaderEntry]] = {}
+    for ref in refs.values():  # header chunk verified; each tensor used exactly one bound chunk
+        used = {s.name for s in slots if s.file == ref.path}
+        headers[ref.path] = {n: e for n, (e, _) in
+                             reference_chunks(storage, info, ref, used).items()}
     for slot in slots:
         if slot.file not in headers:
             headers[slot.file] = read_header(storage, info, by_path[slot.file])
@@ -403,11 +611,21 @@ def verify_v1(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
             return f"{entry.path}: {exc}"
         return None
 
+    def check_ref(ref: Reference) -> str | None:
+        try:
+            verify_reference(storage, info, ref)
+        except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
+            return f"{ref.path}: {exc}"
+        return None
+
     already = {p.split(":", 1)[0] for p in report.problems}
     todo = [e for e in info.manifest.files if e.path not in already]
+    refs = [r for r in references_of(info).values() if r.path not in already]
     found = [problem for problem in _parallel(check, todo, threads) if problem]
+    found += [problem for problem in _parallel(check_ref, refs, threads) if problem]
     report.problems += found
-    if not found and len(todo) == len(info.manifest.files):  # every file is as committed
+    if not found and len(todo) == len(info.manifest.files) \
+            and len(refs) == len(references_of(info)):  # every byte is as committed
         try:
             check_v1(storage, info)
         except (CorruptCheckpointError, ExtensionTypeError) as exc:

@@ -34,6 +34,7 @@ from ckptfs.errors import (
     FormatVersionError,
     StorageNotFoundError,
 )
+from ckptfs.format.incremental import has_references
 from ckptfs.format.layout import CHECKPOINTS_DIR, MARKER_NAME, StepPaths, parse_step_dir
 from ckptfs.format.manifest import Manifest, Marker
 from ckptfs.format.versions import decode_manifest
@@ -71,6 +72,19 @@ class CheckpointInfo:
 
     @property
     def total_bytes(self) -> int:
+        return self.manifest.total_bytes
+
+    @property
+    def bytes(self) -> int:
+        """The checkpoint's logical size: every byte a full load reads (an incremental
+        checkpoint's own files and the chunks it references in earlier ones)."""
+        m = self.manifest
+        return m.logical_bytes if has_references(m) else m.total_bytes
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes its save wrote (its own files; the manifest and marker aside).  Equal to
+        :attr:`bytes` but for an incremental checkpoint that reused stored bytes."""
         return self.manifest.total_bytes
 
     @property

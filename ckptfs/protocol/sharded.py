@@ -66,6 +66,7 @@ from ckptfs.errors import (
 )
 from ckptfs.format.extensions import unregistered_as_dict
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
+from ckptfs.format.incremental import DEFAULT_LEASE_S, references_of
 from ckptfs.format.layout import check_step
 from ckptfs.format.manifest import check_metadata
 from ckptfs.format.serialize import build_tree
@@ -73,6 +74,7 @@ from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, decode_value
 from ckptfs.format.sharded_metadata import DcpDocument, check_rank_header, items_by_file
 from ckptfs.format.sharded_tree import dcp_view, restore, write_back
 from ckptfs.protocol.collective import is_distributed
+from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
 from ckptfs.protocol.reader import VerifyReport
@@ -85,7 +87,13 @@ from ckptfs.protocol.sharded_plan import (
     merge_trees,
     values_from_lowest_rank,
 )
-from ckptfs.protocol.sharded_read import ShardedReader, read_chunks, read_document
+from ckptfs.protocol.sharded_read import (
+    ShardedReader,
+    entry_location,
+    read_chunks,
+    read_document,
+    sharded_manifest,
+)
 from ckptfs.storage.base import Storage
 from ckptfs.torch_compat import default_store, group_timeout, load_state_dict
 
@@ -161,7 +169,8 @@ def collective_group(process_group: Any = None, *, what: str = "a checkpoint col
 
 
 _PASS_THROUGH = (CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError,
-                 InvalidStepError, CorruptCheckpointError, LoadOptionError, ExtensionTypeError)
+                 InvalidStepError, CorruptCheckpointError, LoadOptionError, ExtensionTypeError,
+                 ProtectorGoneError)
 
 
 def map_failure(exc: CheckpointException, what: str,
@@ -410,9 +419,12 @@ class SavePrep:
 def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group: Any,
                  algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 kind: str = "save", live: _Liveness | None = None) -> SavePrep:
+                 kind: str = "save", live: _Liveness | None = None,
+                 memory: ReuseMemory | None = None,
+                 lease_s: float = DEFAULT_LEASE_S) -> SavePrep:
     """Writer, planner and DCP view of a collective save.  A bad state or metadata does not
-    raise here: the planner raises it inside DCP, so every rank fails together."""
+    raise here: the planner raises it inside DCP, so every rank fails together.  ``memory``:
+    an incremental save (format v4), each rank reusing its own unchanged items."""
     check_step(step)
     deferred: BaseException | None = None
     view: dict[str, Any] = {}
@@ -423,7 +435,8 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
     except CkptfsError as exc:
         deferred = exc
     writer = ShardedWriter(storage, step, algorithm=algorithm, durable=durable,
-                           threads=threads, metadata=metadata, tree=skeleton)
+                           threads=threads, metadata=metadata, tree=skeleton, memory=memory,
+                           lease_s=lease_s)
     planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer)
     if live is None:
         live = _Liveness(group, kind, step)
@@ -434,20 +447,45 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
 def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
                  algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 process_group: Any = None) -> CheckpointInfo:
+                 process_group: Any = None, memory: ReuseMemory | None = None,
+                 lease_s: float = DEFAULT_LEASE_S) -> CheckpointInfo:
     """Collective save of ``state`` (plain tensors, DTensors, values) as step ``step``; every
-    rank of the group calls it and gets the same :class:`CheckpointInfo`."""
+    rank of the group calls it and gets the same :class:`CheckpointInfo`.
+
+    ``memory`` (the store's, ``incremental=True``): format v4, every rank referencing the
+    items of its previous save in this process that did not change (docs/protocol.md §9.6).
+    If a checkpoint referenced is deleted before the save commits (or the lease runs out),
+    every rank gets :class:`ProtectorGoneError` from the coordinator's fence, and the save is
+    retried once, on every rank, writing every byte."""
     check_step(step)
     live = _Liveness(_participants(process_group), "save", step,
                      timeout=_timeout_of(process_group))
     what = f"sharded save of step {step} at {storage.url}"
     group = collective_group(process_group, what=what, default=ShardedSaveError, live=live)
     p = prepare_save(storage, step, state, group=group, algorithm=algorithm, durable=durable,
-                     threads=threads, metadata=metadata, live=live)
-    md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
-                             process_group=group, no_dist=group is None),
-              p.what, ShardedSaveError, p.live)
-    return p.info(md)
+                     threads=threads, metadata=metadata, live=live, memory=memory,
+                     lease_s=lease_s)
+
+    def save(p: SavePrep) -> CheckpointInfo:
+        md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
+                                 process_group=group, no_dist=group is None),
+                  p.what, ShardedSaveError, p.live)
+        info = p.info(md)
+        p.writer.remember(info)
+        return info
+
+    if memory is None:
+        return save(p)
+    try:
+        return save(p)
+    except ProtectorGoneError as exc:  # every rank got it: every rank retries
+        log.warning("%s: step %d: %s; writing every byte instead", storage.url, step, exc)
+        p.writer.forget()
+    live = _Liveness(_participants(process_group), "save", step,
+                     timeout=_timeout_of(process_group))
+    return save(prepare_save(storage, step, state, group=group, algorithm=algorithm,
+                             durable=durable, threads=threads, metadata=metadata, live=live,
+                             memory=memory, lease_s=lease_s))
 
 
 def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
@@ -543,7 +581,7 @@ def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
     by_file = items_by_file(document) if document is not None else {}
 
     def check(entry: ChunkedFileEntry) -> str | None:
-        where = storage_url(storage, f"{info.path}/{entry.path}")
+        where = storage_url(storage, entry_location(info, entry))
         values = {(i.offset, i.length): i.fqn for i in by_file.get(entry.path, [])
                   if i.offsets is None}
         try:
@@ -560,8 +598,11 @@ def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
             return f"{entry.path}: {exc}"
         return None
 
-    todo = [e for e in info.manifest.files
+    manifest = sharded_manifest(info)
+    todo = [e for e in manifest.files
             if isinstance(e, ChunkedFileEntry) and e.path not in condemned]
+    todo += [manifest.chunked(r.path) for r in references_of(manifest)
+             if r.path not in condemned]
     with ThreadPoolExecutor(max(1, min(threads or 4, len(todo) or 1)),
                             thread_name_prefix="ckptfs-verify") as pool:
         for problem in pool.map(check, todo):
@@ -570,13 +611,16 @@ def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
 
 
 def _runs(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry) -> Any:
-    """(offset, verified bytes) of ``entry``, in runs of whole chunks of at most
-    :data:`MAX_RANGE` (a larger chunk alone), in file order."""
+    """(offset, verified bytes) of ``entry``, in runs of adjacent whole chunks of at most
+    :data:`MAX_RANGE` (a larger chunk alone), in file order.  A reference's chunks (format
+    v4) need not tile its file: a run ends where they leave a gap."""
     start, end = 0, 0
     for c in entry.chunks:
-        if end > start and c.offset + c.length - start > MAX_RANGE:
+        if end > start and (c.offset != end or c.offset + c.length - start > MAX_RANGE):
             yield start, read_chunks(storage, info, entry, start, end - start)
-            start = end
+            start = c.offset
+        elif end == start:
+            start = c.offset
         end = c.offset + c.length
     if end > start:
         yield start, read_chunks(storage, info, entry, start, end - start)

@@ -37,6 +37,7 @@ import dataclasses
 import io
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,8 +59,14 @@ from ckptfs.errors import (
     InvalidStepError,
     UnsupportedValueError,
 )
-from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
-from ckptfs.format.layout import StepPaths, check_step
+from ckptfs.format.hashing import ALGORITHMS, DEFAULT_ALGORITHM, new_hasher
+from ckptfs.format.incremental import (
+    DEFAULT_LEASE_S,
+    Reference,
+    ShardedIncrementalManifest,
+    reference_name,
+)
+from ckptfs.format.layout import CHECKPOINTS_DIR, StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import cpu_contiguous, tensor_memoryview
 from ckptfs.format.sharded import (
     METADATA_NAME,
@@ -77,8 +84,17 @@ from ckptfs.format.sharded import (
 )
 from ckptfs.format.sharded_metadata import DcpDocument, ItemLocation, encode_metadata
 from ckptfs.protocol.commit import Attempt, default_threads, now_text, placeholder_digest
+from ckptfs.protocol.incremental import (
+    ProtectorGoneError,
+    ReuseIndex,
+    ReuseMemory,
+    Stored,
+    tensor_digest,
+)
+from ckptfs.protocol.listing import check_references
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
+    read_marker,
     storage_url,
 )
 from ckptfs.storage.base import Storage
@@ -110,6 +126,11 @@ class ItemReport:
     rank: int
     file_size: int = -1  # -1: not the first item of its file
     header: Chunk | None = None
+    #: A reused item (format v4): the file holding it (step, attempt, path in that attempt),
+    #: whose size and header chunk are ``file_size`` and ``header``; ``offset``, ``length`` and
+    #: ``digest`` are its chunk there; ``protector`` the committed checkpoint it was taken from.
+    source: tuple[int, str, str] | None = None
+    protector: tuple[int, str] | None = None
 
 
 def _world_size() -> int:
@@ -125,7 +146,8 @@ class ShardedWriter(StorageWriter):
 
     def __init__(self, storage: Storage, step: int, *, algorithm: str = DEFAULT_ALGORITHM,
                  durable: bool = True, threads: int | None = None,
-                 metadata: Mapping[str, Any] | None = None, tree: Any = None) -> None:
+                 metadata: Mapping[str, Any] | None = None, tree: Any = None,
+                 memory: ReuseMemory | None = None, lease_s: float = DEFAULT_LEASE_S) -> None:
         super().__init__()
         self.storage = storage
         self.step = check_step(step)
@@ -140,6 +162,13 @@ class ShardedWriter(StorageWriter):
         self.info: CheckpointInfo | None = None
         self._paths = StepPaths(self.step)
         self._attempt: Attempt | None = None  # the coordinator's open attempt
+        #: Incremental (format v4): this rank reuses the unchanged items of its previous save
+        #: in this process (``memory.rank_index``); the index of this save, installed by
+        #: :meth:`remember` once it committed.
+        self.memory = memory
+        self.lease_s = lease_s
+        self._opened = 0.0
+        self._pending: tuple[ReuseIndex, dict[str, tuple[int, int]]] | None = None
 
     @property
     def checkpoint_id(self) -> str:
@@ -191,6 +220,7 @@ class ShardedWriter(StorageWriter):
         with att:  # a refused manifest discards the (empty) attempt
             att.check(self._placeholder_manifest(att.name, plans), world_size=len(plans))
         self._attempt = att
+        self._opened = time.monotonic()
         return [dataclasses.replace(p, storage_data=AttemptPlan(att.name, i))
                 for i, p in enumerate(plans)]
 
@@ -227,6 +257,7 @@ class ShardedWriter(StorageWriter):
     def _write_rank(self, ap: AttemptPlan, items: list[WriteItem],
                     planner: SavePlanner) -> list[WriteResult]:
         values: dict[int, bytes] = {}
+        tensors: dict[int, torch.Tensor] = {}
         planned: list[tuple[WriteItem, PlannedItem]] = []
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
@@ -243,8 +274,81 @@ class ShardedWriter(StorageWriter):
                 planned.append((item, _planned(item, len(raw))))
             else:
                 planned.append((item, _planned(item, 0)))
+                if self.memory is not None:  # resolved once, for the reuse hint and write
+                    tensors[id(item)] = self._resolve(item, planner)
+        reused = self._find_reuse(planned, tensors) if self.memory is not None else {}
+        own = [p for p in planned if id(p[0]) not in reused]
         # Largest elements first: every tensor's offset is aligned to its element size.
-        planned.sort(key=lambda p: -element_size(p[1].dtype))
+        own.sort(key=lambda p: -element_size(p[1].dtype))
+        results: list[WriteResult] = []
+        written: dict[str, Stored] = {}
+        if own:
+            results, written = self._write_file(ap, own, values, tensors, planner)
+        index = self.memory.rank_index if self.memory is not None else None
+        for item, pi in planned:
+            st = reused.get(id(item))
+            if st is None:
+                continue
+            assert index is not None
+            report = ItemReport(f"{CHECKPOINTS_DIR}/{step_dir_name(st.step)}/{st.attempt}/"
+                                f"{st.source}", st.chunk.offset, st.chunk.length,
+                                st.chunk.digest, ap.rank, st.size, st.header,
+                                (st.step, st.attempt, st.source), index.protector)
+            results.append(WriteResult(item.index, pi.nbytes, report))
+            written[pi.name] = st
+        if self.memory is not None:
+            new_index = ReuseIndex((self.step, ap.attempt))
+            for name, st in written.items():
+                new_index.add(name, st)
+            self._pending = (new_index, {p.name: _version_of(tensors[id(i)])
+                                         for i, p in planned if id(i) in tensors})
+        return results
+
+    def _resolve(self, item: WriteItem, planner: SavePlanner) -> torch.Tensor:
+        t = planner.resolve_data(item)
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedValueError(f"{item.index.fqn!r}: the planner resolved a tensor "
+                                        f"item to {type(t).__name__}")
+        return t
+
+    def _find_reuse(self, planned: list[tuple[WriteItem, PlannedItem]],
+                    tensors: dict[int, torch.Tensor]) -> dict[int, Stored]:
+        """The items of this rank to reference (``id(item)`` -> where their bytes are): those
+        its previous save in this process stored under the same name, dtype and shape, whose
+        tensor was not written to since (``data_ptr``, ``_version``: the hint), and whose
+        digest equals the stored chunk's (the decision)."""
+        memory = self.memory
+        if memory is None:
+            return {}
+        if not ALGORITHMS[self.algorithm].cryptographic:
+            if not memory.warned:
+                log.warning("%s: incremental saves reuse stored bytes only under a "
+                            "cryptographic digest; with %r every byte is written",
+                            self.storage.url, self.algorithm)
+                memory.warned = True
+            return {}
+        with memory.lock:
+            index, before = memory.rank_index, memory.rank_versions
+        if index is None:
+            return {}
+        out: dict[int, Stored] = {}
+        for item, pi in planned:
+            t = tensors.get(id(item))
+            st = index.by_name.get(pi.name)
+            if (t is None or st is None or pi.nbytes == 0 or st.dtype != pi.dtype
+                    or st.shape != pi.shape or st.algorithm != self.algorithm
+                    or st.chunk.length != pi.nbytes
+                    or before.get(pi.name) != _version_of(t)):
+                continue
+            if tensor_digest(t, self.algorithm) == st.chunk.digest:
+                out[id(item)] = st
+        return out
+
+    def _write_file(self, ap: AttemptPlan, planned: list[tuple[WriteItem, PlannedItem]],
+                    values: dict[int, bytes], tensors: dict[int, torch.Tensor],
+                    planner: SavePlanner) -> tuple[list[WriteResult], dict[str, Stored]]:
+        """Write this rank's file of ``planned`` items into the attempt; the write results
+        and, per item name, where its bytes now are."""
         header, offsets = plan_header([p for _, p in planned], ap.rank)
         relpath = rank_file_name(ap.rank)
         att = Attempt.join(self.storage, self.step, ap.attempt, algorithm=self.algorithm,
@@ -255,11 +359,8 @@ class ShardedWriter(StorageWriter):
                 if id(item) in values:
                     yield memoryview(values[id(item)])
                     continue
-                t = planner.resolve_data(item)
-                if not isinstance(t, torch.Tensor):
-                    raise UnsupportedValueError(f"{item.index.fqn!r}: the planner resolved a "
-                                                f"tensor item to {type(t).__name__}")
-                ct = cpu_contiguous(t)
+                t = tensors.get(id(item))
+                ct = cpu_contiguous(t if t is not None else self._resolve(item, planner))
                 if tuple(ct.shape) != pi.shape or tensor_code(ct.dtype, pi.name) != pi.dtype:
                     raise UnsupportedValueError(
                         f"{item.index.fqn!r}: planned {pi.dtype}{list(pi.shape)}, the planner "
@@ -277,12 +378,34 @@ class ShardedWriter(StorageWriter):
         digests = list(written.pieces)
         head = Chunk(0, len(header), digests[0])
         results = []
+        stored: dict[str, Stored] = {}
         for i, ((item, pi), off) in enumerate(zip(planned, offsets, strict=True)):
             first = i == 0
             report = ItemReport(relpath, off, pi.nbytes, digests[i + 1], ap.rank,
                                 size if first else -1, head if first else None)
             results.append(WriteResult(item.index, pi.nbytes, report))
-        return results
+            if id(item) in tensors:
+                stored[pi.name] = Stored(self.step, ap.attempt, relpath, size, self.algorithm,
+                                         head, Chunk(off, pi.nbytes, digests[i + 1]), pi.name,
+                                         pi.dtype, pi.shape)
+        return results, stored
+
+    def remember(self, info: CheckpointInfo) -> None:
+        """After the save committed as ``info`` (every rank): this rank's items at this save
+        become the reuse index of its next incremental save in this process."""
+        pending, self._pending = self._pending, None
+        if self.memory is None or pending is None or pending[0].protector != (info.step,
+                                                                                info.attempt):
+            return
+        with self.memory.lock:
+            self.memory.rank_index, self.memory.rank_versions = pending
+
+    def forget(self) -> None:
+        """Reuse nothing at the next save (the previous one's references are no longer safe)."""
+        self._pending = None
+        if self.memory is not None:
+            with self.memory.lock:
+                self.memory.rank_index, self.memory.rank_versions = None, {}
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         att = self._attempt
@@ -297,14 +420,21 @@ class ShardedWriter(StorageWriter):
         attempt = att.name
         storage_data: dict[MetadataIndex, ItemLocation] = {}
         per_file: dict[str, list[ItemReport]] = {}
+        reused: list[tuple[MetadataIndex, ItemReport]] = []
         for rank_results in results:
             for wr in rank_results:
                 rep = wr.storage_data
                 if not isinstance(rep, ItemReport):
                     raise UnsupportedValueError("a rank reported a write result ckptfs did not "
                                                 "produce")
+                if rep.source is not None:
+                    reused.append((wr.index, rep))
+                    continue
                 storage_data[wr.index] = ItemLocation(rep.path, rep.offset, rep.length)
                 per_file.setdefault(rep.path, []).append(rep)
+        if reused and self.memory is None:
+            raise UnsupportedValueError("a rank reused stored bytes in a non-incremental save")
+        refs, protectors = _references(reused, storage_data, self.algorithm)
         entries: list[ChunkedFileEntry] = []
         for path, reps in sorted(per_file.items()):
             first = [r for r in reps if r.header is not None]
@@ -324,11 +454,40 @@ class ShardedWriter(StorageWriter):
         self._check_files(att.write_dir, entries)
         world = len(results)
         meta = {"tensor_count": 0, **self.metadata}
-        manifest = ShardedManifest(self.step, attempt, tuple(entries), now_text(),
-                                   self.algorithm, meta, world_size=world)
-        info = att.commit(manifest, world_size=world)
-        log.info("committed sharded step %d at %s (%d ranks, %d files)", self.step,
-                 self.storage.url, world, len(entries))
+        manifest: ShardedManifest
+        if self.memory is None:
+            manifest = ShardedManifest(self.step, attempt, tuple(entries), now_text(),
+                                       self.algorithm, meta, world_size=world)
+        else:
+            manifest = ShardedIncrementalManifest(self.step, attempt, tuple(entries),
+                                                  now_text(), self.algorithm, meta,
+                                                  world_size=world, references=tuple(refs))
+
+        def fence() -> None:
+            """Before the marker (docs/protocol.md §9.4): every checkpoint a rank took
+            references from is still committed, and the save is within its lease."""
+            if not refs:
+                return
+            if time.monotonic() - self._opened > self.lease_s:
+                raise ProtectorGoneError(
+                    f"the save ran longer than its {self.lease_s:.0f} s lease")
+            for pstep, pattempt in sorted(protectors):
+                marker = read_marker(self.storage, pstep)
+                if marker is None or marker.attempt != pattempt:
+                    raise ProtectorGoneError(
+                        f"step {pstep}, whose stored bytes this save references, was deleted "
+                        "while it was being written")
+
+        info = att.commit(manifest, fence=fence, world_size=world)
+        if refs and time.monotonic() - self._opened > self.lease_s:
+            _recheck_after_lease(self.storage, info)
+        if refs:
+            log.info("committed sharded step %d at %s (%d ranks, %d files): %d of %d bytes "
+                     "written, the rest referenced from %d files", self.step, self.storage.url,
+                     world, len(entries), info.bytes_written, info.bytes, len(refs))
+        else:
+            log.info("committed sharded step %d at %s (%d ranks, %d files)", self.step,
+                     self.storage.url, world, len(entries))
         return info
 
     def _check_files(self, write_dir: str, entries: list[ChunkedFileEntry]) -> None:
@@ -344,6 +503,58 @@ class ShardedWriter(StorageWriter):
                     f"reported {entry.size} B, the coordinator sees "
                     f"{found.get(entry.path, 'no file')}; every rank must write to storage "
                     "the coordinator shares (not a node-local disk)", step=self.step)
+
+
+def _references(reused: list[tuple[MetadataIndex, ItemReport]],
+                storage_data: dict[MetadataIndex, ItemLocation], algorithm: str
+                ) -> tuple[list[Reference], set[tuple[int, str]]]:
+    """One reference per file the ranks' reused items live in (the header chunk and the
+    chunks used, sorted), each item's location under the reference's name (``storage_data``,
+    at its offset in that file), and the checkpoints the ranks took them from."""
+    by_file: dict[tuple[int, str, str], list[tuple[MetadataIndex, ItemReport]]] = {}
+    protectors: set[tuple[int, str]] = set()
+    for index, rep in reused:
+        assert rep.source is not None
+        by_file.setdefault(rep.source, []).append((index, rep))
+        if rep.protector is None:
+            raise UnsupportedValueError(f"{index.fqn!r}: a reused item names no protector")
+        protectors.add(rep.protector)
+    refs: list[Reference] = []
+    for k, ((step, attempt, source), members) in enumerate(sorted(by_file.items())):
+        first = members[0][1]
+        if first.header is None or any(r.header != first.header or r.file_size !=
+                                       first.file_size for _, r in members):
+            raise CorruptCheckpointError(f"{source} of step {step}: the ranks report it with "
+                                         "different headers or sizes")
+        chunks = {(r.offset, r.length): Chunk(r.offset, r.length, r.digest) for _, r in members}
+        ref = Reference(reference_name(k), step, attempt, source, first.file_size, algorithm,
+                        (first.header, *(chunks[c] for c in sorted(chunks))))
+        refs.append(ref)
+        for index, rep in members:
+            storage_data[index] = ItemLocation(ref.path, rep.offset, rep.length)
+    return refs, protectors
+
+
+def _recheck_after_lease(storage: Storage, info: CheckpointInfo) -> None:
+    """The marker landed after the lease: a collector may have judged this save abandoned and
+    removed what it references.  If anything referenced is gone, uncommit (delete the marker)
+    and raise (as a single-process incremental save does)."""
+    try:
+        check_references(storage, info)
+    except CorruptCheckpointError as exc:
+        storage.delete(info.paths.marker)
+        raise CorruptCheckpointError(
+            f"{storage_url(storage, info.path)}: the save outlived its lease and bytes it "
+            f"references were removed meanwhile ({exc}); it was uncommitted: save again",
+            step=info.step) from None
+
+
+def _version_of(t: torch.Tensor) -> tuple[int, int]:
+    """The reuse hint of a tensor: its storage address and autograd version counter."""
+    try:
+        return t.data_ptr(), t._version
+    except (RuntimeError, NotImplementedError, AttributeError):  # pragma: no cover
+        return -1, -1
 
 
 def _planned(item: WriteItem, value_bytes: int) -> PlannedItem:

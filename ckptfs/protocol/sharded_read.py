@@ -38,6 +38,7 @@ from ckptfs.errors import (
     UnsupportedValueError,
 )
 from ckptfs.format.hashing import digest_bytes
+from ckptfs.format.incremental import ReferencedFile
 from ckptfs.format.layout import StepPaths, check_step
 from ckptfs.format.limits import MAX_METADATA_BYTES
 from ckptfs.format.serialize import CODE_DTYPES, tensor_memoryview
@@ -74,9 +75,18 @@ def sharded_manifest(info: CheckpointInfo) -> ShardedManifest:
     """``info``'s manifest if it is format v2, else :class:`CheckpointNotFoundError`."""
     if not isinstance(info.manifest, ShardedManifest):
         raise CheckpointNotFoundError(
-            f"step {info.step} at {info.url} is a single-process (format v1) checkpoint, not a "
+            f"step {info.step} at {info.url} is a single-process (format "
+            f"v{info.manifest.format_version}) checkpoint, not a "
             f"sharded one; load it with ckptfs.open(url).load({info.step})")
     return info.manifest
+
+
+def entry_location(info: CheckpointInfo, entry: ChunkedFileEntry) -> str:
+    """Where ``entry``'s bytes are, from the run root: its attempt's file, or for a reference
+    (format v4) the file of the attempt it names."""
+    if isinstance(entry, ReferencedFile):
+        return entry.location
+    return f"{info.path}/{entry.path}"
 
 
 def read_chunks(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry, start: int,
@@ -85,7 +95,7 @@ def read_chunks(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry,
     checked against its digest.  :class:`CorruptCheckpointError` names the file and the rank
     reading it.  The caller has compared the file's size with the listing (§5: nothing is
     requested or allocated beyond what the storage holds)."""
-    path = f"{info.path}/{entry.path}"
+    path = entry_location(info, entry)
     where = storage_url(storage, path)
     if start < 0 or length < 0 or start + length > entry.size:  # pragma: no cover - tiling
         raise CorruptCheckpointError(f"{where}: bytes {start}..{start + length} are outside "
@@ -122,7 +132,7 @@ def check_chunk(info: CheckpointInfo, entry: ChunkedFileEntry, chunk: Chunk,
             f"{where}: bytes {chunk.offset}..{chunk.offset + chunk.length} differ from their "
             f"digest in the manifest (expected {chunk.digest}, got {actual}; read by rank "
             f"{_rank()}): the file was modified or corrupted after commit",
-            step=info.step, path=f"{info.path}/{entry.path}")
+            step=info.step, path=entry_location(info, entry))
 
 
 def read_chunks_into(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry,
@@ -132,7 +142,7 @@ def read_chunks_into(storage: Storage, info: CheckpointInfo, entry: ChunkedFileE
     buffers (one positional read per buffer on local disk, else one ranged read copied into
     them) and, with ``verify``, check each against its digest.  Errors as :func:`read_chunks`;
     the buffers hold unverified bytes when it raises."""
-    path = f"{info.path}/{entry.path}"
+    path = entry_location(info, entry)
     where = storage_url(storage, path)
     length = sum(c.length for c, _ in chunks)
     if supports(storage, LocalFiles) and hasattr(os, "preadv"):
@@ -400,10 +410,10 @@ class ShardedReader(StorageReader):
         for views in self._fetch(manifest, sorted(set(groups) | headers), dests):
             for key, view in views:
                 if key in headers:
-                    check_rank_header(view, manifest.chunked(key[0]),
-                                      self._by_file.get(key[0], []),
+                    entry = manifest.chunked(key[0])
+                    check_rank_header(view, entry, self._by_file.get(key[0], []),
                                       where=storage_url(self.storage,
-                                                        f"{info.path}/{key[0]}"))
+                                                        entry_location(info, entry)))
                     self._headers_ok.add(key[0])
                 elif key in direct:  # read into the tensor itself, and verified there
                     planner.commit_tensor(*direct[key])

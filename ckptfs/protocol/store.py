@@ -14,13 +14,16 @@ from ckptfs.errors import (
     UnsafeCheckpointError,
 )
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
+from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES
 from ckptfs.protocol import async_save
 from ckptfs.protocol.collective import wants_sharded_save
-from ckptfs.protocol.commit import default_threads, save_checkpoint
+from ckptfs.protocol.commit import default_threads, plan_v1
 from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verify_checkpoint
+from ckptfs.protocol.incremental import ReuseMemory, write_plan
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
+from ckptfs.protocol.references import free_step, shared_attempts
 from ckptfs.protocol.resolve import (
     MAX_RESOLVE_PASSES,
     CheckpointInfo,
@@ -48,13 +51,24 @@ class CheckpointStore:
 
     def __init__(self, storage: Storage, *, algorithm: str = DEFAULT_ALGORITHM,
                  durable: bool = True, threads: int | None = None,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, incremental: bool = False,
+                 lease_s: float = DEFAULT_LEASE_S) -> None:
         new_hasher(algorithm)
         self.storage = storage
+        #: Single-process saves write format v3, referencing bytes an earlier checkpoint
+        #: holds instead of writing them again (docs/incremental.md); sharded saves write
+        #: format v4, each rank referencing its own unchanged items (docs/protocol.md §9.6).
+        self.incremental = incremental
+        self.reuse: ReuseMemory | None = ReuseMemory() if incremental else None
+        self.lease_s = lease_s
         self.algorithm = algorithm
         self.durable = durable
         self.threads = threads or default_threads()
         self.shard_bytes = shard_bytes
+        #: An uncommitted attempt younger than this may be a save still running: a delete
+        #: keeps what its manifest references (docs/protocol.md §9.5).  Exceeds the lease by
+        #: the default margin for clock skew (1 h against the default 30 min lease).
+        self.grace_s: float = max(DEFAULT_GRACE_S, lease_s + DEFAULT_GRACE_S - DEFAULT_LEASE_S)
         caps = storage.capabilities
         if caps.exclusive_create == "none":
             log.warning("%s: %s", storage.url, caps.caveat or "no exclusive create on this "
@@ -85,23 +99,42 @@ class CheckpointStore:
             from ckptfs.protocol import sharded  # imports DCP (~1 s): only when collective
             return sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
                                         durable=self.durable, threads=self.threads,
-                                        metadata=metadata, process_group=process_group)
-        return save_checkpoint(self.storage, step, state, algorithm=self.algorithm,
-                               durable=self.durable, threads=self.threads, metadata=metadata,
-                               shard_bytes=self.shard_bytes)
+                                        metadata=metadata, process_group=process_group,
+                                        memory=self.reuse, lease_s=self.lease_s)
+        check_step(step)
+        new_hasher(self.algorithm)
+        plan, meta = plan_v1(state, metadata=metadata, shard_bytes=self.shard_bytes)
+        return write_plan(self.storage, step, plan, meta, algorithm=self.algorithm,
+                          durable=self.durable, threads=self.threads, memory=self.reuse,
+                          lease_s=self.lease_s)
 
     def delete(self, step: int) -> None:
         """Delete a checkpoint: the marker first, so a half-deleted checkpoint never reads as
         committed, then every attempt of the step.  Every directory of the step is deleted,
-        by its listed name (a non-canonical ``step-0000000000020`` included)."""
+        by its listed name (a non-canonical ``step-0000000000020`` included).
+
+        An incremental (format v3) attempt whose files another checkpoint references (a
+        committed one, or a save younger than :attr:`grace_s`) is kept whole, without its
+        marker (*retired*, logged); garbage collection removes it once nothing references it
+        (docs/protocol.md §9.5).  If a committed checkpoint's manifest cannot be read, the
+        step is still deleted (no marker) but its v3 attempts are all kept, with a warning
+        naming the unreadable checkpoint."""
         check_step(step)
         names = list_step_dirs(self.storage).get(step) or [step_dir_name(step)]
         for name in names:
             paths = StepPaths(step, name)
+            shared = shared_attempts(self.storage, paths)  # v3 attempts: may be referenced
             self.storage.delete(paths.marker)
             if self.durable and self.capabilities.fsync and self.storage.exists(paths.dir):
                 self.storage.sync_dir(paths.dir)  # the marker's removal is durable first
-            self.storage.delete_tree(paths.dir)
+            if not shared:
+                self.storage.delete_tree(paths.dir)
+                continue
+            try:
+                free_step(self.storage, paths, grace_s=self.grace_s)
+            except CorruptCheckpointError as exc:
+                log.warning("step %d at %s is deleted (its marker is gone) but its files are "
+                            "kept: %s; then run 'ckptfs gc'", step, self.url, exc)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -273,15 +306,21 @@ class CheckpointStore:
 
 
 def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
-         threads: int | None = None, retries: int = 3,
-         **storage_options: Any) -> CheckpointStore:
+         threads: int | None = None, retries: int = 3, incremental: bool = False,
+         lease_s: float = DEFAULT_LEASE_S, **storage_options: Any) -> CheckpointStore:
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
 
     ``retries``: how many times an idempotent storage call that failed transiently is repeated
     (with capped exponential backoff; 0 disables, see :mod:`ckptfs.storage.retry`).
+    ``incremental``: single-process saves write format v3 and reference the bytes an earlier
+    checkpoint of the run already holds instead of writing them again (docs/incremental.md);
+    sharded saves (under a process group) write format v4, every rank referencing the items
+    of its previous save in this process that did not change (docs/protocol.md §9.6);
+    ``lease_s``: how long such a save may take before it gives up its references.
     ``storage_options`` go to the fsspec implementation (e.g. ``endpoint_url``, ``key``,
     ``secret`` for S3; ``token`` for GCS; ``connection_string`` for Azure)."""
     storage: Storage = FsspecStorage(url, **storage_options)
     if retries > 0:
         storage = RetryingStorage(storage, attempts=retries + 1)
-    return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads)
+    return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads,
+                           incremental=incremental, lease_s=lease_s)

@@ -1,5 +1,6 @@
-"""Write the golden checkpoints under ``tests/golden/v1/run`` (format v1) and
-``tests/golden/v2/run`` (format v2, sharded) (run once, keep them).
+"""Write the golden checkpoints under ``tests/golden/v1/run`` (format v1),
+``tests/golden/v2/run`` (format v2, sharded) and ``tests/golden/v3/run`` (format v3,
+incremental: step 2 references step 1) (run once, keep them).
 
 The golden files are fixed bytes committed to the repository: every future ckptfs must load them
 bit-exact (tests/test_golden.py), so a format change that breaks old checkpoints fails CI.  Attempt
@@ -10,11 +11,12 @@ the others.  Usage::
     python tests/golden/make_golden.py --version 2   # refuses if the directory exists
     python tests/golden/make_golden.py --version 1 --out /tmp/x   # a throwaway copy
 
-``golden_v1()`` and ``golden_v2()`` are the recipes: plain arithmetic (no RNG, no transcendental
-functions), so any torch on any platform rebuilds the same values, and the test compares the
-loaded checkpoints with what the recipe builds now.  Format v2's step 1 is written by 2 gloo
-ranks (processes on this machine): DTensors sharded by rows (7 rows: 4 and 3) or by columns,
-replicated tensors and values, and values each rank holds alone (``rng.ranks.<rank>``).
+``golden_v1()``, ``golden_v2()`` and ``golden_v3()`` are the recipes: plain arithmetic (no RNG,
+no transcendental functions), so any torch on any platform rebuilds the same values, and the
+test compares the loaded checkpoints with what the recipe builds now. Format v2's step 1 is
+written by 2 gloo ranks (processes on this machine): DTensors sharded by rows (7 rows: 4 and 3)
+or by columns, replicated tensors and values, and values each rank holds alone
+(``rng.ranks.<rank>``).
 """
 
 from __future__ import annotations
@@ -152,7 +154,24 @@ def rank_state(full: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
     return out
 
 
-RECIPES = {1: golden_v1, 2: golden_v2}
+def golden_v3() -> dict[int, tuple[dict[str, Any], dict[str, Any], str]]:
+    """step -> (state, metadata, hash algorithm) of the v3 (incremental) golden run: step 2
+    holds the same ``frozen`` tensor objects as step 1 (so the incremental save references them
+    from step 1's file) and a changed ``head`` and ``trainer``."""
+    frozen = {name: _tensor(name, (3, 4), 60 + salt) for salt, name in enumerate(V1_DTYPES)}
+    frozen["scalar_bf16"] = _tensor("bfloat16", (), 98)
+    frozen["empty_f32"] = torch.empty((0, 5), dtype=torch.float32)
+    state1: dict[str, Any] = {"frozen": frozen,
+                              "head": {"w": _tensor("float32", (4, 3), 70)},
+                              "trainer": {"step": 1, "name": "golden v3 ✓", "bigint": 2**70}}
+    state2: dict[str, Any] = {"frozen": frozen,
+                              "head": {"w": _tensor("float32", (4, 3), 71)},
+                              "trainer": {"step": 2, "name": "golden v3 ✓", "bigint": 2**70}}
+    return {1: (state1, {"notes": "golden v3, step 1"}, "blake3"),
+            2: (state2, {"notes": "golden v3, step 2 (references step 1)"}, "blake3")}
+
+
+RECIPES = {1: golden_v1, 2: golden_v2, 3: golden_v3}
 
 
 def _v2_rank(rank: int, world: int, out: str, rdv: str) -> None:
@@ -183,6 +202,11 @@ def write(version: int, out: Path) -> None:
     if version == 1:
         for step, (state, meta, algorithm) in sorted(golden_v1().items()):
             ckptfs.open(str(out), algorithm=algorithm).save(step, state, metadata=meta)
+    elif version == 3:  # one store: its second save references the first's unchanged tensors
+        recipe = golden_v3()
+        store = ckptfs.open(str(out), algorithm=recipe[1][2], incremental=True)
+        for step, (state, meta, _) in sorted(recipe.items()):
+            store.save(step, state, metadata=meta)
     else:
         import multiprocessing as mp
         import tempfile

@@ -42,6 +42,7 @@ from ckptfs.testing.reliability.crash import (
     sweep_gc_crashes,
     sweep_prune_crashes,
     sweep_save_crashes,
+    sweep_shared_gc_crashes,
 )
 from ckptfs.testing.reliability.hostile import HOSTILE_MEMORY_LIMIT, hostile_cases, hostile_sweep
 from ckptfs.testing.reliability.hostile import Planter as Planter  # used by tests/test_hostile.py
@@ -104,6 +105,7 @@ __all__ = [
     "sweep_prune_during_save",
     "sweep_reader_during_saves",
     "sweep_save_crashes",
+    "sweep_shared_gc_crashes",
     "sweep_transient",
     "sweep_zombie",
     "sweeps_for",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -82,11 +82,13 @@ def scenario_guard(sweep: Sweep, scenario: str) -> Iterator[None]:
 def check_store(sweep: Sweep, scenario: str, backend: Backend, committed: set[int],
                 expect_latest: int | None, *, full_all: bool = False,
                 states: dict[int, Any] | None = None,
-                recheck: set[int] | None = None) -> CheckpointStore:
+                recheck: set[int] | None = None,
+                state: Callable[[int], Any] | None = None) -> CheckpointStore:
     """A fresh reader (new client) sees exactly the expected latest, it verifies fully and loads
     bit-exactly, and every retained committed checkpoint is still listed as committed and
     verifies (quick; full with ``full_all``; only the steps in ``recheck`` when given, the
-    others having been verified after they were written and untouched since)."""
+    others having been verified after they were written and untouched since).  ``state``: the
+    state saved at a step (default :func:`state_for`)."""
     reader = backend.open()
     with scenario_guard(sweep, scenario):
         latest = reader.latest()
@@ -97,7 +99,8 @@ def check_store(sweep: Sweep, scenario: str, backend: Backend, committed: set[in
             reader.verify(latest.step)
             expected = (states or {}).get(latest.step)
             assert_state_equal(reader.load(latest.step),
-                               state_for(latest.step) if expected is None else expected)
+                               (state or state_for)(latest.step) if expected is None
+                               else expected)
         steps = set(reader.steps())
         lost = committed - steps
         if lost:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfs.errors import CkptfsError, CorruptCheckpointError
+from ckptfs.format.incremental import IncrementalManifest
 from ckptfs.format.layout import StepPaths
 from ckptfs.protocol.resolve import read_committed
 from ckptfs.testing.backend import Backend
@@ -16,7 +17,6 @@ from ckptfs.testing.reliability.common import (
     Sweep,
     raw_storage,
     scenario_guard,
-    state_for,
     states_equal,
     store_on,
 )
@@ -38,14 +38,18 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
     ``load(verify=True)`` must detect every one, naming the file; quick verify every size or
     inventory change.  With ``marker_byte_sweep`` every byte of the marker is also flipped: each
     flip must be detected or provably harmless (the marker still parses and binds the same step,
-    attempt and manifest digest).  ``path``: how both checkpoints are written (:mod:`.paths`)."""
+    attempt and manifest digest).  ``path``: how both checkpoints are written (:mod:`.paths`);
+    with references (format v3), the damaged checkpoint reads its model from a file of the older
+    one, and that file is damaged too: a flipped byte in a tensor chunk and in the header chunk
+    it references, the file truncated, extended, deleted."""
     backend = path.at(backend)
     sweep = Sweep(backend.name, "corruption" if path is V1 else f"corruption ({path.name})")
     if marker_byte_sweep is None:
         marker_byte_sweep = backend.protocol in ("file", "memory")
+    state = path.state
     store = store_on(raw_storage(backend))
-    path.save(store, 1, state_for(1))
-    path.save(store, 2, state_for(2))
+    path.save(store, 1, state(1))
+    path.save(store, 2, state(2))
     t_step, o_step = 2, 1  # damage the newest, so "latest" meets the damage
     info1, info2 = store.info(t_step), store.info(o_step)
     pristine = {rel: backend.raw_read(rel) for rel in backend.raw_files(StepPaths(t_step).dir)}
@@ -91,7 +95,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
         add(f"replace {relpath} with step {o_step}'s", rel, put(rel, other),
             len(other) != len(data))
     tensor_file = next(e.path for e in info1.manifest.files if e.path.endswith(".safetensors"))
-    stray_tensors = ("tensors-99999.safetensors" if path.format_version == 1
+    stray_tensors = ("tensors-99999.safetensors" if path.format_version != 2
                      else "rank-00099/data-0.safetensors")
     add("stray file in the attempt", f"{info1.path}/stray.bin",
         lambda: backend.raw_write(f"{info1.path}/stray.bin", b"junk"), True)
@@ -118,6 +122,27 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
     add("marker extended", marker_rel, lambda: backend.raw_write(marker_rel, mdata + b"x"), False)
     add("marker emptied", marker_rel, lambda: backend.raw_write(marker_rel, b""), False)
 
+    refs = (info1.manifest.references if isinstance(info1.manifest, IncrementalManifest)
+            else ())
+    if path.references and not refs:
+        sweep.bad("setup", f"step {t_step} references nothing: the v3 cases cannot run")
+    for ref in refs:  # the older checkpoint's file the damaged one reads its model from
+        rel = ref.location
+        data = pristine[rel] = backend.raw_read(rel)
+        head, tensor = ref.chunks[0], ref.chunks[-1]
+        sweep.count("referenced_files")
+        add(f"flip a byte of {ref.path}'s tensor chunk in {rel}", rel,
+            put(rel, _flip(data, tensor.offset + tensor.length // 2)), False)
+        add(f"flip a byte of {ref.path}'s header chunk in {rel}", rel,
+            put(rel, _flip(data, head.length // 2)), False)
+        add(f"flip the header length of {ref.path}'s header chunk in {rel}", rel,
+            put(rel, _flip(data, 0)), False)
+        add(f"truncate {rel} ({ref.path}) by 1 byte", rel, put(rel, data[:-1]), True)
+        add(f"truncate {rel} ({ref.path}) to its header", rel, put(rel, data[:head.length]),
+            True)
+        add(f"extend {rel} ({ref.path}) by 1 byte", rel, put(rel, data + b"\0"), True)
+        add(f"delete {rel} ({ref.path})", rel, remove(rel), True)
+
     quick_tried = quick_detected = load_detected = 0
     reader = backend.open()
     for name, rel, mutate, sized in cases:
@@ -141,7 +166,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
         # load
         try:
             loaded = reader.load(t_step, verify=True)
-            if stray and states_equal(loaded, state_for(t_step)):
+            if stray and states_equal(loaded, state(t_step)):
                 sweep.count("load_unaffected_by_stray")  # the files it reads are intact
             else:
                 sweep.bad(name, "load(verify=True) returned")
@@ -156,7 +181,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
         # return the older checkpoint (a stray file changes nothing load reads)
         try:
             latest = reader.load()
-            if not (stray and states_equal(latest, state_for(t_step))):
+            if not (stray and states_equal(latest, state(t_step))):
                 sweep.bad(name, "load() of the latest returned instead of raising")
         except CorruptCheckpointError:
             sweep.count("latest_raised")

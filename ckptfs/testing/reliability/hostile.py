@@ -315,8 +315,9 @@ def _copy_refused(reader: CheckpointStore, step: int, sweep: Sweep, name: str) -
 def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = READS,
                   extra: Mapping[str, Reader] | None = None, only: set[str] | None = None,
                   planter: Any = None) -> Sweep:
-    """Every hostile input (of format ``fmt``: :func:`hostile_cases`, or
-    :func:`~ckptfs.testing.reliability.hostile_v2.hostile_v2_cases`), through every reader in
+    """Every hostile input (of format ``fmt``: :func:`hostile_cases`,
+    :func:`~ckptfs.testing.reliability.hostile_v2.hostile_v2_cases` or
+    :func:`~ckptfs.testing.reliability.hostile_v3.hostile_v3_cases`), through every reader in
     ``reads``: the loads, the copy and inspect refuse it with the error of its kind
     (:data:`EXPECTED_ERRORS`), all of them with the same error class, and the full verification
     refuses it too (:data:`REPORTING`); the copy commits nothing;
@@ -335,6 +336,10 @@ def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = RE
         sentinel = os.path.join(tmp, "EXECUTED")
         if fmt == 1:
             cases = hostile_cases(planter or Planter(backend), sentinel, local=local)
+        elif fmt == 3:
+            from ckptfs.testing.reliability.hostile_v3 import PlanterV3, hostile_v3_cases
+
+            cases = hostile_v3_cases(planter or PlanterV3(backend), sentinel, local=local)
         else:
             from ckptfs.testing.reliability.hostile_v2 import PlanterV2, hostile_v2_cases
 

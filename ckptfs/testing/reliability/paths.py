@@ -16,13 +16,17 @@ exactly what the single-process save gives it:
 ``cp-v2``  the same from a format v2 source
 ``sub``    ``store.save`` through a :class:`~ckptfs.lifecycle.artifacts.SubStorage` (how run
            artifacts and the Lightning integration store checkpoints): see :class:`SubBackend`
+``v3``     ``store.save`` of an incremental store (``ckptfs.open(url, incremental=True)``:
+           format v3), saving :func:`frozen_state_for`, whose model does not change from step
+           to step: every save after the first references the model's tensors in the file an
+           earlier checkpoint holds (:attr:`WritePath.references`)
 =========  ====================================================================================
 
 A sweep takes a :class:`WritePath` and a :class:`~ckptfs.testing.backend.Backend`; it writes
-through ``path.save(store, step, state)`` on the store of ``path.at(backend)`` (the backend
-itself, or its sub-storage view), and reads with the ordinary store API.  The two-rank gloo save
-cannot run inside a sweep's process; the tests add it (tests/paths.py) as one more
-:class:`WritePath` whose ``save`` launches the ranks.
+``path.state(step)`` through ``path.save(store, step, state)`` on the store of
+``path.at(backend)`` (the backend itself, or its sub-storage view), and reads with the
+ordinary store API.  The two-rank gloo save cannot run inside a sweep's process; the tests add
+it (tests/paths.py) as one more :class:`WritePath` whose ``save`` launches the ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ckptfs.protocol.resolve import CheckpointInfo, read_committed
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.fsspec import FsspecStorage
 from ckptfs.testing.backend import Backend
+from ckptfs.testing.reliability.common import state_for
 
 #: Where :class:`SubBackend` roots its view (an artifact's store, as artifacts lay them out).
 SUB_PREFIX = "artifacts/reliability"
@@ -80,6 +85,14 @@ class WritePath:
     format_version: int = 1
     #: Whether the store under test is a sub-storage view (:class:`SubBackend`).
     sub: bool = False
+    #: Whether a save after the first references what an earlier checkpoint holds (format
+    #: v3 of :func:`frozen_state_for`): a sweep primes a first checkpoint, so the save it
+    #: examines has references.
+    references: bool = False
+
+    def state(self, step: int) -> dict[str, Any]:
+        """The state this path saves at ``step`` in every sweep (what a load must return)."""
+        return frozen_state_for(step) if self.references else state_for(step)
 
     @property
     def copies(self) -> bool:
@@ -107,6 +120,8 @@ class WritePath:
                 return fut.result()
             finally:
                 store.close()  # the background thread, so a sweep leaves none behind
+        if self.name == "v3":
+            return save_v3(store, step, state, metadata=metadata)
         if self.name in ("cp", "cp-v2"):
             return copy_through(store, step, state, metadata=metadata,
                                 sharded=self.name == "cp-v2")
@@ -123,6 +138,25 @@ def save_v2(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
 
     return save_sharded(store.storage, step, state, algorithm=store.algorithm,
                         durable=store.durable, threads=store.threads, metadata=metadata)
+
+
+def frozen_state_for(step: int) -> dict[str, Any]:
+    """:func:`~ckptfs.testing.reliability.common.state_for` of ``step`` with the model of step
+    0 (a frozen model, as in a fine-tune of a frozen base): what the ``v3`` path saves, so that
+    each save references the model's tensors an earlier checkpoint holds."""
+    state = state_for(step)
+    state["model"] = state_for(0)["model"]
+    return state
+
+
+def save_v3(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+            metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+    """An incremental (format v3) save on ``store``'s storage, with its settings: a store of
+    its own each time, so the reuse index is read from the latest committed checkpoint."""
+    incremental = CheckpointStore(store.storage, algorithm=store.algorithm,
+                                  durable=store.durable, threads=store.threads,
+                                  shard_bytes=store.shard_bytes, incremental=True)
+    return incremental.save(step, state, metadata=metadata)
 
 
 def copy_through(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
@@ -155,6 +189,7 @@ ASYNC = WritePath("async")
 CP = WritePath("cp")
 CP_V2 = WritePath("cp-v2", 2)
 SUB = WritePath("sub", sub=True)
+V3 = WritePath("v3", 3, references=True)
 
 #: Every in-process write path, by name.
-WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (V1, V2, ASYNC, CP, CP_V2, SUB)}
+WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (V1, V2, ASYNC, CP, CP_V2, SUB, V3)}

@@ -1,0 +1,430 @@
+"""Incremental saves (format v3, docs/protocol.md §9): bytes that did not change are referenced,
+never written again.
+
+A save plans the state as a single-process save does (:func:`ckptfs.protocol.commit.plan_v1`),
+then looks each tensor up in a *reuse index*: the tensors a committed v3 checkpoint of the run
+holds (its own files and what it references, flattened), by ``(algorithm, digest, length,
+dtype, shape)``.  Reuse is decided by digest only, with the store's (cryptographic) algorithm.
+What to hash first is guided by a hint: a tensor is a candidate when the index holds one under
+the same key path with the same dtype and shape, unless the caller's tensor was written to in
+place since the previous save in this process (the same ``data_ptr`` with a new autograd
+``_version``).  A candidate whose digest matches is referenced; every other tensor goes into new
+files, hashed while written (no second hash), exactly as a full save.  So a run where everything
+changes in place (full fine-tuning) hashes each tensor once after its first save in a process;
+a tensor handed over as a new object at each save (a copy, ``.cpu()`` of a GPU tensor) is
+hashed first, and again while written if it changed.
+
+The checkpoint a save takes references from is its *protector*.  Before the marker, the commit
+object calls this module's fence: the protector must still be committed (same attempt) and the
+save must be within its lease; after the marker, a save that outlived its lease checks that every
+file it references is still there, and uncommits itself if not.  Why that is enough against a
+concurrent delete or garbage collection: docs/protocol.md §9.5.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptfs.errors import CkptfsError, CorruptCheckpointError
+from ckptfs.format.hashing import ALGORITHMS, digest_bytes, new_hasher
+from ckptfs.format.incremental import (
+    DEFAULT_LEASE_S,
+    IncrementalManifest,
+    Reference,
+    reference_name,
+)
+from ckptfs.format.layout import CHECKPOINTS_DIR, STATE_NAME, step_dir_name
+from ckptfs.format.serialize import (
+    StatePlan,
+    TensorSlot,
+    cpu_contiguous,
+    dtype_code,
+    relayout,
+    tensor_memoryview,
+)
+from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
+from ckptfs.protocol.commit import (
+    Attempt,
+    default_threads,
+    now_text,
+    placeholder_digest,
+    save_plan,
+    write_streams,
+)
+from ckptfs.protocol.listing import check_references
+from ckptfs.protocol.reader import local_header, reference_chunks
+from ckptfs.protocol.resolve import CheckpointInfo, read_marker, resolve_latest, storage_url
+from ckptfs.storage.base import Storage, read_range
+
+log = logging.getLogger("ckptfs")
+
+#: (algorithm, hex digest, length, dtype code, shape): what makes two tensors the same bytes.
+Key = tuple[str, str, int, str, tuple[int, ...]]
+
+
+class ProtectorGoneError(CkptfsError, RuntimeError):
+    """The checkpoint an incremental save took references from was deleted (or the save ran
+    past its lease) before the save could commit; the save is retried writing every byte."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A tensor a committed checkpoint holds: the file (of attempt ``attempt`` of ``step``)
+    that physically holds it, that file's header chunk, and the tensor's chunk and name."""
+
+    step: int
+    attempt: str
+    source: str
+    size: int
+    algorithm: str
+    header: Chunk
+    chunk: Chunk
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def key(self) -> Key:
+        return (self.algorithm, self.chunk.digest, self.chunk.length, self.dtype, self.shape)
+
+    @property
+    def location(self) -> tuple[int, str, str]:
+        return self.step, self.attempt, self.source
+
+    @property
+    def path(self) -> str:
+        """The file's path from the run root."""
+        return f"{CHECKPOINTS_DIR}/{step_dir_name(self.step)}/{self.attempt}/{self.source}"
+
+    @property
+    def chunk_id(self) -> tuple[str, int, int]:
+        return self.path, self.chunk.offset, self.chunk.length
+
+
+@dataclass
+class ReuseIndex:
+    """The tensors of one committed checkpoint (the protector), by content and by key path."""
+
+    protector: tuple[int, str]
+    by_key: dict[Key, Stored] = field(default_factory=dict)
+    by_name: dict[str, Stored] = field(default_factory=dict)
+
+    def add(self, name: str, stored: Stored) -> None:
+        self.by_key.setdefault(stored.key, stored)
+        self.by_name[name] = stored
+
+
+@dataclass
+class ReuseMemory:
+    """What a store remembers between its incremental saves in this process: the index of its
+    last committed save (so the next one reads nothing to build it) and each tensor's
+    ``(data_ptr, _version)`` at that save (the hint of what did not change)."""
+
+    index: ReuseIndex | None = None
+    versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    warned: bool = False
+    #: Sharded saves (format v4): this rank's items at its last committed save (by item name,
+    #: ``fqn@offsets``) and their tensors' ``(data_ptr, _version)`` then.
+    rank_index: ReuseIndex | None = None
+    rank_versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Stored chunks this process knows hold their digest's bytes (it wrote them, or read and
+    #: checked them once): ``(file path from the run root, offset, length)``.  A chunk it has
+    #: not seen is read and checked before its first reuse, so rot in an old file is never
+    #: carried into a new checkpoint while the saver holds the right bytes in memory.
+    checked: set[tuple[str, int, int]] = field(default_factory=set)
+
+
+def index_of(storage: Storage, info: CheckpointInfo) -> ReuseIndex | None:
+    """The reuse index of a committed checkpoint (format v3; others hold no chunk digests to
+    reuse): every safetensors file's header chunk read and checked, each tensor's chunk found."""
+    m = info.manifest
+    if not isinstance(m, IncrementalManifest):
+        return None
+    index = ReuseIndex((info.step, info.attempt))
+    for entry in m.files:
+        if entry.path == STATE_NAME or not isinstance(entry, ChunkedFileEntry):
+            continue
+        start, entries = local_header(storage, info, entry)
+        for name, e in entries.items():
+            chunk = entry.chunk_at(start + e.begin, e.end - e.begin)
+            if chunk is not None:
+                index.add(_key_path(name), Stored(info.step, info.attempt, entry.path, entry.size,
+                                                  entry.algorithm, entry.chunks[0], chunk, name,
+                                                  e.dtype, e.shape))
+    for ref in m.references:
+        for name, (e, chunk) in reference_chunks(storage, info, ref, None).items():
+            index.add(_key_path(name), Stored(ref.step, ref.attempt, ref.source, ref.size,
+                                              ref.algorithm, ref.chunks[0], chunk, name,
+                                              e.dtype, e.shape))
+    return index
+
+
+def _key_path(name: str) -> str:
+    """The key path a tensor name in a file stands for (``#2`` suffixes of a clash removed)."""
+    head, sep, tail = name.rpartition("#")
+    return head if sep and tail.isdigit() else name
+
+
+def tensor_digest(t: Any, algorithm: str) -> str:
+    h = new_hasher(algorithm)
+    h.update(tensor_memoryview(cpu_contiguous(t)))
+    return h.hexdigest()
+
+
+def _latest_index(storage: Storage) -> ReuseIndex | None:
+    try:
+        info = resolve_latest(storage)
+        return None if info is None else index_of(storage, info)
+    except CkptfsError as exc:  # a corrupt newest checkpoint: reuse nothing, write everything
+        log.warning("%s: incremental save reuses nothing: the newest checkpoint cannot be "
+                    "indexed (%s)", storage.url, exc)
+        return None
+
+
+def stored_chunk_intact(storage: Storage, st: Stored, memory: ReuseMemory) -> bool:
+    """Whether the stored chunk holds the bytes its digest names: known in this process, or
+    read and checked now (once).  A chunk that is missing or differs is never reused (logged:
+    the file it is in is damaged)."""
+    if st.chunk_id in memory.checked:
+        return True
+    try:
+        data = read_range(storage, st.path, st.chunk.offset, st.chunk.length)
+        good = len(data) == st.chunk.length and \
+            digest_bytes(st.algorithm, data).split(":", 1)[1] == st.chunk.digest
+    except (FileNotFoundError, CkptfsError):
+        good = False
+    if good:
+        with memory.lock:
+            memory.checked.add(st.chunk_id)
+    else:
+        log.warning("%s: bytes %d..%d of %s differ from their digest or are missing: tensor "
+                    "%r is written again instead of referenced (run 'ckptfs verify' on the "
+                    "checkpoints that use that file)", storage.url, st.chunk.offset,
+                    st.chunk.offset + st.chunk.length, st.path, st.name)
+    return good
+
+
+def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorithm: str,
+               threads: int, storage: Storage | None = None) -> dict[int, Stored]:
+    """The plan's tensors to reference (index -> stored copy): candidates by the hint, each
+    confirmed by its digest, and (``storage``) the stored chunk checked once per process
+    (:func:`stored_chunk_intact`)."""
+    candidates = []
+    for i, t in enumerate(plan.tensors):
+        name = plan.names[i]
+        st = index.by_name.get(name)
+        if st is None or st.dtype != dtype_code(t.dtype) or st.shape != tuple(t.shape):
+            continue
+        before = memory.versions.get(name)
+        if before is not None and plan.versions and before[0] == plan.versions[i][0] \
+                and before[1] != plan.versions[i][1]:
+            continue  # written to in place since the last save: it goes into a new file
+        # Else (no hint, the same version, or another tensor: a copy, a .cpu() of a GPU
+        # tensor) its digest decides.
+        candidates.append(i)
+    if not candidates:
+        return {}
+
+    def digest(i: int) -> str:
+        return tensor_digest(plan.tensors[i], algorithm)
+
+    n = max(1, min(threads, len(candidates)))
+    if n == 1:
+        digests = [digest(i) for i in candidates]
+    else:
+        with ThreadPoolExecutor(n, thread_name_prefix="ckptfs-reuse") as pool:
+            digests = list(pool.map(digest, candidates))
+    out: dict[int, Stored] = {}
+    for i, hexd in zip(candidates, digests, strict=True):
+        t = plan.tensors[i]
+        key = (algorithm, hexd, t.numel() * t.element_size(), dtype_code(t.dtype),
+               tuple(t.shape))
+        st = index.by_key.get(key)
+        if st is not None and (storage is None or stored_chunk_intact(storage, st, memory)):
+            out[i] = st
+    return out
+
+
+def references_for(reused: Mapping[int, Stored]) -> tuple[list[Reference], dict[int, TensorSlot]]:
+    """One reference per file the reused tensors live in, and each tensor's slot there."""
+    by_file: dict[tuple[int, str, str], list[tuple[int, Stored]]] = {}
+    for i, st in sorted(reused.items()):
+        by_file.setdefault(st.location, []).append((i, st))
+    refs: list[Reference] = []
+    slots: dict[int, TensorSlot] = {}
+    for k, (_, members) in enumerate(sorted(by_file.items())):
+        first = members[0][1]
+        chunks = {(st.chunk.offset, st.chunk.length): st.chunk for _, st in members}
+        chunks.pop((first.header.offset, first.header.length), None)
+        ordered = (first.header, *(chunks[c] for c in sorted(chunks)))
+        ref = Reference(reference_name(k), first.step, first.attempt, first.source,
+                        first.size, first.algorithm, ordered)
+        refs.append(ref)
+        for i, st in members:
+            slots[i] = TensorSlot(ref.path, st.name, st.dtype, st.shape)
+    return refs, slots
+
+
+def save_incremental(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
+                     memory: ReuseMemory, *, algorithm: str, durable: bool = True,
+                     threads: int | None = None, lease_s: float = DEFAULT_LEASE_S
+                     ) -> CheckpointInfo:
+    """Write and commit ``plan`` as the format v3 checkpoint of ``step``, referencing what an
+    earlier checkpoint already holds (module docstring).  If the checkpoint it references is
+    deleted before it commits, it is written again in full (one retry, logged)."""
+    threads = threads or default_threads()
+    with memory.lock:
+        index = memory.index
+    if not ALGORITHMS[algorithm].cryptographic:
+        if not memory.warned:
+            log.warning("%s: incremental saves reuse stored bytes only under a cryptographic "
+                        "digest; with %r every byte is written", storage.url, algorithm)
+            memory.warned = True
+        index = None
+    elif index is None:
+        index = _latest_index(storage)
+    try:
+        return _save(storage, step, plan, meta, memory, index, algorithm=algorithm,
+                     durable=durable, threads=threads, lease_s=lease_s)
+    except ProtectorGoneError as exc:
+        log.warning("%s: step %d: %s; writing every byte instead", storage.url, step, exc)
+        with memory.lock:
+            memory.index = None
+        return _save(storage, step, plan, meta, memory, None, algorithm=algorithm,
+                     durable=durable, threads=threads, lease_s=lease_s)
+
+
+def write_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,
+               algorithm: str, durable: bool, threads: int | None,
+               memory: ReuseMemory | None, lease_s: float = DEFAULT_LEASE_S) -> CheckpointInfo:
+    """Commit a planned single-process save: format v3 when the store is incremental
+    (``memory``), else format v1.  ``store.save`` and the async saver's thread both write
+    through this."""
+    if memory is None:
+        return save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
+                         threads=threads)
+    return save_incremental(storage, step, plan, meta, memory, algorithm=algorithm,
+                            durable=durable, threads=threads, lease_s=lease_s)
+
+
+def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
+          memory: ReuseMemory, index: ReuseIndex | None, *, algorithm: str, durable: bool,
+          threads: int, lease_s: float) -> CheckpointInfo:
+    reused = find_reuse(plan, index, memory, algorithm, threads, storage) \
+        if index is not None else {}
+    refs, external = references_for(reused)
+    plan = relayout(plan, external) if reused or plan.external else plan
+    doc = plan.document
+    files: list[tuple[str, int, Any, list[int]]] = [
+        (STATE_NAME, len(doc), lambda: iter([memoryview(doc)]), [len(doc)])]
+    by_path = {tf.path: tf for tf in plan.tensor_files}
+    files += [(pf.path, pf.size, pf.chunks, by_path[pf.path].pieces)
+              for pf in plan.files if pf.path != STATE_NAME]
+
+    def manifest(name: str, created: str, entries: list[ChunkedFileEntry]
+                 ) -> IncrementalManifest:
+        return IncrementalManifest(step, name, tuple(entries), created, algorithm, dict(meta),
+                                   references=tuple(refs))
+
+    with Attempt.open(storage, step, algorithm=algorithm, durable=durable) as att:
+        opened = time.monotonic()
+        created = now_text()
+        att.check(manifest(att.name, created, [
+            make_entry(p, s, algorithm, _placeholder_chunks(pieces, algorithm), None)
+            for p, s, _, pieces in files]))
+        n = write_streams(storage, threads, len(files))
+
+        def write(f: tuple[str, int, Any, list[int]]) -> ChunkedFileEntry:
+            path, size, chunks, pieces = f
+            w = att.write_file(path, size, chunks, pieces=pieces)
+            out, pos = [], 0
+            for length, hexd in zip(pieces, w.pieces, strict=True):
+                out.append(Chunk(pos, length, hexd))
+                pos += length
+            return make_entry(path, w.size, algorithm, out, None)
+
+        if n <= 1:
+            entries = [write(f) for f in files]
+        else:
+            with ThreadPoolExecutor(n, thread_name_prefix="ckptfs-save") as pool:
+                entries = list(pool.map(write, files))
+        final = manifest(att.name, created, entries)
+
+        def fence() -> None:
+            if not refs or index is None:
+                return
+            if time.monotonic() - opened > lease_s:
+                raise ProtectorGoneError(f"the save ran longer than its {lease_s:.0f} s lease")
+            pstep, pattempt = index.protector
+            marker = read_marker(storage, pstep)
+            if marker is None or marker.attempt != pattempt:
+                raise ProtectorGoneError(
+                    f"step {pstep}, whose stored bytes this save references, was deleted "
+                    "while it was being written")
+
+        info = att.commit(final, fence=fence)
+        if refs and time.monotonic() - opened > lease_s:
+            _recheck_after_lease(storage, info, att)
+    _remember(memory, plan, info, reused)
+    if refs:
+        log.info("step %d at %s: %d of %d bytes written, the rest referenced from %d files",
+                 step, storage.url, info.bytes_written, info.bytes, len(refs))
+    return info
+
+
+def _placeholder_chunks(pieces: list[int], algorithm: str) -> list[Chunk]:
+    hexd = placeholder_digest(algorithm).split(":", 1)[1]
+    out, pos = [], 0
+    for length in pieces:
+        out.append(Chunk(pos, length, hexd))
+        pos += length
+    return out
+
+
+def _recheck_after_lease(storage: Storage, info: CheckpointInfo, att: Attempt) -> None:
+    """The marker landed after the lease: a collector may have judged this save abandoned and
+    removed what it references.  If anything referenced is gone, uncommit (delete the marker)
+    and raise; else it is as safe as any committed checkpoint from now on."""
+    try:
+        check_references(storage, info)
+    except CorruptCheckpointError as exc:
+        storage.delete(info.paths.marker)
+        raise CorruptCheckpointError(
+            f"{storage_url(storage, info.path)}: the save outlived its lease and bytes it "
+            f"references were removed meanwhile ({exc}); it was uncommitted: save again",
+            step=info.step) from None
+
+
+def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
+              reused: Mapping[int, Stored]) -> None:
+    """The index of the checkpoint just committed, from what was written (no reads)."""
+    index = ReuseIndex((info.step, info.attempt))
+    m = info.manifest
+    assert isinstance(m, IncrementalManifest)
+    written: list[tuple[str, int, int]] = []  # chunks this save wrote: known good
+    for tf in plan.tensor_files:
+        entry = m.chunked(tf.path)
+        for i, (name, dtype, shape), chunk in zip(tf.members, tf.entries, entry.chunks[1:],
+                                                  strict=True):
+            st = Stored(info.step, info.attempt, tf.path, entry.size, entry.algorithm,
+                        entry.chunks[0], chunk, name, dtype, shape)
+            index.add(plan.names[i], st)
+            written.append(st.chunk_id)
+    for i, st in reused.items():
+        index.add(plan.names[i], st)
+    with memory.lock:
+        memory.checked.update(written)
+        memory.index = index
+        if plan.versions:
+            memory.versions = dict(zip(plan.names, plan.versions, strict=True))
+
+
+__all__ = ["ProtectorGoneError", "ReuseIndex", "ReuseMemory", "find_reuse", "index_of",
+           "save_incremental", "write_plan"]
