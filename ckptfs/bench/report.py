@@ -488,7 +488,8 @@ def _incremental_section(inc: Mapping[str, Any] | None, plots: Mapping[str, str]
                   "untimed), then times `import ckptfs` + `open` + its first save: incremental "
                   "into a run holding a committed checkpoint of the same base (it reads that "
                   "checkpoint's manifest and headers and hashes every tensor once to confirm "
-                  "the reuse), against a full save; then "
+                  "the reuse, and reads each stored chunk it reuses once to check it against "
+                  "its digest), against a full save; then "
                   f"{fr['steady_saves']} more saves in the same process (steady). Medians of "
                   f"{fr['rounds']} rounds, variants interleaved.", "",
                   "| variant | fresh (s) | of which import (s) | first save (s) | steady (s) | "
