@@ -48,8 +48,9 @@ from ckptfs.format.sharded import (
     Chunk,
     ChunkedFileEntry,
     ShardedManifest,
-    check_tiling,
+    bound_entry,
     chunk_list_digest,
+    decode_chunks,
     rank_of_file,
 )
 
@@ -230,19 +231,6 @@ def _size(raw: Any, path: str, where: str) -> int:
     return int(raw)
 
 
-def _chunks(raw: Any, algo: str, path: str) -> list[Chunk]:
-    if not isinstance(raw, list):
-        raise TypeError(f"{path!r}: 'chunks' is not a list")
-    out = []
-    for rc in raw:
-        if (not isinstance(rc, list) or len(rc) != 3 or not _is_int(rc[0])
-                or not _is_int(rc[1]) or not isinstance(rc[2], str)):
-            raise TypeError(f"{path!r}: a chunk is not [offset, length, hex]")
-        parse_digest(f"{algo}:{rc[2]}")
-        out.append(Chunk(rc[0], rc[1], rc[2]))
-    return out
-
-
 def _decode_file(raw: Any, seen: set[str], where: str) -> ChunkedFileEntry:
     if not isinstance(raw, dict):
         raise TypeError("a 'files' entry is not an object")
@@ -254,13 +242,8 @@ def _decode_file(raw: Any, seen: set[str], where: str) -> ChunkedFileEntry:
     algo, _ = parse_digest(raw["digest"])
     if raw["algorithm"] != algo:
         raise TypeError(f"file {path!r}: 'algorithm' differs from its digest's")
-    chunks = _chunks(raw["chunks"], algo, path)
-    check_tiling(chunks, size, where=f"{where}: {path}")
-    entry = ChunkedFileEntry(path, size, raw["digest"], tuple(chunks), None)
-    if chunk_list_digest(algo, chunks) != entry.digest:
-        raise CorruptCheckpointError(
-            f"{where}: file {path!r}: its digest does not match its chunk list")
-    return entry
+    chunks = decode_chunks(raw["chunks"], algo, path)
+    return bound_entry(path, size, raw["digest"], algo, chunks, None, where=where)
 
 
 def _decode_reference(raw: Any, seen: set[str], step: int, attempt: str,
@@ -286,7 +269,7 @@ def _decode_reference(raw: Any, seen: set[str], step: int, attempt: str,
     algo = raw["algorithm"]
     if algo not in ALGORITHMS:
         raise TypeError(f"reference {path!r}: unknown algorithm {algo!r:.40}")
-    chunks = _chunks(raw["chunks"], algo, path)
+    chunks = decode_chunks(raw["chunks"], algo, path)
     if not chunks or chunks[0].offset != 0:
         raise CorruptCheckpointError(
             f"{where}: reference {path!r}: its first chunk must be the file's header (offset 0)")

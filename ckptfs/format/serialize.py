@@ -396,7 +396,7 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
 
     if flat.largest[0] > MAX_STATE_DOC_BYTES:
         raise _state_doc_too_large(flat.largest[0], flat)
-    versions = tuple(_version_of(t) for t in flat.tensors)
+    versions = tuple(version_of(t) for t in flat.tensors)
     plan = relayout(StatePlan(b"", (), tuple(flat.tensors), tree, tuple(flat.names),
                               tuple(flat.tops), shard_bytes, {}, versions), {})
     if len(plan.document) > MAX_STATE_DOC_BYTES:
@@ -404,7 +404,9 @@ def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePl
     return plan
 
 
-def _version_of(t: torch.Tensor) -> tuple[int, int]:
+def version_of(t: torch.Tensor) -> tuple[int, int]:
+    """The reuse hint of a tensor (incremental saves): its storage address and autograd version
+    counter."""
     try:
         return t.data_ptr(), t._version
     except (RuntimeError, NotImplementedError, AttributeError):  # pragma: no cover

@@ -266,18 +266,32 @@ def _decode_entry(raw: Any, seen: set[str], world: int, where: str) -> ChunkedFi
         raise TypeError(f"file {path!r} (rank {rank!r:.20}) is neither {METADATA_NAME} nor "
                         f"the rank-NNNNN/data-K.safetensors file of its rank (0 <= rank < "
                         f"world_size {world})")
-    raw_chunks = raw["chunks"]
-    if not isinstance(raw_chunks, list):
+    chunks = decode_chunks(raw["chunks"], algo, path)
+    return bound_entry(path, size, raw["digest"], algo, chunks, rank, where=where)
+
+
+def decode_chunks(raw: Any, algo: str, path: str) -> list[Chunk]:
+    """A manifest's chunk list, ``[[offset, length, hex], ...]`` (formats v2, v3, v4): each an
+    array of two ints and a hex digest of ``algo`` (``TypeError``/``ValueError`` otherwise,
+    which the manifest decoders turn into :class:`CorruptCheckpointError`)."""
+    if not isinstance(raw, list):
         raise TypeError(f"file {path!r}: 'chunks' is not a list")
     chunks = []
-    for rc in raw_chunks:
+    for rc in raw:
         if (not isinstance(rc, list) or len(rc) != 3 or not _is_int(rc[0])
                 or not _is_int(rc[1]) or not isinstance(rc[2], str)):
             raise TypeError(f"file {path!r}: a chunk is not [offset, length, hex]")
         parse_digest(f"{algo}:{rc[2]}")
         chunks.append(Chunk(rc[0], rc[1], rc[2]))
+    return chunks
+
+
+def bound_entry(path: str, size: int, digest: str, algo: str, chunks: list[Chunk],
+                rank: int | None, *, where: str) -> ChunkedFileEntry:
+    """The manifest entry of a chunked file, after checking that ``chunks`` tile it and that
+    ``digest`` is the digest of their list (:class:`CorruptCheckpointError` naming ``where``)."""
     check_tiling(chunks, size, where=f"{where}: {path}")
-    entry = ChunkedFileEntry(path, size, raw["digest"], tuple(chunks), rank)
+    entry = ChunkedFileEntry(path, size, digest, tuple(chunks), rank)
     if chunk_list_digest(algo, chunks) != entry.digest:
         raise CorruptCheckpointError(
             f"{where}: file {path!r}: its digest does not match its chunk list")

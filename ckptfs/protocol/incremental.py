@@ -371,7 +371,7 @@ def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
 
         info = att.commit(final, fence=fence)
         if refs and time.monotonic() - opened > lease_s:
-            _recheck_after_lease(storage, info, att)
+            recheck_after_lease(storage, info)
     _remember(memory, plan, info, reused)
     if refs:
         log.info("step %d at %s: %d of %d bytes written, the rest referenced from %d files",
@@ -388,10 +388,11 @@ def _placeholder_chunks(pieces: list[int], algorithm: str) -> list[Chunk]:
     return out
 
 
-def _recheck_after_lease(storage: Storage, info: CheckpointInfo, att: Attempt) -> None:
-    """The marker landed after the lease: a collector may have judged this save abandoned and
-    removed what it references.  If anything referenced is gone, uncommit (delete the marker)
-    and raise; else it is as safe as any committed checkpoint from now on."""
+def recheck_after_lease(storage: Storage, info: CheckpointInfo) -> None:
+    """The marker of an incremental save (single-process or sharded) landed after its lease: a
+    collector may have judged the save abandoned and removed what it references.  If anything
+    referenced is gone, uncommit (delete the marker) and raise; else it is as safe as any
+    committed checkpoint from now on."""
     try:
         check_references(storage, info)
     except CorruptCheckpointError as exc:
@@ -427,4 +428,4 @@ def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
 
 
 __all__ = ["ProtectorGoneError", "ReuseIndex", "ReuseMemory", "find_reuse", "index_of",
-           "save_incremental", "write_plan"]
+           "recheck_after_lease", "save_incremental", "write_plan"]

@@ -365,49 +365,52 @@ def _read_ref(storage: Storage, info: CheckpointInfo, ref: Reference, start: int
     return data
 
 
-def local_header(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry
-                 ) -> tuple[int, dict[str, HeaderEntry]]:
-    """The safetensors header of a chunked file of the checkpoint (format v3): its header chunk
-    read, checked against its digest, and parsed with the bounds of §2.4."""
-    path = f"{info.path}/{entry.path}"
+def _parsed_header(storage: Storage, info: CheckpointInfo, path: str, head: Chunk,
+                   algorithm: str, size: int, *, verify: bool, whose: str
+                   ) -> tuple[int, dict[str, HeaderEntry]]:
+    """The safetensors header of the chunked file at ``path`` (from the run root; ``size``
+    bytes): its header chunk ``head`` read, checked against its digest (``verify``), its length
+    prefix against the chunk, and parsed with the bounds of §2.4.  ``whose``: how the errors
+    name the chunk ("its header chunk", "the header chunk step N references")."""
     where = storage_url(storage, path)
-    head = entry.chunks[0] if entry.chunks else Chunk(0, 0, "")
     if head.length < 8 or head.length - 8 > MAX_HEADER_BYTES:
-        raise UnsafeCheckpointError(f"{where}: its first chunk ({head.length} B) is not a "
-                                    "safetensors header", step=info.step, path=path)
+        raise UnsafeCheckpointError(f"{where}: {whose} ({head.length} B) is not a safetensors "
+                                    "header", step=info.step, path=path)
     try:
         data = read_range(storage, path, 0, head.length)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: listed in the manifest but missing",
+        raise CorruptCheckpointError(f"{where}: {whose} is missing (the file is not there)",
                                      step=info.step, path=path) from None
-    actual = digest_bytes(entry.algorithm, data).split(":", 1)[1]
-    if len(data) != head.length or actual != head.digest:
-        raise CorruptCheckpointError(f"{where}: its header differs from the manifest's digest",
+    if len(data) != head.length:
+        raise CorruptCheckpointError(f"{where}: shorter than {whose} ({head.length} B)",
                                      step=info.step, path=path)
+    if verify and digest_bytes(algorithm, data).split(":", 1)[1] != head.digest:
+        raise CorruptCheckpointError(f"{where}: {whose} differs from its digest in the "
+                                     f"manifest of step {info.step}: the file was modified or "
+                                     "corrupted after commit", step=info.step, path=path)
     if int.from_bytes(data[:8], "little") + 8 != head.length:
-        raise CorruptCheckpointError(f"{where}: its header length differs from its header "
-                                     "chunk", step=info.step, path=path)
-    return parse_safetensors_header(cast(Any, _HeaderOnly(data, entry.size)), where=where)
+        raise CorruptCheckpointError(f"{where}: its header length differs from {whose}",
+                                     step=info.step, path=path)
+    return parse_safetensors_header(cast(Any, _HeaderOnly(data, size)), where=where)
+
+
+def local_header(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry
+                 ) -> tuple[int, dict[str, HeaderEntry]]:
+    """The safetensors header of a chunked file of the checkpoint (format v3), its header chunk
+    checked against its digest (:func:`_parsed_header`)."""
+    head = entry.chunks[0] if entry.chunks else Chunk(0, 0, "")
+    return _parsed_header(storage, info, f"{info.path}/{entry.path}", head, entry.algorithm,
+                          entry.size, verify=True, whose="its header chunk")
 
 
 def reference_header(storage: Storage, info: CheckpointInfo, ref: Reference, *,
                      verify: bool = True) -> tuple[int, dict[str, HeaderEntry]]:
-    """The safetensors header of a referenced file: its header chunk read, checked against
-    its digest, and parsed with the bounds of §2.4 (against the referenced file's size)."""
-    where = storage_url(storage, ref.location)
-    head = ref.chunks[0]
-    if head.length < 8 or head.length - 8 > MAX_HEADER_BYTES:
-        raise UnsafeCheckpointError(f"{where}: the header chunk step {info.step} references "
-                                    f"({head.length} B) is not a safetensors header",
-                                    step=info.step, path=ref.location)
-    data = _read_ref(storage, info, ref, 0, head.length)
-    if verify:
-        _check_ref_chunk(storage, info, ref, head, data)
-    if int.from_bytes(data[:8], "little") + 8 != head.length:
-        raise CorruptCheckpointError(f"{where}: its header length differs from the header "
-                                     f"chunk step {info.step} references", step=info.step,
-                                     path=ref.location)
-    return parse_safetensors_header(cast(Any, _HeaderOnly(data, ref.size)), where=where)
+    """The safetensors header of a referenced file, its header chunk checked against the
+    digest in this checkpoint's manifest (:func:`_parsed_header`, against the referenced
+    file's size)."""
+    return _parsed_header(storage, info, ref.location, ref.chunks[0], ref.algorithm, ref.size,
+                          verify=verify,
+                          whose=f"the header chunk step {info.step} references as {ref.path}")
 
 
 def reference_chunks(storage: Storage, info: CheckpointInfo, ref: Reference,

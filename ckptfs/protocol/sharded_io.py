@@ -67,7 +67,7 @@ from ckptfs.format.incremental import (
     reference_name,
 )
 from ckptfs.format.layout import CHECKPOINTS_DIR, StepPaths, check_step, step_dir_name
-from ckptfs.format.serialize import cpu_contiguous, tensor_memoryview
+from ckptfs.format.serialize import cpu_contiguous, tensor_memoryview, version_of
 from ckptfs.format.sharded import (
     METADATA_NAME,
     Chunk,
@@ -89,9 +89,9 @@ from ckptfs.protocol.incremental import (
     ReuseIndex,
     ReuseMemory,
     Stored,
+    recheck_after_lease,
     tensor_digest,
 )
-from ckptfs.protocol.listing import check_references
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
     read_marker,
@@ -300,7 +300,7 @@ class ShardedWriter(StorageWriter):
             new_index = ReuseIndex((self.step, ap.attempt))
             for name, st in written.items():
                 new_index.add(name, st)
-            self._pending = (new_index, {p.name: _version_of(tensors[id(i)])
+            self._pending = (new_index, {p.name: version_of(tensors[id(i)])
                                          for i, p in planned if id(i) in tensors})
         return results
 
@@ -338,7 +338,7 @@ class ShardedWriter(StorageWriter):
             if (t is None or st is None or pi.nbytes == 0 or st.dtype != pi.dtype
                     or st.shape != pi.shape or st.algorithm != self.algorithm
                     or st.chunk.length != pi.nbytes
-                    or before.get(pi.name) != _version_of(t)):
+                    or before.get(pi.name) != version_of(t)):
                 continue
             if tensor_digest(t, self.algorithm) == st.chunk.digest:
                 out[id(item)] = st
@@ -480,7 +480,7 @@ class ShardedWriter(StorageWriter):
 
         info = att.commit(manifest, fence=fence, world_size=world)
         if refs and time.monotonic() - self._opened > self.lease_s:
-            _recheck_after_lease(self.storage, info)
+            recheck_after_lease(self.storage, info)
         if refs:
             log.info("committed sharded step %d at %s (%d ranks, %d files): %d of %d bytes "
                      "written, the rest referenced from %d files", self.step, self.storage.url,
@@ -533,28 +533,6 @@ def _references(reused: list[tuple[MetadataIndex, ItemReport]],
         for index, rep in members:
             storage_data[index] = ItemLocation(ref.path, rep.offset, rep.length)
     return refs, protectors
-
-
-def _recheck_after_lease(storage: Storage, info: CheckpointInfo) -> None:
-    """The marker landed after the lease: a collector may have judged this save abandoned and
-    removed what it references.  If anything referenced is gone, uncommit (delete the marker)
-    and raise (as a single-process incremental save does)."""
-    try:
-        check_references(storage, info)
-    except CorruptCheckpointError as exc:
-        storage.delete(info.paths.marker)
-        raise CorruptCheckpointError(
-            f"{storage_url(storage, info.path)}: the save outlived its lease and bytes it "
-            f"references were removed meanwhile ({exc}); it was uncommitted: save again",
-            step=info.step) from None
-
-
-def _version_of(t: torch.Tensor) -> tuple[int, int]:
-    """The reuse hint of a tensor: its storage address and autograd version counter."""
-    try:
-        return t.data_ptr(), t._version
-    except (RuntimeError, NotImplementedError, AttributeError):  # pragma: no cover
-        return -1, -1
 
 
 def _planned(item: WriteItem, value_bytes: int) -> PlannedItem:
