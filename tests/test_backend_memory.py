@@ -33,3 +33,33 @@ class TestMemoryLatest(MemoryFixtures, LatestConformance):
 
 class TestMemoryRace(MemoryFixtures, RaceConformance):
     pass
+
+
+def test_listing_survives_files_deleted_by_another_thread(memory_backend: Backend,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsspec's in-memory filesystem looks a key up again after snapshotting its dict, so a
+    file another thread deletes in between makes ``ls``/``find``/``info``/``exists`` raise
+    ``KeyError`` (a racing loser discarding its attempt broke another writer's listing: a rare
+    CI failure of the every-path race; ~1 in 5,000 listings with threads switching at every
+    instruction).  The adapter repeats the call until the dict is stable: here each call
+    raises ``KeyError`` twice, as a deletion racing it would, then answers."""
+    from ckptfs.storage.fsspec import FsspecStorage
+
+    storage = FsspecStorage(memory_backend.url)  # the adapter alone (no retry layer above it)
+    storage.write_bytes("checkpoints/a", b"x")
+    fs = storage.fs
+    for name in ("ls", "find", "exists"):
+        real = getattr(fs, name)
+        left = {"n": 2}
+
+        def flaky(*args: object, _real: object = real, _left: dict[str, int] = left,
+                  **kwargs: object) -> object:
+            if _left["n"]:
+                _left["n"] -= 1
+                raise KeyError("/checkpoints/gone")
+            return _real(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(fs, name, flaky)
+    assert [e.basename for e in storage.list_dir("checkpoints")] == ["a"]
+    assert [e.basename for e in storage.list_tree("checkpoints")] == ["a"]
+    assert storage.exists("checkpoints/a")

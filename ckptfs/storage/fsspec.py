@@ -21,10 +21,10 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import datetime, timezone
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, TypeVar, cast
 
 import fsspec
 import fsspec.core
@@ -60,6 +60,9 @@ from ckptfs.storage.classify import status_code as status_code
 log = logging.getLogger("ckptfs.storage")
 
 _MEMORY_LOCK = threading.Lock()
+#: How many times a memory:// listing or stat is tried when the dict changed under it.
+_MEMORY_SETTLE_TRIES = 8
+T = TypeVar("T")
 
 
 #: Seconds the open-time probe waits for a refused or unroutable endpoint; one that accepts
@@ -262,10 +265,24 @@ class FsspecStorage:
             with self._errors("close", path):
                 f.close()
 
+    def _settled(self, fn: Callable[[], T]) -> T:
+        """``fn()``, repeated if fsspec's in-memory filesystem raised ``KeyError``: its
+        ``ls``/``info`` look a key up again after a snapshot of its dict, so a file another
+        thread deletes in between (a losing writer discarding its attempt) fails the listing
+        instead of leaving it out.  Other backends: once."""
+        if self.capabilities.protocol != "memory":
+            return fn()
+        for _ in range(_MEMORY_SETTLE_TRIES - 1):
+            try:
+                return fn()
+            except KeyError:
+                continue
+        return fn()
+
     def exists(self, path: str) -> bool:
         with self._errors("stat", path):
             self._invalidate(path)
-            return bool(self.fs.exists(self.full(path)))
+            return bool(self._settled(lambda: self.fs.exists(self.full(path))))
 
     def _invalidate(self, path: str) -> None:
         with suppress(Exception):  # a cache miss is harmless
@@ -275,11 +292,12 @@ class FsspecStorage:
         with self._errors("list", path):
             self._invalidate(path)
             try:
-                raw = self.fs.ls(self.full(path), detail=True, refresh=True)
+                raw = self._settled(lambda: self.fs.ls(self.full(path), detail=True,
+                                                       refresh=True))
             except FileNotFoundError:
                 return []
             except TypeError:  # implementations without refresh=
-                raw = self.fs.ls(self.full(path), detail=True)
+                raw = self._settled(lambda: self.fs.ls(self.full(path), detail=True))
         out = []
         me = self.full(path).rstrip("/")
         for info in raw:
@@ -299,7 +317,8 @@ class FsspecStorage:
         with self._errors("list", path):
             self._invalidate(path)
             try:
-                raw = self.fs.find(self.full(path), detail=True, withdirs=False)
+                raw = self._settled(lambda: self.fs.find(self.full(path), detail=True,
+                                                         withdirs=False))
             except FileNotFoundError:
                 return []
         return [Entry(self.rel(str(name)), int(info.get("size") or 0), False)
@@ -520,7 +539,7 @@ class FsspecStorage:
         self._require(ModifiedTimes)
         with self._errors("stat", path):
             try:
-                info = self.fs.info(self.full(path))
+                info = self._settled(lambda: self.fs.info(self.full(path)))
             except FileNotFoundError:
                 return None
         for key in self.spec.mtime_keys:

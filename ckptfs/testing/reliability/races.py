@@ -169,7 +169,8 @@ def sweep_free_race(backend: Backend, *, trials: int = 3, writers: int = 2,
         winners = [i for i, r in enumerate(results) if r is None]
         others = [r for r in results if r is not None]
         if any(not isinstance(r, CheckpointExistsError) for r in others):
-            sweep.bad(scenario, f"a loser got {others!r}")
+            sweep.bad(scenario, f"a loser got {[type(r).__name__ for r in others]}: "
+                                f"{others!r}")
         if exclusive and len(winners) != 1:
             sweep.bad(scenario, f"{len(winners)} writers committed")
         committed.add(step)
