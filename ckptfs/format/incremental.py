@@ -51,6 +51,7 @@ from ckptfs.format.sharded import (
     bound_entry,
     chunk_list_digest,
     decode_chunks,
+    manifest_error,
     rank_of_file,
 )
 
@@ -200,13 +201,8 @@ class IncrementalManifest(Manifest):
             refs = [_decode_reference(raw, seen, step, attempt, where) for raw in raw_refs]
             if STATE_NAME not in {f.path for f in files}:
                 raise KeyError(f"no {STATE_NAME} among the files")
-        except CorruptCheckpointError as exc:  # path, size, digest: name the manifest
-            if str(exc).startswith(where):
-                raise
-            raise type(exc)(f"{where}: {exc}") from None
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptCheckpointError(
-                f"{where}: malformed v3 manifest ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:
+            raise manifest_error(exc, where, "v3") from None
         return cls(step, attempt, tuple(files), created, algo, metadata,
                    references=tuple(refs))
 
@@ -350,13 +346,8 @@ class ShardedIncrementalManifest(ShardedManifest):
                     raise UnsafeCheckpointError(
                         f"{where}: reference {ref.path!r} names {ref.source!r}, not a rank "
                         "file (rank-NNNNN/data-K.safetensors)")
-        except CorruptCheckpointError as exc:
-            if str(exc).startswith(where):
-                raise
-            raise type(exc)(f"{where}: {exc}") from None
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptCheckpointError(
-                f"{where}: malformed v4 manifest ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:
+            raise manifest_error(exc, where, "v4") from None
         return cls(base.step, base.attempt, base.files, base.created, base.hash_algorithm,
                    base.metadata, world_size=base.world_size, references=tuple(refs))
 

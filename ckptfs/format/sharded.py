@@ -228,14 +228,21 @@ class ShardedManifest(Manifest):
                 files.append(_decode_entry(raw, seen, world, where))
             if METADATA_NAME not in seen:
                 raise KeyError(f"no {METADATA_NAME} among the files")
-        except CorruptCheckpointError as exc:  # path, size, digest: name the manifest
-            if str(exc).startswith(where):
-                raise
-            raise type(exc)(f"{where}: {exc}") from None
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptCheckpointError(
-                f"{where}: malformed v2 manifest ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:
+            raise manifest_error(exc, where, "v2") from None
         return cls(step, attempt, tuple(files), created, algo, metadata, world_size=world)
+
+
+def manifest_error(exc: Exception, where: str, version: str) -> Exception:
+    """What a manifest decoder (formats v2-v4) raises for ``exc``: a typed ckptfs error
+    (path, size, digest) named after the manifest ``where``, a malformed field as
+    :class:`CorruptCheckpointError`; anything else unchanged."""
+    if isinstance(exc, CorruptCheckpointError):
+        return exc if str(exc).startswith(where) else type(exc)(f"{where}: {exc}")
+    if isinstance(exc, (KeyError, TypeError, ValueError, AttributeError)):
+        return CorruptCheckpointError(
+            f"{where}: malformed {version} manifest ({type(exc).__name__}: {exc})")
+    return exc
 
 
 def _is_int(x: object) -> bool:

@@ -254,6 +254,21 @@ def check_mmap_storage(storage: Storage, info: CheckpointInfo) -> None:
             f"format v{info.manifest.format_version} (docs/sharded.md): load it without mmap")
 
 
+def _state_entry(storage: Storage, info: CheckpointInfo, by_path: dict[str, FileEntry]
+                 ) -> tuple[FileEntry, str]:
+    """``state.msgpack``'s manifest entry (and its URL), its declared size within the reader's
+    limit: a load and the no-data check refuse a missing or oversized document alike."""
+    where = storage_url(storage, f"{info.path}/{STATE_NAME}")
+    entry = by_path.get(STATE_NAME)
+    if entry is None:
+        raise CorruptCheckpointError(f"{info.url}: manifest lists no {STATE_NAME}",
+                                     step=info.step)
+    if entry.size > MAX_STATE_DOC_BYTES:
+        raise UnsafeCheckpointError(f"{where}: declared size {entry.size} exceeds "
+                                    f"{MAX_STATE_DOC_BYTES} B", step=info.step)
+    return entry, where
+
+
 def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
             mapper: TensorMap | None = None, threads: int = 4,
             keys: list[KeyPath] | None = None, mmap: bool = False) -> dict[Any, Any]:
@@ -265,14 +280,7 @@ def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
     paths = keys
     manifest = info.manifest
     by_path = {e.path: e for e in manifest.files}
-    state_entry = by_path.get(STATE_NAME)
-    where = storage_url(storage, f"{info.path}/{STATE_NAME}")
-    if state_entry is None:
-        raise CorruptCheckpointError(f"{info.url}: manifest lists no {STATE_NAME}",
-                                     step=info.step)
-    if state_entry.size > MAX_STATE_DOC_BYTES:
-        raise UnsafeCheckpointError(f"{where}: declared size {state_entry.size} exceeds "
-                                    f"{MAX_STATE_DOC_BYTES} B", step=info.step)
+    state_entry, where = _state_entry(storage, info, by_path)
     listing = check_listing(storage, info, [state_entry])
     doc = read_file_verified(storage, info, state_entry, verify=verify)
     tree, slots = decode_state_doc(bytes(doc), where=where)
@@ -561,14 +569,7 @@ def check_v1(storage: Storage, info: CheckpointInfo) -> CheckedV1:
     program's classes).  Used by ``ckptfs cp`` before it copies anything."""
     manifest = info.manifest
     by_path = {e.path: e for e in manifest.files}
-    state_entry = by_path.get(STATE_NAME)
-    where = storage_url(storage, f"{info.path}/{STATE_NAME}")
-    if state_entry is None:
-        raise CorruptCheckpointError(f"{info.url}: manifest lists no {STATE_NAME}",
-                                     step=info.step)
-    if state_entry.size > MAX_STATE_DOC_BYTES:
-        raise UnsafeCheckpointError(f"{where}: declared size {state_entry.size} exceeds "
-                                    f"{MAX_STATE_DOC_BYTES} B", step=info.step)
+    state_entry, where = _state_entry(storage, info, by_path)
     check_listing(storage, info)
     doc = read_file_verified(storage, info, state_entry, verify=True)
     tree, slots = decode_state_doc(bytes(doc), where=where)
