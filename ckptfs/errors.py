@@ -69,6 +69,17 @@ class CorruptCheckpointError(CkptfsError, ValueError):
         self.path = path
 
 
+class RemoteChecksumMismatchError(CorruptCheckpointError):
+    """``verify(remote=True)``: the object store's own checksum of a file differs from the one
+    the manifest recorded while writing (the stored bytes changed), or a file is missing or
+    resized.  ``report`` is the per-file report (docs/remote-verify.md)."""
+
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None,
+                 report: object = None) -> None:
+        super().__init__(message, step=step, path=path)
+        self.report = report
+
+
 class UnsafeCheckpointError(CorruptCheckpointError):
     """A checkpoint whose metadata is hostile: paths escaping the checkpoint, symlinks, sizes or
     nesting beyond the format's bounds, unknown encodings."""
@@ -146,3 +157,15 @@ class ShardedLoadError(ShardedCheckpointError):
 class AsyncSaveError(CkptfsError, RuntimeError):
     """An async-save call that cannot work where it was made (e.g. waiting for the store's
     pending saves from the background save thread itself, which would deadlock)."""
+
+
+class ReplicationError(CkptfsError, RuntimeError):
+    """Replication to the remote tier of a two-tier store cannot complete (docs/tiers.md): a
+    step failed for good (the message says why), or the replicator stopped.  The local
+    checkpoints are unaffected."""
+
+
+class UnreplicatedCheckpointError(ReplicationError):
+    """A delete of a local checkpoint that has not reached the remote tier yet, refused: it
+    would be the only copy.  Wait for replication (``store.wait_replicated()``) or open the
+    store with ``delete_unreplicated=True`` (docs/tiers.md, local retention)."""

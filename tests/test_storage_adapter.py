@@ -37,6 +37,7 @@ from ckptfs.storage.base import (
     ModifiedTimes,
     MultipartUploads,
     RangedRead,
+    ServerChecksums,
     supports,
 )
 from ckptfs.storage.fsspec import (
@@ -93,7 +94,7 @@ def test_unknown_protocol_is_conservative() -> None:
 @pytest.mark.parametrize("name,offered", [
     ("local", {RangedRead, LocalFiles, EmptyDirRemoval, ModifiedTimes}),
     ("memory", {RangedRead, ModifiedTimes}),
-    ("s3", {RangedRead, ModifiedTimes, MultipartUploads}),
+    ("s3", {RangedRead, ModifiedTimes, MultipartUploads, ServerChecksums}),
 ])
 def test_adapter_offers_its_optional_capabilities(request: pytest.FixtureRequest, name: str,
                                                   offered: set[type]) -> None:

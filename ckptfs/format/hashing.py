@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import threading
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -82,6 +83,66 @@ ALGORITHMS: dict[str, Algorithm] = {
     "xxh3-128": Algorithm("xxh3-128", "xxhash", False, _xxh3_128),
     "crc32c": Algorithm("crc32c", "crc32c", False, _Crc32c),
 }
+
+
+class _Crc32:
+    """zlib's CRC-32 (the ISO-HDLC polynomial S3 calls ``CRC32``; botocore sends it with every
+    upload by default), as a hasher.  ``zlib.crc32`` releases the GIL on large buffers."""
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+#: Whole-object checksums an object store computes or keeps itself, recorded in a manifest's
+#: optional ``store_checksums`` (docs/protocol.md section 2.1) so that a copy can be checked
+#: from metadata requests alone (docs/remote-verify.md).  Not content digests: never named in
+#: ``files[].digest``.  Value: the checksum as big-endian lowercase hex.
+STORE_CHECKSUMS: dict[str, Callable[[], Hasher]] = {
+    "crc32": _Crc32,
+    "crc32c": _Crc32c,
+}
+#: Hex digits of each store checksum's value.
+STORE_CHECKSUM_HEX: dict[str, int] = {"crc32": 8, "crc32c": 8, "crc64nvme": 16}
+
+
+def new_store_hasher(algorithm: str) -> Hasher:
+    """A fresh hasher of the store checksum ``algorithm`` (one of :data:`STORE_CHECKSUMS`)."""
+    return STORE_CHECKSUMS[algorithm]()
+
+
+#: Slice of a :class:`MultiHasher` update: about an L2 cache.
+MULTI_SLICE = 1 << 20
+
+
+class MultiHasher:
+    """Several hashers fed the same bytes in one pass over them (the content digest and the
+    store's checksums, on the same helper thread): each slice of :data:`MULTI_SLICE` bytes goes
+    to every hasher in turn while it is still in the CPU's cache, so memory is read once.
+    :meth:`hexdigest` is the first hasher's."""
+
+    def __init__(self, first: Hasher, *others: Hasher) -> None:
+        self.hashers = (first, *others)
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None:
+        if len(self.hashers) == 1:
+            self.hashers[0].update(data)
+            return
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        for start in range(0, len(view), MULTI_SLICE):
+            piece = view[start:start + MULTI_SLICE]
+            for h in self.hashers:
+                h.update(piece)
+
+    def hexdigest(self) -> str:
+        return self.hashers[0].hexdigest()
 
 
 def new_hasher(algorithm: str) -> Hasher:

@@ -24,7 +24,12 @@ from ckptfs.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from ckptfs.format.hashing import ALGORITHMS, digest_bytes, parse_digest
+from ckptfs.format.hashing import (
+    ALGORITHMS,
+    STORE_CHECKSUM_HEX,
+    digest_bytes,
+    parse_digest,
+)
 from ckptfs.format.layout import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -76,11 +81,49 @@ def unique_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
+#: The optional per-file key holding the store's whole-object checksums (section 2.1).
+STORE_CHECKSUMS_KEY = "store_checksums"
+
+
+def store_checksums_doc(entry: FileEntry) -> dict[str, Any]:
+    """The optional ``store_checksums`` key of a file entry (nothing when it has none, so a
+    manifest without them is byte-identical to one written before the key existed)."""
+    if not entry.store_checksums:
+        return {}
+    return {STORE_CHECKSUMS_KEY: dict(entry.store_checksums)}
+
+
+def decode_store_checksums(raw: Mapping[str, Any], path: str) -> tuple[tuple[str, str], ...]:
+    """The ``store_checksums`` of a file entry: an object of ``name: hex``.  Names this reader
+    does not know are ignored (a newer writer's); a known name with a malformed value, or a
+    value that is not an object, is a malformed manifest (``TypeError``, reported by the
+    decoder as :class:`~ckptfs.errors.CorruptCheckpointError`)."""
+    value = raw.get(STORE_CHECKSUMS_KEY)
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise TypeError(f"file {path!r}: {STORE_CHECKSUMS_KEY!r} is not an object")
+    out = []
+    for name, hexdigest in sorted(value.items()):
+        width = STORE_CHECKSUM_HEX.get(name)
+        if width is None:
+            continue
+        if (not isinstance(hexdigest, str) or len(hexdigest) != width
+                or any(c not in "0123456789abcdef" for c in hexdigest)):
+            raise TypeError(f"file {path!r}: store checksum {name} is not {width} hex digits")
+        out.append((name, hexdigest))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the attempt directory
     size: int
     digest: str  # "algorithm:hex"
+    #: Optional (docs/protocol.md section 2.1): ``(algorithm, hex)`` of the whole-object
+    #: checksums the object store keeps (``ckptfs.format.hashing.STORE_CHECKSUMS``), computed
+    #: while writing, for ``verify(remote=True)``.  Older readers ignore the key.
+    store_checksums: tuple[tuple[str, str], ...] = field(default=(), kw_only=True)
 
     @property
     def algorithm(self) -> str:
@@ -116,7 +159,8 @@ class Manifest:
             "created": self.created,
             "hash_algorithm": self.hash_algorithm,
             "files": [
-                {"path": e.path, "size": e.size, "digest": e.digest, "algorithm": e.algorithm}
+                {"path": e.path, "size": e.size, "digest": e.digest, "algorithm": e.algorithm,
+                 **store_checksums_doc(e)}
                 for e in self.files
             ],
             "metadata": self.metadata,
@@ -150,7 +194,8 @@ class Manifest:
                 if path in seen:
                     raise UnsafeCheckpointError(f"{where}: file {path!r} listed twice")
                 seen.add(path)
-                files.append(FileEntry(path, size, raw["digest"]))
+                files.append(FileEntry(path, size, raw["digest"],
+                                       store_checksums=decode_store_checksums(raw, path)))
             metadata = doc["metadata"]
             if not isinstance(metadata, dict):
                 raise TypeError("'metadata' is not an object")

@@ -81,6 +81,12 @@ class BackendSpec:
     #: of preference; empty where none is known (then the store does not offer
     #: :class:`~ckptfs.storage.base.ModifiedTimes`, and GC leaves files it cannot age alone).
     mtime_keys: tuple[str, ...] = ()
+    #: The whole-object checksums the store keeps for objects ckptfs writes through the
+    #: library, and reports from a metadata request (names of
+    #: ``ckptfs.format.hashing.STORE_CHECKSUMS``); empty where it keeps none that ckptfs can
+    #: compute.  The store offers :class:`~ckptfs.storage.base.ServerChecksums` where this is
+    #: not empty (docs/remote-verify.md).
+    server_checksums: tuple[str, ...] = ()
 
     @property
     def stream_buffer_bytes(self) -> int:
@@ -148,6 +154,9 @@ _S3 = BackendSpec(
     write_block_size=_OBJECT_BLOCK,
     write_block_copies=_OBJECT_COPIES,
     mtime_keys=("LastModified",),
+    # botocore (>= 1.36, without awscrt) sends a CRC32 of every PutObject body, which S3 keeps
+    # as the object's full-object checksum; multi-part uploads: see docs/remote-verify.md.
+    server_checksums=("crc32",),
 )
 _GCS = BackendSpec(
     Capabilities("gs", exclusive_create="server_precondition", atomic_rename=False, fsync=False,
@@ -168,6 +177,8 @@ _GCS = BackendSpec(
     write_block_size=_OBJECT_BLOCK,
     write_block_copies=_OBJECT_COPIES,
     mtime_keys=("mtime", "updated"),
+    # GCS computes a crc32c of every object (composite objects included).
+    server_checksums=("crc32c",),
 )
 _AZURE = BackendSpec(
     Capabilities("az", exclusive_create="server_precondition", atomic_rename=False, fsync=False,

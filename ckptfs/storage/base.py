@@ -233,6 +233,37 @@ class MultipartUploads(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class StoredChecksum:
+    """A whole-object checksum the object store itself keeps for an object (S3's full-object
+    ``ChecksumCRC32``/``CRC32C``/``CRC64NVME``, GCS's ``crc32c``), as the store reports it in
+    a metadata request: ``algorithm`` one of :data:`ckptfs.format.hashing.STORE_CHECKSUMS`,
+    ``hexdigest`` lowercase big-endian hex."""
+
+    algorithm: str
+    hexdigest: str
+
+
+@runtime_checkable
+class ServerChecksums(Protocol):
+    """The store keeps a checksum of each whole object and reports it from a metadata request
+    (no data read), so a committed checkpoint can be checked against its manifest without
+    downloading it (docs/remote-verify.md).  A writer computes :meth:`checksum_algorithms`
+    while it writes and records them in the manifest; the verifier compares."""
+
+    def checksum_algorithms(self) -> tuple[str, ...]:
+        """The whole-object checksums this store keeps for objects written through this
+        storage, as names of :data:`ckptfs.format.hashing.STORE_CHECKSUMS` (the writer computes
+        each while writing)."""
+        ...
+
+    def server_checksum(self, path: str) -> StoredChecksum | None:
+        """The store's whole-object checksum of ``path`` from one metadata request, ``None``
+        where the store keeps none for this object (e.g. a composite multipart checksum);
+        ``FileNotFoundError`` if absent."""
+        ...
+
+
 @runtime_checkable
 class DeclaresCapabilities(Protocol):
     """A storage whose class has the members of several optional capabilities but offers only
@@ -246,7 +277,7 @@ class DeclaresCapabilities(Protocol):
 
 #: Every optional capability, for wrappers and the conformance suite.
 OPTIONAL_CAPABILITIES: tuple[type, ...] = (RangedRead, LocalFiles, Retrying, ModifiedTimes,
-                                           EmptyDirRemoval, MultipartUploads)
+                                           EmptyDirRemoval, MultipartUploads, ServerChecksums)
 
 
 def supports(storage: Storage, capability: type) -> bool:
@@ -411,6 +442,14 @@ class StorageWrapper:
         inner = PendingUpload(self.inner_path(upload.path), upload.upload_id, upload.initiated,
                               upload.size)
         return self.inner.abort_upload(inner)  # type: ignore[attr-defined, no-any-return]
+
+    def checksum_algorithms(self) -> tuple[str, ...]:
+        self.require(ServerChecksums)
+        return self.inner.checksum_algorithms()  # type: ignore[attr-defined, no-any-return]
+
+    def server_checksum(self, path: str) -> StoredChecksum | None:
+        self.require(ServerChecksums)
+        return self.inner.server_checksum(self.inner_path(path))  # type: ignore[attr-defined, no-any-return]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"

@@ -10,6 +10,7 @@ backend's :class:`~ckptfs.storage.base.Capabilities` say.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import errno
 import io
@@ -21,6 +22,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import datetime, timezone
@@ -49,6 +51,8 @@ from ckptfs.storage.base import (
     MultipartUploads,
     PendingUpload,
     RangedRead,
+    ServerChecksums,
+    StoredChecksum,
 )
 from ckptfs.storage.classify import classify as classify
 from ckptfs.storage.classify import describe_cause as describe_cause
@@ -75,9 +79,14 @@ class FsspecStorage:
     """A :class:`~ckptfs.storage.base.Storage` over any fsspec filesystem, rooted at ``url``."""
 
     def __init__(self, url: str, *, probe: bool = True,
-                 probe_timeout: float = DEFAULT_PROBE_TIMEOUT, **storage_options: Any) -> None:
+                 probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
+                 full_object_checksums: bool = True, **storage_options: Any) -> None:
         """Open ``url`` with ``storage_options`` passed to the fsspec implementation (merged over
         the backend's defaults, see :mod:`ckptfs.storage.backends`).
+
+        ``full_object_checksums`` (S3 only): multi-part uploads ask the store to keep a
+        full-object CRC32 (:class:`S3FullObjectCrc32`), so that ``verify(remote=True)`` can
+        compare them; ``False`` for an S3-compatible server that refuses those requests.
 
         On object stores the bucket/container is checked at once (one request, at most
         ``probe_timeout`` seconds), so a missing bucket, refused credentials or a dead endpoint
@@ -114,6 +123,7 @@ class FsspecStorage:
             else self.spec.stream_buffer_bytes)
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._local = self.capabilities.protocol == "file"
+        self._full_object_checksums = full_object_checksums
         #: The optional capabilities this backend has (:meth:`offers`), decided once, as data:
         #: from the backend's spec, and for multi-part uploads from what the filesystem object
         #: can do (s3fs), never from the URL.
@@ -122,7 +132,8 @@ class FsspecStorage:
                                  (LocalFiles, self._local),
                                  (EmptyDirRemoval, self.capabilities.real_directories),
                                  (ModifiedTimes, bool(self.spec.mtime_keys)),
-                                 (MultipartUploads, has_multipart_api(fs)))
+                                 (MultipartUploads, has_multipart_api(fs)),
+                                 (ServerChecksums, self._checksum_api() is not None))
             if has)
         if probe and self.spec.probe_on_open:
             self.probe(probe_timeout)
@@ -390,6 +401,9 @@ class FsspecStorage:
             block = self.spec.write_block_size
             f = (self.fs.open(full, "wb", block_size=block) if block and not self._local
                  else self.fs.open(full, "wb"))
+            if (self._full_object_checksums and self._checksum_api() == "s3"
+                    and callable(getattr(f, "_call_s3", None))):
+                f._call_s3 = S3FullObjectCrc32(f._call_s3)
         try:
             yield cast(BinaryIO, _Translating(f, self, path, None if self._local else block))
             with self._errors("write", path):
@@ -608,8 +622,106 @@ class FsspecStorage:
                 raise
         return True
 
+    def _checksum_api(self) -> str | None:
+        """How this store's whole-object checksums are read: ``"s3"`` (HeadObject through
+        botocore, which s3fs's ``info`` does not surface), ``"info"`` (the library's ``info``
+        carries them: gcsfs's ``crc32c``), or ``None`` (none known: local, memory, Azure)."""
+        if not self.spec.server_checksums:
+            return None
+        if has_multipart_api(self.fs):
+            return "s3"
+        return "info"
+
+    def checksum_algorithms(self) -> tuple[str, ...]:
+        """The store checksums to compute while writing
+        (:class:`~ckptfs.storage.base.ServerChecksums`)."""
+        self._require(ServerChecksums)
+        return tuple(self.spec.server_checksums)
+
+    def server_checksum(self, path: str) -> StoredChecksum | None:
+        """The store's whole-object checksum of ``path`` from one metadata request (S3:
+        ``HeadObject`` with ``ChecksumMode=ENABLED``; GCS: the object's metadata), ``None``
+        where it keeps none for this object: an S3 multi-part object with a composite
+        (checksum-of-parts) checksum or none at all."""
+        self._require(ServerChecksums)
+        with self._errors("stat", path):
+            if self._checksum_api() == "s3":
+                bucket, key = self._bucket_key(path)
+                head = self.fs.call_s3("head_object", Bucket=bucket, Key=key,
+                                       ChecksumMode="ENABLED")
+                return s3_full_object_checksum(head)
+            info = self.fs.info(self.full(path))
+        value = info.get("crc32c")
+        return StoredChecksum("crc32c", b64_to_hex(value)) if isinstance(value, str) else None
+
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r}, {self.capabilities.protocol})"
+
+
+#: S3's checksum response fields, by store-checksum name, in order of preference.
+S3_CHECKSUM_FIELDS = (("crc64nvme", "ChecksumCRC64NVME"), ("crc32c", "ChecksumCRC32C"),
+                      ("crc32", "ChecksumCRC32"))
+
+
+def s3_full_object_checksum(head: dict[str, Any]) -> StoredChecksum | None:
+    """The full-object checksum of a ``HeadObject``/``GetObjectAttributes`` answer, ``None`` if
+    it has none or only a composite one (``ChecksumType: COMPOSITE``, or a value ending in
+    ``-<parts>``: a checksum of the parts' checksums, which no single pass over the bytes
+    reproduces)."""
+    if head.get("ChecksumType") == "COMPOSITE":
+        return None
+    for name, key in S3_CHECKSUM_FIELDS:
+        value = head.get(key)
+        if isinstance(value, str) and "-" not in value:
+            return StoredChecksum(name, b64_to_hex(value))
+    return None
+
+
+class S3FullObjectCrc32:
+    """The request method of one s3fs file being written, made to give a multi-part upload a
+    full-object CRC32 that S3 checks and keeps (``ChecksumType: FULL_OBJECT``): s3fs creates
+    the upload and completes it naming no checksum, and then S3 keeps none for the object.
+
+    CreateMultipartUpload asks for ``ChecksumAlgorithm=CRC32, ChecksumType=FULL_OBJECT``; each
+    UploadPart sends its part's CRC32 (which botocore would otherwise compute itself); and
+    CompleteMultipartUpload lists each part's CRC32 and the whole object's, which S3 checks
+    against what it received.  s3fs uploads the parts of one file in order, one at a time, so
+    the whole object's CRC is a running CRC over the parts (an out-of-order part is refused
+    here rather than completed with a wrong value).  A single-request upload (below the part
+    size) needs none of this: botocore sends a CRC32 of every PutObject body, which S3 keeps
+    as the object's full-object checksum.  See docs/remote-verify.md."""
+
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self._call = call
+        self._crc = 0
+        self._parts: dict[int, str] = {}
+
+    def __call__(self, method: str, *kwargs_list: Any, **kwargs: Any) -> Any:
+        if method == "create_multipart_upload":
+            kwargs.update(ChecksumAlgorithm="CRC32", ChecksumType="FULL_OBJECT")
+        elif method == "upload_part":
+            body = kwargs["Body"]
+            if kwargs["PartNumber"] != len(self._parts) + 1:
+                raise StorageError(f"part {kwargs['PartNumber']} of {kwargs.get('Key')} "
+                                   f"uploaded after {len(self._parts)} parts: out of order")
+            part = zlib.crc32(body)
+            self._crc = zlib.crc32(body, self._crc)
+            self._parts[kwargs["PartNumber"]] = kwargs["ChecksumCRC32"] = _crc_b64(part)
+        elif method == "complete_multipart_upload":
+            parts = kwargs["MultipartUpload"]["Parts"]
+            kwargs["MultipartUpload"] = {**kwargs["MultipartUpload"], "Parts": [
+                {**p, "ChecksumCRC32": self._parts[p["PartNumber"]]} for p in parts]}
+            kwargs.update(ChecksumCRC32=_crc_b64(self._crc), ChecksumType="FULL_OBJECT")
+        return self._call(method, *kwargs_list, **kwargs)
+
+
+def _crc_b64(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def b64_to_hex(value: str) -> str:
+    """A checksum as the stores send it (base64 of the big-endian bytes) as lowercase hex."""
+    return base64.b64decode(value).hex()
 
 
 BACKENDS_HINT = ("file", "memory", "s3", "gs", "az")

@@ -16,9 +16,10 @@ bounded number of times, with capped exponential backoff and jitter:
   succeeded; otherwise another writer won and ``CheckpointExistsError`` propagates;
 * ``rename_dir``: a retry that finds the source gone and the destination present is the
   earlier try having succeeded;
-* the optional capabilities it can retry: ``read_range``, ``modified`` and ``list_uploads``
-  (reads), ``remove_empty_dir`` (a retry answered "not found" is the earlier try having
-  succeeded) and ``abort_upload`` (a retry answered "no such upload" reports it gone).
+* the optional capabilities it can retry: ``read_range``, ``modified``, ``list_uploads`` and
+  ``server_checksum`` (reads), ``remove_empty_dir`` (a retry answered "not found" is the
+  earlier try having succeeded) and ``abort_upload`` (a retry answered "no such upload"
+  reports it gone).
   ``local_path`` is not a request and is delegated as it is.
 
 It is a :class:`~ckptfs.storage.base.StorageWrapper`: every member is delegated explicitly, it
@@ -55,8 +56,10 @@ from ckptfs.storage.base import (
     MultipartUploads,
     PendingUpload,
     Retrying,
+    ServerChecksums,
     Storage,
     StorageWrapper,
+    StoredChecksum,
 )
 from ckptfs.storage.classify import permanent_errno
 
@@ -242,6 +245,11 @@ class RetryingStorage(StorageWrapper):
         self.require(MultipartUploads)
         abort = super().abort_upload
         return self._retry("abort upload", upload.path, lambda: abort(upload))
+
+    def server_checksum(self, path: str) -> StoredChecksum | None:
+        self.require(ServerChecksums)
+        stored = super().server_checksum
+        return self._retry("stat", path, lambda: stored(path))
 
     def __repr__(self) -> str:
         return f"RetryingStorage({self.inner!r}, attempts={self.attempts})"

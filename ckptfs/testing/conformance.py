@@ -52,6 +52,7 @@ from ckptfs.storage.base import (
     MultipartUploads,
     RangedRead,
     Retrying,
+    ServerChecksums,
     Storage,
     read_range,
     retry_call,
@@ -569,6 +570,25 @@ class _Abandon(Exception):
     """Ends the streaming write of :func:`_use_multipart_uploads` (its upload is aborted)."""
 
 
+def _use_server_checksums(inner: Storage, wrapper: Storage, scratch: str, prefix: str) -> None:
+    """The store's checksum of an object written through the wrapper, read through it and
+    through the inner storage alike, equals the one computed over the bytes (where the store
+    keeps one: an emulator may keep none, which the verifier reports as not available)."""
+    from ckptfs.format.hashing import new_store_hasher
+
+    data = b"checksummed by the store " * 100
+    wrapper.write_bytes(f"{scratch}/sum.bin", data)
+    sums = cast(ServerChecksums, wrapper)
+    algorithms = sums.checksum_algorithms()
+    assert algorithms == cast(ServerChecksums, inner).checksum_algorithms()
+    stored = sums.server_checksum(f"{scratch}/sum.bin")
+    assert stored == cast(ServerChecksums, inner).server_checksum(f"{prefix}{scratch}/sum.bin")
+    if stored is not None:
+        h = new_store_hasher(stored.algorithm)
+        h.update(data)
+        assert stored.hexdigest == h.hexdigest(), (stored, h.hexdigest())
+
+
 _USES: dict[type, Callable[[Storage, Storage, str, str], None]] = {
     RangedRead: _use_ranged_read,
     LocalFiles: _use_local_files,
@@ -576,6 +596,7 @@ _USES: dict[type, Callable[[Storage, Storage, str, str], None]] = {
     ModifiedTimes: _use_modified_times,
     EmptyDirRemoval: _use_empty_dir_removal,
     MultipartUploads: _use_multipart_uploads,
+    ServerChecksums: _use_server_checksums,
 }
 
 

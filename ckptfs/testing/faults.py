@@ -82,7 +82,7 @@ class Call:
 
 
 Hook = Callable[[str, str], None]
-Action = Literal["run", "tear", "fail_after", "crash_after"]
+Action = Literal["run", "tear", "fail_after", "crash_after", "outage_after"]
 
 
 @dataclass
@@ -91,6 +91,8 @@ class FaultStats:
     reads: int = 0
     transient_before: int = 0
     transient_after: int = 0
+    #: Calls refused by an outage (``outage_at``), reads included.
+    outage_refused: int = 0
     calls: list[Call] = field(default_factory=list)
 
 
@@ -111,6 +113,13 @@ class FaultyStorage(StorageWrapper):
     The ``write``/``fsync`` calls inside a streaming write are not requests of their own (the
     library buffers them), so they fail only with ``transient_stream_writes=True``.
     ``power_model``: record durability for :meth:`power_cut` (local disk only).
+    ``outage_at=k``: an outage of the storage begins at the k-th mutating call: from it on,
+    every call (reads included) fails with :class:`TransientStorageError` before it reaches
+    storage, until :meth:`end_outage` (or, with ``outage_calls``, after that many refused
+    calls).  ``outage_after=True``: the k-th call takes effect first, then fails (the answer is
+    lost: the ambiguous outcome), and the outage goes on from the next call.  Unlike a crash the
+    writer is alive: it sees errors, retries, and goes on once the storage is back.
+    :meth:`begin_outage` starts one at once (the storage is down from the start).
     ``hook(op, path)`` runs before every call (outside any lock): tests use it to interleave
     writers deterministically.
     """
@@ -120,7 +129,8 @@ class FaultyStorage(StorageWrapper):
                  tear_then_crash: bool = True, transient_p: float = 0.0,
                  transient_reads: bool = True, transient_stream_writes: bool = False,
                  seed: int = 0, power_model: bool = False,
-                 hook: Hook | None = None) -> None:
+                 outage_at: int | None = None, outage_after: bool = False,
+                 outage_calls: int | None = None, hook: Hook | None = None) -> None:
         super().__init__(inner)
         self.crash_at = crash_at
         self.crash_after = crash_after
@@ -131,6 +141,11 @@ class FaultyStorage(StorageWrapper):
         self.transient_reads = transient_reads
         self.transient_stream_writes = transient_stream_writes
         self.hook = hook
+        self.outage_at = outage_at
+        self.outage_after = outage_after
+        self.outage_calls = outage_calls
+        #: Whether the outage is on now (from ``outage_at`` until :meth:`end_outage`).
+        self.down = False
         self.stats = FaultStats()
         self.crashed = False
         self._rng = random.Random(seed)
@@ -154,6 +169,29 @@ class FaultyStorage(StorageWrapper):
     def calls(self) -> list[Call]:
         return self.stats.calls
 
+    def begin_outage(self) -> None:
+        """The storage goes down now: every call fails until :meth:`end_outage`."""
+        with self._lock:
+            self.down = True
+
+    def end_outage(self) -> None:
+        """The storage is back: calls reach it again (no later outage begins)."""
+        with self._lock:
+            self.down = False
+            self.outage_at = None
+
+    def _refused(self) -> None:
+        """Count a call the outage refused; with ``outage_calls``, the last one ends it."""
+        self.stats.outage_refused += 1
+        if self.outage_calls is not None and self.stats.outage_refused >= self.outage_calls:
+            self.down = False
+            self.outage_at = None
+
+    def _refuse(self, op: str, path: str) -> TransientStorageError:
+        self._refused()
+        return TransientStorageError(f"{op} {self.url}/{path}: injected outage (connection "
+                                     "refused)")
+
     def _die(self, op: str, path: str, index: int) -> SimulatedCrash:
         self.crashed = True
         return SimulatedCrash(f"simulated crash at mutating call {index} ({op} {path})")
@@ -164,6 +202,8 @@ class FaultyStorage(StorageWrapper):
         with self._lock:
             if self.crashed:
                 raise SimulatedCrash(f"{op} {path}: refused, this writer has crashed")
+            if self.down:
+                raise self._refuse(op, path)
             if not mutating:
                 self.stats.reads += 1
                 self.stats.calls.append(Call(0, op, path))
@@ -181,6 +221,13 @@ class FaultyStorage(StorageWrapper):
                 raise self._die(op, path, k)
             if k == self.tear_at:
                 return "tear"
+            if k == self.outage_at:
+                self.down = True
+                if self.outage_after:
+                    return "outage_after"
+                self.stats.calls.pop()  # refused: it never reached storage
+                self.stats.mutating -= 1
+                raise self._refuse(op, path)
             if op in ("write", "fsync") and not self.transient_stream_writes:
                 return "run"  # buffered inside one request: not a request of its own
             if self._transient():
@@ -198,6 +245,11 @@ class FaultyStorage(StorageWrapper):
         """Called once a mutating call took effect."""
         if action == "crash_after":
             raise self._die(op, path, self.stats.mutating)
+        if action == "outage_after":
+            with self._lock:
+                self._refused()
+            raise TransientStorageError(f"{op} {self.url}/{path}: injected outage after the "
+                                        "request took effect (connection reset)", after=True)
         if action == "fail_after":
             with self._lock:
                 self.stats.transient_after += 1
