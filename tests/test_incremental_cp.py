@@ -5,6 +5,7 @@ checkpoint when that already holds the same content."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -220,3 +221,67 @@ def test_cp_crash_at_every_call_commits_nothing_partial(
         copy_step(src.storage, faulty, 2, threads=1)
     assert 2 in dst_b.open().steps() and dst_b.open().verify(2).ok
     assert_same(state(2), dst_b.open().load(2))
+
+
+def test_same_content_of_v4_compares_references_not_their_attempt_names() -> None:
+    """A copy (or replica) of a v4 step is the same checkpoint whatever attempt its references
+    name (a replica names the remote's own copy of the referenced step), and another checkpoint
+    if a reference's chunks differ: the comparison used to look at the own files only, so a
+    remote v4 step with other references counted as identical (ckptfs cp left it, a tiered
+    store counted the step as replicated)."""
+    from ckptfs.format.incremental import Reference, ShardedIncrementalManifest
+    from ckptfs.format.sharded import Chunk, make_entry
+    from ckptfs.protocol.copy import same_content
+
+    head, item = Chunk(0, 16, "aa" * 32), Chunk(16, 8, "bb" * 32)
+    own = make_entry("rank-00000/data-0.safetensors", 24, "blake3", (head, item), 0)
+    ref = Reference("ref-00000.safetensors", 1, "a-20260101T000000Z-0000000000000001",
+                    "rank-00001/data-0.safetensors", 64, "blake3", (head, item))
+
+    def v4(attempt: str, r: Reference) -> ShardedIncrementalManifest:
+        return ShardedIncrementalManifest(2, attempt, (own,), "2026-01-01T00:00:00Z", "blake3",
+                                          {}, world_size=2, references=(r,))
+
+    a = v4("a-20260101T000000Z-000000000000000a", ref)
+    renamed = dataclasses.replace(ref, attempt="a-20260102T000000Z-000000000000000b")
+    assert same_content(a, v4("a-20260102T000000Z-000000000000000c", renamed))
+    other = dataclasses.replace(ref, chunks=(head, Chunk(16, 8, "cc" * 32)))
+    assert not same_content(a, v4("a-20260101T000000Z-000000000000000a", other))
+    assert not same_content(a, v4("a-20260101T000000Z-000000000000000a",
+                                  dataclasses.replace(ref, step=0)))
+
+
+def test_cp_outliving_its_lease_copies_every_byte_again(
+        local_backend: Backend, memory_backend: Backend,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A referencing copy whose marker lands after its lease, when a collector removed a file
+    it references meanwhile: the copy is uncommitted and made again holding every byte (it
+    used to raise CorruptCheckpointError "copy again", which the replicator took as permanent
+    and gave the step up)."""
+    import time as real_time
+    from types import SimpleNamespace
+
+    from ckptfs.protocol import copy as copy_mod
+
+    src = populate(local_backend)
+    copy_step(src.storage, memory_backend.open().storage, 1)
+    dst = memory_backend.open()
+    late: list[bool] = []
+    real_commit = copy_mod.Attempt.commit
+
+    def commit(self: Any, manifest: Any, **kw: Any) -> Any:
+        out = real_commit(self, manifest, **kw)
+        refs = getattr(manifest, "references", ())
+        if refs and not late:  # the lease runs out, a collector takes a referenced file
+            late.append(True)
+            dst.storage.delete(refs[0].location)
+        return out
+
+    monkeypatch.setattr(copy_mod.Attempt, "commit", commit)
+    monkeypatch.setattr(copy_mod, "time", SimpleNamespace(
+        monotonic=lambda: real_time.monotonic() + (1e6 if late else 0.0)))
+    assert copy_step(src.storage, dst.storage, 2).status == "copied"
+    assert late
+    assert manifest(dst, 2).references == ()
+    assert_same(state(2), memory_backend.open().load(2))
+    assert memory_backend.open().verify(2).ok

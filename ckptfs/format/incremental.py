@@ -43,7 +43,14 @@ from ckptfs.format.layout import (
     step_dir_name,
 )
 from ckptfs.format.limits import MAX_FILE_SIZE, MAX_FILES
-from ckptfs.format.manifest import FILE_KEYS, MANIFEST_KEYS, MANIFEST_SCHEMA, Manifest
+from ckptfs.format.manifest import (
+    FILE_KEYS,
+    MANIFEST_KEYS,
+    MANIFEST_SCHEMA,
+    Manifest,
+    decode_store_checksums,
+    store_checksums_doc,
+)
 from ckptfs.format.sharded import (
     Chunk,
     ChunkedFileEntry,
@@ -157,7 +164,8 @@ class IncrementalManifest(Manifest):
                 raise TypeError(f"{e.path}: a v3 manifest lists chunked files only")
             files.append({"path": e.path, "size": e.size, "digest": e.digest,
                           "algorithm": e.algorithm,
-                          "chunks": [[c.offset, c.length, c.digest] for c in e.chunks]})
+                          "chunks": [[c.offset, c.length, c.digest] for c in e.chunks],
+                          **store_checksums_doc(e)})
         doc = {
             "schema": MANIFEST_SCHEMA, "format_version": INCREMENTAL_FORMAT_VERSION,
             "layout": INCREMENTAL_LAYOUT, "step": self.step, "attempt": self.attempt,
@@ -239,7 +247,8 @@ def _decode_file(raw: Any, seen: set[str], where: str) -> ChunkedFileEntry:
     if raw["algorithm"] != algo:
         raise TypeError(f"file {path!r}: 'algorithm' differs from its digest's")
     chunks = decode_chunks(raw["chunks"], algo, path)
-    return bound_entry(path, size, raw["digest"], algo, chunks, None, where=where)
+    return bound_entry(path, size, raw["digest"], algo, chunks, None, where=where,
+                       store_checksums=decode_store_checksums(raw, path))
 
 
 def _decode_reference(raw: Any, seen: set[str], step: int, attempt: str,

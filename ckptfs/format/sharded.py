@@ -48,6 +48,8 @@ from ckptfs.format.manifest import (
     MANIFEST_SCHEMA,
     FileEntry,
     Manifest,
+    decode_store_checksums,
+    store_checksums_doc,
     unique_pairs,
 )
 from ckptfs.format.serialize import (
@@ -139,10 +141,14 @@ class ChunkedFileEntry(FileEntry):
 
 
 def make_entry(path: str, size: int, algorithm: str, chunks: list[Chunk],
-               rank: int | None) -> ChunkedFileEntry:
-    """The manifest entry of a chunked file, after checking that ``chunks`` tile it."""
+               rank: int | None, *, store_checksums: tuple[tuple[str, str], ...] = ()
+               ) -> ChunkedFileEntry:
+    """The manifest entry of a chunked file, after checking that ``chunks`` tile it;
+    ``store_checksums``: what the writer computed of the store's own checksums
+    (docs/remote-verify.md)."""
     check_tiling(chunks, size, where=path)
-    return ChunkedFileEntry(path, size, chunk_list_digest(algorithm, chunks), tuple(chunks), rank)
+    return ChunkedFileEntry(path, size, chunk_list_digest(algorithm, chunks), tuple(chunks), rank,
+                            store_checksums=store_checksums)
 
 
 def check_tiling(chunks: list[Chunk] | tuple[Chunk, ...], size: int, *, where: str) -> None:
@@ -181,7 +187,8 @@ class ShardedManifest(Manifest):
                 raise TypeError(f"{e.path}: a v2 manifest lists chunked files only")
             files.append({"path": e.path, "size": e.size, "digest": e.digest,
                           "algorithm": e.algorithm, "rank": e.rank,
-                          "chunks": [[c.offset, c.length, c.digest] for c in e.chunks]})
+                          "chunks": [[c.offset, c.length, c.digest] for c in e.chunks],
+                          **store_checksums_doc(e)})
         return {
             "schema": MANIFEST_SCHEMA, "format_version": self.format_version,
             "layout": SHARDED_LAYOUT, "step": self.step, "attempt": self.attempt,
@@ -274,7 +281,8 @@ def _decode_entry(raw: Any, seen: set[str], world: int, where: str) -> ChunkedFi
                         f"the rank-NNNNN/data-K.safetensors file of its rank (0 <= rank < "
                         f"world_size {world})")
     chunks = decode_chunks(raw["chunks"], algo, path)
-    return bound_entry(path, size, raw["digest"], algo, chunks, rank, where=where)
+    return bound_entry(path, size, raw["digest"], algo, chunks, rank, where=where,
+                       store_checksums=decode_store_checksums(raw, path))
 
 
 def decode_chunks(raw: Any, algo: str, path: str) -> list[Chunk]:
@@ -294,11 +302,13 @@ def decode_chunks(raw: Any, algo: str, path: str) -> list[Chunk]:
 
 
 def bound_entry(path: str, size: int, digest: str, algo: str, chunks: list[Chunk],
-                rank: int | None, *, where: str) -> ChunkedFileEntry:
+                rank: int | None, *, where: str,
+                store_checksums: tuple[tuple[str, str], ...] = ()) -> ChunkedFileEntry:
     """The manifest entry of a chunked file, after checking that ``chunks`` tile it and that
     ``digest`` is the digest of their list (:class:`CorruptCheckpointError` naming ``where``)."""
     check_tiling(chunks, size, where=f"{where}: {path}")
-    entry = ChunkedFileEntry(path, size, digest, tuple(chunks), rank)
+    entry = ChunkedFileEntry(path, size, digest, tuple(chunks), rank,
+                             store_checksums=store_checksums)
     if chunk_list_digest(algo, chunks) != entry.digest:
         raise CorruptCheckpointError(
             f"{where}: file {path!r}: its digest does not match its chunk list")

@@ -45,6 +45,7 @@ attempt that readers skip and garbage collection removes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -61,10 +62,12 @@ from ckptfs.format.hashing import (
     HASH_INLINE_BYTES,
     BackgroundHasher,
     Hasher,
+    MultiHasher,
     PieceHasher,
     digest_bytes,
     format_digest,
     new_hasher,
+    new_store_hasher,
 )
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
@@ -83,9 +86,10 @@ from ckptfs.format.manifest import (
     check_metadata,
 )
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, StatePlan, plan_state
+from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
 from ckptfs.format.versions import check_committable
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, read_marker, storage_url
-from ckptfs.storage.base import Storage, retry_call
+from ckptfs.storage.base import ServerChecksums, Storage, retry_call, supports
 
 log = logging.getLogger("ckptfs")
 
@@ -142,9 +146,26 @@ class WrittenFile:
     size: int
     digest: str
     pieces: tuple[str, ...] = ()
+    #: ``(algorithm, hex)`` of the whole-object checksums the store keeps
+    #: (:class:`~ckptfs.storage.base.ServerChecksums`), computed in the same pass as the digest.
+    store_checksums: tuple[tuple[str, str], ...] = ()
 
     def entry(self, algorithm: str) -> FileEntry:
-        return FileEntry(self.path, self.size, format_digest(algorithm, self.digest))
+        """Its format v1 entry (one whole-file digest), with the store checksums."""
+        return FileEntry(self.path, self.size, format_digest(algorithm, self.digest),
+                         store_checksums=self.store_checksums)
+
+    def chunked_entry(self, algorithm: str, lengths: Sequence[int], rank: int | None = None
+                      ) -> ChunkedFileEntry:
+        """Its chunked (format v2-v4) entry, written by pieces of ``lengths`` (those given to
+        :meth:`Attempt.write_file`), with the store checksums: every writer's entries carry
+        them through here or :meth:`entry`."""
+        out, pos = [], 0
+        for length, hexd in zip(lengths, self.pieces, strict=True):
+            out.append(Chunk(pos, length, hexd))
+            pos += length
+        return make_entry(self.path, self.size, algorithm, out, rank,
+                          store_checksums=self.store_checksums)
 
 
 class EarlyFlush:
@@ -240,6 +261,11 @@ class Attempt:
         self.sync = durable and caps.fsync
         self.committed: CheckpointInfo | None = None
         self._outcome_unknown = False
+        #: The store's whole-object checksums, computed while writing each file (docs/
+        #: remote-verify.md); none where the store keeps none.
+        self.store_checksums: tuple[str, ...] = (
+            storage.checksum_algorithms()  # type: ignore[attr-defined]
+            if supports(storage, ServerChecksums) else ())
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -304,20 +330,23 @@ class Attempt:
         the whole file is repeated from its first byte under the storage's bounded retries
         when a write fails transiently.  ``size``: the planned size (-1: unknown), checked."""
         path = self.file_path(relpath)
-        written, digest, piece_digests = retry_call(
+        written, digest, piece_digests, checksums = retry_call(
             self.storage, "write", path, lambda: self._write_once(path, size, chunks, pieces))
         if size >= 0 and written != size:
             raise CorruptCheckpointError(
                 f"{storage_url(self.storage, path)}: {written} bytes were streamed, {size} "
                 "were planned or declared", step=self.step, path=path)
-        return WrittenFile(relpath, written, digest, tuple(piece_digests))
+        return WrittenFile(relpath, written, digest, tuple(piece_digests), checksums)
 
-    def _write_once(self, path: str, size: int, chunks: Chunks,
-                    pieces: Sequence[int] | None) -> tuple[int, str, list[str]]:
+    def _write_once(self, path: str, size: int, chunks: Chunks, pieces: Sequence[int] | None
+                    ) -> tuple[int, str, list[str], tuple[tuple[str, str], ...]]:
         hasher: Hasher | PieceHasher = new_hasher(self.algorithm) if pieces is None \
             else PieceHasher(self.algorithm, list(pieces))
+        # The store's checksums ride on the digest's pass (one read of each slice of memory).
+        extra = {name: new_store_hasher(name) for name in self.store_checksums}
+        both = MultiHasher(hasher, *extra.values())
         written = 0
-        with BackgroundHasher(hasher, max_lead=MAX_HASH_LEAD,
+        with BackgroundHasher(both, max_lead=MAX_HASH_LEAD,
                               background=size < 0 or size > HASH_INLINE_BYTES) as bg, \
                 self.storage.open_write(path) as f, \
                 EarlyFlush(f, self.sync and (size < 0 or size > FLUSH_STEP)) as flush:
@@ -332,9 +361,10 @@ class Attempt:
             if self.sync:
                 flush.finish()
                 f.fsync()  # type: ignore[attr-defined]
+        checksums = tuple((name, h.hexdigest()) for name, h in extra.items())
         if isinstance(hasher, PieceHasher):
-            return written, "", hasher.digests()
-        return written, hasher.hexdigest(), []
+            return written, "", hasher.digests(), checksums
+        return written, hasher.hexdigest(), [], checksums
 
     def write_files(self, files: Sequence[tuple[str, int, Chunks]], *, threads: int
                     ) -> list[WrittenFile]:
@@ -350,7 +380,8 @@ class Attempt:
     def write_document(self, relpath: str, data: bytes) -> WrittenFile:
         """A small whole document (one request), hashed."""
         self.storage.write_bytes(self.file_path(relpath), data)
-        return WrittenFile(relpath, len(data), _hex(self.algorithm, data))
+        return WrittenFile(relpath, len(data), _hex(self.algorithm, data),
+                           store_checksums=store_checksums_of(self.store_checksums, data))
 
     def sync_file_dir(self, relpath: str) -> None:
         """Make the directory entry of ``relpath`` durable (a rank's own subdirectory)."""
@@ -360,13 +391,15 @@ class Attempt:
     # -- committing ----------------------------------------------------------------------------
 
     def commit(self, manifest: Manifest, *, fence: Callable[[], None] | None = None,
-               **writer: Any) -> CheckpointInfo:
+               node_files: Iterable[str] | None = None, **writer: Any) -> CheckpointInfo:
         """Write ``manifest`` and create the marker exclusively: the checkpoint is committed
         when this returns.  ``writer``: extra facts the marker records (``world_size``,
         ``copied_from``).  ``fence``: called after the manifest is written (and durable) and
         before the marker is created; an error it raises discards the attempt (an incremental
         save checks there that what it references is still committed, docs/protocol.md §9.4).
-        See the module docstring for the outcomes."""
+        ``node_files``: the files on this node's storage, when each rank of a sharded save
+        wrote to its own node's disk (docs/tiers.md): only their directories are made durable
+        here, each rank did its own.  See the module docstring for the outcomes."""
         if manifest.step != self.step or manifest.attempt != self.name:
             raise AssertionError("the manifest is not this attempt's")  # pragma: no cover
         who = writer_identity(**writer)
@@ -382,7 +415,8 @@ class Attempt:
                 # Done here, once each, after the data: on a journaling filesystem the first
                 # fsync commits every entry made so far and the others find nothing left.
                 # A rank's ``rank-00003/`` first (deepest first), whoever wrote its files.
-                for sub in subdirectories(f.path for f in manifest.files):
+                for sub in subdirectories(f.path for f in manifest.files) if node_files is None \
+                        else subdirectories(node_files):
                     self.storage.sync_dir(f"{self.final_dir}/{sub}")
                 for d in (self.final_dir, self.paths.dir, CHECKPOINTS_DIR, ""):
                     self.storage.sync_dir(d)
@@ -436,6 +470,17 @@ class Attempt:
     def reread(self) -> CheckpointInfo:
         """The committed checkpoint as a reader sees it (after :meth:`commit`)."""
         return read_committed(self.storage, self.step)
+
+
+def store_checksums_of(algorithms: Iterable[str], data: bytes | memoryview
+                       ) -> tuple[tuple[str, str], ...]:
+    """``(algorithm, hex)`` of each store checksum of a small document held in memory."""
+    out = []
+    for name in algorithms:
+        h = new_store_hasher(name)
+        h.update(data)
+        out.append((name, h.hexdigest()))
+    return tuple(out)
 
 
 def subdirectories(relpaths: Iterable[str]) -> list[str]:
@@ -504,9 +549,9 @@ def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, A
                                for pf in plan.files]))
         written = att.write_files([(pf.path, pf.size, pf.chunks) for pf in plan.files],
                                   threads=threads or default_threads())
-        return att.commit(v1_manifest(step, att.name, algorithm, meta, created,
-                                      [(w.path, w.size, w.entry(algorithm).digest)
-                                       for w in written]))
+        manifest = v1_manifest(step, att.name, algorithm, meta, created, [])
+        return att.commit(dataclasses.replace(
+            manifest, files=tuple(w.entry(algorithm) for w in written)))
 
 
 def save_checkpoint(

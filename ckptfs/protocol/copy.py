@@ -46,18 +46,37 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
-from ckptfs.errors import CheckpointExistsError, CkptfsError, CorruptCheckpointError
+import torch
+
+from ckptfs.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CkptfsError,
+    CorruptCheckpointError,
+    StorageError,
+)
 from ckptfs.format.hashing import ALGORITHMS, format_digest, new_hasher
-from ckptfs.format.incremental import DEFAULT_LEASE_S, IncrementalManifest, Reference
+from ckptfs.format.incremental import (
+    DEFAULT_LEASE_S,
+    IncrementalManifest,
+    Reference,
+    ShardedIncrementalManifest,
+)
 from ckptfs.format.layout import STATE_NAME
 from ckptfs.format.manifest import FileEntry, Manifest
-from ckptfs.format.serialize import HeaderEntry
+from ckptfs.format.serialize import HeaderEntry, tensor_memoryview
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
-from ckptfs.protocol.commit import Attempt, placeholder_digest
+from ckptfs.protocol.commit import Attempt, WrittenFile, placeholder_digest
 from ckptfs.protocol.formats import check_checkpoint
-from ckptfs.protocol.incremental import ProtectorGoneError, ReuseIndex, Stored, index_of
-from ckptfs.protocol.listing import check_references
+from ckptfs.protocol.incremental import (
+    ProtectorGoneError,
+    ReuseIndex,
+    Stored,
+    index_of,
+    recheck_after_lease,
+)
 from ckptfs.protocol.reader import CheckedV1, local_header, reference_chunks
+from ckptfs.protocol.remote_verify import compare_stored
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
     find_step_dir,
@@ -81,6 +100,10 @@ class CopyResult:
     attempt: str
     files: int
     bytes: int
+    #: ``check_stored``: files whose checksum, as the destination store keeps it, was compared
+    #: before the commit and matched, and files the store has no comparable checksum for.
+    server_verified: int = 0
+    server_unverified: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -96,8 +119,18 @@ def same_content(a: Manifest, b: Manifest) -> bool:
     if isinstance(a, IncrementalManifest) or isinstance(b, IncrementalManifest):
         return (a.step == b.step and a.format_version == b.format_version
                 and a.metadata == b.metadata and v3_content(a) == v3_content(b))
-    return (a.step == b.step and a.format_version == b.format_version
+    same = (a.step == b.step and a.format_version == b.format_version
             and files(a) == files(b) and a.metadata == b.metadata)
+    if isinstance(a, ShardedIncrementalManifest) or isinstance(b, ShardedIncrementalManifest):
+        # v4: the rank files, and each reference's file and chunks; not the attempt a
+        # reference names (a replica names the remote's own copy of the step it takes bytes
+        # from, docs/protocol.md section 10).
+        if not (isinstance(a, ShardedIncrementalManifest)
+                and isinstance(b, ShardedIncrementalManifest)):
+            return False
+        return same and [(r.path, r.step, r.source, r.size, r.chunks) for r in a.references] \
+            == [(r.path, r.step, r.source, r.size, r.chunks) for r in b.references]
+    return same
 
 
 def v3_content(m: Manifest) -> tuple[Any, ...]:
@@ -116,12 +149,17 @@ def v3_content(m: Manifest) -> tuple[Any, ...]:
 
 
 def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, threads: int = 4,
-              progress: Progress | None = None) -> CopyResult:
-    """Copy the committed ``step`` of ``src`` to ``dst`` (see the module docstring)."""
+              progress: Progress | None = None, check_stored: bool = False) -> CopyResult:
+    """Copy the committed ``step`` of ``src`` to ``dst`` (see the module docstring).  The copy's
+    manifest records the destination store's own checksums of the files it wrote, computed
+    while writing (docs/remote-verify.md).  ``check_stored``: before the marker, compare them
+    with what the destination store keeps (one metadata request per file; where it offers
+    :class:`~ckptfs.storage.base.ServerChecksums`): a difference is a
+    :class:`~ckptfs.errors.StorageError` and nothing is committed."""
     info = read_committed(src, step)
     manifest = info.manifest
 
-    existing = _committed_at(dst, step)
+    existing = committed_at(dst, step)
     if existing is not None:
         if same_content(existing.manifest, manifest):
             return CopyResult(step, "identical", existing.attempt, len(manifest.files),
@@ -139,49 +177,95 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
     # copied.
     checked = check_checkpoint(src, info)
     if isinstance(manifest, IncrementalManifest):
-        return _copy_v3(src, dst, info, manifest, checked, durable=durable, progress=progress)
+        return _copy_v3(src, dst, info, manifest, checked, durable=durable, progress=progress,
+                        check_stored=check_stored)
     try:
         with Attempt.open(dst, step, algorithm=manifest.hash_algorithm,
                           durable=durable) as att:
             copied = dataclasses.replace(manifest, attempt=att.name)
             att.check(copied)
             entries = sorted(manifest.files, key=lambda e: -e.size)
-            files = [(e.path, e.size, _source_chunks(src, info, e, progress)) for e in entries]
-            pieces = {e.path: [c.length for c in e.chunks] for e in entries
-                      if isinstance(e, ChunkedFileEntry)}
-            if not pieces:
+            if not any(isinstance(e, ChunkedFileEntry) for e in entries):
+                files = [(e.path, e.size, _source_chunks(src, info.path, info.step, e, progress))
+                         for e in entries]
                 written = att.write_files(files, threads=threads)
+                for entry, w in zip(entries, written, strict=True):
+                    _check_copied(src, dst, info.path, info.step, entry, w.digest, [])
             else:
-                written = [att.write_file(p, s, c, pieces=pieces.get(p)) for p, s, c in files]
-            for entry, w in zip(entries, written, strict=True):
-                _check_copied(src, dst, info, entry, w.digest, list(w.pieces))
+                written = [copy_file(src, info.path, att, entry, progress=progress)
+                           for entry in entries]
+            sums = {w.path: w.store_checksums for w in written}
+            copied = dataclasses.replace(copied, files=tuple(
+                dataclasses.replace(e, store_checksums=sums[e.path]) for e in manifest.files))
+            verified = check_stored_checksums(dst, att, written) if check_stored else (0, 0)
             out = att.commit(copied, copied_from=info.url)
     except CheckpointExistsError:
-        winner = _committed_at(dst, step, quiet=True)
+        winner = committed_at(dst, step, quiet=True)
         if winner is not None and same_content(winner.manifest, manifest):
             return CopyResult(step, "identical", winner.attempt, len(manifest.files),
                               manifest.total_bytes)
         raise
     log.info("copied step %d from %s to %s", step, src.url, dst.url)
-    return CopyResult(step, "copied", out.attempt, len(manifest.files), manifest.total_bytes)
+    return CopyResult(step, "copied", out.attempt, len(manifest.files), manifest.total_bytes,
+                      *verified)
 
 
-def _source_chunks(src: Storage, info: CheckpointInfo, entry: FileEntry,
+def check_stored_checksums(dst: Storage, att: Attempt, written: list[WrittenFile]
+                           ) -> tuple[int, int]:
+    """Before the marker (of a copy, a replica, or each rank's part of a sharded replica):
+    each written object's checksum as ``dst`` keeps it equals the one
+    computed from the bytes sent (:func:`~ckptfs.protocol.remote_verify.compare_stored`).
+    Returns (matched, not available); a mismatch raises :class:`StorageError` (the store holds
+    other bytes than were sent: nothing is committed, a replicator retries)."""
+    results = [compare_stored(dst, att.file_path(w.path), w.path, w.store_checksums)[0]
+               for w in written]
+    bad = [r for r in results if r.status == "mismatch"]
+    if bad:
+        raise StorageError(
+            f"{dst.url}: step {att.step}: the store holds other bytes than were written ("
+            + "; ".join(f"{r.path}: {r.detail}" for r in bad) + "); nothing was committed")
+    matched = sum(1 for r in results if r.status == "match")
+    return matched, len(results) - matched
+
+
+def copy_file(src: Storage, source_dir: str, att: Attempt, entry: FileEntry, *,
+              progress: Progress | None = None) -> WrittenFile:
+    """Copy one file of a committed checkpoint (``entry``, under ``source_dir`` of ``src``,
+    the attempt's directory from the run root) into ``att``: streamed, hashed while written
+    (per chunk for a chunked entry), and :class:`CorruptCheckpointError` (before anything is
+    committed) unless its size and digests are the manifest's.  The one per-file copy of
+    :func:`copy_step` and of the per-rank upload of a sharded replica
+    (:mod:`ckptfs.protocol.replication_sharded`)."""
+    pieces = [c.length for c in entry.chunks] if isinstance(entry, ChunkedFileEntry) else None
+    w = att.write_file(entry.path, entry.size,
+                       _source_chunks(src, source_dir, att.step, entry, progress), pieces=pieces)
+    _check_copied(src, att.storage, source_dir, att.step, entry, w.digest, list(w.pieces))
+    return w
+
+
+def _source_chunks(src: Storage, source_dir: str, step: int, entry: FileEntry,
                    progress: Progress | None) -> Callable[[], Iterator[memoryview]]:
-    """The bytes of ``entry`` read from the source, in slices of a reused buffer; a file that
-    turns out shorter or longer than declared raises while it is written (the partial upload
-    is aborted)."""
-    source = f"{info.path}/{entry.path}"
+    """The bytes of ``entry`` read from the source, in slices of at most :data:`COPY_CHUNK`; a
+    file that turns out shorter or longer than declared raises while it is written (the partial
+    upload is aborted).
+
+    Each slice is a buffer of its own (uninitialized, not zero-filled): the writer hands a
+    slice to its background hasher and goes on while it is hashed, so a slice must not change
+    after it was yielded.  (A reused buffer was refilled by the next read before the hasher had
+    read it whenever the destination took the bytes faster than the hash, e.g. ``memory://``:
+    a healthy source then failed as "digest differs", and replication gave the step up.)
+    Memory: the hasher's bounded lead (``MAX_HASH_LEAD``) per file in flight."""
+    source = f"{source_dir}/{entry.path}"
 
     def chunks() -> Iterator[memoryview]:
         size = 0
-        buf = bytearray(min(COPY_CHUNK, max(entry.size, 1)))
-        view = memoryview(buf)
+        slice_bytes = min(COPY_CHUNK, max(entry.size, 1))
         try:
             with src.open_read(source) as raw:
                 reader = cast(Any, raw)
                 while size < entry.size:
-                    n = reader.readinto(view[:min(len(view), entry.size - size)])
+                    view = tensor_memoryview(torch.empty(slice_bytes, dtype=torch.uint8))
+                    n = reader.readinto(view[:min(slice_bytes, entry.size - size)])
                     if not n:
                         break
                     size += n
@@ -191,17 +275,17 @@ def _source_chunks(src: Storage, info: CheckpointInfo, entry: FileEntry,
                 extra = reader.read(1) if size == entry.size else b""
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{storage_url(src, source)}: listed in the manifest "
-                                         "but missing", step=info.step, path=source) from None
+                                         "but missing", step=step, path=source) from None
         if size != entry.size or extra:
             raise CorruptCheckpointError(
                 f"{storage_url(src, source)}: size differs from the manifest (declared "
                 f"{entry.size} B, read {'more' if extra else size}); nothing was committed",
-                step=info.step, path=source)
+                step=step, path=source)
 
     return chunks
 
 
-def _check_copied(src: Storage, dst: Storage, info: CheckpointInfo, entry: FileEntry,
+def _check_copied(src: Storage, dst: Storage, source_dir: str, step: int, entry: FileEntry,
                   digest: str, pieces: list[str]) -> None:
     """The bytes the destination got hash to what the source's manifest declares."""
     if isinstance(entry, ChunkedFileEntry):
@@ -211,11 +295,11 @@ def _check_copied(src: Storage, dst: Storage, info: CheckpointInfo, entry: FileE
         got = format_digest(entry.algorithm, digest)
         ok = got == entry.digest
     if not ok:
-        source = f"{info.path}/{entry.path}"
+        source = f"{source_dir}/{entry.path}"
         raise CorruptCheckpointError(
             f"{storage_url(src, source)}: content digest differs from the manifest (expected "
             f"{entry.digest}, got {got}): the source is corrupt; nothing was committed at "
-            f"{dst.url}", step=info.step, path=source)
+            f"{dst.url}", step=step, path=source)
 
 
 # -- format v3 -----------------------------------------------------------------------------------
@@ -356,7 +440,8 @@ def _reusable(path: str, wanted: dict[str, tuple[HeaderEntry, Chunk]], algorithm
 
 def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: IncrementalManifest,
              checked: Any, *, durable: bool, progress: Progress | None,
-             reuse: bool = True, lease_s: float = DEFAULT_LEASE_S) -> CopyResult:
+             reuse: bool = True, lease_s: float = DEFAULT_LEASE_S,
+             check_stored: bool = False) -> CopyResult:
     """Copy a v3 checkpoint so that it holds every byte it uses, or references the
     destination's latest committed checkpoint (module docstring)."""
     step, algo = info.step, manifest.hash_algorithm
@@ -419,35 +504,39 @@ def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: Increme
                 make_entry(m.ref.path, m.size, algo, _tiles(m.pieces, [hexd] * len(m.pieces)),
                            None) for m in mats)]))
             written: list[ChunkedFileEntry] = []
+            files: list[WrittenFile] = []
             for entry in sorted(copies, key=lambda e: -e.size):
-                w = att.write_file(entry.path, entry.size,
-                                   _source_chunks(src, info, entry, progress),
-                                   pieces=[c.length for c in entry.chunks])
-                _check_copied(src, dst, info, entry, w.digest, list(w.pieces))
-                written.append(entry)
+                w = copy_file(src, info.path, att, entry, progress=progress)
+                written.append(dataclasses.replace(entry, store_checksums=w.store_checksums))
+                files.append(w)
             for m in mats:
                 w = att.write_file(m.ref.path, m.size, _materialized_chunks(src, info, m, progress),
                                    pieces=m.pieces)
                 _check_materialized(src, dst, info, m, list(w.pieces), algo)
-                written.append(make_entry(m.ref.path, w.size, algo,
-                                          _tiles(m.pieces, list(w.pieces)), None))
+                written.append(w.chunked_entry(algo, m.pieces))
+                files.append(w)
+            verified = check_stored_checksums(dst, att, files) if check_stored else (0, 0)
             out = att.commit(build(att.name, written), fence=fence_for(opened),
                              copied_from=info.url)
             if dst_refs and time.monotonic() - opened > lease_s:
-                _recheck(dst, out)
+                try:
+                    recheck_after_lease(dst, out)  # uncommits if referenced bytes are gone
+                except CorruptCheckpointError as exc:
+                    raise ProtectorGoneError(str(exc)) from None
     except ProtectorGoneError as exc:
         log.warning("%s: step %d: %s; copying every byte instead", dst.url, step, exc)
         return _copy_v3(src, dst, info, manifest, checked, durable=durable, progress=progress,
-                        reuse=False, lease_s=lease_s)
+                        reuse=False, lease_s=lease_s, check_stored=check_stored)
     except CheckpointExistsError:
-        winner = _committed_at(dst, step, quiet=True)
+        winner = committed_at(dst, step, quiet=True)
         if winner is not None and same_content(winner.manifest, manifest):
             return CopyResult(step, "identical", winner.attempt, len(manifest.files),
                               manifest.logical_bytes)
         raise
     log.info("copied step %d from %s to %s (%d files materialized, %d referenced there)",
              step, src.url, dst.url, len(mats), len(dst_refs))
-    return CopyResult(step, "copied", out.attempt, len(written), manifest.logical_bytes)
+    return CopyResult(step, "copied", out.attempt, len(written), manifest.logical_bytes,
+                      *verified)
 
 
 def _tiles(lengths: list[int], digests: list[str]) -> list[Chunk]:
@@ -458,19 +547,10 @@ def _tiles(lengths: list[int], digests: list[str]) -> list[Chunk]:
     return out
 
 
-def _recheck(dst: Storage, info: CheckpointInfo) -> None:
-    """The marker landed after the lease: if a collector removed what the copy references
-    meanwhile, uncommit it (as an incremental save does, docs/protocol.md §9.4)."""
-    try:
-        check_references(dst, info)
-    except CorruptCheckpointError as exc:
-        dst.delete(info.paths.marker)
-        raise CorruptCheckpointError(
-            f"{info.url}: the copy outlived its lease and bytes it references were removed "
-            f"meanwhile ({exc}); it was uncommitted: copy again", step=info.step) from None
-
-
-def _committed_at(storage: Storage, step: int, *, quiet: bool = False) -> CheckpointInfo | None:
+def committed_at(storage: Storage, step: int, *, quiet: bool = False) -> CheckpointInfo | None:
+    """The committed checkpoint of ``step`` at ``storage``, or ``None`` when there is none (or
+    it was deleted meanwhile).  ``quiet``: ``None`` on any other error too.  What a copy, a
+    replica and a sharded replica ask of the destination before and after writing."""
     name = find_step_dir(storage, step)
     if name is None:
         return None
@@ -478,6 +558,8 @@ def _committed_at(storage: Storage, step: int, *, quiet: bool = False) -> Checkp
         if read_marker(storage, step, name) is None:
             return None
         return read_committed(storage, step, name)
+    except CheckpointNotFoundError:
+        return None
     except Exception:
         if quiet:
             return None

@@ -343,12 +343,8 @@ def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
 
         def write(f: tuple[str, int, Any, list[int]]) -> ChunkedFileEntry:
             path, size, chunks, pieces = f
-            w = att.write_file(path, size, chunks, pieces=pieces)
-            out, pos = [], 0
-            for length, hexd in zip(pieces, w.pieces, strict=True):
-                out.append(Chunk(pos, length, hexd))
-                pos += length
-            return make_entry(path, w.size, algorithm, out, None)
+            return att.write_file(path, size, chunks, pieces=pieces).chunked_entry(
+                algorithm, pieces)
 
         if n <= 1:
             entries = [write(f) for f in files]
@@ -389,17 +385,18 @@ def _placeholder_chunks(pieces: list[int], algorithm: str) -> list[Chunk]:
 
 
 def recheck_after_lease(storage: Storage, info: CheckpointInfo) -> None:
-    """The marker of an incremental save (single-process or sharded) landed after its lease: a
-    collector may have judged the save abandoned and removed what it references.  If anything
-    referenced is gone, uncommit (delete the marker) and raise; else it is as safe as any
-    committed checkpoint from now on."""
+    """The marker of an incremental save (single-process or sharded) or of a referencing copy
+    (``ckptfs cp``, a replica) landed after its lease: a collector may have judged the writer
+    abandoned and removed what it references.  If anything referenced is gone, uncommit
+    (delete the marker) and raise; else it is as safe as any committed checkpoint from now
+    on."""
     try:
         check_references(storage, info)
     except CorruptCheckpointError as exc:
         storage.delete(info.paths.marker)
         raise CorruptCheckpointError(
-            f"{storage_url(storage, info.path)}: the save outlived its lease and bytes it "
-            f"references were removed meanwhile ({exc}); it was uncommitted: save again",
+            f"{storage_url(storage, info.path)}: the writer outlived its lease and bytes it "
+            f"references were removed meanwhile ({exc}); it was uncommitted: write it again",
             step=info.step) from None
 
 

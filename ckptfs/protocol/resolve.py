@@ -23,15 +23,16 @@ directory names of one step are an error (:class:`CorruptCheckpointError` naming
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from ckptfs.errors import (
     CheckpointDeletedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
+    StorageError,
     StorageNotFoundError,
 )
 from ckptfs.format.incremental import has_references
@@ -223,63 +224,219 @@ def read_committed(storage: Storage, step: int, name: str | None = None) -> Chec
         marker.attempt)), manifest, marker, name)
 
 
+#: A tier the walk reads: a name for the log and errors (``"local"``, ``"remote"``; empty for
+#: a one-tier store) and its storage.  Tiers are listed in order of preference.
+Tier = tuple[str, Storage]
+
+
 def walk_latest(storage: Storage, use: Callable[[CheckpointInfo], T], *,
                 allow_rollback: bool = False,
                 skipped: list[str] | None = None) -> tuple[CheckpointInfo, T] | None:
-    """Apply ``use`` to the newest committed checkpoint and return it with the result, or
-    ``None`` if there is none.  The one walk behind ``latest``, ``load()`` and ``verify()``.
+    """Apply ``use`` to the newest committed checkpoint of one store and return it with the
+    result, or ``None`` if there is none: :func:`walk_tiers` over one tier."""
+    return walk_tiers([("", storage)], use, allow_rollback=allow_rollback, skipped=skipped)
 
-    Newest step first: no marker -> skipped (incomplete); :class:`CorruptCheckpointError` from
-    reading it or from ``use`` -> raised naming the step, or with ``allow_rollback`` logged,
-    appended to ``skipped`` and the next older step tried; :class:`FormatVersionError` ->
-    raised, never rolled back over; :class:`CheckpointDeletedError` -> the listing is read
-    again.  When the answer comes after skipping newer steps, ``checkpoints/`` is listed once
-    more, and a step that appeared meanwhile starts the walk over: a writer that committed a
-    newer step and then pruned the one being read never makes this return an older one."""
+
+def walk_tiers(tiers: Sequence[Tier], use: Callable[[CheckpointInfo], T], *,
+               allow_rollback: bool = False,
+               skipped: list[str] | None = None) -> tuple[CheckpointInfo, T] | None:
+    """Apply ``use`` to the newest committed checkpoint in any of ``tiers`` and return it with
+    the result, or ``None`` if there is none.  The one walk behind ``latest``, ``load()``,
+    ``verify()`` and the manager's restore, for one store and for a two-tier store
+    (docs/tiers.md), where ``tiers`` is ``[local, remote]``.
+
+    Newest step (in any tier) first; for that step, each tier that lists it, in order: the
+    first copy that reads and passes ``use`` is the answer (a later tier is tried when an
+    earlier copy is incomplete, corrupt or unreadable, logged).  A step with no marker in any
+    tier -> skipped (incomplete); every copy :class:`CorruptCheckpointError` (from reading it
+    or from ``use``) -> raised naming the step and each tier's error, or with
+    ``allow_rollback`` logged, appended to ``skipped`` and the next older step tried; every
+    copy a :class:`~ckptfs.errors.StorageError` -> that error; :class:`FormatVersionError` ->
+    raised, never rolled back over; :class:`CheckpointDeletedError` -> the listings are read
+    again.  When the answer comes after skipping newer steps, the tiers are listed once more,
+    and a step that appeared meanwhile starts the walk over: a writer that committed a newer
+    step and then pruned the one being read never makes this return an older one.
+
+    A tier that cannot be listed (a remote outage) is left out, logged, when another tier can
+    be; if none can, the first tier's error is raised."""
     for _ in range(MAX_RESOLVE_PASSES):
-        listing = list_step_dirs(storage)
+        listings = _list_tiers(tiers)
+        steps = sorted(set().union(*(listing for _, listing in listings)), reverse=True)
         passed_over = False
-        for step in reversed(listing):
+        relist = False
+        for step in steps:
+            holders = [(tier, listing[step]) for tier, listing in listings if step in listing]
+            problems: list[tuple[Tier, Exception]] = []
             try:
-                info = read_committed(storage, step, unique_dir(storage, step, listing[step]))
-                result = use(info)
+                found = _use_step(step, holders, use, problems)
             except CheckpointDeletedError as exc:
-                log.info("%s; listing %s again", exc, storage.url)
+                log.info("%s; listing again", exc)
+                relist = True
                 break
-            except CheckpointNotFoundError:
-                log.debug("step %d at %s is incomplete; skipped", step, storage.url)
-                passed_over = True
-                continue
-            except FormatVersionError:
-                raise  # written by a newer ckptfs: never skipped, never rolled back over
-            except CorruptCheckpointError as exc:
-                if not allow_rollback:
-                    raise CorruptCheckpointError(
-                        f"the newest checkpoint, step {step} at {storage.url}, fails its check: "
-                        f"{exc}. Refusing to fall back silently: inspect it with 'ckptfs verify "
-                        f"{storage.url} --step {step}', delete it, or pass allow_rollback=True "
-                        "to use the previous committed checkpoint",
-                        step=step, path=exc.path) from exc
-                log.warning("allow_rollback: skipping corrupt checkpoint step %d at %s: %s",
-                            step, storage.url, exc)
+            if found is None:
+                if not problems:
+                    log.debug("step %d is incomplete in %s; skipped", step,
+                              ", ".join(t[1].url for t, _ in holders))
+                    passed_over = True
+                    continue
+                error = _step_error(step, problems, newest=True)
+                if not allow_rollback or not isinstance(error, CorruptCheckpointError):
+                    _raise(error, problems)
+                log.warning("allow_rollback: skipping corrupt checkpoint step %d: %s", step,
+                            error)
                 if skipped is not None:
-                    skipped.append(f"step {step}: {exc}")
+                    skipped.append(f"step {step}: " + "; ".join(
+                        f"{_where(t)}{e}" for t, e in problems))
                 passed_over = True
                 continue
-            if passed_over and _newer_step_appeared(storage, listing, step):
+            if passed_over and _newer_step_appeared(listings, step):
+                relist = True
                 break
-            return info, result
-        else:
-            if not (passed_over and _newer_step_appeared(storage, listing, -1)):
-                return None
+            return found
+        if not relist and not (passed_over and _newer_step_appeared(listings, -1)):
+            return None
+    where = ", ".join(storage.url for _, storage in tiers)
     raise CheckpointDeletedError(
-        f"checkpoints at {storage.url} kept changing while the latest was resolved "
+        f"checkpoints at {where} kept changing while the latest was resolved "
         f"({MAX_RESOLVE_PASSES} listings: steps deleted or committed by another job); retry")
 
 
-def _newer_step_appeared(storage: Storage, listing: dict[int, list[str]], step: int) -> bool:
-    fresh = list_step_dirs(storage)
-    return any(s > step and s not in listing for s in fresh)
+def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T]
+             ) -> tuple[CheckpointInfo, T]:
+    """``use`` on the first of ``tiers`` whose copy of ``step`` (its directory found by
+    listing) reads and passes; the same per-step rule as :func:`walk_tiers` for one step asked
+    by number: every copy corrupt -> :class:`CorruptCheckpointError` naming each tier's error
+    (no rollback: the step was asked for), every copy unreadable -> the storage error, in no
+    tier -> :class:`CheckpointNotFoundError`."""
+    holders: list[tuple[Tier, str]] = []
+    problems: list[tuple[Tier, Exception]] = []
+    for tier in tiers:
+        try:
+            name = find_step_dir(tier[1], step)
+        except (CorruptCheckpointError, StorageError) as exc:
+            problems.append((tier, exc))
+            continue
+        if name is not None:
+            holders.append((tier, name))
+    try:
+        found = _use_step(step, holders, use, problems)
+    except CheckpointDeletedError:
+        found = None  # deleted while read in every tier that held it
+    if found is not None:
+        return found
+    if problems:
+        _raise(_step_error(step, problems, newest=False), problems)
+    raise CheckpointNotFoundError(
+        f"step {step} is not committed at " + " or ".join(st.url for _, st in tiers))
+
+
+def _list_tiers(tiers: Sequence[Tier]) -> list[tuple[Tier, dict[int, list[str]]]]:
+    listed: list[tuple[Tier, dict[int, list[str]]]] = []
+    errors: list[StorageError] = []
+    for tier in tiers:
+        try:
+            listed.append((tier, list_step_dirs(tier[1])))
+        except StorageError as exc:
+            if len(tiers) > 1:
+                log.warning("the %s tier %s cannot be listed (%s): resolving from the other "
+                            "tier(s) only", tier[0], tier[1].url, exc)
+            errors.append(exc)
+    if not listed:
+        raise errors[0]
+    return listed
+
+
+def _use_step(step: int, holders: Sequence[tuple[Tier, list[str] | str]],
+              use: Callable[[CheckpointInfo], T], problems: list[tuple[Tier, Exception]]
+              ) -> tuple[CheckpointInfo, T] | None:
+    """``use`` on the first holder's copy of ``step`` that reads and passes; the failures of
+    the others go to ``problems``.  ``None`` if no copy is committed or every one failed.
+    :class:`CheckpointDeletedError` (a copy deleted while read) is raised if no later tier
+    serves the step: the caller lists again."""
+    deleted: CheckpointDeletedError | None = None
+    for i, (tier, names) in enumerate(holders):
+        name, storage = tier
+        try:
+            dir_name = names if isinstance(names, str) else unique_dir(storage, step, names)
+            info = read_committed(storage, step, dir_name)
+            return info, use(info)
+        except CheckpointDeletedError as exc:
+            deleted = exc
+            continue
+        except CheckpointNotFoundError:
+            continue  # no marker in this tier: incomplete here
+        except FormatVersionError:
+            raise  # written by a newer ckptfs: never skipped, never rolled back over
+        except (CorruptCheckpointError, StorageError) as exc:
+            problems.append((tier, exc))
+            if len(holders) > 1 or name:
+                rest = [t[0] for t, _ in holders[i + 1:]]
+                log.warning("the %s copy of step %d at %s fails (%s: %s)%s", name, step,
+                            storage.url, type(exc).__name__, exc,
+                            f"; using the {rest[0]} copy" if rest else "")
+    if deleted is not None:
+        raise deleted
+    return None
+
+
+def _where(tier: Tier) -> str:
+    return f"{tier[0]}: " if tier[0] else ""
+
+
+def _step_error(step: int, problems: list[tuple[Tier, Exception]], *,
+                newest: bool) -> Exception:
+    """The error of a step whose every copy failed: the storage error if each was one (the
+    tier is unreachable, not corrupt), else :class:`CorruptCheckpointError` naming the step
+    and each tier's error."""
+    if all(isinstance(e, StorageError) for _, e in problems):
+        return problems[0][1]
+    refuse = (". Refusing to fall back silently: inspect it with 'ckptfs verify {url} --step "
+              f"{step}', delete it, or pass allow_rollback=True to use the previous committed "
+              "checkpoint") if newest else ""
+    if len(problems) == 1 and not problems[0][0][0]:  # one store: the error as it was
+        (_, storage), exc = problems[0]
+        what = f"the newest checkpoint, step {step} at {storage.url}," if newest \
+            else f"step {step} at {storage.url}"
+        path = exc.path if isinstance(exc, CorruptCheckpointError) else None
+        return CorruptCheckpointError(f"{what} fails its check: {exc}"
+                                      + refuse.format(url=storage.url), step=step, path=path)
+    what = f"the newest checkpoint, step {step}," if newest else f"step {step}"
+    first = problems[0][0][1]
+    return CorruptCheckpointError(
+        f"{what} fails in every tier that holds it: "
+        + "; ".join(f"{_where(t)}{t[1].url}: {type(e).__name__}: {e}" for t, e in problems)
+        + refuse.format(url=first.url), step=step)
+
+
+def _raise(error: Exception, problems: list[tuple[Tier, Exception]]) -> NoReturn:
+    if any(error is e for _, e in problems):
+        raise error
+    raise error from problems[-1][1]
+
+
+def _newer_step_appeared(listings: Sequence[tuple[Tier, dict[int, list[str]]]],
+                         step: int) -> bool:
+    known = set().union(*(listing for _, listing in listings))
+    for (name, storage), _ in listings:
+        try:
+            fresh = list_step_dirs(storage)
+        except StorageError as exc:
+            if len(listings) == 1:
+                raise
+            log.warning("the %s tier %s cannot be listed again (%s)", name, storage.url, exc)
+            continue
+        if any(s > step and s not in known for s in fresh):
+            return True
+    return False
+
+
+def tier_of(tiers: Sequence[Tier], info: CheckpointInfo) -> Tier:
+    """The tier ``info`` was read from (by its URL); ``ValueError`` if none."""
+    for tier in tiers:
+        if info.url == storage_url(tier[1], info.path):
+            return tier
+    raise ValueError(f"{info.url} is in none of the tiers " + ", ".join(
+        st.url for _, st in tiers))
 
 
 def resolve_latest(storage: Storage, *, allow_rollback: bool = False) -> CheckpointInfo | None:

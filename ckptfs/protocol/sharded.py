@@ -421,7 +421,7 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
                  kind: str = "save", live: _Liveness | None = None,
                  memory: ReuseMemory | None = None,
-                 lease_s: float = DEFAULT_LEASE_S) -> SavePrep:
+                 lease_s: float = DEFAULT_LEASE_S, node_local: bool = False) -> SavePrep:
     """Writer, planner and DCP view of a collective save.  A bad state or metadata does not
     raise here: the planner raises it inside DCP, so every rank fails together.  ``memory``:
     an incremental save (format v4), each rank reusing its own unchanged items."""
@@ -436,7 +436,7 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
         deferred = exc
     writer = ShardedWriter(storage, step, algorithm=algorithm, durable=durable,
                            threads=threads, metadata=metadata, tree=skeleton, memory=memory,
-                           lease_s=lease_s)
+                           lease_s=lease_s, node_local=node_local)
     planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer)
     if live is None:
         live = _Liveness(group, kind, step)
@@ -448,7 +448,7 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
                  algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
                  process_group: Any = None, memory: ReuseMemory | None = None,
-                 lease_s: float = DEFAULT_LEASE_S) -> CheckpointInfo:
+                 lease_s: float = DEFAULT_LEASE_S, node_local: bool = False) -> CheckpointInfo:
     """Collective save of ``state`` (plain tensors, DTensors, values) as step ``step``; every
     rank of the group calls it and gets the same :class:`CheckpointInfo`.
 
@@ -456,7 +456,8 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
     items of its previous save in this process that did not change (docs/protocol.md §9.6).
     If a checkpoint referenced is deleted before the save commits (or the lease runs out),
     every rank gets :class:`ProtectorGoneError` from the coordinator's fence, and the save is
-    retried once, on every rank, writing every byte."""
+    retried once, on every rank, writing every byte.  ``node_local``: each rank's ``storage``
+    is its own node's disk (a two-tier store's local tier, docs/tiers.md)."""
     check_step(step)
     live = _Liveness(_participants(process_group), "save", step,
                      timeout=_timeout_of(process_group))
@@ -464,7 +465,7 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
     group = collective_group(process_group, what=what, default=ShardedSaveError, live=live)
     p = prepare_save(storage, step, state, group=group, algorithm=algorithm, durable=durable,
                      threads=threads, metadata=metadata, live=live, memory=memory,
-                     lease_s=lease_s)
+                     lease_s=lease_s, node_local=node_local)
 
     def save(p: SavePrep) -> CheckpointInfo:
         md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
@@ -485,16 +486,18 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
                      timeout=_timeout_of(process_group))
     return save(prepare_save(storage, step, state, group=group, algorithm=algorithm,
                              durable=durable, threads=threads, metadata=metadata, live=live,
-                             memory=memory, lease_s=lease_s))
+                             memory=memory, lease_s=lease_s, node_local=node_local))
 
 
 def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
               process_group: Any = None, verify: bool = True, threads: int | None = None,
-              allow_rollback: bool = False) -> dict[str, Any]:
+              allow_rollback: bool = False, reader: ShardedReader | None = None
+              ) -> dict[str, Any]:
     """Fill ``into`` in place from a sharded checkpoint (the latest if ``step`` is None):
     collective when distributed; its tensors and DTensors define the placement wanted.  A
     failure (a corrupt or newer ``dcp.msgpack``, a target of another dtype...) raises the same
-    typed error on every rank."""
+    typed error on every rank.  ``reader``: a reader of its own (a two-tier store's, reading
+    each file where this rank finds it: docs/tiers.md)."""
     live = _Liveness(_participants(process_group), "load", step,
                      timeout=_timeout_of(process_group))
     where = f"sharded load of {'the latest step' if step is None else f'step {step}'} at " \
@@ -507,8 +510,9 @@ def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
         view, skeleton = dcp_view(into)
     except CkptfsError as exc:
         deferred = exc
-    reader = ShardedReader(storage, step, verify=verify, threads=threads,
-                           allow_rollback=allow_rollback)
+    if reader is None:
+        reader = ShardedReader(storage, step, verify=verify, threads=threads,
+                               allow_rollback=allow_rollback)
     if deferred is None:
         try:
             reader.resolve()

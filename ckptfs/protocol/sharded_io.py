@@ -131,6 +131,9 @@ class ItemReport:
     #: ``digest`` are its chunk there; ``protector`` the committed checkpoint it was taken from.
     source: tuple[int, str, str] | None = None
     protector: tuple[int, str] | None = None
+    #: The first item of a file this rank wrote: the store's whole-object checksums of the
+    #: file, computed while writing it (``WrittenFile.store_checksums``).
+    store_checksums: tuple[tuple[str, str], ...] = ()
 
 
 def _world_size() -> int:
@@ -147,7 +150,8 @@ class ShardedWriter(StorageWriter):
     def __init__(self, storage: Storage, step: int, *, algorithm: str = DEFAULT_ALGORITHM,
                  durable: bool = True, threads: int | None = None,
                  metadata: Mapping[str, Any] | None = None, tree: Any = None,
-                 memory: ReuseMemory | None = None, lease_s: float = DEFAULT_LEASE_S) -> None:
+                 memory: ReuseMemory | None = None, lease_s: float = DEFAULT_LEASE_S,
+                 node_local: bool = False) -> None:
         super().__init__()
         self.storage = storage
         self.step = check_step(step)
@@ -167,6 +171,9 @@ class ShardedWriter(StorageWriter):
         #: :meth:`remember` once it committed.
         self.memory = memory
         self.lease_s = lease_s
+        #: Each rank writes to its own node's storage (the local tier of a two-tier store,
+        #: docs/tiers.md): the coordinator checks only its own files, each rank its own.
+        self.node_local = node_local
         self._opened = 0.0
         self._pending: tuple[ReuseIndex, dict[str, tuple[int, int]]] | None = None
 
@@ -375,6 +382,11 @@ class ShardedWriter(StorageWriter):
         written = att.write_file(relpath, size, pieces,
                                  pieces=[len(header), *(p.nbytes for _, p in planned)])
         att.sync_file_dir(relpath)
+        # This rank's own listing: its file is there with its size before it reports it (the
+        # check holds on shared storage and on a node-local disk alike).
+        check_written(self.storage, att.write_dir, [(relpath, size, ap.rank)],
+                      step=self.step, who=f"rank {ap.rank} sees",
+                      under=relpath.rsplit("/", 1)[0])
         digests = list(written.pieces)
         head = Chunk(0, len(header), digests[0])
         results = []
@@ -382,7 +394,8 @@ class ShardedWriter(StorageWriter):
         for i, ((item, pi), off) in enumerate(zip(planned, offsets, strict=True)):
             first = i == 0
             report = ItemReport(relpath, off, pi.nbytes, digests[i + 1], ap.rank,
-                                size if first else -1, head if first else None)
+                                size if first else -1, head if first else None,
+                                store_checksums=written.store_checksums if first else ())
             results.append(WriteResult(item.index, pi.nbytes, report))
             if id(item) in tensors:
                 stored[pi.name] = Stored(self.step, ap.attempt, relpath, size, self.algorithm,
@@ -444,14 +457,16 @@ class ShardedWriter(StorageWriter):
                            key=lambda c: (c.offset, c.length))
             chunks = [first[0].header, *items]
             entries.append(make_entry(path, first[0].file_size, self.algorithm, chunks,
-                                      first[0].rank))
+                                      first[0].rank, store_checksums=first[0].store_checksums))
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id, save_id=attempt)
         blob = encode_metadata(DcpDocument(metadata, self.tree))
         doc = att.write_document(METADATA_NAME, blob)
         entries.append(make_entry(METADATA_NAME, doc.size, self.algorithm,
-                                  [Chunk(0, doc.size, doc.digest)], None))
-        self._check_files(att.write_dir, entries)
+                                  [Chunk(0, doc.size, doc.digest)], None,
+                                  store_checksums=doc.store_checksums))
+        self._check_files(att.write_dir, [e for e in entries if not self.node_local
+                                          or e.rank in (None, self.rank)])
         world = len(results)
         meta = {"tensor_count": 0, **self.metadata}
         manifest: ShardedManifest
@@ -478,7 +493,8 @@ class ShardedWriter(StorageWriter):
                         f"step {pstep}, whose stored bytes this save references, was deleted "
                         "while it was being written")
 
-        info = att.commit(manifest, fence=fence, world_size=world)
+        info = att.commit(manifest, fence=fence, world_size=world, node_files=[
+            e.path for e in entries if e.rank in (None, self.rank)] if self.node_local else None)
         if refs and time.monotonic() - self._opened > self.lease_s:
             recheck_after_lease(self.storage, info)
         if refs:
@@ -491,18 +507,33 @@ class ShardedWriter(StorageWriter):
         return info
 
     def _check_files(self, write_dir: str, entries: list[ChunkedFileEntry]) -> None:
-        """Every reported file is visible to the coordinator with its size: catches ranks
-        writing to storage the coordinator does not share (node-local disks)."""
-        prefix = write_dir + "/"
-        found = {e.name[len(prefix):]: e.size for e in self.storage.list_tree(write_dir)
-                 if e.name.startswith(prefix)}
-        for entry in entries:
-            if found.get(entry.path) != entry.size:
-                raise CorruptCheckpointError(
-                    f"{storage_url(self.storage, prefix + entry.path)}: rank {entry.rank} "
-                    f"reported {entry.size} B, the coordinator sees "
-                    f"{found.get(entry.path, 'no file')}; every rank must write to storage "
-                    "the coordinator shares (not a node-local disk)", step=self.step)
+        """Every file of ``entries`` is visible to the coordinator with its size.  On shared
+        storage that is every rank's file: it catches ranks writing to storage the coordinator
+        does not share.  On node-local storage (:attr:`node_local`) only the coordinator's
+        own files: each rank checked its own before reporting (:meth:`_write_file`)."""
+        check_written(self.storage, write_dir, [(e.path, e.size, e.rank) for e in entries],
+                      step=self.step,
+                      who="the coordinator sees",
+                      hint="" if self.node_local else "; every rank must write to storage the "
+                      "coordinator shares (not a node-local disk)")
+
+
+def check_written(storage: Storage, write_dir: str, files: list[tuple[str, int, int | None]],
+                  *, step: int, who: str, hint: str = "", under: str = "") -> None:
+    """One listing of ``write_dir`` (only its subdirectory ``under`` if given): every file of
+    ``files`` (path in the attempt, declared size, rank) is there with that size, and not a
+    link; else :class:`CorruptCheckpointError` (nothing is committed).  Used by the
+    coordinator of a sharded save, by each rank for its own file (``who``: who looked), and
+    by each rank for its upload of a sharded replica."""
+    prefix = write_dir + "/"
+    listed = f"{write_dir}/{under}" if under else write_dir
+    found = {e.name[len(prefix):]: e.size for e in storage.list_tree(listed)
+             if e.name.startswith(prefix) and not e.is_link}
+    for path, size, rank in files:
+        if found.get(path) != size:
+            raise CorruptCheckpointError(
+                f"{storage_url(storage, prefix + path)}: rank {rank} reported {size} B, {who} "
+                f"{found.get(path, 'no file')}{hint}", step=step)
 
 
 def _references(reused: list[tuple[MetadataIndex, ItemReport]],

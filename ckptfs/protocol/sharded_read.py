@@ -15,7 +15,7 @@ import errno
 import io
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -227,11 +227,13 @@ def _chunk_starting(entry: ChunkedFileEntry, offset: int) -> Chunk:
     return entry.chunks[lo]
 
 
-def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
+def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
+                  read: Callable[[ChunkedFileEntry, int, int], memoryview] | None = None
                   ) -> DcpDocument:
     """Read, verify and decode ``dcp.msgpack`` (every rule of
     :mod:`ckptfs.format.sharded_metadata`: chunks cover each tensor exactly once, ...) and
-    check that every stored item is exactly one chunk of a rank file in the manifest."""
+    check that every stored item is exactly one chunk of a rank file in the manifest.
+    ``read``: how its verified bytes are read (:meth:`ShardedReader.read_run`)."""
     manifest = sharded_manifest(info)
     try:
         entry = manifest.chunked(METADATA_NAME)
@@ -242,8 +244,9 @@ def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
     if entry.size > MAX_METADATA_BYTES:
         raise UnsafeCheckpointError(f"{where}: declared size {entry.size} B exceeds "
                                     f"{MAX_METADATA_BYTES} B", step=info.step)
-    doc = decode_metadata(read_chunks(storage, info, entry, 0, entry.size, verify=verify),
-                          where=where)
+    data = read(entry, 0, entry.size) if read is not None else \
+        read_chunks(storage, info, entry, 0, entry.size, verify=verify)
+    doc = decode_metadata(data, where=where)
     check_locations(doc, manifest, where=where)
     return doc
 
@@ -323,6 +326,14 @@ class ShardedReader(StorageReader):
             self.info = info
         return self.info
 
+    def read_run(self, entry: ChunkedFileEntry, start: int, length: int) -> memoryview:
+        """The bytes of a run of whole chunks of ``entry``, each checked against its digest
+        (with :attr:`verify`).  The one place this reader reads data (the full load's direct
+        reads aside): a subclass may take them elsewhere (a two-tier store's reader takes each
+        file from the rank's own node, a peer or the remote copy: docs/tiers.md)."""
+        return read_chunks(self.storage, self.resolve(), entry, start, length,
+                           verify=self.verify)
+
     def defer(self, error: BaseException) -> None:
         """Report ``error`` through DCP's planning step (``set_up_storage_reader``), where DCP
         gathers it from every rank, instead of from ``read_metadata``."""
@@ -332,7 +343,7 @@ class ShardedReader(StorageReader):
         """Read and check ``dcp.msgpack`` (once); raises the typed ckptfs error."""
         if self.document is None:
             info = self.resolve()
-            doc = read_document(self.storage, info, verify=self.verify)
+            doc = read_document(self.storage, info, verify=self.verify, read=self.read_run)
             md = doc.metadata
             if md.storage_meta is None:
                 md.storage_meta = StorageMeta()
@@ -470,7 +481,7 @@ class ShardedReader(StorageReader):
                 read_chunks_into(self.storage, info, entry, start, bufs, verify=self.verify)
                 return [(k, v) for k, (_, v) in zip(run, bufs, strict=True)]
             length = run[-1][1] + run[-1][2] - start
-            view = read_chunks(self.storage, info, entry, start, length, verify=self.verify)
+            view = self.read_run(entry, start, length)
             return [(k, view[k[1] - start:k[1] - start + k[2]]) for k in run]
 
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckptfs-read") as pool:
