@@ -25,6 +25,8 @@ from ckptfs.errors import (
     InvalidStepError,
     LoadOptionError,
     ProvenanceMismatchError,
+    RemoteChecksumMismatchError,
+    ReplicationError,
     RngStateError,
     ShardedCheckpointError,
     ShardedLoadError,
@@ -32,6 +34,7 @@ from ckptfs.errors import (
     StorageAccessError,
     StorageError,
     StorageNotFoundError,
+    UnreplicatedCheckpointError,
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
@@ -43,8 +46,10 @@ from ckptfs.lifecycle.provenance import Provenance
 from ckptfs.lifecycle.retention import Best, RetentionPolicy
 from ckptfs.protocol.async_save import AsyncStats, SaveFuture
 from ckptfs.protocol.reader import VerifyReport
+from ckptfs.protocol.replication import ReplicationStatus, StepReplication
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.store import CheckpointStore, open
+from ckptfs.protocol.tiers import TieredStore, tiered
 from ckptfs.storage.base import Capabilities
 
 __version__ = "0.1.0"
@@ -76,6 +81,9 @@ __all__ = [
     "LoadOptionError",
     "Provenance",
     "ProvenanceMismatchError",
+    "RemoteChecksumMismatchError",
+    "ReplicationError",
+    "ReplicationStatus",
     "RetentionPolicy",
     "RngStateError",
     "SaveFuture",
@@ -83,10 +91,13 @@ __all__ = [
     "ShardedCheckpointError",
     "ShardedLoadError",
     "ShardedSaveError",
+    "StepReplication",
     "StorageAccessError",
     "StorageError",
     "StorageNotFoundError",
+    "TieredStore",
     "TrainerState",
+    "UnreplicatedCheckpointError",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "VerifyReport",
@@ -94,4 +105,5 @@ __all__ = [
     "available_algorithms",
     "open",
     "register_type",
+    "tiered",
 ]

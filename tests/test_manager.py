@@ -247,6 +247,7 @@ rng.seed_all(1)
 ckptfs.CheckpointManager(root).restore_latest()
 print(rank, mgr.rank, mgr.world_size, result.info is not None and result.info.step == 7,
       saved == digest(), flush=True)
+dist.barrier()  # neither rank tears the group down while the other still uses it
 dist.destroy_process_group()
 """
 

@@ -26,7 +26,7 @@ from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
 from ckptfs.lifecycle import schema
 from ckptfs.protocol.collective import is_distributed
 from ckptfs.protocol.load_options import MapLocation, select_and_map, tensor_map
-from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.resolve import CheckpointInfo, tier_of
 from ckptfs.protocol.store import CheckpointStore
 
 
@@ -82,7 +82,8 @@ def load_entries(store: CheckpointStore, info: CheckpointInfo, rank: int,
     RNG state matters for the others: their states are not read (None)."""
     from ckptfs.protocol import sharded
     keys = {"trainer", "manager", "rng.world_size", f"rng.ranks.{rank}", *names}
-    state = sharded.load_full(store.storage, info, keys=keys, threads=store.threads)
+    storage = tier_of(store.read_tiers(), info)[1]  # a two-tier store: the copy's own tier
+    state = sharded.load_full(storage, info, keys=keys, threads=store.threads)
     state = select_and_map(state, info.url, None, tensor_map(map_location))
     where = f"{info.url}/dcp.msgpack"
     present = info.metadata.get("rng_ranks")

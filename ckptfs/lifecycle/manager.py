@@ -17,8 +17,11 @@ It adds no commit protocol of its own: every checkpoint is one
 last, exclusively), and everything the manager does after that (side-output records, the best
 record, pruning) happens only once the checkpoint has committed, so a crash at any point leaves
 the committed history intact and the next :meth:`restore_latest` heals what was left half-done.
-Resuming uses the store's one walk (:func:`ckptfs.protocol.resolve.walk_latest`: the newest
-committed checkpoint, rolled back over a corrupt one only if allowed).
+Resuming uses the store's one walk (:meth:`CheckpointStore.walk
+<ckptfs.CheckpointStore.walk>`, :func:`ckptfs.protocol.resolve.walk_tiers`: the newest
+committed checkpoint, rolled back over a corrupt one only if allowed; on a two-tier store the
+newest in either tier, the local copy first: docs/tiers.md).  On a two-tier store the manager's
+retention prunes the local tier, and ``remote_retention`` the remote tier, in the background.
 
 One body for every mode.  ``save`` and ``restore_latest`` are written once, as the collective
 algorithm, over a coordinator (:mod:`ckptfs.lifecycle.coordinator`, whose docstring gives the
@@ -33,6 +36,8 @@ the model and optimizer across DCP's boundary: :mod:`ckptfs.lifecycle.distribute
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,6 +50,7 @@ from ckptfs.errors import (
     CorruptCheckpointError,
     ShardedLoadError,
     ShardedSaveError,
+    StorageError,
 )
 from ckptfs.format.layout import check_step
 from ckptfs.lifecycle import distributed, rng, schema
@@ -64,9 +70,10 @@ from ckptfs.lifecycle.rng import decode_rng, encode_rng
 from ckptfs.lifecycle.schema import TrainerState
 from ckptfs.protocol.async_save import SaveFuture
 from ckptfs.protocol.load_options import MapLocation, tensor_map
-from ckptfs.protocol.resolve import CheckpointInfo, walk_latest
+from ckptfs.protocol.resolve import CheckpointInfo, committed_steps
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
+from ckptfs.protocol.tiers import TieredStore
 
 log = logging.getLogger("ckptfs")
 
@@ -150,7 +157,13 @@ class CheckpointManager:
     torch.distributed's when it is initialized, else 0/1.  ``run_seed`` derives the RNG seeds
     of ranks that have no saved state (a larger world size on resume).  ``async_save``:
     :meth:`save` returns once the state is snapshotted (``store.save_async``, collective under
-    a process group); the bookkeeping of a save runs after its commit (docs/async.md)."""
+    a process group); the bookkeeping of a save runs after its commit (docs/async.md).
+
+    On a two-tier store (:func:`ckptfs.tiered`), ``keep_last``/``keep_every`` are the local
+    tier's retention (a local checkpoint not yet replicated is kept whatever they say) and
+    ``remote_retention`` the remote tier's, applied in the background after each save
+    (:meth:`prune_remote`; docs/tiers.md).  The best pool and the protected steps are kept in
+    both tiers."""
 
     def __init__(self, url: str | CheckpointStore, *, save_every: int | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
@@ -160,15 +173,25 @@ class CheckpointManager:
                  per_rank_batch_size: int | None = None,
                  provenance: prov.Provenance | None = None,
                  rng_gather: RngGather | None = None, async_save: bool = False,
+                 remote_retention: RetentionPolicy | None = None,
                  **storage_options: Any) -> None:
         self.store = url if isinstance(url, CheckpointStore) else open_store(url,
                                                                              **storage_options)
+        if remote_retention is not None and not isinstance(self.store, TieredStore):
+            raise ValueError(f"remote_retention applies to a two-tier store (ckptfs.tiered); "
+                             f"{self.store.url} has one tier: use keep_last/keep_every")
+        if remote_retention is not None and not isinstance(remote_retention, RetentionPolicy):
+            raise TypeError("remote_retention must be a ckptfs.RetentionPolicy, got "
+                            f"{type(remote_retention).__name__}")
+        #: The remote tier's retention (two-tier stores), applied by :meth:`prune_remote`.
+        self.remote_policy = remote_retention
+        self._remote_pruner = _Background(self._prune_remote_now, "ckptfs-remote-prune")
         if save_every is not None and save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
         self.save_every = save_every
         self.policy = RetentionPolicy(keep_last, keep_every)
         self.best_config = best
-        self._best = BestPool(self.store, best)
+        self._best = BestPool(self.store, best, steps=self._run_steps)
         self.tracker = self._best.tracker
         self.protected: set[int] = {check_step(s) for s in protect}
         d_rank, d_world = _default_rank()
@@ -375,6 +398,11 @@ class CheckpointManager:
             else:
                 if result.prune.refused:
                     result.errors.append(f"prune refused: {result.prune.refused}")
+        if self._prunes_remote():
+            try:
+                self._request_remote_prune()
+            except Exception as exc:
+                self._bookkeeping_failed(result, step, "remote prune", exc)
         return result
 
     def _bookkeeping_failed(self, result: SaveResult, step: int, what: str,
@@ -419,6 +447,84 @@ class CheckpointManager:
             protected.add(self.resumed_from)
         return prune(self.store, self.policy, best=self.best_steps(), protected=protected,
                      dry_run=dry_run)
+
+    def _run_steps(self) -> list[int]:
+        """The run's committed steps in every tier the store reads (one store: its own; a
+        two-tier store: either tier), for the best pool's replay after a lost record."""
+        out: set[int] = set()
+        for _, storage in self.store.read_tiers():
+            try:
+                out.update(committed_steps(storage))
+            except StorageError as exc:
+                if storage is self.store.storage:
+                    raise
+                log.warning("best: %s cannot be listed (%s); its checkpoints are left out of "
+                            "the best pool's replay", storage.url, exc)
+        return sorted(out)
+
+    def _prunes_remote(self) -> bool:
+        return self.remote_policy is not None and self.remote_policy.keep_last is not None
+
+    def _remote_keep(self) -> dict[str, list[int]]:
+        """What the remote tier keeps besides its policy: the best pool and the protected
+        steps; and every step the local tier holds (a remote copy pruned while the local one
+        stays would be replicated again by the next open), read by the prune right after it
+        lists the remote (``hold``)."""
+        protected = set(self.protected)
+        if self.resumed_from is not None:
+            protected.add(self.resumed_from)
+        return {"best": self.best_steps(), "protected": sorted(protected)}
+
+    def prune_remote(self, *, dry_run: bool = False) -> PruneReport:
+        """Apply ``remote_retention`` to the remote tier of a two-tier store now (``save``
+        requests it in the background after every commit: :meth:`wait_remote_prune`).
+
+        The remote tier keeps what the policy keeps, its newest committed step (always), the
+        best pool, the protected steps (and the one the run resumed from) and every step the
+        local tier still holds; deletes go through the remote store's reference-aware
+        ``delete`` (marker first).  Nothing is deleted if the remote's newest checkpoint fails
+        a quick verify (``refused``)."""
+        if self.remote_policy is None or not isinstance(self.store, TieredStore):
+            raise ValueError(f"{self!r} has no remote_retention (a two-tier store's remote "
+                             "tier policy)")
+        self._remote_pruner.wait()
+        return self._prune_remote_with(dry_run=dry_run, **self._remote_keep())
+
+    def _prune_remote_with(self, *, best: list[int], protected: list[int],
+                           dry_run: bool = False) -> PruneReport:
+        if self.remote_policy is None or not isinstance(self.store, TieredStore):
+            raise ValueError("no remote tier to prune")  # pragma: no cover - checked before
+        report = prune(self.store.remote, self.remote_policy, best=best, protected=protected,
+                       dry_run=dry_run, hold=self.store.steps)
+        if report.deleted:
+            log.info("remote retention at %s: deleted steps %s", self.store.remote.url,
+                     report.deleted)
+        return report
+
+    def _prune_remote_now(self) -> PruneReport:
+        """The background prune: what to keep is read when it runs, not when a save asked for
+        it (a snapshot taken then could miss a step the local tier still holds by the time the
+        remote has more: a run delayed past two saves deleted it remotely)."""
+        keep = self._remote_keep()
+        return self._prune_remote_with(best=keep["best"], protected=keep["protected"])
+
+    def _request_remote_prune(self) -> None:
+        assert isinstance(self.store, TieredStore)
+        outage = self.store.replication().outage
+        if outage is not None:
+            log.info("remote retention at %s waits for the remote tier (%s)",
+                     self.store.remote.url, outage)
+            return
+        self._remote_pruner.request()
+
+    def wait_remote_prune(self, timeout: float | None = None) -> PruneReport | None:
+        """Wait for the remote prune running in the background, if any; return the report of
+        the last one (None if none ran).  Raises its error, if it failed; ``TimeoutError``
+        after ``timeout`` seconds."""
+        if not self._remote_pruner.wait(timeout):
+            raise TimeoutError(f"the remote prune at {self.url} is still running after "
+                               f"{timeout} s")
+        return self._remote_pruner.result()
 
     def gc(self, *, older_than: timedelta = DEFAULT_GRACE, dry_run: bool = False) -> GcReport:
         """Remove uncommitted attempts, temporary files and orphaned uploads older than
@@ -494,11 +600,8 @@ class CheckpointManager:
         def lead(try_one: Callable[[CheckpointInfo], _Loaded]) -> CheckpointInfo | None:
             """The writer: which checkpoint, by the store's one walk (or the step asked)."""
             if step is not None:
-                info = self.store.info(step)
-                try_one(info)
-                return info
-            found = walk_latest(self.store.storage, try_one, allow_rollback=allow_rollback,
-                                skipped=skipped)
+                return self.store.use_step(step, try_one)[0]
+            found = self.store.walk(try_one, allow_rollback=allow_rollback, skipped=skipped)
             if found is None and skipped:
                 raise CheckpointNotFoundError(
                     f"no loadable committed checkpoint at {self.url}: every one is corrupt "
@@ -547,7 +650,7 @@ class CheckpointManager:
         def entries() -> tuple[CheckpointInfo, dict[Any, Any], dict[str, Any] | None]:
             """(info, small entries, fresh model/optimizer state dicts for the collective
             load, or None: none wanted, a v1 checkpoint, or not saved: named at apply)."""
-            found = info if info is not None else candidate.read(self.store.storage)
+            found = info if info is not None else self._read_candidate(candidate)
             into = None
             if coord.collective and distributed.is_sharded(found):
                 state = distributed.load_entries(self.store, found, coord.rank, names,
@@ -568,6 +671,17 @@ class CheckpointManager:
             coord.agree(lambda: self.store.load(step, into=into), what, ShardedLoadError)
             state = {**state, **into}
         return _Loaded(found, state)
+
+    def _read_candidate(self, candidate: Candidate) -> CheckpointInfo:
+        """A non-writer rank's reading of the writer's candidate, in the tier that holds that
+        attempt (a two-tier store's copies have different attempts; the local copy first)."""
+        tiers = self.store.read_tiers()
+        for _, storage in tiers[:-1]:
+            try:
+                return candidate.read(storage)
+            except (CheckpointNotFoundError, CorruptCheckpointError, StorageError):
+                continue  # not this tier's copy (CheckpointDeletedError: another attempt)
+        return candidate.read(tiers[-1][1])
 
     def _check_provenance(self, info: CheckpointInfo, expect: prov.Provenance,
                           mode: prov.ProvenanceMode) -> list[dict[str, Any]]:
@@ -635,9 +749,63 @@ class CheckpointManager:
         return self.side_outputs.status()
 
     def __repr__(self) -> str:
+        remote = "" if self.remote_policy is None else \
+            f", remote_retention={self.remote_policy}"
         return (f"CheckpointManager({self.url!r}, rank={self.rank}/{self.world_size}, "
                 f"keep_last={self.policy.keep_last}, keep_every={self.policy.keep_every}, "
-                f"best={self.best_config})")
+                f"best={self.best_config}{remote})")
+
+
+class _Background:
+    """Runs ``fn`` on a thread of its own, one run at a time: requests while it runs make one
+    more run after it (the remote prune: slow deletes on an object store never block the
+    training loop)."""
+
+    def __init__(self, fn: Callable[[], PruneReport], name: str) -> None:
+        self._fn = fn
+        self._name = name
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pending = False
+        self._last: PruneReport | None = None
+        self._error: Exception | None = None
+
+    def request(self) -> None:
+        with self._lock:
+            self._pending = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                pending, self._pending = self._pending, False
+                if not pending:
+                    self._thread = None
+                    return
+            try:
+                self._last, self._error = self._fn(), None
+            except Exception as exc:  # logged; the next save requests it again
+                log.warning("%s failed (%s: %s); retried after the next save", self._name,
+                            type(exc).__name__, exc)
+                self._error = exc
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is None:
+                return True
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+
+    def result(self) -> PruneReport | None:
+        if self._error is not None:
+            raise self._error
+        return self._last
 
 
 def _known(info: CheckpointInfo | None) -> CheckpointInfo:

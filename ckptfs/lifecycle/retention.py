@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -168,7 +168,8 @@ def newest_problem(store: CheckpointStore, step: int) -> str | None:
 
 
 def prune(store: CheckpointStore, policy: RetentionPolicy, *, best: Iterable[int] = (),
-          protected: Iterable[int] = (), dry_run: bool = False) -> PruneReport:
+          protected: Iterable[int] = (), dry_run: bool = False,
+          hold: Callable[[], Iterable[int]] | None = None) -> PruneReport:
     """Delete the committed checkpoints no rule keeps, oldest first, marker first.
 
     The newest committed step is re-read from storage here, so a checkpoint committed by this
@@ -176,10 +177,16 @@ def prune(store: CheckpointStore, policy: RetentionPolicy, *, best: Iterable[int
     committed checkpoint gets a quick verify (marker, manifest, names and sizes): if it fails,
     nothing is deleted and ``refused`` says why, because the older checkpoints are then the only
     ones a resume can fall back to (``dry_run`` checks too).  A checkpoint that another process
-    deleted first (two prunes at once) is listed in ``already_gone``, not as an error."""
-    best, protected = list(best), list(protected)
+    deleted first (two prunes at once) is listed in ``already_gone``, not as an error.
+
+    ``hold``: steps to keep as well, asked right after each listing (the remote tier's prune
+    keeps every step the local tier holds: read after the remote was listed, a step the local
+    tier still holds then is never a candidate)."""
+    best, protected = list(best), [*protected, *store.retention_holds()]
     for _ in range(5):
-        plan = plan_retention(store.steps(), policy, best=best, protected=protected)
+        steps = store.steps()
+        held = [*protected, *(hold() if hold is not None else ())]
+        plan = plan_retention(steps, policy, best=best, protected=held)
         report = PruneReport(plan, [], dry_run)
         if not plan.delete:
             return report
@@ -500,10 +507,14 @@ class BestPool:
     """A run's running-best pool as the manager keeps it: the :class:`BestTracker` (None
     without ``best=``), persisted in the store's ``best`` record and replayed from the
     committed manifests' metrics for steps the record has not seen (a crash between a commit
-    and the record's update, or a lost record)."""
+    and the record's update, or a lost record).  ``steps``: the committed steps to replay
+    (default ``store.steps()``; a two-tier store's manager passes both tiers' steps, so a
+    record lost with the local disk is rebuilt from the remote tier's checkpoints)."""
 
-    def __init__(self, store: CheckpointStore, config: Best | None) -> None:
+    def __init__(self, store: CheckpointStore, config: Best | None,
+                 steps: Callable[[], list[int]] | None = None) -> None:
         self.store = store
+        self._steps = steps or store.steps
         self.tracker = BestTracker(config) if config is not None else None
         self.record = RecordLog(store.storage, BEST_RECORD)
         self.generation: int | None = None
@@ -515,7 +526,7 @@ class BestPool:
             self.loaded = True
             return
         rec = self.record.read()
-        steps = self.store.steps()
+        steps = self._steps()
         if rec is not None:
             self.generation = rec.generation
             # a malformed record raises (typed) and stays unloaded: never overwritten by a

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, TypeVar, overload
 
 from ckptfs.errors import (
     CheckpointDeletedError,
@@ -24,23 +24,25 @@ from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verify_checkp
 from ckptfs.protocol.incremental import ReuseMemory, write_plan
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
 from ckptfs.protocol.references import free_step, shared_attempts
+from ckptfs.protocol.remote_verify import RemoteVerifyReport, verify_remote
 from ckptfs.protocol.resolve import (
     MAX_RESOLVE_PASSES,
     CheckpointInfo,
+    Tier,
     check_still_committed,
     committed_steps,
     existing_summary,
     list_step_dirs,
     read_committed,
-    resolve_latest,
     step_dirs,
-    walk_latest,
+    walk_tiers,
 )
 from ckptfs.storage.base import Capabilities, Storage
 from ckptfs.storage.fsspec import FsspecStorage
 from ckptfs.storage.retry import RetryingStorage
 
 log = logging.getLogger("ckptfs")
+T = TypeVar("T")
 
 
 class CheckpointStore:
@@ -136,6 +138,11 @@ class CheckpointStore:
                 log.warning("step %d at %s is deleted (its marker is gone) but its files are "
                             "kept: %s; then run 'ckptfs gc'", step, self.url, exc)
 
+    def retention_holds(self) -> frozenset[int]:
+        """Steps retention must keep whatever its policy says (none here; a two-tier store
+        holds the local checkpoints not yet replicated: docs/tiers.md)."""
+        return frozenset()
+
     # -- reading -------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
@@ -150,7 +157,8 @@ class CheckpointStore:
         """The newest committed checkpoint, or ``None``.  Raises
         :class:`~ckptfs.CorruptCheckpointError` if the newest committed one fails its check,
         unless ``allow_rollback``."""
-        return resolve_latest(self.storage, allow_rollback=allow_rollback)
+        found = self.walk(lambda info: info, allow_rollback=allow_rollback)
+        return None if found is None else found[0]
 
     def info(self, step: int) -> CheckpointInfo:
         """The committed checkpoint of ``step`` (its directory found by listing)."""
@@ -193,15 +201,37 @@ class CheckpointStore:
             return self.load_info(self.info(step), verify=verify, map_location=map_location,
                                   keys=paths, mmap=mmap)
         tried: list[str] = []
-        found = walk_latest(self.storage,
-                            lambda i: self.load_info(i, verify=verify, map_location=map_location,
-                                                     keys=paths, mmap=mmap),
-                            allow_rollback=allow_rollback, skipped=tried)
+        found = self.walk(lambda i: self.load_info(i, verify=verify, map_location=map_location,
+                                                   keys=paths, mmap=mmap),
+                          allow_rollback=allow_rollback, skipped=tried)
         if found is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint to load at {self.url}"
                 + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
         return found[1]
+
+    def read_tiers(self) -> list[Tier]:
+        """The tiers a read resolves across, in order of preference: this store's storage
+        (a two-tier store: the local tier, then the remote one; docs/tiers.md)."""
+        return [("", self.storage)]
+
+    def walk(self, use: Callable[[CheckpointInfo], T], *, allow_rollback: bool = False,
+             skipped: list[str] | None = None) -> tuple[CheckpointInfo, T] | None:
+        """``use`` on the newest committed checkpoint that passes it, with the checkpoint, or
+        ``None`` if there is none: the one walk behind :meth:`load` and the manager's
+        restore, over :meth:`read_tiers` (:func:`ckptfs.protocol.resolve.walk_tiers`).
+        ``use`` gets the :class:`CheckpointInfo` of one tier's copy; :meth:`load_info` loads
+        it from that tier."""
+        return walk_tiers(self.read_tiers(), use, allow_rollback=allow_rollback,
+                          skipped=skipped)
+
+    def use_step(self, step: int, use: Callable[[CheckpointInfo], T]
+                 ) -> tuple[CheckpointInfo, T]:
+        """``use`` on the committed checkpoint of ``step`` (:meth:`info`), with it: the
+        walk's rule for a step asked by number (a two-tier store tries the remote copy when
+        the local one fails ``use``)."""
+        info = self.info(step)
+        return info, use(info)
 
     def load_info(self, info: CheckpointInfo, *, verify: bool = True,
                   map_location: MapLocation = None,
@@ -218,13 +248,32 @@ class CheckpointStore:
             check_still_committed(self.storage, info.step, info.dir_name, info.attempt)
             raise
 
-    def verify(self, step: int | None = None, *, quick: bool = False) -> VerifyReport:
+    @overload
+    def verify(self, step: int | None = None, *, quick: bool = False,
+               remote: Literal[False] = False) -> VerifyReport: ...
+
+    @overload
+    def verify(self, step: int | None = None, *, quick: bool = False,
+               remote: Literal[True]) -> RemoteVerifyReport: ...
+
+    def verify(self, step: int | None = None, *, quick: bool = False,
+               remote: bool = False) -> VerifyReport | RemoteVerifyReport:
         """Verify a committed checkpoint (the latest if ``step`` is None).
 
         Full (default) re-hashes every file and checks the documents as a load does (what a
         load refuses, a full verify refuses); ``quick`` compares names and sizes from one
         listing.  Returns the report if everything matches, else raises
-        :class:`~ckptfs.CorruptCheckpointError` listing every problem."""
+        :class:`~ckptfs.CorruptCheckpointError` listing every problem.
+
+        ``remote``: compare each file with the object store's own stored checksum, from
+        metadata requests alone, reading no data (docs/remote-verify.md): raises
+        :class:`~ckptfs.RemoteChecksumMismatchError` on a mismatch; files the store cannot
+        vouch for are reported ``not available`` (``report.complete`` is then False)."""
+        if remote:
+            info = self.info(step) if step is not None else self.latest()
+            if info is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint at {self.url}")
+            return verify_remote(self.storage, info)
         if step is not None:
             return self._verify_info(self.info(step), quick)
         for _ in range(MAX_RESOLVE_PASSES):

@@ -23,6 +23,8 @@ One module per concern, all re-exported here:
 - :mod:`.hostile`: hostile checkpoints (valid marker, malicious contents), read through load,
   verify, ``ckptfs cp`` (and any reader the caller adds); :mod:`.hostile_v2`: the same
   restated for the sharded format (``hostile_sweep(fmt=2)``).
+- :mod:`.tiers`: two tiers (issue 18): the replicator killed or cut off at every mutating call
+  it makes at the remote tier, a remote outage during saves, the local disk lost.
 - :mod:`.report`: the figures command (docs/reliability.json and the table in
   docs/reliability.md); ``__main__`` runs it.
 """
@@ -69,6 +71,12 @@ from ckptfs.testing.reliability.report import (
     table,
     update_doc,
 )
+from ckptfs.testing.reliability.tiers import (
+    replication_sweeps,
+    sweep_local_loss,
+    sweep_replication_crashes,
+    sweep_replication_outage,
+)
 from ckptfs.testing.reliability.transient import sweep_transient
 
 __all__ = [
@@ -93,17 +101,21 @@ __all__ = [
     "hostile_sweep",
     "main",
     "raw_storage",
+    "replication_sweeps",
     "run_all",
     "state_for",
     "store_on",
     "sweep_delete_crashes",
     "sweep_free_race",
     "sweep_gc_crashes",
+    "sweep_local_loss",
     "sweep_power_cut_delete",
     "sweep_power_cuts",
     "sweep_prune_crashes",
     "sweep_prune_during_save",
     "sweep_reader_during_saves",
+    "sweep_replication_crashes",
+    "sweep_replication_outage",
     "sweep_save_crashes",
     "sweep_shared_gc_crashes",
     "sweep_transient",

@@ -31,6 +31,7 @@ from ckptfs.testing.reliability.races import (
     sweep_reader_during_saves,
     sweep_zombie,
 )
+from ckptfs.testing.reliability.tiers import replication_sweeps
 from ckptfs.testing.reliability.transient import sweep_transient
 
 SERVER_OF = {"s3": "moto", "ministack": "ministack", "gcs": "gcs", "azure": "azurite"}
@@ -77,15 +78,15 @@ def sweeps_for(name: str, make: Callable[[], Backend]) -> list[Sweep]:
             sweep_reader_during_saves(make()), sweep_prune_during_save(make()),
             corruption_matrix(make()), sweep_transient(make(), trials=25, p=0.1),
             sweep_transient(make(), trials=25, p=0.2), hostile_sweep(make())]
-    return out
+    return out + replication_sweeps(name, make)
 
 
-def run_all(names: list[str], tmp: str) -> dict[str, Any]:
+def run_all(names: list[str], tmp: str, *, only_tiers: bool = False) -> dict[str, Any]:
     results: dict[str, list[dict[str, Any]]] = {}
     with backends(names, tmp) as factories:
         for name, make in factories.items():
             t0 = time.monotonic()
-            sweeps = sweeps_for(name, make)
+            sweeps = replication_sweeps(name, make) if only_tiers else sweeps_for(name, make)
             results[name] = [s.as_dict() for s in sweeps]
             print(f"{name}: {sum(s.tried for s in sweeps)} scenarios, "
                   f"{sum(len(s.violations) for s in sweeps)} violations, "
@@ -108,18 +109,23 @@ COLUMNS = [
     ("corruption", "corruptions detected / tried"),
     ("transient", "saves under transient faults (committed)"),
     ("hostile", "hostile inputs"),
+    ("replication-crash", "replicator crash/outage points (remote tier)"),
+    ("two-tier", "two-tier outage and local-loss scenarios"),
 ]
 
 
 def _merge(sweeps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     by: dict[str, dict[str, Any]] = {}
     for s in sweeps:
-        key = "race" if s["name"].startswith("race") else s["name"]
+        key = s["name"]
+        for family in ("race", "replication-crash", "two-tier"):
+            if key.startswith(family):
+                key = family
         cur = by.setdefault(key, {"tried": 0, "violations": [], "counters": {}})
         cur["tried"] += s["tried"]
         cur["violations"] = cur["violations"] + s["violations"]
         for k, v in s["counters"].items():
-            if k.endswith("_max") or k.startswith("calls_per"):
+            if k.endswith("_max") or k.startswith("calls_per") or k.endswith("_per_copy"):
                 cur["counters"][k] = max(cur["counters"].get(k, 0), v)
             else:
                 cur["counters"][k] = cur["counters"].get(k, 0) + v
@@ -181,6 +187,38 @@ def details(doc: dict[str, Any]) -> str:
 
 
 BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
+TIERS_BEGIN, TIERS_END = "<!-- tiers-figures:begin -->", "<!-- tiers-figures:end -->"
+
+
+def tiers_table(doc: dict[str, Any]) -> str:
+    """The two-tier figures (docs/reliability.md, *Two tiers*): per remote backend, the
+    replicator's mutating calls per replication (v1 / an incremental v3 step), the scenarios of
+    each kind, what was recovered and collected, and the wall time."""
+    lines = ["| remote tier | calls per replication (v1 / v3) | crash points | outage points "
+             "(before and after the call) | lost-answer points | outage and local-loss "
+             "scenarios | recovered | leaked attempts collected by gc | files left after gc "
+             "| save during the outage, ms (local-only) | violations | time (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, sweeps in doc["results"].items():
+        tiers = [s for s in sweeps
+                 if s["name"].startswith(("replication-crash", "two-tier"))]
+        if not tiers:
+            continue
+
+        def total(counter: str, tiers: list[dict[str, Any]] = tiers) -> int:
+            return sum(int(s["counters"].get(counter, 0)) for s in tiers)
+
+        calls = {s["name"]: s["counters"].get("calls_per_replication", 0) for s in tiers}
+        lines.append(
+            f"| {NAME_OF.get(name, name)} | {calls.get('replication-crash', 0)} / "
+            f"{calls.get('replication-crash (v3)', 0)} | {total('crash_points')} | "
+            f"{total('outage_points')} | {total('blip_points')} | "
+            f"{sum(s['tried'] for s in tiers if s['name'].startswith('two-tier'))} | "
+            f"{total('recovered') + total('resumed') + total('caught_up')} | "
+            f"{total('leaked_attempts_collected')} | {total('leaked_files_left')} | "
+            f"{total('save_ms_during_outage_max')} ({total('save_ms_local_only_max')}) | "
+            f"{sum(len(s['violations']) for s in tiers)} | {total('sweep_ms') / 1000:.0f} |")
+    return "\n".join(lines)
 
 
 def update_doc(doc_path: str, doc: dict[str, Any]) -> None:
@@ -196,6 +234,20 @@ def update_doc(doc_path: str, doc: dict[str, Any]) -> None:
         f.write(text)
 
 
+def update_block(doc_path: str, begin: str, end: str, body: str) -> None:
+    """Replace what lies between ``begin`` and ``end`` in ``doc_path`` (appended if absent)."""
+    with open(doc_path) as f:
+        text = f.read()
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text,
+                      flags=re.DOTALL)
+    else:
+        text = text.rstrip("\n") + f"\n\n{block}\n"
+    with open(doc_path, "w") as f:
+        f.write(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     import tempfile
@@ -206,14 +258,25 @@ def main(argv: list[str] | None = None) -> int:
                                      description=(package.__doc__ or "").split("\n\n")[0])
     parser.add_argument("--backends", nargs="+", default=list(NAME_OF),
                         choices=list(NAME_OF))
-    parser.add_argument("--json", default="docs/reliability.json")
+    parser.add_argument("--tiers", action="store_true",
+                        help="only the two-tier sweeps (docs/reliability-tiers.json and the "
+                        "tiers-figures block)")
+    parser.add_argument("--json", default=None)
     parser.add_argument("--doc", default="docs/reliability.md")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        doc = run_all(args.backends, tmp)
-    with open(args.json, "w") as f:
+        doc = run_all(args.backends, tmp, only_tiers=args.tiers)
+    json_path = args.json or ("docs/reliability-tiers.json" if args.tiers
+                              else "docs/reliability.json")
+    with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
-    update_doc(args.doc, doc)
-    print(table(doc))
+    if args.tiers:
+        update_block(args.doc, TIERS_BEGIN, TIERS_END,
+                     f"Last run: {doc['generated']} (`python -m ckptfs.testing.reliability "
+                     f"--tiers`).\n\n{tiers_table(doc)}")
+        print(tiers_table(doc))
+    else:
+        update_doc(args.doc, doc)
+        print(table(doc))
     violations = sum(len(s["violations"]) for v in doc["results"].values() for s in v)
     return 1 if violations else 0

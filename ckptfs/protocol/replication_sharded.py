@@ -1,0 +1,361 @@
+"""Replicating a sharded checkpoint whose ranks wrote to their own nodes' disks (issue 18 part 2,
+docs/tiers.md "Sharded").
+
+Under torch.distributed, the local tier of a two-tier store is each node's own disk: the
+coordinator's holds the step's marker, ``MANIFEST.json``, ``dcp.msgpack`` and its rank file;
+every other node holds only its own rank file, in the same attempt directory.  So no single
+process can copy the step: **each rank uploads its own files, and the coordinator commits the
+remote copy once every rank has** (the same single exclusive commit as a sharded save).
+
+Design decision: **a dedicated gloo process group, collectives from each rank's replication
+thread**, rather than receipts written to storage.  Receipts would have to live somewhere on
+the remote (new files in the step's layout: a protocol change, and listings that see them as
+stray), and a rank waiting for receipts polls storage with its own timeout; the group gives
+agreement, one timeout (``timeout``: a dead rank fails the collective on every survivor instead
+of hanging it) and no new file.  It is created when the store is opened (collectively, on the
+calling thread), used only by the replication threads, and every rank processes the same steps
+in the same order: the coordinator's open-time scan is broadcast, every rank enqueues each
+step its collective save returns, and each worker takes the oldest pending step.
+
+One step, on every rank (:class:`ShardedCopier`)::
+
+    coordinator   reads its local marker and manifest; the remote already holds the step?
+                  (the same content: "identical"; other content: CheckpointExistsError);
+                  dcp.msgpack decoded as a load would; a v4 reference remapped to the remote's
+                  copy of the step it names (that copy must hold the same chunks); opens the
+                  remote attempt (Attempt.open) and checks the manifest it will commit
+    broadcast     the plan: the local manifest and the remote attempt name (or the outcome)
+    every rank    lists its own files on its own node (links, missing, resized: refused), then
+                  streams each into the remote attempt (Attempt.join) with ckptfs cp's
+                  per-file copy (copy.copy_file: hashed while written, compared with the
+                  manifest), then lists them at the remote
+    all_gather    each rank's success or error
+    coordinator   every rank succeeded: one listing of the remote attempt, the fence (a
+                  referenced remote step still committed), Attempt.commit (marker last);
+                  else the attempt is discarded: no remote commit for the step
+    broadcast     the outcome: every rank returns the same result or raises the same error
+                  class, so every rank's replicator retries, fails or moves on alike
+
+A rank that fails its upload (its node's file corrupt, the remote refusing it) means no remote
+commit for that step, and the previous remote step stays the latest; a storage error is
+retried (every rank again, after the same backoff), corruption fails the step.  A rank that
+dies or hangs fails the collective on the survivors after ``timeout``: their replication stops
+(:class:`~ckptfs.protocol.replication.ReplicationStopped`, status ``dead``) and the next open
+of the store queues what is missing again; an uncommitted remote attempt is collected by gc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import timedelta
+from typing import Any, cast
+
+import torch.distributed as dist
+
+from ckptfs.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ReplicationError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from ckptfs.format.incremental import (
+    Reference,
+    ShardedIncrementalManifest,
+    references_of,
+)
+from ckptfs.format.layout import StepPaths
+from ckptfs.format.sharded import ChunkedFileEntry, ShardedManifest
+from ckptfs.protocol.commit import Attempt
+from ckptfs.protocol.copy import (
+    CopyResult,
+    Progress,
+    check_stored_checksums,
+    committed_at,
+    copy_file,
+    copy_step,
+    same_content,
+)
+from ckptfs.protocol.listing import check_listing
+from ckptfs.protocol.replication import ReplicationStopped, StepGone
+from ckptfs.protocol.resolve import CheckpointInfo, read_committed, read_marker
+from ckptfs.protocol.sharded_io import check_written
+from ckptfs.protocol.sharded_read import read_document
+from ckptfs.storage.base import Storage
+
+log = logging.getLogger("ckptfs")
+
+#: How long a rank's replication thread waits in a collective for its peers (one step's upload
+#: on the slowest rank included) before it gives up: the replication stops in this process.
+REPLICATE_TIMEOUT = timedelta(minutes=30)
+
+#: Errors rebuilt by class on every rank (the class decides retry or fail); others become
+#: :class:`ReplicationError` (not retried).
+_KINDS: dict[str, type[Exception]] = {
+    c.__name__: c for c in (StorageError, CorruptCheckpointError, UnsafeCheckpointError,
+                            CheckpointExistsError, CheckpointNotFoundError, ReplicationError)}
+
+
+def replication_group(timeout: timedelta = REPLICATE_TIMEOUT) -> Any:
+    """The dedicated gloo group of a sharded store's replication threads (every rank calls it,
+    on its main thread, when the store is opened)."""
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def settle_node_attempt(storage: Storage, step: int, attempt: str, *, durable: bool) -> None:
+    """On a node whose rank wrote into the attempt under its hidden name (local disk writes an
+    attempt under ``.tmp-``; the coordinator's commit renames only its own node's), give it its
+    final name, so every node holds its files at the committed attempt's path.  Nothing to do
+    on the coordinator's node, on shared storage, or where the attempt is final already."""
+    if not storage.capabilities.atomic_rename:
+        return
+    paths = StepPaths(step)
+    tmp, final = paths.tmp_attempt_dir(attempt), paths.attempt_dir(attempt)
+    if storage.exists(tmp) and not storage.exists(final):
+        storage.rename_dir(tmp, final)
+        if durable and storage.capabilities.fsync:
+            storage.sync_dir(paths.dir)
+
+
+def own_files(manifest: ShardedManifest, rank: int, coordinator: bool
+              ) -> list[ChunkedFileEntry]:
+    """The files of ``manifest`` that ``rank`` wrote (its rank files; the coordinator also
+    ``dcp.msgpack``): what it holds on its own node."""
+    return [e for e in manifest.files if isinstance(e, ChunkedFileEntry)
+            and (e.rank == rank or (e.rank is None and coordinator))]
+
+
+@dataclasses.dataclass
+class _Plan:
+    status: str  # "copy" | "done" | "gone" | "error"
+    source: CheckpointInfo | None = None
+    manifest: ShardedManifest | None = None  # the one the remote attempt will commit
+    result: CopyResult | None = None
+    error: tuple[str, str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Upload:
+    """One rank's report after uploading its files of a step."""
+
+    error: tuple[str, str] | None = None
+    #: path -> the remote store's checksums of the file, computed while sending it.
+    sums: dict[str, tuple[tuple[str, str], ...]] = dataclasses.field(default_factory=dict)
+    #: (objects whose stored checksum matched, objects the store cannot vouch for).
+    verified: tuple[int, int] = (0, 0)
+
+
+def _error(exc: BaseException) -> tuple[str, str]:
+    return type(exc).__name__, str(exc)
+
+
+def rebuild_error(error: tuple[str, str]) -> Exception:
+    """The error ``(class name, message)`` reported by a rank, as the same class here."""
+    return _KINDS.get(error[0], ReplicationError)(error[1])
+
+
+class ShardedCopier:
+    """The per-rank copier of a sharded two-tier store (module docstring); a
+    :data:`~ckptfs.protocol.replication.Copier` for the :class:`Replicator`."""
+
+    def __init__(self, local: Storage, remote: Storage, group: Any, *, durable: bool = True,
+                 threads: int = 2) -> None:
+        self.local = local
+        self.remote = remote
+        self.group = group
+        self.durable = durable
+        self.threads = threads
+        self.rank = dist.get_rank()
+        self.coordinator = dist.get_rank(group) == 0
+        self._att: Attempt | None = None
+
+    # -- collectives (any failure: the group is unusable, replication stops here) ------------
+
+    def _bcast(self, obj: Any) -> Any:
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+        except Exception as exc:
+            raise self._stopped(exc) from exc
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as exc:
+            raise self._stopped(exc) from exc
+        return out
+
+    def _stopped(self, exc: BaseException) -> ReplicationStopped:
+        if self._att is not None:
+            self._att.discard()
+            self._att = None
+        return ReplicationStopped(
+            f"the replication collective to {self.remote.url} failed on rank {self.rank} "
+            f"({type(exc).__name__}: {exc}): a rank died or hung past the timeout; nothing "
+            "more is replicated by this process (open the store again to resume)")
+
+    def broadcast_scan(self, scan: Any) -> Any:
+        """The coordinator's open-time scan, to every rank (on the calling thread)."""
+        return self._bcast(scan)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def __call__(self, step: int, progress: Progress) -> CopyResult:
+        plan: _Plan = self._bcast(self._plan(step) if self.coordinator else None)
+        if plan.status == "gone":
+            raise StepGone(f"step {step} is not committed on the coordinator's local tier")
+        if plan.status == "error" and plan.error is not None:
+            raise rebuild_error(plan.error)
+        if plan.status == "done":
+            assert plan.result is not None
+            return plan.result
+        mine: _Upload = _Upload()
+        try:
+            mine = self._upload(plan, progress)
+        except Exception as exc:
+            log.error("rank %d: uploading its files of step %d to %s failed: %s: %s",
+                      self.rank, step, self.remote.url, type(exc).__name__, exc)
+            mine = _Upload(error=_error(exc))
+        reports: list[_Upload] = self._gather(mine)
+        outcome = self._finish(plan, reports) if self.coordinator else None
+        outcome = self._bcast(outcome)
+        if outcome[0] == "error":
+            raise rebuild_error(outcome[1])
+        result: CopyResult = outcome[1]
+        return result
+
+    def _plan(self, step: int) -> _Plan:
+        """The coordinator's part before any upload (module docstring)."""
+        try:
+            try:
+                info = read_committed(self.local, step)
+            except CheckpointNotFoundError:
+                if read_marker(self.local, step) is None:
+                    return _Plan("gone")
+                raise
+            manifest = info.manifest
+            if not isinstance(manifest, ShardedManifest):  # saved by one process: cp's copy
+                return _Plan("done", result=copy_step(self.local, self.remote, step,
+                                                      durable=self.durable,
+                                                      threads=self.threads))
+            existing = committed_at(self.remote, step)
+            if existing is not None:
+                if same_content(existing.manifest, manifest):
+                    return _Plan("done", result=CopyResult(
+                        step, "identical", existing.attempt, len(manifest.files), info.bytes))
+                raise CheckpointExistsError(
+                    f"step {step} is already committed at {existing.url} with different "
+                    f"content than {info.url}; a committed checkpoint is never overwritten")
+            read_document(self.local, info)  # what a load refuses, the copy refuses
+            remote_manifest = _remote_manifest(self.remote, manifest)
+            att = Attempt.open(self.remote, step, algorithm=manifest.hash_algorithm,
+                               durable=self.durable)
+            self._att = att
+            remote_manifest = dataclasses.replace(remote_manifest, attempt=att.name)
+            att.check(remote_manifest, world_size=manifest.world_size)
+            return _Plan("copy", source=info, manifest=remote_manifest)
+        except Exception as exc:
+            if self._att is not None:
+                self._att.discard()
+                self._att = None
+            return _Plan("error", error=_error(exc))
+
+    def _upload(self, plan: _Plan, progress: Progress) -> _Upload:
+        """This rank's files, from its own node to the remote attempt; each object's checksum
+        as the remote keeps it compared with the one computed while sending
+        (:func:`~ckptfs.protocol.copy.check_stored_checksums`, as every replica)."""
+        source, manifest = plan.source, plan.manifest
+        assert source is not None and manifest is not None
+        mine = own_files(cast(ShardedManifest, source.manifest), self.rank, self.coordinator)
+        if not mine:
+            return _Upload()
+        settle_node_attempt(self.local, source.step, source.attempt, durable=self.durable)
+        check_listing(self.local, source, files=mine)  # links, missing, resized: refused
+        att = Attempt.join(self.remote, source.step, manifest.attempt,
+                           algorithm=manifest.hash_algorithm, durable=self.durable)
+        written = []
+        for entry in sorted(mine, key=lambda e: -e.size):
+            written.append(copy_file(self.local, source.path, att, entry, progress=progress))
+            att.sync_file_dir(entry.path)
+        check_written(self.remote, att.write_dir, [(e.path, e.size, e.rank) for e in mine],
+                      step=source.step, who=f"rank {self.rank} sees at the remote")
+        verified = check_stored_checksums(self.remote, att, written)
+        return _Upload(sums={w.path: w.store_checksums for w in written}, verified=verified)
+
+    def _finish(self, plan: _Plan, reports: list[_Upload]) -> tuple[str, Any]:
+        """The coordinator commits the remote attempt if every rank uploaded its files; the
+        manifest records the remote store's checksums the ranks computed while uploading."""
+        att, source, manifest = self._att, plan.source, plan.manifest
+        self._att = None
+        assert att is not None and source is not None and manifest is not None
+        failed = {r: u.error for r, u in enumerate(reports) if u.error is not None}
+        sums = {p: c for u in reports for p, c in u.sums.items()}
+        manifest = dataclasses.replace(manifest, files=tuple(
+            dataclasses.replace(e, store_checksums=sums.get(e.path, ()))
+            for e in manifest.files))
+        verified = (sum(u.verified[0] for u in reports), sum(u.verified[1] for u in reports))
+        if failed:
+            att.discard()
+            permanent = [e for e in failed.values()
+                         if not issubclass(_KINDS.get(e[0], ReplicationError), StorageError)]
+            kind = (permanent or list(failed.values()))[0][0]
+            return "error", (kind, f"no remote commit of step {source.step}: rank(s) "
+                             f"{sorted(failed)} could not upload their files: " + "; ".join(
+                                 f"rank {r}: {k}: {m}" for r, (k, m) in sorted(failed.items())))
+        try:
+            with att:
+                check_written(self.remote, att.write_dir,
+                              [(e.path, e.size, e.rank) for e in manifest.files
+                               if isinstance(e, ChunkedFileEntry)],
+                              step=source.step, who="the coordinator sees at the remote")
+                protectors = {(r.step, r.attempt) for r in references_of(manifest)}
+
+                def fence() -> None:
+                    for pstep, pattempt in sorted(protectors):
+                        marker = read_marker(self.remote, pstep)
+                        if marker is None or marker.attempt != pattempt:
+                            raise CorruptCheckpointError(
+                                f"step {pstep} at {self.remote.url}, whose bytes step "
+                                f"{source.step} references there, was deleted meanwhile; "
+                                "nothing was committed", step=source.step)
+
+                out = att.commit(manifest, fence=fence if protectors else None,
+                                 world_size=manifest.world_size, copied_from=source.url)
+        except CheckpointExistsError as exc:
+            winner = committed_at(self.remote, source.step)
+            if winner is not None and same_content(winner.manifest, source.manifest):
+                return "ok", CopyResult(source.step, "identical", winner.attempt,
+                                        len(manifest.files), source.bytes)
+            return "error", _error(exc)
+        except Exception as exc:
+            return "error", _error(exc)
+        log.info("replicated sharded step %d to %s (%d ranks uploaded their files)",
+                 source.step, self.remote.url, len(reports))
+        return "ok", CopyResult(source.step, "copied", out.attempt, len(manifest.files),
+                                source.bytes, *verified)
+
+
+def _remote_manifest(remote: Storage, manifest: ShardedManifest) -> ShardedManifest:
+    """``manifest`` for the remote copy: a v4 reference names the attempt of the step it takes
+    bytes from; at the remote that step's copy has another attempt name, and must hold the same
+    file with the same size and the referenced chunks (checked here), else the step cannot be
+    replicated by reference (:class:`ReplicationError`, not retried)."""
+    if not isinstance(manifest, ShardedIncrementalManifest) or not manifest.references:
+        return manifest
+    refs: list[Reference] = []
+    for ref in manifest.references:
+        there = committed_at(remote, ref.step)
+        entry = None if there is None else {e.path: e for e in there.manifest.files}.get(
+            ref.source)
+        if (there is None or not isinstance(entry, ChunkedFileEntry) or entry.size != ref.size
+                or not set(ref.chunks) <= set(entry.chunks)):
+            raise ReplicationError(
+                f"step {manifest.step} references bytes of step {ref.step} ({ref.source}), "
+                f"which {remote.url} does not hold as committed (not replicated, pruned there, "
+                "or other content): it cannot be replicated by reference")
+        refs.append(dataclasses.replace(ref, attempt=there.attempt))
+    return dataclasses.replace(manifest, references=tuple(refs))

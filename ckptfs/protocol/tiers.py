@@ -1,0 +1,443 @@
+"""Two tiers: save at local-disk speed, replicate to a remote store in the background, resume
+from whichever tier holds the newest good checkpoint (docs/tiers.md).
+
+:func:`tiered` opens a :class:`TieredStore`, a :class:`~ckptfs.protocol.store.CheckpointStore`
+whose own storage is the local tier: ``save`` commits there and returns; the step is then
+queued for the :class:`~ckptfs.protocol.replication.Replicator`, which copies it to the remote
+tier with ``ckptfs cp``'s copy (one commit object, every byte verified, marker last).
+
+Design decisions (argued in docs/tiers.md):
+
+* A constructor of its own, not ``ckptfs.open(..., replicate_to=)``: each tier has its own
+  storage options (credentials and endpoint of the object store, none for local disk), retries
+  and durability, which one ``**storage_options`` cannot say; and ``open`` stays the one-tier
+  function the layers below use.
+* Retention and listing (``steps``, ``delete``, what :class:`~ckptfs.CheckpointManager` prunes)
+  act on the local tier; ``store.remote`` is a plain store of the remote tier for anything done
+  there.  ``latest``/``info``/``load``/``verify`` read across both.
+* A local checkpoint not yet replicated is never deleted (``delete`` raises
+  :class:`~ckptfs.errors.UnreplicatedCheckpointError`, retention keeps it) unless the store was
+  opened with ``delete_unreplicated=True``.
+* Opening scans both tiers: every step committed locally and not at the remote is queued
+  (oldest first), so a process killed mid-replication resumes on its next open.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any, Literal, TypeVar, overload
+
+from ckptfs.errors import (
+    CheckpointNotFoundError,
+    CkptfsError,
+    CorruptCheckpointError,
+    LoadOptionError,
+    ShardedSaveError,
+    StorageError,
+    UnreplicatedCheckpointError,
+)
+from ckptfs.format.hashing import DEFAULT_ALGORITHM
+from ckptfs.format.incremental import DEFAULT_LEASE_S
+from ckptfs.format.layout import check_step
+from ckptfs.protocol import async_save
+from ckptfs.protocol.collective import is_distributed, wants_sharded_save
+from ckptfs.protocol.copy import same_content
+from ckptfs.protocol.formats import VerifyReport
+from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
+from ckptfs.protocol.remote_verify import RemoteVerifyReport
+from ckptfs.protocol.replication import ReplicationStatus, Replicator
+from ckptfs.protocol.resolve import CheckpointInfo, committed_steps, read_committed, use_step
+from ckptfs.protocol.resolve import Tier as ReadTier
+from ckptfs.protocol.resolve import tier_of as resolve_tier
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.protocol.store import open as open_store
+
+log = logging.getLogger("ckptfs")
+
+T = TypeVar("T")
+Tier = tuple[str, CheckpointStore]
+
+
+def _world() -> int:
+    if not is_distributed():
+        return 1
+    import torch.distributed as dist
+
+    return int(dist.get_world_size())
+
+
+class TieredStore(CheckpointStore):
+    """A store with a local tier (its own ``storage``) and a remote tier replicated in the
+    background (module docstring; docs/tiers.md).  Opened on every rank of a process group
+    (each rank with its own node's local tier), it saves, replicates and loads sharded
+    checkpoints (docs/tiers.md "Sharded")."""
+
+    def __init__(self, local: CheckpointStore, remote: CheckpointStore, *,
+                 delete_unreplicated: bool = False, replicate_threads: int = 2,
+                 bytes_per_s: float | None = None, retry_base_s: float = 1.0,
+                 retry_max_s: float = 60.0, max_attempts: int | None = None,
+                 sharded: bool | None = None,
+                 replicate_timeout: timedelta | None = None) -> None:
+        super().__init__(local.storage, algorithm=local.algorithm, durable=local.durable,
+                         threads=local.threads, shard_bytes=local.shard_bytes,
+                         incremental=local.incremental, lease_s=local.lease_s)
+        if local.url == remote.url:
+            raise ValueError(f"the local and the remote tier are the same run root: {local.url}")
+        #: Plain one-tier stores of each tier (the local one shares this store's storage).
+        self.local = local
+        self.remote = remote
+        #: Allow deleting (and retention to delete) a local checkpoint that has not reached
+        #: the remote tier: for a local disk about to fill up (docs/tiers.md).
+        self.delete_unreplicated = delete_unreplicated
+        #: Opened on every rank of a process group (each with its own node's local tier):
+        #: sharded saves, per-rank replication, loads across tiers (docs/tiers.md "Sharded").
+        self.sharded = _world() > 1 if sharded is None else sharded
+        self._copier: Any = None
+        if self.sharded:
+            from ckptfs.protocol import replication_sharded as rs  # torch.distributed: only here
+            self._copier = rs.ShardedCopier(
+                local.storage, remote.storage,
+                rs.replication_group(replicate_timeout or rs.REPLICATE_TIMEOUT),
+                durable=remote.durable, threads=replicate_threads)
+        self.replicator = Replicator(local.storage, remote.storage, durable=remote.durable,
+                                     threads=replicate_threads, bytes_per_s=bytes_per_s,
+                                     retry_base_s=retry_base_s, retry_max_s=retry_max_s,
+                                     max_attempts=max_attempts, copier=self._copier)
+        self._scan()
+
+    def _tiers(self) -> list[Tier]:
+        return [("local", self.local), ("remote", self.remote)]
+
+    def _scan(self) -> None:
+        """Queue every step committed locally but not at the remote (oldest first).  Sharded:
+        the coordinator's scan (its node holds the markers), broadcast to every rank, so every
+        rank's replicator processes the same steps in the same order."""
+        if self._copier is None:
+            found = self._scan_tiers()
+        else:
+            coordinator = self._copier.coordinator
+            found = self._copier.broadcast_scan(self._scan_tiers() if coordinator else None)
+        queued = []
+        for step, nbytes, replicated in found:
+            if replicated:
+                self.replicator.mark_replicated(step, nbytes)
+            else:
+                queued.append(step)
+                self.replicator.enqueue(step, nbytes)
+        if queued:
+            log.info("%s: %d local checkpoints not at %s yet, queued for replication: %s",
+                     self.url, len(queued), self.remote.url, queued)
+
+    def _scan_tiers(self) -> list[tuple[int, int, bool]]:
+        """(step, bytes, replicated) of every step committed locally.  Replicated means the
+        remote's committed step has the local copy's content: a marker alone does not say so
+        (another run, or this run before a rollback, may have committed that step there with
+        other content), and the local copy would then count as replicated and retention could
+        delete its only copy.  Else the step is queued, and the copy decides (``identical``,
+        or ``failed`` with CheckpointExistsError, kept locally)."""
+        try:
+            local = committed_steps(self.storage)
+        except StorageError as exc:
+            log.warning("local tier %s cannot be listed (%s): nothing to replicate", self.url,
+                        exc)
+            return []
+        try:
+            remote = set(committed_steps(self.remote.storage))
+        except StorageError as exc:
+            log.warning("remote tier %s cannot be listed (%s): every local checkpoint is queued "
+                        "(one the remote already holds is recognized by the copy)",
+                        self.remote.url, exc)
+            remote = set()
+        found = []
+        for step in local:
+            try:
+                info: CheckpointInfo | None = read_committed(self.storage, step)
+            except (CheckpointNotFoundError, CorruptCheckpointError, StorageError):
+                info = None  # the copy reports what is wrong with it
+            nbytes = 0 if info is None else info.bytes
+            found.append((step, nbytes, step in remote and info is not None
+                          and self._same_at_remote(info)))
+        return found
+
+    def _same_at_remote(self, info: CheckpointInfo) -> bool:
+        """Whether the remote's committed ``info.step`` has the local copy's content."""
+        try:
+            return same_content(read_committed(self.remote.storage, info.step).manifest,
+                                info.manifest)
+        except CkptfsError:
+            return False
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any], *,
+             metadata: Mapping[str, Any] | None = None,
+             process_group: Any = None) -> CheckpointInfo:
+        """Commit ``step`` on the local tier and return; it is replicated in the background
+        (:meth:`replication`, :meth:`wait_replicated`)."""
+        with self.replicator.foreground():  # copying pauses while this save writes
+            if wants_sharded_save(state, process_group):
+                info = self._save_sharded(step, state, metadata, process_group)
+            else:
+                info = super().save(step, state, metadata=metadata)
+        self.replicator.enqueue(info.step, info.bytes)
+        return info
+
+    def _save_sharded(self, step: int, state: Mapping[str, Any],
+                      metadata: Mapping[str, Any] | None, process_group: Any) -> CheckpointInfo:
+        """Every rank writes its file on its own node's local tier; the coordinator commits
+        there (docs/tiers.md "Sharded")."""
+        if not self.sharded or process_group is not None:
+            raise ShardedSaveError(
+                "a tiered store saves sharded checkpoints when it was opened on every rank "
+                "after torch.distributed was initialized (each rank with its own node's local "
+                "tier), on the default process group: open it so (ckptfs.tiered(local, remote)"
+                " on every rank) and save without process_group=")
+        async_save.before_sync_save(self)
+        from ckptfs.protocol import sharded
+        from ckptfs.protocol.replication_sharded import settle_node_attempt
+        info = sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
+                                    durable=self.durable, threads=self.threads,
+                                    metadata=metadata, memory=self.reuse, lease_s=self.lease_s,
+                                    node_local=True)
+        settle_node_attempt(self.storage, info.step, info.attempt, durable=self.durable)
+        return info
+
+    def save_async(self, step: int, state: Mapping[str, Any], *,
+                   metadata: Mapping[str, Any] | None = None,
+                   max_in_flight: int = 1) -> async_save.SaveFuture:
+        """:meth:`CheckpointStore.save_async`; the step is queued for replication once it
+        committed locally."""
+        self._single_process(state, None)
+        self.replicator.hold()  # copying pauses until this save's local write is done
+        try:
+            future = super().save_async(step, state, metadata=metadata,
+                                        max_in_flight=max_in_flight)
+        except BaseException:
+            self.replicator.release()
+            raise
+        future.add_done_callback(self._committed_async)
+        return future
+
+    def _committed_async(self, future: Future[CheckpointInfo]) -> None:
+        self.replicator.release()
+        if future.cancelled() or future.exception() is not None:
+            return
+        info = future.result()
+        self.replicator.enqueue(info.step, info.bytes)
+
+    @staticmethod
+    def _single_process(state: Mapping[str, Any], process_group: Any) -> None:
+        if wants_sharded_save(state, process_group):
+            raise ShardedSaveError(
+                "a tiered store saves sharded checkpoints synchronously only (store.save on "
+                "every rank); save_async of a sharded state is not supported on it yet")
+
+    def delete(self, step: int) -> None:
+        """Delete the local copy of ``step`` (the remote tier is left alone: use
+        ``store.remote.delete``).  Refused with
+        :class:`~ckptfs.errors.UnreplicatedCheckpointError` while the step has not reached the
+        remote tier, unless the store allows it (``delete_unreplicated``)."""
+        check_step(step)
+        if not self.delete_unreplicated and step in self.replicator.unreplicated():
+            state = self.replicator.status().steps[step]
+            raise UnreplicatedCheckpointError(
+                f"step {step} at {self.url} is not replicated to {self.remote.url} yet "
+                f"({state.state}{': ' + state.error if state.error else ''}): deleting it "
+                "would lose its only copy. Wait for store.wait_replicated(), or open the store "
+                "with delete_unreplicated=True to allow it")
+        super().delete(step)
+        self.replicator.forget(step)
+
+    def retention_holds(self) -> frozenset[int]:
+        """Steps retention must keep: those not replicated yet (unless allowed)."""
+        if self.delete_unreplicated:
+            return frozenset()
+        return frozenset(self.replicator.unreplicated())
+
+    # -- replication -----------------------------------------------------------------------------
+
+    def replication(self) -> ReplicationStatus:
+        """Per step: ``local`` (queued), ``replicating``, ``replicated``, ``failed`` (with the
+        error); the lag in steps and bytes; the current outage, if any."""
+        return self.replicator.status()
+
+    def wait_replicated(self, timeout: float | None = None) -> ReplicationStatus:
+        """Wait until every checkpoint saved (or found unreplicated at open) is at the remote
+        tier.  Raises :class:`~ckptfs.errors.ReplicationError` if a step failed for good,
+        :class:`TimeoutError` (with the lag) after ``timeout`` seconds."""
+        self.wait()  # pending save_async: committed locally and queued first
+        return self.replicator.wait(timeout)
+
+    def close(self) -> None:
+        """Wait for pending async saves, then stop the replicator after its current copy
+        attempt; what is not replicated yet is queued again by the next open (an interrupted
+        remote attempt is never committed; gc removes it)."""
+        try:
+            super().close()
+        finally:
+            self.replicator.close()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            self.replicator.close()
+
+    # -- reading across tiers --------------------------------------------------------------------
+
+    def tier_steps(self) -> dict[str, list[int]]:
+        """The committed steps of each tier (``steps()`` is the local tier's)."""
+        return {name: committed_steps(st.storage) for name, st in self._tiers()}
+
+    def read_tiers(self) -> list[ReadTier]:
+        """``[("local", local storage), ("remote", remote storage)]``: every read
+        (``latest``, ``load``, ``verify``, the manager's restore through :meth:`walk`)
+        resolves across both, the local copy first."""
+        return [(name, st.storage) for name, st in self._tiers()]
+
+    def tier_of(self, info: CheckpointInfo) -> str:
+        """``"local"`` or ``"remote"``: the tier ``info`` was read from."""
+        return resolve_tier(self.read_tiers(), info)[0]
+
+    def _store_of(self, info: CheckpointInfo) -> CheckpointStore:
+        return self.local if self.tier_of(info) == "local" else self.remote
+
+    def use_step(self, step: int, use: Callable[[CheckpointInfo], T]
+                 ) -> tuple[CheckpointInfo, T]:
+        """``use`` on the first copy of ``step`` that passes it, the local one first (the
+        remote one when the local one is missing or fails, logged); a step bad in both tiers
+        raises naming each tier's error."""
+        check_step(step)
+        return use_step(self.read_tiers(), step, use)
+
+    # latest(): CheckpointStore.latest, through walk() over read_tiers(): the newest step
+    # committed in either tier, the local copy when it passes; ``tier_of(info)`` says which.
+
+    def info(self, step: int) -> CheckpointInfo:
+        return self.use_step(step, lambda info: info)[0]
+
+    def load(self, step: int | None = None, *, map_location: MapLocation = None,
+             verify: bool = True, allow_rollback: bool = False,
+             into: dict[str, Any] | None = None, process_group: Any = None,
+             keys: Iterable[str | KeyPath] | None = None, mmap: bool = False
+             ) -> dict[Any, Any]:
+        """:meth:`CheckpointStore.load` across tiers: the newest step in either tier (or
+        ``step``), from the local copy when it loads and verifies, else from the remote copy
+        (logged).  A step bad in both tiers raises (``allow_rollback``: the next older)."""
+        if into is not None or process_group is not None:
+            return self._load_sharded(step, into, process_group, verify=verify,
+                                      allow_rollback=allow_rollback, keys=keys, mmap=mmap)
+        tensor_map(map_location)
+        paths = parse_keys(keys)
+
+        def use(info: CheckpointInfo) -> dict[Any, Any]:
+            return self.load_info(info, verify=verify, map_location=map_location, keys=paths,
+                                  mmap=mmap)
+
+        if step is not None:
+            return self.use_step(step, use)[1]
+        tried: list[str] = []
+        found = self.walk(use, allow_rollback=allow_rollback, skipped=tried)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint to load at {self.url} or {self.remote.url}"
+                + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
+        return found[1]
+
+    def _load_sharded(self, step: int | None, into: dict[str, Any] | None, process_group: Any,
+                      *, verify: bool, allow_rollback: bool, keys: Any, mmap: bool
+                      ) -> dict[Any, Any]:
+        """``load(into=...)`` on every rank: the newest step in either tier, the local copy
+        (spread over the nodes) when it serves, else the remote copy, the same decision on
+        every rank (docs/tiers.md "Sharded")."""
+        if into is None or keys is not None or mmap or process_group is not None:
+            raise LoadOptionError(
+                "a tiered store loads a sharded checkpoint with load(into=state) on every rank "
+                "of the default process group (no process_group=, keys or mmap)")
+        if not self.sharded:
+            from ckptfs.protocol import sharded
+            if wants_sharded_save(into, None):  # DTensors in one process: the remote's copy
+                raise LoadOptionError("a tiered store opened in one process loads into= from "
+                                      "one tier: use store.local or store.remote")
+            return sharded.load_into(self.storage, step, into, verify=verify,
+                                     threads=self.threads, allow_rollback=allow_rollback)
+        from ckptfs.protocol.tiers_sharded import load_across_tiers
+        return load_across_tiers(self.storage, self.remote.storage, step, into, verify=verify,
+                                 threads=self.threads, allow_rollback=allow_rollback,
+                                 durable=self.durable)
+
+    def load_info(self, info: CheckpointInfo, *, verify: bool = True,
+                  map_location: MapLocation = None,
+                  keys: Iterable[str | KeyPath] | None = None, mmap: bool = False
+                  ) -> dict[Any, Any]:
+        """Load exactly ``info``, from the tier it was read from."""
+        return self._store_of(info).load_info(info, verify=verify, map_location=map_location,
+                                              keys=keys, mmap=mmap)
+
+    @overload
+    def verify(self, step: int | None = None, *, quick: bool = False,
+               remote: Literal[False] = False) -> VerifyReport: ...
+
+    @overload
+    def verify(self, step: int | None = None, *, quick: bool = False,
+               remote: Literal[True]) -> RemoteVerifyReport: ...
+
+    def verify(self, step: int | None = None, *, quick: bool = False,
+               remote: bool = False) -> VerifyReport | RemoteVerifyReport:
+        """Verify the copy a load would use: the local one if it verifies, else the remote
+        one (logged); raises if no tier holds a good copy.  ``store.local.verify`` /
+        ``store.remote.verify`` check one tier.  ``remote``: the remote tier's copy from the
+        object store's checksums alone (``CheckpointStore.verify(remote=True)``)."""
+        if remote:
+            return self.remote.verify(step, remote=True)
+
+        def use(info: CheckpointInfo) -> VerifyReport:
+            return self._store_of(info).verify(info.step, quick=quick)
+
+        if step is not None:
+            return self.use_step(step, use)[1]
+        found = self.walk(use, allow_rollback=False)
+        if found is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint at {self.url} or "
+                                          f"{self.remote.url}")
+        return found[1]
+
+    def __repr__(self) -> str:
+        return f"TieredStore({self.url!r}, remote={self.remote.url!r})"
+
+
+def tiered(local: str | CheckpointStore, remote: str | CheckpointStore, *,
+           algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
+           threads: int | None = None, retries: int = 3, incremental: bool = False,
+           lease_s: float = DEFAULT_LEASE_S, local_options: Mapping[str, Any] | None = None,
+           remote_options: Mapping[str, Any] | None = None,
+           delete_unreplicated: bool = False, replicate_threads: int = 2,
+           bytes_per_s: float | None = None, retry_base_s: float = 1.0,
+           retry_max_s: float = 60.0, max_attempts: int | None = None) -> TieredStore:
+    """Open a two-tier store: checkpoints commit on ``local`` (a URL, usually local disk, or
+    an open store) and are replicated to ``remote`` in the background (docs/tiers.md).
+
+    ``local_options`` / ``remote_options``: each tier's storage options (as
+    :func:`ckptfs.open`'s ``**storage_options``); the other keywords up to ``lease_s`` are
+    :func:`ckptfs.open`'s, for both tiers (ignored for a tier given as a store).
+    ``delete_unreplicated``: let ``delete`` and retention remove a local checkpoint that has
+    not reached the remote (default: never).  ``replicate_threads``: files copied at once
+    (memory: about 8 MiB per thread plus the remote's write buffer); ``bytes_per_s``: a
+    bandwidth bound for replication; ``retry_base_s``/``retry_max_s``: the capped exponential
+    backoff between attempts after a storage error; ``max_attempts``: give a step up
+    (``failed``) after that many (default: retry until the remote returns)."""
+    def opened(t: str | CheckpointStore, options: Mapping[str, Any] | None) -> CheckpointStore:
+        if isinstance(t, CheckpointStore):
+            return t
+        return open_store(t, algorithm=algorithm, durable=durable, threads=threads,
+                          retries=retries, incremental=incremental, lease_s=lease_s,
+                          **dict(options or {}))
+
+    return TieredStore(opened(local, local_options), opened(remote, remote_options),
+                       delete_unreplicated=delete_unreplicated,
+                       replicate_threads=replicate_threads, bytes_per_s=bytes_per_s,
+                       retry_base_s=retry_base_s, retry_max_s=retry_max_s,
+                       max_attempts=max_attempts)

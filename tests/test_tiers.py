@@ -1,0 +1,402 @@
+"""Two tiers (issue 18, docs/tiers.md): save commits locally and returns, a background
+replicator copies each checkpoint to the remote tier through ``ckptfs cp``'s copy (verified,
+marker last), loads resolve across both tiers, retention never deletes an unreplicated local
+checkpoint, and a restart resumes what a killed replicator left."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.errors import (
+    CorruptCheckpointError,
+    ReplicationError,
+    StorageError,
+    UnreplicatedCheckpointError,
+)
+from ckptfs.format.incremental import IncrementalManifest
+from ckptfs.lifecycle.gc import collect
+from ckptfs.protocol.store import CheckpointStore
+from ckptfs.protocol.tiers import TieredStore, tiered
+from ckptfs.testing.backend import Backend
+from ckptfs.testing.faults import FaultyStorage
+
+FAST = {"retry_base_s": 0.01, "retry_max_s": 0.05}
+WRITES = ("write_bytes", "create_exclusive", "commit", "makedirs", "rename_dir", "delete",
+          "delete_tree")
+
+_g = torch.Generator().manual_seed(0)
+#: Frozen weights: the same tensor objects at every save, so incremental saves reference them.
+BASE = {"w1": torch.randn(128, 128, generator=_g), "w2": torch.randn(64, 128, generator=_g),
+        "h": torch.arange(10, dtype=torch.bfloat16)}
+
+
+def state(step: int) -> dict[str, Any]:
+    torch.manual_seed(step)
+    return {"base": dict(BASE), "adapter": {"a": torch.randn(4, 16) * step}, "step": step}
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Equal trees, tensors bit for bit (dtype, shape, bytes)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert a.contiguous().view(torch.uint8).tolist() == b.contiguous().view(
+            torch.uint8).tolist()
+    else:
+        assert a == b
+
+
+def remote_store(backend: Backend, **faults: Any) -> tuple[CheckpointStore, FaultyStorage]:
+    """A store of the remote tier whose storage injects faults (outermost, so the adapter's own
+    retries do not hide them)."""
+    faulty = FaultyStorage(backend.open().storage, **faults)
+    return CheckpointStore(faulty), faulty
+
+
+def open_tiers(local: Backend, remote: CheckpointStore | Backend, **kw: Any) -> TieredStore:
+    r = remote.open() if isinstance(remote, Backend) else remote
+    return tiered(local.open(incremental=kw.pop("incremental", False)), r, **{**FAST, **kw})
+
+
+def test_save_returns_before_replication(local_backend: Backend,
+                                         memory_backend: Backend) -> None:
+    gate = threading.Event()
+
+    def slow(op: str, path: str) -> None:  # a remote that accepts no write until released
+        if op in WRITES:
+            assert gate.wait(30), "the test never released the remote"
+
+    remote, _ = remote_store(memory_backend, hook=slow)
+    store = open_tiers(local_backend, remote)
+    t0 = time.monotonic()
+    info = store.save(1, state(1))
+    assert time.monotonic() - t0 < 10
+    assert store.tier_of(info) == "local"
+    status = store.replication()
+    assert status.state(1) in ("local", "replicating")
+    assert status.lag_steps == 1 and status.lag_bytes == info.bytes > 0
+    assert memory_backend.open().steps() == []  # nothing committed remotely yet
+    with pytest.raises(TimeoutError, match="1 checkpoints"):
+        store.wait_replicated(timeout=0.2)
+    gate.set()
+    status = store.wait_replicated(timeout=60)
+    assert status.state(1) == "replicated" and status.lag_steps == 0
+    assert status.steps[1].copied_bytes >= info.bytes_written - 4096
+    plain = memory_backend.open()
+    assert plain.steps() == [1]
+    assert plain.verify(1).ok
+    assert_same(plain.load(1), state(1))
+    assert plain.info(1).manifest.files == store.local.info(1).manifest.files  # same bytes
+    store.close()
+
+
+def test_remote_outage_then_recovery(local_backend: Backend, memory_backend: Backend,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    down = threading.Event()
+    down.set()
+
+    def outage(op: str, path: str) -> None:
+        if down.is_set():
+            raise StorageError(f"{op} {path}: injected outage (connection refused)")
+
+    remote, _ = remote_store(memory_backend, hook=outage)
+    store = open_tiers(local_backend, remote)
+    with caplog.at_level(logging.WARNING, logger="ckptfs"):
+        for s in (1, 2, 3):
+            t0 = time.monotonic()
+            store.save(s, state(s))  # never blocked by the outage
+            assert time.monotonic() - t0 < 10
+        deadline = time.monotonic() + 30
+        while store.replication().steps[1].attempts < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    status = store.replication()
+    assert status.outage is not None and "injected outage" in status.outage
+    assert status.lag_steps == 3
+    assert status.lag_bytes == sum(store.local.info(s).bytes for s in (1, 2, 3))
+    assert {status.state(s) for s in (2, 3)} == {"local"}  # oldest first: 1 is in flight
+    assert status.state(1) == "replicating" and status.steps[1].attempts >= 3
+    assert "not replicated yet" in caplog.text
+    down.clear()
+    status = store.wait_replicated(timeout=60)
+    assert [status.state(s) for s in (1, 2, 3)] == ["replicated"] * 3
+    assert status.outage is None and status.lag_steps == 0
+    plain = memory_backend.open()
+    assert plain.steps() == [1, 2, 3]
+    for s in (1, 2, 3):
+        assert plain.verify(s).ok
+        assert_same(plain.load(s), state(s))
+    store.close()
+
+
+def test_incremental_replication_sends_only_new_bytes(local_backend: Backend,
+                                                      memory_backend: Backend) -> None:
+    store = open_tiers(local_backend, memory_backend, incremental=True)
+    store.save(1, state(1))
+    store.wait_replicated(timeout=60)
+    store.save(2, state(2))
+    status = store.wait_replicated(timeout=60)
+    full, second = status.steps[1].copied_bytes, status.steps[2].copied_bytes
+    assert second < full / 10, (full, second)  # the frozen base stays at the remote
+    m = memory_backend.open().info(2).manifest
+    assert isinstance(m, IncrementalManifest) and m.references
+    assert {r.step for r in m.references} == {1}  # the remote's own step 1
+    plain = memory_backend.open()
+    assert plain.verify(2).ok
+    assert_same(plain.load(2), state(2))
+    store.close()
+
+
+def test_local_disk_loss_loads_from_remote(local_backend: Backend,
+                                           memory_backend: Backend) -> None:
+    store = open_tiers(local_backend, memory_backend, incremental=True)
+    for s in (1, 2):
+        store.save(s, state(s))
+    store.wait_replicated(timeout=60)
+    store.close()
+    shutil.rmtree(local_backend.raw_root)  # the node was replaced: its disk is gone
+    again = open_tiers(local_backend, memory_backend, incremental=True)
+    assert again.replication().lag_steps == 0
+    latest = again.latest()
+    assert latest is not None and latest.step == 2 and again.tier_of(latest) == "remote"
+    assert_same(again.load(), state(2))
+    assert_same(again.load(1), state(1))
+    assert again.verify().ok
+    # training goes on: the next save is local again and replicated
+    again.save(3, state(3))
+    again.wait_replicated(timeout=60)
+    assert again.tier_steps() == {"local": [3], "remote": [1, 2, 3]}
+    info = again.latest()
+    assert info is not None and again.tier_of(info) == "local"
+    again.close()
+
+
+def _corrupt_local(local: Backend, store: TieredStore, step: int) -> None:
+    info = store.local.info(step)
+    entry = max(info.manifest.files, key=lambda e: e.size)
+    rel = f"{info.path}/{entry.path}"
+    data = bytearray(local.raw_read(rel))
+    data[-1] ^= 0xFF
+    local.raw_write(rel, bytes(data))
+
+
+def test_corrupt_local_copy_uses_remote(local_backend: Backend, memory_backend: Backend,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    store = open_tiers(local_backend, memory_backend)
+    for s in (1, 2):
+        store.save(s, state(s))
+    store.wait_replicated(timeout=60)
+    _corrupt_local(local_backend, store, 2)
+    with caplog.at_level(logging.WARNING, logger="ckptfs"):
+        assert_same(store.load(), state(2))
+        assert_same(store.load(2), state(2))
+    assert "the local copy of step 2" in caplog.text and "using the remote copy" in caplog.text
+    with pytest.raises(CorruptCheckpointError):
+        store.local.verify(2)
+    assert store.verify(2).ok  # the copy a load uses
+
+
+def test_corrupt_newest_in_both_tiers_raises(local_backend: Backend,
+                                             memory_backend: Backend) -> None:
+    store = open_tiers(local_backend, memory_backend)
+    for s in (1, 2):
+        store.save(s, state(s))
+    store.wait_replicated(timeout=60)
+    _corrupt_local(local_backend, store, 2)
+    rinfo = store.remote.info(2)
+    entry = max(rinfo.manifest.files, key=lambda e: e.size)
+    rel = f"{rinfo.path}/{entry.path}"
+    data = bytearray(memory_backend.raw_read(rel))
+    data[-1] ^= 0xFF
+    memory_backend.raw_write(rel, bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="step 2, fails in every tier"):
+        store.load()
+    assert_same(store.load(allow_rollback=True), state(1))  # only when asked
+
+
+def test_retention_keeps_unreplicated_steps(local_backend: Backend,
+                                            memory_backend: Backend) -> None:
+    down = threading.Event()
+    down.set()
+
+    def outage(op: str, path: str) -> None:
+        if down.is_set():
+            raise StorageError(f"{op} {path}: injected outage")
+
+    remote, _ = remote_store(memory_backend, hook=outage)
+    store = open_tiers(local_backend, remote)
+    mgr = ckptfs.CheckpointManager(store, keep_last=2)
+    model = torch.nn.Linear(4, 2)
+    for s in range(1, 6):
+        result = mgr.save(s, model=model)
+        assert not result.errors, result.errors
+        # retention keeps them on its own (held), it does not try and fail to delete them
+        assert result.prune is not None and not result.prune.errors, result.prune
+    assert store.steps() == [1, 2, 3, 4, 5]  # the remote is down: nothing else holds them
+    with pytest.raises(UnreplicatedCheckpointError, match="only copy"):
+        store.delete(1)
+    down.clear()
+    store.wait_replicated(timeout=60)
+    report = mgr.prune()
+    assert report.deleted == [1, 2, 3]
+    assert store.tier_steps() == {"local": [4, 5], "remote": [1, 2, 3, 4, 5]}
+    assert sorted(store.replication().steps) == [4, 5]
+    store.close()
+
+
+def test_retention_may_delete_unreplicated_when_allowed(local_backend: Backend,
+                                                        memory_backend: Backend,
+                                                        caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    down = threading.Event()
+    down.set()
+
+    def outage(op: str, path: str) -> None:
+        if down.is_set():
+            raise StorageError(f"{op} {path}: injected outage")
+
+    remote, _ = remote_store(memory_backend, hook=outage)
+    store = open_tiers(local_backend, remote, delete_unreplicated=True)
+    mgr = ckptfs.CheckpointManager(store, keep_last=2)
+    model = torch.nn.Linear(4, 2)
+    with caplog.at_level(logging.WARNING, logger="ckptfs"):
+        for s in range(1, 6):
+            mgr.save(s, model=model)
+        assert store.steps() == [4, 5]  # the disk-full policy: local retention wins
+        down.clear()
+        store.wait_replicated(timeout=60)
+    assert memory_backend.open().steps() == [4, 5]
+    assert "deleted from the local tier" in caplog.text
+    store.close()
+
+
+def test_permanent_failure_is_reported(local_backend: Backend, memory_backend: Backend) -> None:
+    memory_backend.open().save(1, {"other": torch.ones(3)})  # the remote holds another step 1
+    store = open_tiers(local_backend, memory_backend, max_attempts=2)
+    assert store.replication().lag_steps == 0  # step 1 is "at the remote" for the scan
+    store2 = open_tiers(local_backend, memory_backend)
+    store2.save(2, state(2))
+    store2.wait_replicated(timeout=60)
+    store2.close()
+    store.close()
+    # a conflicting step committed remotely after the local save: failed, not retried
+    store3 = open_tiers(local_backend, memory_backend)
+    memory_backend.open().save(3, {"other": torch.ones(3)})
+    store3.save(3, state(3))
+    with pytest.raises(ReplicationError, match="step 3: CheckpointExistsError"):
+        store3.wait_replicated(timeout=60)
+    assert store3.replication().state(3) == "failed"
+    with pytest.raises(UnreplicatedCheckpointError):
+        store3.delete(3)  # a failed step is still only local
+    store3.close()
+
+
+def test_killed_replicator_resumes_on_open(local_backend: Backend,
+                                           memory_backend: Backend) -> None:
+    # count the remote's mutating calls of a clean replication, then kill it half-way
+    probe_remote, probe = remote_store(memory_backend.sibling())
+    probe_store = open_tiers(local_backend.sibling(), probe_remote)
+    probe_store.save(1, state(1))
+    probe_store.wait_replicated(timeout=60)
+    probe_store.close()
+    calls = probe.count
+    assert calls >= 3
+    remote, faulty = remote_store(memory_backend, crash_at=calls - 1)  # before the marker
+    store = open_tiers(local_backend, remote)
+    store.save(1, state(1))
+    with pytest.raises(ReplicationError, match="died"):
+        store.wait_replicated(timeout=60)
+    assert faulty.crashed
+    store.save(2, state(2))  # saving goes on locally
+    plain = memory_backend.open()
+    assert plain.steps() == [] and plain.all_steps() == [1]  # an uncommitted attempt
+    store.close()
+    # the restart: both tiers scanned, steps 1 and 2 queued again, oldest first
+    again = open_tiers(local_backend, memory_backend)
+    assert [again.replication().steps[s].state in ("local", "replicating", "replicated")
+            for s in (1, 2)] == [True, True]
+    again.wait_replicated(timeout=60)
+    assert plain.steps() == [1, 2]
+    for s in (1, 2):
+        assert plain.verify(s).ok
+        assert_same(plain.load(s), state(s))
+    report = collect(plain.storage, older_than=timedelta(0))
+    removed = [i for i in report.items if i.removed]
+    assert removed and all("step-000000000001" in i.path for i in removed)
+    assert plain.verify(1).ok  # gc took only the interrupted attempt
+    again.close()
+
+
+def test_s3_remote(local_backend: Backend, s3_backend: Backend) -> None:
+    store = tiered(local_backend.open(incremental=True), s3_backend.open(), **FAST)
+    for s in (1, 2):
+        store.save(s, state(s))
+    status = store.wait_replicated(timeout=120)
+    assert status.steps[2].copied_bytes < status.steps[1].copied_bytes / 10
+    plain = s3_backend.open()
+    assert plain.steps() == [1, 2]
+    for s in (1, 2):
+        assert plain.verify(s).ok
+        assert_same(plain.load(s), state(s))
+    store.close()
+    shutil.rmtree(local_backend.raw_root)
+    again = tiered(local_backend.url, s3_backend.url, remote_options=s3_backend.options, **FAST)
+    info = again.latest()
+    assert info is not None and info.step == 2 and again.tier_of(info) == "remote"
+    assert_same(again.load(), state(2))
+    again.close()
+
+
+def test_same_root_refused(local_backend: Backend) -> None:
+    with pytest.raises(ValueError, match="same run root"):
+        tiered(local_backend.url, local_backend.url)
+
+
+def test_copying_pauses_while_a_save_writes(local_backend: Backend,
+                                            memory_backend: Backend) -> None:
+    """A local save has the disk and the cores to itself: the replication of an earlier step
+    stops after the slice in flight while ``save`` writes, and goes on when it returns (the
+    blocking time of a tiered save stays that of a local one: ``ckptfs bench tiers``)."""
+    from ckptfs.protocol.copy import COPY_CHUNK
+
+    started = threading.Event()
+    seen: list[int] = []
+    holder: dict[str, TieredStore] = {}
+
+    def remote_gate(op: str, path: str) -> None:  # step 1 starts copying once save(2) began
+        if op in WRITES:
+            assert started.wait(30)
+
+    def slow_save_2(op: str, path: str) -> None:
+        if "step-000000000002" in path:
+            started.set()
+            time.sleep(0.03)
+            seen.append(holder["s"].replication().steps[1].copied_bytes)
+
+    remote, _ = remote_store(memory_backend, hook=remote_gate)
+    local = CheckpointStore(FaultyStorage(local_backend.open().storage, hook=slow_save_2))
+    store = holder["s"] = tiered(local, remote, **FAST)
+    big = {f"t{i}": torch.randn(4 * 2**20, generator=torch.Generator().manual_seed(i))
+           for i in range(4)}  # 64 MiB: 8 slices of the copy
+    store.save(1, big)
+    t0 = time.monotonic()
+    store.save(2, {k: v + 1 for k, v in big.items()})
+    saving = time.monotonic() - t0
+    assert len(seen) >= 5 and saving > 0.15
+    # At most the slice in flight when the save began (plus the one being read) was copied.
+    assert seen[-1] <= 2 * COPY_CHUNK, (seen, saving)
+    status = store.wait_replicated(timeout=120)
+    assert status.steps[1].copied_bytes >= 64 * 2**20 and status.state(2) == "replicated"
+    assert_same(memory_backend.open().load(1), big)
+    store.close()

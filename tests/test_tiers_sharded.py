@@ -1,0 +1,289 @@
+"""Two tiers, sharded (issue 18 parts 2, 3 and 6, docs/tiers.md "Sharded"): 2 gloo ranks, each
+with its own local tier (its "node's disk": a directory of its own), one remote (a local
+directory shared by both, as an object store would be).
+
+Two W=2 jobs (a rank costs seconds on 2 cores):
+
+* ``job_replicate``: three steps saved (formats v2, then v4 with ``incremental=True``),
+  ``wait_replicated``; loads from the local copy spread over the nodes (rank 1 gets rank 0's
+  stored-once items from rank 0); rank 1's node lost, then the load takes its files from the
+  remote bit-exact; a corrupt local file: the remote copy, logged.  This process then checks the
+  remote: every step verifies and loads 2 -> 1 bit-exact; and node 1's local tier never held a
+  marker (its rank file is in the committed attempt's directory).
+* ``job_failing_rank``: node 1 lists its rank file resized: the save fails on every rank, no
+  commit (each rank checks its own file before reporting it).  Rank 1's uploads fail (an
+  injected storage error, no retry): no remote commit for steps 2 and 3, step 1 stays the
+  remote's latest on both ranks; step 3's files lost on node 1 before they reached the remote:
+  the load takes step 2 (logged: a lost node is not corruption); the store opened again with a
+  working remote replicates step 2 and names step 3's missing file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from dist_util import run_ranks
+from test_remote_verify import ComputedChecksums
+from test_sharded import targets, to_plain
+
+import ckptfs
+from ckptfs.errors import (
+    CorruptCheckpointError,
+    ReplicationError,
+    ShardedSaveError,
+    StorageError,
+)
+from ckptfs.format.incremental import ShardedIncrementalManifest
+from ckptfs.storage.base import Entry, StorageWrapper
+from ckptfs.testing.conformance import assert_state_equal
+from ckptfs.testing.reliability.tiers import LogRecords
+
+
+def _model(world: int) -> tuple[Any, Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 9), torch.nn.ReLU(), torch.nn.Linear(9, 3))
+    model[0].requires_grad_(False)  # frozen: referenced by the incremental steps (v4)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    return model, opt, mesh
+
+
+def _train_state(model: Any, opt: Any, step: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "trainer": {"step": step, "name": "run"}}
+
+
+def _frozen(value: Any) -> Any:
+    """A deep copy of the full tensors (the optimizer's step counters change in place)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_frozen(v) for v in value)
+    return value
+
+
+def _placement(t: torch.Tensor) -> Any:
+    from torch.distributed.tensor import Shard
+
+    return Shard(0) if t.dim() >= 1 and t.shape[0] > 1 else None
+
+
+def _load_into(store: Any, plain: Any, mesh: Any, **kw: Any) -> Any:
+    into = targets(plain, mesh, _placement)
+    assert store.load(into=into, **kw) is into
+    return to_plain(into)
+
+
+def job_replicate(rank: int, world: int, root: str) -> Any:
+    import torch.distributed as dist
+
+    records = LogRecords()
+    logging.getLogger("ckptfs").addHandler(records)
+    local, remote = f"{root}/node-{rank}", f"file://{root}/remote"
+    model, opt, mesh = _model(world)
+    # The remote keeps a CRC32 of every object (as S3 and GCS keep theirs): each rank compares
+    # its uploads' stored checksums before the coordinator commits, and the replica's manifest
+    # records them.
+    remote_store = ckptfs.CheckpointStore(ComputedChecksums(ckptfs.open(remote).storage))
+    store = ckptfs.tiered(local, remote_store, incremental=True)
+    plains = {}
+    for step in (1, 2, 3):
+        state = _train_state(model, opt, step)
+        info = store.save(step, state)
+        assert info.step == step
+        plains[step] = _frozen(to_plain(state))
+    status = store.wait_replicated(timeout=60)
+    assert status.lag_steps == 0 and sorted(status.steps) == [1, 2, 3], status
+    assert store.tier_steps()["remote"] == [1, 2, 3]
+    for step in (1, 2, 3):
+        rep = status.steps[step]
+        files = store.remote.info(step).manifest.files
+        assert rep.server_verified == len(files) and rep.server_unverified == 0, rep
+        assert all(dict(e.store_checksums).get("crc32") for e in files), files
+    assert store.remote.verify(3, remote=True).complete
+
+    # The local copy, spread over the nodes: with the remote out of reach (renamed away),
+    # rank 1 gets rank 0's stored-once items (optimizer step counters, values) from rank 0.
+    dist.barrier()
+    if rank == 0:
+        Path(f"{root}/remote").rename(f"{root}/remote-away")
+    dist.barrier()
+    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
+    dist.barrier()
+    if rank == 0:
+        Path(f"{root}/remote-away").rename(f"{root}/remote")
+    dist.barrier()
+    for step in (3, 1):
+        assert_state_equal(_load_step(store, plains[step], mesh, step), plains[step])
+    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
+    dist.barrier()
+    assert not [m for m in records.messages if "fails" in m], records.messages
+
+    # Node 1 lost (a replaced node): its files come from the remote copy, bit-exact.
+    if rank == 1:
+        shutil.rmtree(local)
+    dist.barrier()
+    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
+    dist.barrier()
+
+    # A corrupt local file (same size): the local copy fails its digest check, the remote copy
+    # is loaded, and the log says so (on every rank).
+    if rank == 0:
+        f = next(Path(local).glob("checkpoints/step-*3/*/rank-00000/data-0.safetensors"))
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    dist.barrier()
+    before = len(records.messages)
+    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
+    logged = records.messages[before:]
+    assert any("the local copy of step 3 fails" in m and "using the remote copy" in m
+               for m in logged), logged
+    store.close()
+    return plains if rank == 0 else None
+
+
+def _load_step(store: Any, plain: Any, mesh: Any, step: int) -> Any:
+    into = targets(plain, mesh, _placement)
+    assert store.load(step, into=into) is into
+    return to_plain(into)
+
+
+def test_sharded_replication_and_resume(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    plains = run_ranks(job_replicate, 2, root, timeout=240)[0]
+    remote = ckptfs.open(f"{root}/remote")
+    assert remote.steps() == [1, 2, 3]
+    for step in (1, 2, 3):
+        info = remote.info(step)
+        assert info.marker.writer.get("copied_from", "").startswith(f"{root}/node-0")
+        assert remote.verify(step).ok
+        # 2 -> 1: the whole checkpoint in one process, bit-exact.
+        assert_state_equal(remote.load(step), plains[step])
+    # v4 at the remote: the incremental steps reference the remote's own copy of step 1.
+    m3 = remote.info(3).manifest
+    assert isinstance(m3, ShardedIncrementalManifest) and m3.references
+    assert {(r.step, r.attempt) for r in m3.references} <= {(1, remote.info(1).attempt),
+                                                              (2, remote.info(2).attempt)}
+    # Node 1's local tier: its rank files in the committed attempts' directories, no marker
+    # (the coordinator's node holds the commit).
+    node1 = Path(root) / "node-1"
+    assert not list(node1.glob("checkpoints/*/COMPLETE"))
+
+
+class _Resizing(StorageWrapper):
+    """A node's disk that lists its rank files one byte longer while ``on`` (a write that did
+    not land as reported)."""
+
+    on = False
+
+    def outer_entry(self, entry: Entry) -> Entry:
+        if self.on and "/rank-" in entry.name:
+            return dataclasses.replace(entry, size=entry.size + 1)
+        return entry
+
+
+def job_failing_rank(rank: int, world: int, root: str) -> Any:
+    import torch.distributed as dist
+
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.testing.faults import FaultyStorage
+
+    records = LogRecords()
+    logging.getLogger("ckptfs").addHandler(records)
+    local, remote_url = f"{root}/node-{rank}", f"file://{root}/remote"
+    failing = {"on": False}
+
+    def hook(op: str, path: str) -> None:
+        if failing["on"] and rank == 1 and "/rank-" in path:
+            raise StorageError(f"injected: rank 1 cannot upload {path}")
+
+    remote = CheckpointStore(FaultyStorage(ckptfs.open(remote_url, retries=0).storage,
+                                           hook=hook))
+    model, opt, mesh = _model(world)
+    node = _Resizing(ckptfs.open(local).storage)
+    store = ckptfs.tiered(CheckpointStore(node), remote, max_attempts=1)
+    # Each rank checks its own file on its own node before reporting it: node 1 listing its
+    # rank file with another size fails the save on every rank, and nothing is committed.
+    node.on = rank == 1
+    try:
+        store.save(0, _train_state(model, opt, 0))
+        raise AssertionError("a sharded save committed with rank 1's file resized")
+    except (CorruptCheckpointError, ShardedSaveError) as exc:
+        assert "rank 1 sees" in str(exc), exc
+    node.on = False
+    assert store.tier_steps() == {"local": [], "remote": []}
+    s1 = _train_state(model, opt, 1)
+    store.save(1, s1)
+    store.wait_replicated(timeout=60)
+    failing["on"] = True
+    plains = {1: _frozen(to_plain(s1))}
+    for step in (2, 3):
+        state = _train_state(model, opt, step)
+        store.save(step, state)
+        plains[step] = _frozen(to_plain(state))
+    try:
+        store.wait_replicated(timeout=60)
+        raise AssertionError("replication succeeded with rank 1's uploads failing")
+    except ReplicationError as exc:
+        assert "rank(s) [1]" in str(exc), exc
+    status = store.replication()
+    assert status.state(1) == "replicated"
+    assert status.state(2) == "failed" and status.state(3) == "failed", status
+    # No remote commit for the steps rank 1 could not upload: step 1 stays the remote's latest.
+    assert store.tier_steps()["remote"] == [1]
+    remote_latest = ckptfs.open(remote_url).latest()
+    assert remote_latest is not None and remote_latest.step == 1
+
+    # Step 3's files on node 1 are lost before they reached the remote: the local copy cannot
+    # serve it, the remote does not hold it: the newest step that can be read (2), logged.
+    dist.barrier()
+    if rank == 1:
+        for d in Path(local).glob("checkpoints/step-*3"):
+            shutil.rmtree(d)
+    dist.barrier()
+    before = len(records.messages)
+    assert_state_equal(_load_into(store, plains[3], mesh), plains[2])
+    assert any("step 3 cannot be loaded" in m for m in records.messages[before:]), \
+        records.messages[before:]
+    store.close()
+    dist.barrier()
+
+    # The remote works again: a new open queues what is missing; step 2 is replicated, step 3
+    # cannot be (node 1's files are gone) and fails, named.
+    failing["on"] = False
+    store = ckptfs.tiered(local, remote, max_attempts=1)
+    try:
+        store.wait_replicated(timeout=60)
+    except ReplicationError as exc:
+        assert "step 3" in str(exc) and "rank(s) [1]" in str(exc), exc
+    assert store.tier_steps()["remote"] == [1, 2]
+    store.close()
+    return plains[2] if rank == 0 else None
+
+
+def test_failing_rank_no_remote_commit(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    plain2 = run_ranks(job_failing_rank, 2, root, timeout=240)[0]
+    remote = ckptfs.open(f"{root}/remote")
+    assert remote.steps() == [1, 2]
+    assert remote.verify(2).ok
+    assert_state_equal(remote.load(2), plain2)
