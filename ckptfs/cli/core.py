@@ -28,9 +28,11 @@ from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 
 _PLUGINS = ("ckptfs.cli.doctor", "ckptfs.cli.lifecycle", "ckptfs.cli.inspection",
-            "ckptfs.cli.tools", "ckptfs.bench.cli")
+            "ckptfs.cli.tools", "ckptfs.cli.tiers", "ckptfs.bench.cli")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: ``verify --remote``: no mismatch, but the store could not vouch for every file.
+EXIT_INCOMPLETE = 3
 
 
 class UsageError(CkptfsError, ValueError):
@@ -107,6 +109,58 @@ def _info_dict(info: Any) -> dict[str, Any]:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     store = open_from_args(args)
+    if args.remote is not None:
+        return _ls_tiers(args, store)
+    rows, usage = _ls_rows(store)
+    lines = [_ls_line(r) for r in rows]
+    if rows:
+        lines.append(f"stored {usage.stored_bytes} bytes (committed checkpoints"
+                     + (f" and {len(usage.retired)} retired attempt(s) they reference)"
+                        if usage.retired else ")"))
+    emit(args, {"url": store.url, "checkpoints": rows, "stored_bytes": usage.stored_bytes,
+                "retired": usage.retired},
+         "\n".join(lines) if lines else f"no checkpoints at {store.url}")
+    return EXIT_OK
+
+
+def _ls_tiers(args: argparse.Namespace, local: CheckpointStore) -> int:
+    """``ls LOCAL --remote REMOTE``: per step, the tiers where it is committed (``local``,
+    ``remote``, ``both``; ``none`` for a step incomplete in each tier that has it) and each
+    tier's row as ``ls`` shows it."""
+    remote = open_store(args.remote, **parse_options(args.remote_option))
+    merged: dict[int, dict[str, Any]] = {}
+    stored: dict[str, int] = {}
+    for tier, st in (("local", local), ("remote", remote)):
+        rows, usage = _ls_rows(st)
+        stored[tier] = usage.stored_bytes
+        for r in rows:
+            merged.setdefault(r["step"], {"step": r["step"], "local": None,
+                                          "remote": None})[tier] = r
+    for m in merged.values():
+        where = [t for t in ("local", "remote") if m[t] is not None and m[t]["committed"]]
+        m["where"] = "both" if len(where) == 2 else where[0] if where else "none"
+    steps = [merged[s] for s in sorted(merged)]
+    lines = [f"{m['step']:>12}  {m['where']:<6}  local: {_tier_cell(m['local'])}  "
+             f"remote: {_tier_cell(m['remote'])}" for m in steps]
+    lines.append(f"stored {stored['local']} bytes at {local.url}, {stored['remote']} bytes at "
+                 f"{remote.url}")
+    emit(args, {"local": local.url, "remote": remote.url, "checkpoints": steps,
+                "stored_bytes": stored}, "\n".join(lines))
+    return EXIT_OK
+
+
+def _tier_cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "-"
+    if "error" in row:
+        return f"UNREADABLE ({row['error']})"
+    if not row["committed"]:
+        return "retired" if row.get("retired") else "incomplete"
+    return f"{row['bytes']} B" if "bytes" in row else "committed"
+
+
+def _ls_rows(store: CheckpointStore) -> tuple[list[dict[str, Any]], Any]:
+    """The rows of ``ls`` (committed and incomplete steps, ascending) and the run's usage."""
     committed = store.steps()
     everything = store.all_steps()
     usage = run_usage(store.storage)
@@ -126,15 +180,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows += [{"step": s, "committed": False, **({"retired": True} if s in retired else {})}
              for s in incomplete]
     rows.sort(key=lambda r: r["step"])
-    lines = [_ls_line(r) for r in rows]
-    if rows:
-        lines.append(f"stored {usage.stored_bytes} bytes (committed checkpoints"
-                     + (f" and {len(usage.retired)} retired attempt(s) they reference)"
-                        if usage.retired else ")"))
-    emit(args, {"url": store.url, "checkpoints": rows, "stored_bytes": usage.stored_bytes,
-                "retired": usage.retired},
-         "\n".join(lines) if lines else f"no checkpoints at {store.url}")
-    return EXIT_OK
+    return rows, usage
 
 
 def _ls_line(row: dict[str, Any]) -> str:
@@ -168,12 +214,34 @@ def cmd_verify(args: argparse.Namespace) -> int:
     info = store.latest() if args.step is None else store.info(args.step)
     if info is None:
         raise CheckpointNotFoundError(f"no committed checkpoint at {store.url}")
+    if args.remote:
+        return _verify_remote(args, store, info)
     report = verify_checkpoint(store.storage, info, quick=args.quick, threads=store.threads)
     text = (f"OK: step {info.step} ({report.mode}: {report.files} files, {report.bytes} bytes)"
             if report.ok else f"FAILED: step {info.step} ({report.mode}):\n  "
             + "\n  ".join(report.problems))
     emit(args, report.as_dict(), text)
     return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _verify_remote(args: argparse.Namespace, store: Any, info: Any) -> int:
+    from ckptfs.errors import RemoteChecksumMismatchError
+    from ckptfs.protocol.remote_verify import RemoteVerifyReport, verify_remote
+
+    try:
+        report = verify_remote(store.storage, info)
+    except RemoteChecksumMismatchError as exc:
+        if not isinstance(exc.report, RemoteVerifyReport):  # pragma: no cover
+            raise
+        report = exc.report
+    lines = [f"  {f.status}: {f.path} ({f.detail})" for f in report.files]
+    head = ("FAILED" if not report.ok else "OK" if report.complete else "INCOMPLETE")
+    text = (f"{head}: step {info.step} (remote: {report.count('match')} match, "
+            f"{report.count('mismatch')} mismatch, {report.count('not available')} not "
+            f"available; {report.requests} metadata requests, no data read)\n"
+            + "\n".join(lines))
+    emit(args, report.as_dict(), text)
+    return EXIT_FAILED if not report.ok else EXIT_OK if report.complete else EXIT_INCOMPLETE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ls", help="list checkpoints (committed and incomplete)")
     add_store_args(p)
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="a two-tier run's remote tier: show, per step, where it is committed "
+                   "(local, remote, both) and its size in each tier")
+    p.add_argument("--remote-option", action="append", default=[], metavar="KEY=VALUE",
+                   type=option_pair, help="storage option for --remote (repeatable)")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("latest", help="show the newest committed checkpoint")
@@ -198,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step to verify (default: latest)")
     p.add_argument("--quick", action="store_true",
                    help="names and sizes from one listing instead of re-hashing every byte")
+    p.add_argument("--remote", action="store_true",
+                   help="compare each file with the object store's own stored checksum, from "
+                   "metadata requests alone (no data read; docs/remote-verify.md)")
     p.set_defaults(func=cmd_verify)
 
     for module in _PLUGINS:

@@ -98,7 +98,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
         for info in infos:
             try:
                 res = copy_step(src.storage, dst.storage, info.step, durable=dst.durable,
-                                threads=dst.threads, progress=bar.update)
+                                threads=dst.threads, progress=bar.update,
+                                check_stored=args.verify_remote)
                 rows.append(res.as_dict())
             except (CheckpointExistsError, CorruptCheckpointError,
                     CheckpointNotFoundError) as exc:
@@ -109,7 +110,10 @@ def cmd_cp(args: argparse.Namespace) -> int:
     text = "\n".join(
         f"step {r['step']}: {r['status']}"
         + (f" ({r['files']} files, {r['bytes']} B) -> {dst.url}" if r["status"] != "failed"
-           else "") for r in rows)
+           else "")
+        + (f"; {r['server_verified']} files matched the store's own checksum, "
+           f"{r['server_unverified']} not available" if args.verify_remote
+           and r["status"] == "copied" else "") for r in rows)
     emit(args, {"src": src.url, "dst": dst.url, "ok": not failed, "steps": rows}, text)
     return EXIT_FAILED if failed else EXIT_OK
 
@@ -319,6 +323,10 @@ def add_subcommands(sub: Any) -> None:
                    type=option_pair, help="storage option for the source only")
     p.add_argument("--dst-option", action="append", default=[], metavar="KEY=VALUE",
                    type=option_pair, help="storage option for the destination only")
+    p.add_argument("--verify-remote", action="store_true",
+                   help="before committing, compare each file written with the checksum the "
+                   "destination object store keeps (one metadata request per file; "
+                   "docs/remote-verify.md)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_cp)
