@@ -16,6 +16,7 @@ from ckptfs.bench.common import QUESTIONS, REPO
 from ckptfs.bench.incremental import bench_retention, gc_available
 from ckptfs.bench.report import (
     INCREMENTAL_HEADING,
+    TIERS_HEADING,
     load_results,
     target_rows,
     write_incremental_section,
@@ -133,6 +134,26 @@ def test_scripts_have_help() -> None:
     assert out.returncode == 0 and "--counts" in out.stdout
 
 
+def test_remote_verify_benchmark(tmp_path: Path) -> None:
+    """``ckptfs bench remote-verify`` at a tiny size (one file above the 8 MiB part
+    size: a multi-part upload) on moto and fake-gcs: the remote verify compares every file,
+    reads none of the data and makes fewer requests than the full verify, which reads every
+    byte."""
+    assert bench_main(["remote-verify", "--size", "80MiB", "--results", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "remote_verify.json").read_text())
+    assert [r["backend"] for r in result["runs"]] == ["s3", "gcs"]
+    for run in result["runs"]:
+        assert max(f["size"] for f in run["files"]) > 8 * 2**20
+        full, remote = run["variants"]
+        assert full["bytes_read"] >= run["size"]
+        assert remote["report"]["match"] == len(run["files"]), remote["report"]
+        assert remote["requests"] < full["requests"]
+        assert remote["bytes_read"] < 2**20
+        if run["backend"] == "s3":
+            assert remote["by_operation"]["HeadObject"] == len(run["files"])
+            assert remote["bytes_read"] < 64 * 1024  # COMPLETE and MANIFEST.json only
+
+
 def test_incremental_question(smoke: tuple[Path, Path]) -> None:
     """Incremental saves side by side with full saves and DCP: the ratios of issue 17 part 6
     are in the JSON and sane (speed is not checked at these sizes)."""
@@ -216,3 +237,33 @@ def test_report_only_incremental_splices(smoke: tuple[Path, Path], tmp_path: Pat
     assert first.endswith("## Sharded\n\ntail\n")
     write_incremental_section(results, docs)
     assert (docs / "benchmarks.md").read_text() == first
+
+
+def test_tiers_question(tmp_path: Path) -> None:
+    """``ckptfs bench tiers`` at tiny sizes: the blocking/replication rounds and the training
+    loop run end to end against a moto server, the ratios are computed from the timings, the
+    loop's lag is recorded at every save, and ``report --only tiers`` splices the section and
+    its plot into an existing benchmarks.md."""
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    docs.mkdir()
+    (docs / "benchmarks.md").write_text("# Benchmarks\n\n## How ckptfs gets these figures\n\nn\n")
+    assert bench_main(["tiers", "--tiers-size", "2MiB", "--tiers-rounds", "1", "--loop-steps",
+                       "6", "--loop-every", "2", "--results", str(results),
+                       "--docs", str(docs)]) == 0
+    t = json.loads((results / "tiers.json").read_text())
+    b = t["blocking"]
+    assert b["ratios"]["blocking_idle"] == pytest.approx(
+        b["median"]["tiered_idle_s"] / b["median"]["local_s"], rel=1e-2)
+    assert b["ratios"]["replication_vs_cp"] > 0
+    o = t["overhead"]
+    assert len(o["rounds"]) == 5 and o["ratio"] == pytest.approx(
+        o["median"]["tiered_s"] / o["median"]["local_s"], rel=1e-2)
+    loop = t["loop"]
+    assert set(loop["variants"]) == {"none", "local", "two tiers"}
+    assert [x["step"] for x in loop["variants"]["two tiers"]["lags"]] == [2, 4, 6]
+    assert all(len(v["step_s"]) == 6 for v in loop["variants"].values())
+    assert cli_main(["bench", "report", "--only", "tiers", "--results", str(results),
+                     "--docs", str(docs)]) == 0
+    md = (docs / "benchmarks.md").read_text()
+    assert md.index(TIERS_HEADING) < md.index("## How ckptfs gets these figures")
+    assert (docs / "img" / "tiers.png").read_bytes()[:4] == b"\x89PNG"

@@ -26,8 +26,11 @@ from ckptfs.bench.fresh import bench_fresh
 from ckptfs.bench.hashing import bench_hash
 from ckptfs.bench.incremental import bench_incremental
 from ckptfs.bench.latest import bench_latest
-from ckptfs.bench.report import write_incremental_section, write_report
+from ckptfs.bench.remote_verify import bench_remote_verify
+from ckptfs.bench.remote_verify import table as remote_verify_table
+from ckptfs.bench.report import write_incremental_section, write_report, write_tiers_section
 from ckptfs.bench.save import bench_interleaved, bench_s3, bench_save
+from ckptfs.bench.tiers import bench_tiers
 from ckptfs.bench.variants import run_worker
 
 
@@ -71,6 +74,16 @@ def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
         out["machine"] = machine_info()  # machine.json is only rewritten by ``all``
         out["note"] = args.note
         return out
+    if q == "remote-verify":
+        out = bench_remote_verify(parse_size(args.rv_size),
+                                  [b for b in args.rv_backends.split(",") if b])
+        print(remote_verify_table(out))
+        return out
+    if q == "tiers":
+        return bench_tiers(full=args.tiers_full,
+                           size=parse_size(args.tiers_size) if args.tiers_size else None,
+                           rounds=args.tiers_rounds, loop_steps=args.loop_steps,
+                           every=args.loop_every)
     raise ValueError(q)
 
 
@@ -80,6 +93,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if what == "report":
         if args.only == "incremental":
             print(write_incremental_section(results, Path(args.docs)))
+        elif args.only == "tiers":
+            print(write_tiers_section(results, Path(args.docs)))
         else:
             print(write_report(results, Path(args.docs)))
         return 0
@@ -88,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for q in questions:
         print(f"[{time.strftime('%H:%M:%S')}] {q} ...", flush=True)
-        _save_json(results, q, run_question(q, args))
+        _save_json(results, q.replace("-", "_"), run_question(q, args))
     machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     machine["duration_s"] = round(time.perf_counter() - t0, 1)
     if args.note:
@@ -149,7 +164,22 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                                    "saves per variant to moto")),
     "incr_fresh_rounds": (("--incr-fresh-rounds",), dict(type=int, default=2, help="incremental: "
                                                          "fresh-process rounds")),
-    "only": (("--only",), dict(default="", choices=["", "incremental"], help="render only "
+    "tiers_full": (("--full",), dict(
+        action="store_true", default=False, help="tiers: the issue's sizes (a 1 GiB "
+        "checkpoint, a 96 MiB-parameter loop); default: 256 MiB and 48 MiB")),
+    "tiers_size": (("--tiers-size",), dict(default="", help="tiers: the checkpoint size of "
+                                           "the blocking and replication rounds")),
+    "tiers_rounds": (("--tiers-rounds",), dict(type=int, default=3, help="tiers: alternating "
+                                               "rounds")),
+    "loop_steps": (("--loop-steps",), dict(type=int, default=120, help="tiers: training steps "
+                                           "of each loop variant")),
+    "loop_every": (("--loop-every",), dict(type=int, default=20, help="tiers: save every N "
+                                           "steps in the loop")),
+    "rv_size": (("--size",), dict(default="1GiB", help="remote-verify: checkpoint size")),
+    "rv_backends": (("--backends",), dict(default="s3,gcs", help="remote-verify: "
+                                          "comma-separated, of s3 (moto) and gcs (fake-gcs)")),
+    "only": (("--only",), dict(default="", choices=["", "incremental", "tiers"],
+                               help="render only "
                                "this section (and its plot) into the existing benchmarks.md, "
                                "leaving the rest of it as it is")),
     "in_process": (("--in-process",), dict(
@@ -174,7 +204,10 @@ _OWN: dict[str, tuple[str, ...]] = {
     "incremental": ("incr_full", "incr_base", "incr_rounds", "retention_base", "retention_saves",
                     "retention_without_gc", "incr_s3_base", "incr_s3_rounds", "incr_fresh_rounds",
                     *_COMMON),
-    "all": tuple(_OPTIONS),
+    "tiers": ("tiers_full", "tiers_size", "tiers_rounds", "loop_steps", "loop_every",
+              *_COMMON),
+    "remote-verify": ("rv_size", "rv_backends", *_COMMON),
+    "all": tuple(d for d in _OPTIONS if not d.startswith(("tiers_", "rv_"))),
     "report": ("results", "docs", "only"),
 }
 
@@ -203,6 +236,11 @@ def add_subcommands(subparsers: Any) -> None:
              "incremental": "incremental saves (format v3): bytes written and time per save "
                             "against full saves and DCP (LoRA-like, RL-like, full fine-tuning, "
                             "keep_last=5 retention, S3, a fresh process)",
+             "tiers": "two tiers (local disk + moto S3): blocking time against a local-only "
+                      "save, replication against ckptfs cp, lag and throughput of a training "
+                      "loop",
+             "remote-verify": "verify --remote of a checkpoint against a full verify on S3 "
+                              "(moto) and GCS (fake-gcs): requests, bytes read, time",
              "all": "everything, then the report",
              "report": "regenerate docs/benchmarks.md and docs/img/ from the JSON"}
     for name, text in helps.items():

@@ -110,7 +110,7 @@ def target_rows(data: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def load_results(results_dir: Path) -> dict[str, Any]:
     data: dict[str, Any] = {}
-    for q in (*QUESTIONS, "machine"):
+    for q in (*QUESTIONS, "tiers", "machine"):
         p = results_dir / f"{q}.json"
         if p.exists():
             data[q] = json.loads(p.read_text())
@@ -165,6 +165,7 @@ def write_report(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
     lines += _latest_section(data.get("latest"), plots)
     lines += _fresh_section(data.get("fresh"))
     lines += _incremental_section(data.get("incremental"), plots)
+    lines += _tiers_section(data.get("tiers"), _tiers_plot(data.get("tiers"), img))
     notes = REPO / "benchmarks" / "NOTES.md"
     if notes.exists():
         lines += ["", notes.read_text().strip(), ""]
@@ -304,13 +305,21 @@ def _latest_section(lt: Mapping[str, Any] | None, plots: Mapping[str, str]) -> l
     return [*lines, ""]
 
 
-def _plots(data: Mapping[str, Any], img: Path) -> dict[str, str]:
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend, or None where it is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - matplotlib is a dev dependency
+        return None
+    return plt
+
+
+def _plots(data: Mapping[str, Any], img: Path) -> dict[str, str]:
+    plt = _pyplot()
+    if plt is None:  # pragma: no cover - matplotlib is a dev dependency
         return {}
     out: dict[str, str] = {}
     h = data.get("hash")
@@ -511,12 +520,8 @@ def _incremental_plot(inc: Mapping[str, Any] | None, img: Path) -> dict[str, str
     cases = (inc or {}).get("cases") or {}
     if not cases:
         return {}
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - matplotlib is a dev dependency
+    plt = _pyplot()
+    if plt is None:  # pragma: no cover - matplotlib is a dev dependency
         return {}
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     styles = {"incremental": "o-", "full": "s--", "v1": "s--", "DCP": "^:"}
@@ -554,11 +559,16 @@ def write_incremental_section(results_dir: Path = RESULTS_DIR, docs_dir: Path = 
     inc = json.loads(p.read_text()) if p.exists() else None
     img = docs_dir / "img"
     img.mkdir(parents=True, exist_ok=True)
-    section = _incremental_section(inc, _incremental_plot(inc, img))
-    out = docs_dir / md_name
+    return _splice(docs_dir / md_name, INCREMENTAL_HEADING,
+                   _incremental_section(inc, _incremental_plot(inc, img)))
+
+
+def _splice(out: Path, heading: str, section: list[str]) -> Path:
+    """Put ``section`` (which starts with ``heading``) into the Markdown file ``out``: where a
+    section of that heading is, else before the hand-written notes."""
     old = out.read_text().splitlines() if out.exists() else ["# Benchmarks", ""]
-    if INCREMENTAL_HEADING in old:
-        start = old.index(INCREMENTAL_HEADING)
+    if heading in old:
+        start = old.index(heading)
         end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")),
                    len(old))
     elif _NOTES_HEADING in old:
@@ -568,3 +578,132 @@ def write_incremental_section(results_dir: Path = RESULTS_DIR, docs_dir: Path = 
     new = [*old[:start], *section, *old[end:]]
     out.write_text("\n".join(new).rstrip() + "\n")
     return out
+
+
+# -- two tiers (``ckptfs bench tiers``) --------------------------------------------------------
+
+TIERS_HEADING = "## Two tiers: local disk + S3 (moto)"
+
+
+def _tiers_section(t: Mapping[str, Any] | None, plots: Mapping[str, str]) -> list[str]:
+    if not t:
+        return []
+    b, lp = t["blocking"], t["loop"]
+    m, r = b["median"], b["ratios"]
+    mach = t.get("machine") or {}
+    lines = [TIERS_HEADING, "",
+             "`ckptfs bench tiers` (module `ckptfs.bench.tiers`, entry `benchmarks/tiers.py`; "
+             "raw figures in `benchmarks/results/tiers.json`)"
+             + (" at the issue's sizes (`--full`)." if t.get("full_sizes") else
+                " at the default sizes (`--full`: a 1 GiB checkpoint)."),
+             f"Local tier: {t.get('local_fs', '?')}; remote tier: {t['server']}: the server, the "
+             "replicator and the job share the machine's "
+             f"{mach.get('cpus', 2)} cores, so every figure with the replicator running "
+             "includes the S3 server's CPU time.", "",
+             *_overhead_lines(t.get("overhead")),
+             f"### Blocking time and replication ({fmt_size(b['state_bytes'])}, "
+             f"{len(b['rounds'])} alternating rounds, medians)", "",
+             "Durable saves on this VM's disk vary up to 3x from one save to the next (the "
+             "second of two saves is often the slow one, whichever store makes it), so the "
+             "overhead is measured above on tmpfs; here, each round alternates which store "
+             "saves first, and whether `ckptfs cp` runs before or after the replication.", "",
+             "| measure | time | ratio | goal |", "|---|---|---|---|",
+             f"| local-only save | {m['local_s']:.3f} s | 1 | |",
+             f"| tiered save, replicator idle | {m['tiered_idle_s']:.3f} s | "
+             f"{r['blocking_idle']:.3f}x | (the disk's noise: the goal is judged on tmpfs, "
+             "above) |",
+             f"| local-only save right after another | {m['local_b2b_s']:.3f} s | 1 | |",
+             f"| tiered save right after another, which replicates meanwhile | "
+             f"{m['tiered_busy_s']:.3f} s | {r['blocking_busy']:.3f}x | |",
+             f"| `ckptfs cp` of the step alone | {m['cp_s']:.2f} s "
+             f"({b['throughput_MiBps']['cp']} MiB/s) | 1 | |",
+             f"| replication of the step (save returned -> committed at the remote) | "
+             f"{m['replication_s']:.2f} s ({b['throughput_MiBps']['replication']} MiB/s) | "
+             f"**{r['replication_vs_cp']:.3f}x** cp's throughput | >= 0.9x |", ""]
+    pr = b.get("ratios_per_round_median")
+    if pr:
+        lines += [f"Median of the per-round ratios (each round's pair measured back to back): "
+                  f"blocking {pr['blocking_idle']:.3f}x idle, {pr['blocking_busy']:.3f}x while "
+                  f"replicating; replication {pr['replication_vs_cp']:.3f}x cp's throughput.",
+                  ""]
+    tt = lp["variants"]["two tiers"]
+    lines += [f"### A training loop saving every {lp['every']} steps "
+              f"({fmt_size(lp['checkpoint_bytes'])} checkpoints, {lp['steps']} steps)", "",
+              "An MLP with AdamW on a fixed batch, the same loop three times; the local-only "
+              "and the two-tier variants keep the last two checkpoints locally (the tiered "
+              "store holds a step until it is replicated).", "",
+              "| variant | steps/s | vs no checkpoint | median save |", "|---|---|---|---|"]
+    for name, v in lp["variants"].items():
+        save = f"{v['save_s_median']:.3f} s" if v.get("save_s_median") is not None else ""
+        lines.append(f"| {name} | {v['steps_per_s']:.2f} | {lp['ratios'][name]:.3f}x | {save} |")
+    lags = [x["lag_steps"] for x in tt["lags"]]
+    cpu = {name: v for name, v in lp["variants"].items() if "cpu_s" in v}
+    if cpu:
+        lines += ["", "CPU seconds over each loop (this machine's cores are shared by the job, "
+                  "the replicator and the S3 server): "
+                  + "; ".join(f"{name}: the job's process {v['cpu_s']:.1f} s"
+                              + (f", the S3 server {v['server_cpu_s']:.1f} s"
+                                 if v.get("server_cpu_s") else "")
+                              for name, v in cpu.items()) + "."]
+    lines += ["", f"Replication lag seen at each save (checkpoints committed locally and not yet "
+              f"at the remote): {lags}; at steady state (second half) at most "
+              f"**{tt['max_lag_steady']}** (goal: at most one checkpoint interval, i.e. <= 1); "
+              f"`wait_replicated()` after the last step: {tt['wait_at_end_s']:.2f} s.", ""]
+    if "tiers" in plots:
+        lines += [f"![training loop with and without the second tier]({plots['tiers']})", ""]
+    return lines
+
+
+def _overhead_lines(o: Mapping[str, Any] | None) -> list[str]:
+    if not o:
+        return []
+    m = o["median"]
+    return [f"### What a tiered save adds ({fmt_size(o['state_bytes'])}, {o['where']}, "
+            f"`durable=False`, {len(o['rounds'])} alternating rounds, medians)", "",
+            "Both stores in memory-backed files, so the disk's noise (below) is out of the "
+            "picture; the replicator held off while the pair of saves runs.", "",
+            "| local-only save | tiered save | ratio | per-round ratio (median) | goal |",
+            "|---|---|---|---|---|",
+            f"| {m['local_s'] * 1000:.1f} ms | {m['tiered_s'] * 1000:.1f} ms | "
+            f"**{o['ratio']:.3f}x** | {o['ratio_per_round_median']:.3f}x | <= 1.05x |", ""]
+
+
+def _tiers_plot(t: Mapping[str, Any] | None, img: Path) -> dict[str, str]:
+    """Cumulative time of the training loop per variant, and the replication lag at saves."""
+    if not t:
+        return {}
+    plt = _pyplot()
+    if plt is None:  # pragma: no cover - matplotlib is a dev dependency
+        return {}
+    lp = t["loop"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, v in lp["variants"].items():
+        acc, xs = 0.0, []
+        for dt in v["step_s"]:
+            acc += dt
+            xs.append(acc)
+        a1.plot(range(1, len(xs) + 1), xs, label=name)
+    a1.set_xlabel("training step")
+    a1.set_ylabel("elapsed s")
+    a1.set_title(f"Training loop, a save every {lp['every']} steps")
+    a1.legend(fontsize=8)
+    lags = lp["variants"]["two tiers"]["lags"]
+    a2.step([x["step"] for x in lags], [x["lag_steps"] for x in lags], where="post", marker="o")
+    a2.axhline(1, linestyle=":", color="grey")
+    a2.set_xlabel("training step (at each save)")
+    a2.set_ylabel("checkpoints not yet at the remote")
+    a2.set_title("Replication lag")
+    fig.tight_layout()
+    fig.savefig(img / "tiers.png", dpi=110)
+    plt.close(fig)
+    return {"tiers": "img/tiers.png"}
+
+
+def write_tiers_section(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
+                        md_name: str = "benchmarks.md") -> Path:
+    """Render only the two-tier section and its plot into an existing report."""
+    p = results_dir / "tiers.json"
+    t = json.loads(p.read_text()) if p.exists() else None
+    img = docs_dir / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    return _splice(docs_dir / md_name, TIERS_HEADING, _tiers_section(t, _tiers_plot(t, img)))
