@@ -304,6 +304,8 @@ ADAPTER_USERS = {
     "ranged reads, multipart behaviour) through the adapter it opens, below the interface",
     "ckptfs.bench.latest": "the benchmark counts the HTTP requests of the s3fs client of the "
     "adapter it built (botocore events)",
+    "ckptfs.bench.remote_verify": "the benchmark counts the HTTP requests and bytes read of "
+    "the s3fs / gcsfs client of the adapter it built",
     "ckptfs.bench.incremental": "the benchmark counts the HTTP requests and uploaded bytes of "
     "the s3fs client of the adapter it built (botocore events)",
 }
