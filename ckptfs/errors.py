@@ -165,6 +165,13 @@ class ReplicationError(CkptfsError, RuntimeError):
     checkpoints are unaffected."""
 
 
+class TierOverlapError(CkptfsError, ValueError):
+    """The two tiers of a two-tier store are the same run root (however spelled: a symbolic
+    link, ``..``, a trailing slash) or one lies inside the other.  Every step would count as
+    replicated to itself and retention would delete its only copy; give the remote tier a run
+    root of its own."""
+
+
 class UnreplicatedCheckpointError(ReplicationError):
     """A delete of a local checkpoint that has not reached the remote tier yet, refused: it
     would be the only copy.  Wait for replication (``store.wait_replicated()``) or open the

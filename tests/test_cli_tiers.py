@@ -127,3 +127,16 @@ def test_replicate_bad_options(died: tuple[Path, Path], bad: list[str],
     local, remote = died
     code, _, err = run(["replicate", str(local), str(remote), *bad], capsys)
     assert code == 2 and bad[0] in err
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["run", "dry-run"])
+def test_replicate_to_itself_refused(died: tuple[Path, Path], dry_run: list[str],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The same run root spelled another way (or one inside the other): exit 2 with the
+    reason, no traceback, nothing written."""
+    local, _ = died
+    before = sorted(p.relative_to(local) for p in local.rglob("*"))
+    for remote in (f"file://{local}/", f"{local}/mirror"):
+        code, _, err = run(["replicate", str(local), remote, *dry_run], capsys)
+        assert code == 2 and "same run root" in err and "Traceback" not in err, err
+    assert sorted(p.relative_to(local) for p in local.rglob("*")) == before

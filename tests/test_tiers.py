@@ -358,9 +358,23 @@ def test_s3_remote(local_backend: Backend, s3_backend: Backend) -> None:
     again.close()
 
 
-def test_same_root_refused(local_backend: Backend) -> None:
-    with pytest.raises(ValueError, match="same run root"):
-        tiered(local_backend.url, local_backend.url)
+def test_same_or_nested_roots_refused(tmp_path: Any) -> None:
+    """The same run root however spelled (a trailing slash, ``..``, ``file://``, a symbolic
+    link), or one inside the other, is refused before anything is read: every step would count
+    as replicated to itself and retention would delete its only copy."""
+    real = tmp_path / "run"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    same = [(str(real), str(real)), (str(real), f"file://{real}/"),
+            (str(real), f"{tmp_path}/x/../run"), (str(real), str(tmp_path / "link")),
+            (str(real), f"{real}/remote"), (f"{real}/local", str(real)),
+            ("memory://tq/run", "memory:///tq/run/"), ("memory://tq/run", "memory://tq/run/r")]
+    for local, remote in same:
+        with pytest.raises(ckptfs.TierOverlapError, match="same run root"):
+            tiered(local, remote)
+    # neighbours are not nested: /run and /run2, memory://tq/run and memory://tq/runs
+    for local, remote in [(str(real), f"{real}2"), ("memory://tq/run", "memory://tq/runs")]:
+        tiered(local, remote).close()
 
 
 def test_copying_pauses_while_a_save_writes(local_backend: Backend,
@@ -400,3 +414,50 @@ def test_copying_pauses_while_a_save_writes(local_backend: Backend,
     assert status.steps[1].copied_bytes >= 64 * 2**20 and status.state(2) == "replicated"
     assert_same(memory_backend.open().load(1), big)
     store.close()
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["v1", "v3"])
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_two_replicators_race(where: str, incremental: bool, local_backend: Backend,
+                              memory_backend: Backend) -> None:
+    """Two replicators on the same tiers at once (a zombie job and its restart): both copy
+    step 1 and reach the remote marker together (held there until both arrive).  Exactly one
+    commits; the loser finds the winner's copy has the same content and reports the step
+    ``replicated`` ("identical"), not failed, so its retention is not held forever.  Every
+    remote step verifies and loads bit-exact and, after gc, holds only the winner's attempt."""
+    remote_b = memory_backend if where == "memory" else local_backend.sibling("remote")
+    writer = local_backend.open(incremental=incremental)
+    for step in (1, 2, 3):
+        writer.save(step, state(step))
+    meet = threading.Barrier(2, timeout=30)
+    met: list[str] = []
+
+    def hook(op: str, path: str) -> None:
+        if op == "create_exclusive" and path.endswith("step-000000000001/COMPLETE") \
+                and len(met) < 2:
+            met.append(threading.current_thread().name)
+            meet.wait()  # both replicators are at the marker of step 1: they race for it
+
+    def side() -> TieredStore:
+        remote = CheckpointStore(FaultyStorage(remote_b.open().storage, hook=hook))
+        return tiered(local_backend.open(incremental=incremental), remote, max_attempts=1,
+                      **FAST)
+
+    zombie, restart = side(), side()
+    try:
+        for store in (zombie, restart):
+            status = store.wait_replicated(timeout=60)
+            assert all(status.state(s) == "replicated" for s in (1, 2, 3)), status
+    finally:
+        zombie.close()
+        restart.close()
+    assert len(met) == 2  # the race happened
+    remote = remote_b.open()
+    assert remote.steps() == [1, 2, 3]
+    collect(remote.storage, older_than=timedelta(0))  # whatever a loser left
+    for step in (1, 2, 3):
+        info = remote.info(step)
+        names = {e.name.rsplit("/", 1)[-1] for e in remote.storage.list_dir(info.paths.dir)}
+        assert names == {"COMPLETE", info.attempt}, names  # the winner's attempt, untouched
+        assert remote.verify(step).ok
+        assert_same(remote.load(step), state(step))

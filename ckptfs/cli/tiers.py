@@ -31,7 +31,7 @@ from ckptfs.errors import ReplicationError, StorageError
 from ckptfs.protocol.replication import ReplicationStatus
 from ckptfs.protocol.resolve import committed_steps
 from ckptfs.protocol.store import open as open_store
-from ckptfs.protocol.tiers import TieredStore, tiered
+from ckptfs.protocol.tiers import TieredStore, check_tiers, tiered
 
 #: How often the progress is refreshed while waiting (seconds).
 POLL_S = 0.25
@@ -99,6 +99,7 @@ def cmd_replicate(args: argparse.Namespace) -> int:
     if args.dry_run:
         local = open_store(args.local, **local_options)
         remote = open_store(args.remote, **remote_options)
+        check_tiers(local, remote)
         at_remote = set(committed_steps(remote.storage))
         steps = committed_steps(local.storage)
         todo = [s for s in steps if s not in at_remote]

@@ -37,6 +37,7 @@ from ckptfs.errors import (
     LoadOptionError,
     ShardedSaveError,
     StorageError,
+    TierOverlapError,
     UnreplicatedCheckpointError,
 )
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
@@ -54,11 +55,22 @@ from ckptfs.protocol.resolve import Tier as ReadTier
 from ckptfs.protocol.resolve import tier_of as resolve_tier
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
+from ckptfs.storage.base import overlaps
 
 log = logging.getLogger("ckptfs")
 
 T = TypeVar("T")
 Tier = tuple[str, CheckpointStore]
+
+
+def check_tiers(local: CheckpointStore, remote: CheckpointStore) -> None:
+    """Refuse two tiers that are the same run root or nested (:class:`TierOverlapError`)."""
+    if overlaps(local.storage, remote.storage):
+        raise TierOverlapError(
+            f"the local tier {local.url} and the remote tier {remote.url} are the same run "
+            "root, or one lies inside the other: a step would count as replicated to itself "
+            "and retention would delete its only copy; give the remote tier a run root of its "
+            "own")
 
 
 def _world() -> int:
@@ -84,8 +96,7 @@ class TieredStore(CheckpointStore):
         super().__init__(local.storage, algorithm=local.algorithm, durable=local.durable,
                          threads=local.threads, shard_bytes=local.shard_bytes,
                          incremental=local.incremental, lease_s=local.lease_s)
-        if local.url == remote.url:
-            raise ValueError(f"the local and the remote tier are the same run root: {local.url}")
+        check_tiers(local, remote)
         #: Plain one-tier stores of each tier (the local one shares this store's storage).
         self.local = local
         self.remote = remote
@@ -416,7 +427,9 @@ def tiered(local: str | CheckpointStore, remote: str | CheckpointStore, *,
            remote_options: Mapping[str, Any] | None = None,
            delete_unreplicated: bool = False, replicate_threads: int = 2,
            bytes_per_s: float | None = None, retry_base_s: float = 1.0,
-           retry_max_s: float = 60.0, max_attempts: int | None = None) -> TieredStore:
+           retry_max_s: float = 60.0, max_attempts: int | None = None,
+           sharded: bool | None = None,
+           replicate_timeout: timedelta | None = None) -> TieredStore:
     """Open a two-tier store: checkpoints commit on ``local`` (a URL, usually local disk, or
     an open store) and are replicated to ``remote`` in the background (docs/tiers.md).
 
@@ -428,7 +441,11 @@ def tiered(local: str | CheckpointStore, remote: str | CheckpointStore, *,
     (memory: about 8 MiB per thread plus the remote's write buffer); ``bytes_per_s``: a
     bandwidth bound for replication; ``retry_base_s``/``retry_max_s``: the capped exponential
     backoff between attempts after a storage error; ``max_attempts``: give a step up
-    (``failed``) after that many (default: retry until the remote returns)."""
+    (``failed``) after that many (default: retry until the remote returns).  ``sharded``:
+    whether the store is opened on every rank of a process group (default: torch.distributed
+    is initialized with more than one rank); ``replicate_timeout``: how long a rank's
+    replication waits for the other ranks before its replicator stops (sharded only; default
+    30 min: a dead or hung rank, docs/tiers.md "Sharded")."""
     def opened(t: str | CheckpointStore, options: Mapping[str, Any] | None) -> CheckpointStore:
         if isinstance(t, CheckpointStore):
             return t
@@ -440,4 +457,5 @@ def tiered(local: str | CheckpointStore, remote: str | CheckpointStore, *,
                        delete_unreplicated=delete_unreplicated,
                        replicate_threads=replicate_threads, bytes_per_s=bytes_per_s,
                        retry_base_s=retry_base_s, retry_max_s=retry_max_s,
-                       max_attempts=max_attempts)
+                       max_attempts=max_attempts, sharded=sharded,
+                       replicate_timeout=replicate_timeout)

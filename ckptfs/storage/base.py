@@ -13,6 +13,7 @@ weaker guarantee instead of pretending.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -291,6 +292,26 @@ def supports(storage: Storage, capability: type) -> bool:
     if _has_members(storage, DeclaresCapabilities):
         return bool(cast(DeclaresCapabilities, storage).offers(capability))
     return True
+
+
+def location(storage: Storage) -> str:
+    """Where ``storage``'s run root is, spelled one way: the resolved OS path for local disk
+    (``/a/../a``, ``file:///a/`` and a symbolic link to ``/a`` are all ``/a``), else the
+    ``protocol://path`` of its URL without repeated or trailing slashes.  For telling whether
+    two storages are the same place, or one lies inside the other (:func:`overlaps`)."""
+    if supports(storage, LocalFiles):
+        return os.path.realpath(cast(LocalFiles, storage).local_path(""))
+    protocol, sep, path = storage.url.partition("://")
+    if not sep:
+        protocol, path = storage.capabilities.protocol, protocol
+    parts = [p for p in path.split("/") if p]
+    return f"{protocol}://{'/'.join(parts)}"
+
+
+def overlaps(a: Storage, b: Storage) -> bool:
+    """Whether the run roots of ``a`` and ``b`` are the same place or one holds the other."""
+    la, lb = location(a), location(b)
+    return any(x == y or x.startswith(y.rstrip("/") + "/") for x, y in ((la, lb), (lb, la)))
 
 
 @cache
