@@ -43,7 +43,8 @@ class RankFailure(AssertionError):
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, rdv: str, out: str,
-           pg_timeout: float, env: dict[str, str], args: tuple[Any, ...]) -> None:
+           pg_timeout: float, env: dict[str, str], final_barrier: bool,
+           args: tuple[Any, ...]) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -57,7 +58,8 @@ def _child(fn: Callable[..., Any], rank: int, world: int, rdv: str, out: str,
         try:
             result = fn(rank, world, *args)
         finally:
-            dist.barrier()
+            if final_barrier:
+                dist.barrier()
             dist.destroy_process_group()
     except BaseException:  # reported to the parent, which fails the test
         error = traceback.format_exc()
@@ -66,8 +68,14 @@ def _child(fn: Callable[..., Any], rank: int, world: int, rdv: str, out: str,
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
-              pg_timeout: float = 60.0, env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; results in rank order."""
+              pg_timeout: float = 60.0, env: dict[str, str] | None = None,
+              exits: dict[int, int] | None = None) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; results in rank order.
+
+    ``exits={rank: code}``: that rank is expected to die (``os._exit(code)``, a killed node) and
+    its result is ``None``; it is an error if it returns or exits otherwise.  The job then skips
+    the final barrier (a dead peer cannot join it)."""
+    exits = exits or {}
     ctx = mp.get_context("forkserver")
     # One server process imports torch and ckptfs once; each rank is a fork of it (importing
     # torch in every rank costs seconds of the 2 shared cores).
@@ -76,7 +84,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
         rdv = f"{tmp}/rendezvous"
         full_env = {**RANK_ENV, **(env or {})}
         procs = [ctx.Process(target=_child, args=(fn, r, world, rdv, tmp, pg_timeout, full_env,
-                                                  args), daemon=True) for r in range(world)]
+                                                  not exits, args), daemon=True)
+                 for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -91,6 +100,12 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
         errors: dict[int, str] = {}
         for r in range(world):
             path = Path(tmp) / f"rank-{r}.pkl"
+            if r in exits:
+                if path.exists() or procs[r].exitcode != exits[r]:
+                    errors[r] = (f"expected to die with exit code {exits[r]}; exit code "
+                                 f"{procs[r].exitcode}, result file: {path.exists()}")
+                results.append(None)
+                continue
             if not path.exists():
                 errors[r] = ("killed after the timeout" if r in hung
                              else f"exited with code {procs[r].exitcode} and no result")

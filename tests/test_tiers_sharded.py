@@ -23,9 +23,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from dist_util import run_ranks
 from test_remote_verify import ComputedChecksums
@@ -39,7 +41,9 @@ from ckptfs.errors import (
     StorageError,
 )
 from ckptfs.format.incremental import ShardedIncrementalManifest
+from ckptfs.lifecycle.gc import collect
 from ckptfs.storage.base import Entry, StorageWrapper
+from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal
 from ckptfs.testing.reliability.tiers import LogRecords
 
@@ -287,3 +291,117 @@ def test_failing_rank_no_remote_commit(tmp_path: Path) -> None:
     assert remote.steps() == [1, 2]
     assert remote.verify(2).ok
     assert_state_equal(remote.load(2), plain2)
+
+
+KILLED = 17  # rank 1's exit code: killed while uploading
+REPLICATE_TIMEOUT_S = 4
+HUNG_S = 12
+
+
+def job_lost_rank(rank: int, world: int, root: str, remote_url: str,
+                  remote_opts: dict[str, Any], how: str) -> Any:
+    """Rank 1 is lost as its replication thread starts uploading its file of step 2: killed
+    (``how="killed"``: ``os._exit``, a lost node) or hung (``"hung"``: its upload stalls for
+    longer than ``replicate_timeout``, then goes on).  No rank may commit step 2 at the remote
+    or hang: rank 0's collectives on the replication group fail when the peer is gone, or after
+    ``replicate_timeout``, and every surviving rank says its replicator died.  Step 1 stays the
+    remote's latest."""
+    import os
+    import time
+
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.testing.faults import FaultyStorage
+
+    lose = {"on": False}
+
+    def hook(op: str, path: str) -> None:
+        if lose["on"] and "/rank-00001/" in path:
+            if how == "killed":
+                os._exit(KILLED)  # the node is gone: no cleanup, no answer to any collective
+            lose["on"] = False
+            time.sleep(HUNG_S)  # past the replication group's timeout, then the upload goes on
+
+    remote = CheckpointStore(FaultyStorage(ckptfs.open(remote_url, **remote_opts).storage,
+                                           hook=hook))
+    model, opt, _mesh = _model(world)
+    store = ckptfs.tiered(f"{root}/node-{rank}", remote, max_attempts=1,
+                          replicate_timeout=timedelta(seconds=REPLICATE_TIMEOUT_S))
+    s1 = _train_state(model, opt, 1)
+    store.save(1, s1)
+    plains = {1: _frozen(to_plain(s1))}  # collectives: while both ranks live
+    store.wait_replicated(timeout=60)
+    s2 = _train_state(model, opt, 2)
+    plains[2] = _frozen(to_plain(s2))
+    lose["on"] = rank == 1
+    store.save(2, s2)  # the local commit: every rank's file on its node, the marker on node 0
+    start = time.monotonic()
+    try:
+        store.wait_replicated(timeout=120)
+        raise AssertionError("step 2 replicated with rank 1 lost")
+    except ReplicationError as exc:
+        error = str(exc)
+    waited = time.monotonic() - start
+    assert how == "hung" or rank == 0  # a killed rank 1 never gets here
+    status = store.replication()
+    out = {"error": error, "waited": waited, "dead": status.dead, "state2": status.state(2),
+           "remote_steps": store.remote.steps(), "plains": plains}
+    store.close()
+    return out
+
+
+def job_restart(rank: int, world: int, root: str, remote_url: str,
+                remote_opts: dict[str, Any]) -> Any:
+    """The job restarted on both nodes: the open queues step 2, which is replicated."""
+    store = ckptfs.tiered(f"{root}/node-{rank}", ckptfs.open(remote_url, **remote_opts))
+    status = store.wait_replicated(timeout=120)
+    out = (status.state(1), status.state(2), store.tier_steps())
+    store.close()
+    return out
+
+
+@pytest.mark.parametrize(("how", "where"), [("killed", "local"), ("killed", "s3"),
+                                            ("hung", "local")])
+def test_lost_rank_no_remote_commit_then_restart(how: str, where: str, tmp_path: Path,
+                                                 request: pytest.FixtureRequest) -> None:
+    """Issue 18 part 2 with a real loss: rank 1's process exits (or its upload hangs past
+    ``replicate_timeout``) as its replication thread starts its upload of step 2.  No remote
+    commit for step 2 (step 1 stays the remote's latest); the surviving ranks report the dead
+    replicator instead of hanging; a restart of the job replicates step 2 bit-exact, and gc of
+    the remote then leaves each step's committed attempt alone.  The remote: a directory, or
+    S3 (moto)."""
+    if where == "s3":
+        backend: Backend = request.getfixturevalue("s3_backend")
+        remote_url, remote_opts = backend.url, dict(backend.options)
+    else:
+        remote_url, remote_opts = f"file://{tmp_path}/remote", {}
+    root = str(tmp_path)
+    results = run_ranks(job_lost_rank, 2, root, remote_url, remote_opts, how, timeout=240,
+                        exits={1: KILLED} if how == "killed" else None)
+    survivors = [r for r in results if r is not None]
+    assert len(survivors) == (1 if how == "killed" else 2)
+    for got in survivors:
+        assert got["dead"] is not None and "died" in got["error"], got["error"]
+        assert got["state2"] != "replicated" and got["remote_steps"] == [1], got
+        assert got["waited"] < HUNG_S + 3 * REPLICATE_TIMEOUT_S, got["waited"]
+    if how == "hung":  # rank 0 gave up on its own timeout, before rank 1's upload resumed
+        assert results[0]["waited"] < HUNG_S, results[0]["waited"]
+    remote = ckptfs.open(remote_url, **remote_opts)
+    assert remote.steps() == [1] and remote.latest().step == 1  # type: ignore[union-attr]
+
+    restarted = run_ranks(job_restart, 2, root, remote_url, remote_opts, timeout=240)
+    for states in restarted:
+        assert states[0] == "replicated" and states[1] == "replicated", states
+    remote = ckptfs.open(remote_url, **remote_opts)
+    assert remote.steps() == [1, 2]
+    plains = survivors[0]["plains"]
+    for step in (1, 2):
+        assert remote.verify(step).ok
+        assert_state_equal(remote.load(step), plains[step])
+    # Whatever the lost attempt of step 2 left (rank 0 may have uploaded its file into it) is
+    # collected; each step keeps exactly its committed attempt.
+    collect(remote.storage, older_than=timedelta(0))
+    for step in (1, 2):
+        info = remote.info(step)
+        names = {e.name.rsplit("/", 1)[-1] for e in remote.storage.list_dir(info.paths.dir)}
+        assert names == {"COMPLETE", info.attempt}, names
+        assert remote.verify(step).ok
