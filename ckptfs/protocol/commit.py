@@ -321,32 +321,37 @@ class Attempt:
         return f"{self.write_dir}/{relpath}"
 
     def write_file(self, relpath: str, size: int, chunks: Chunks, *,
-                   pieces: Sequence[int] | None = None) -> WrittenFile:
+                   pieces: Sequence[int] | None = None,
+                   hash_lead: int = MAX_HASH_LEAD) -> WrittenFile:
         """Stream ``chunks()`` (views of memory, regenerated from the start on a retry) into
         ``relpath`` of the attempt and return its size and digest.  ``pieces``: the file is
         consecutive pieces of these lengths, each with its own digest (format v2 chunks),
         whatever slices ``chunks()`` yields; else one digest of the whole file.  Writing and
         hashing overlap (a helper thread hashes while this one writes, fsyncs and closes), and
         the whole file is repeated from its first byte under the storage's bounded retries
-        when a write fails transiently.  ``size``: the planned size (-1: unknown), checked."""
+        when a write fails transiently.  ``size``: the planned size (-1: unknown), checked.
+        ``hash_lead``: how many bytes the writer may run ahead of the hasher; the chunks it
+        holds meanwhile stay alive (a copy's slices are buffers of their own: a copy passes a
+        small lead, a save's chunks are views of the tensors and cost nothing)."""
         path = self.file_path(relpath)
         written, digest, piece_digests, checksums = retry_call(
-            self.storage, "write", path, lambda: self._write_once(path, size, chunks, pieces))
+            self.storage, "write", path,
+            lambda: self._write_once(path, size, chunks, pieces, hash_lead))
         if size >= 0 and written != size:
             raise CorruptCheckpointError(
                 f"{storage_url(self.storage, path)}: {written} bytes were streamed, {size} "
                 "were planned or declared", step=self.step, path=path)
         return WrittenFile(relpath, written, digest, tuple(piece_digests), checksums)
 
-    def _write_once(self, path: str, size: int, chunks: Chunks, pieces: Sequence[int] | None
-                    ) -> tuple[int, str, list[str], tuple[tuple[str, str], ...]]:
+    def _write_once(self, path: str, size: int, chunks: Chunks, pieces: Sequence[int] | None,
+                    hash_lead: int) -> tuple[int, str, list[str], tuple[tuple[str, str], ...]]:
         hasher: Hasher | PieceHasher = new_hasher(self.algorithm) if pieces is None \
             else PieceHasher(self.algorithm, list(pieces))
         # The store's checksums ride on the digest's pass (one read of each slice of memory).
         extra = {name: new_store_hasher(name) for name in self.store_checksums}
         both = MultiHasher(hasher, *extra.values())
         written = 0
-        with BackgroundHasher(both, max_lead=MAX_HASH_LEAD,
+        with BackgroundHasher(both, max_lead=hash_lead,
                               background=size < 0 or size > HASH_INLINE_BYTES) as bg, \
                 self.storage.open_write(path) as f, \
                 EarlyFlush(f, self.sync and (size < 0 or size > FLUSH_STEP)) as flush:

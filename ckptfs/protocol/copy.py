@@ -90,6 +90,11 @@ from ckptfs.storage.base import Storage, read_range
 log = logging.getLogger("ckptfs")
 
 COPY_CHUNK = 8 * 1024 * 1024
+#: How far a copy's writer may run ahead of its hasher (``Attempt.write_file``'s
+#: ``hash_lead``).  Each slice a copy reads is a buffer of its own, alive until hashed, so this
+#: bounds a copy's memory: at most this plus one slice per file in flight (plus the
+#: destination's write buffer).  Four slices keep the hash and the write overlapped.
+COPY_HASH_LEAD = 4 * COPY_CHUNK
 Progress = Callable[[int], None]
 
 
@@ -238,7 +243,8 @@ def copy_file(src: Storage, source_dir: str, att: Attempt, entry: FileEntry, *,
     (:mod:`ckptfs.protocol.replication_sharded`)."""
     pieces = [c.length for c in entry.chunks] if isinstance(entry, ChunkedFileEntry) else None
     w = att.write_file(entry.path, entry.size,
-                       _source_chunks(src, source_dir, att.step, entry, progress), pieces=pieces)
+                       _source_chunks(src, source_dir, att.step, entry, progress), pieces=pieces,
+                       hash_lead=COPY_HASH_LEAD)
     _check_copied(src, att.storage, source_dir, att.step, entry, w.digest, list(w.pieces))
     return w
 
@@ -254,7 +260,7 @@ def _source_chunks(src: Storage, source_dir: str, step: int, entry: FileEntry,
     after it was yielded.  (A reused buffer was refilled by the next read before the hasher had
     read it whenever the destination took the bytes faster than the hash, e.g. ``memory://``:
     a healthy source then failed as "digest differs", and replication gave the step up.)
-    Memory: the hasher's bounded lead (``MAX_HASH_LEAD``) per file in flight."""
+    Memory: the hasher's bounded lead (:data:`COPY_HASH_LEAD`) per file in flight."""
     source = f"{source_dir}/{entry.path}"
 
     def chunks() -> Iterator[memoryview]:
@@ -511,7 +517,7 @@ def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: Increme
                 files.append(w)
             for m in mats:
                 w = att.write_file(m.ref.path, m.size, _materialized_chunks(src, info, m, progress),
-                                   pieces=m.pieces)
+                                   pieces=m.pieces, hash_lead=COPY_HASH_LEAD)
                 _check_materialized(src, dst, info, m, list(w.pieces), algo)
                 written.append(w.chunked_entry(algo, m.pieces))
                 files.append(w)
