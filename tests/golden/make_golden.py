@@ -1,6 +1,8 @@
 """Write the golden checkpoints under ``tests/golden/v1/run`` (format v1),
-``tests/golden/v2/run`` (format v2, sharded) and ``tests/golden/v3/run`` (format v3,
-incremental: step 2 references step 1) (run once, keep them).
+``tests/golden/v2/run`` (format v2, sharded), ``tests/golden/v3/run`` (format v3,
+incremental: step 2 references step 1) and ``tests/golden/v4/run`` (format v4, sharded
+incremental: both steps by 2 gloo ranks, step 2 referencing step 1's rank files) (run once,
+keep them).
 
 The golden files are fixed bytes committed to the repository: every future ckptfs must load them
 bit-exact (tests/test_golden.py), so a format change that breaks old checkpoints fails CI.  Attempt
@@ -11,12 +13,15 @@ the others.  Usage::
     python tests/golden/make_golden.py --version 2   # refuses if the directory exists
     python tests/golden/make_golden.py --version 1 --out /tmp/x   # a throwaway copy
 
-``golden_v1()``, ``golden_v2()`` and ``golden_v3()`` are the recipes: plain arithmetic (no RNG,
-no transcendental functions), so any torch on any platform rebuilds the same values, and the
+``golden_v1()`` to ``golden_v4()`` are the recipes: plain arithmetic (no RNG, no
+transcendental functions), so any torch on any platform rebuilds the same values, and the
 test compares the loaded checkpoints with what the recipe builds now. Format v2's step 1 is
 written by 2 gloo ranks (processes on this machine): DTensors sharded by rows (7 rows: 4 and 3)
 or by columns, replicated tensors and values, and values each rank holds alone
-(``rng.ranks.<rank>``).
+(``rng.ranks.<rank>``).  Format v4's two steps are written the same way by 2 gloo ranks through
+one store opened with ``incremental=True`` (the first step is v4 too, with no references): step
+2 holds the same ``frozen_*`` tensors as step 1 (each rank's the same local tensors, not written
+to), so every rank references their bytes in its step-1 rank file.
 """
 
 from __future__ import annotations
@@ -140,12 +145,19 @@ def golden_v2() -> dict[int, tuple[dict[str, Any], dict[str, Any], str, int]]:
     return {1: (state1, meta1, "blake3", 2), 2: (state2, meta2, "sha256", 1)}
 
 
-def rank_state(full: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
-    """This rank's part of a v2 golden state (see :func:`golden_v2`)."""
+def rank_state(full: dict[str, Any], rank: int, mesh: Any,
+               memo: dict[int, tuple[torch.Tensor, Any]] | None = None) -> dict[str, Any]:
+    """This rank's part of a v2 or v4 golden state (see :func:`golden_v2`).  With ``memo``
+    (shared by the steps of one run), a tensor of the recipe is distributed once: a later step
+    holding the same tensor gets the same DTensor, whose local tensor is unchanged."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     def shard(t: torch.Tensor, dim: int) -> Any:  # every rank holds the full tensor: no send
-        return distribute_tensor(t, mesh, [Shard(dim)], src_data_rank=None)
+        if memo is None:
+            return distribute_tensor(t, mesh, [Shard(dim)], src_data_rank=None)
+        if id(t) not in memo:  # the tensor kept beside its DTensor: its id stays its own
+            memo[id(t)] = (t, distribute_tensor(t, mesh, [Shard(dim)], src_data_rank=None))
+        return memo[id(t)][1]
 
     out = dict(full)
     out["rows"] = {k: shard(v, 0) for k, v in full["rows"].items()}
@@ -171,10 +183,42 @@ def golden_v3() -> dict[int, tuple[dict[str, Any], dict[str, Any], str]]:
             2: (state2, {"notes": "golden v3, step 2 (references step 1)"}, "blake3")}
 
 
-RECIPES = {1: golden_v1, 2: golden_v2, 3: golden_v3}
+def golden_v4() -> dict[int, tuple[dict[str, Any], dict[str, Any], str, int]]:
+    """step -> (the full state, metadata, hash algorithm, world size) of the v4 (sharded
+    incremental) golden run: both steps saved by 2 gloo ranks through one store opened with
+    ``incremental=True``, each rank's part built by :func:`rank_state` (one ``memo`` for both
+    steps).  Both steps hold the same ``frozen_*`` tensor objects (row- and column-sharded
+    DTensors and a replicated tensor): step 2 references their bytes in step 1's rank files.
+    ``head``, ``bias``, ``trainer`` and ``rng`` change; ``empty`` (no bytes) is written each
+    time."""
+    frozen_rows = {"frozen_f32": _tensor("float32", (5, 3), 80),  # 5 rows: 3 and 2
+                   "frozen_bf16": _tensor("bfloat16", (5, 2), 81),
+                   "frozen_i64": _tensor("int64", (5,), 82)}
+    frozen_cols = {"frozen_f16": _tensor("float16", (2, 6), 83)}
+    frozen_replicated = {"frozen_u8": _tensor("uint8", (4,), 84),
+                         "empty": torch.empty((0, 3), dtype=torch.float32)}
+
+    def state(step: int) -> dict[str, Any]:
+        return {"rows": {**frozen_rows, "head": _tensor("float32", (5, 2), 85 + step)},
+                "cols": dict(frozen_cols),
+                "replicated": {**frozen_replicated,
+                               "bias": _tensor("float64", (3,), 87 + step)},
+                "trainer": {"step": step, "loss": 0.5 / step, "name": "golden v4 ✓"},
+                "rng": {"world_size": 2,
+                        "ranks": {r: _tensor("uint8", (4,), 90 + 2 * step + r)
+                                  for r in range(2)}}}
+
+    return {1: (state(1), {"notes": "golden v4, step 1 (2 ranks)"}, "sha256", 2),
+            2: (state(2), {"notes": "golden v4, step 2 (2 ranks, references step 1)"},
+                "sha256", 2)}
 
 
-def _v2_rank(rank: int, world: int, out: str, rdv: str) -> None:
+RECIPES = {1: golden_v1, 2: golden_v2, 3: golden_v3, 4: golden_v4}
+
+
+def _rank(version: int, rank: int, world: int, out: str, rdv: str) -> None:
+    """One gloo rank: step 1 of the v2 run, or both steps of the v4 run (one incremental
+    store, so its second save references the first's unchanged items)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -186,9 +230,16 @@ def _v2_rank(rank: int, world: int, out: str, rdv: str) -> None:
                             timeout=timedelta(seconds=120))
     try:
         mesh = init_device_mesh("cpu", (world,))
-        full, meta, algorithm, _ = golden_v2()[1]
-        ckptfs.open(out, algorithm=algorithm).save(1, rank_state(full, rank, mesh),
-                                                    metadata=meta)
+        if version == 2:
+            full, meta, algorithm, _ = golden_v2()[1]
+            ckptfs.open(out, algorithm=algorithm).save(1, rank_state(full, rank, mesh),
+                                                        metadata=meta)
+        else:
+            recipe = golden_v4()
+            store = ckptfs.open(out, algorithm=recipe[1][2], incremental=True)
+            memo: dict[int, tuple[torch.Tensor, Any]] = {}
+            for step, (full, meta, _, _) in sorted(recipe.items()):
+                store.save(step, rank_state(full, rank, mesh, memo), metadata=meta)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -215,7 +266,7 @@ def write(version: int, out: Path) -> None:
 
         with tempfile.TemporaryDirectory() as tmp:
             ctx = mp.get_context("spawn")
-            procs = [ctx.Process(target=_v2_rank, args=(r, 2, str(out), f"{tmp}/rdv"))
+            procs = [ctx.Process(target=_rank, args=(version, r, 2, str(out), f"{tmp}/rdv"))
                      for r in range(2)]
             for p in procs:
                 p.start()
@@ -223,9 +274,12 @@ def write(version: int, out: Path) -> None:
                 p.join(300)
             if any(p.exitcode != 0 for p in procs):
                 sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        state, meta, algorithm, _ = golden_v2()[2]
-        store = ckptfs.open(str(out), algorithm=algorithm)
-        save_sharded(store.storage, 2, state, algorithm=algorithm, metadata=meta)
+        if version == 2:
+            state, meta, algorithm, _ = golden_v2()[2]
+            store = ckptfs.open(str(out), algorithm=algorithm)
+            save_sharded(store.storage, 2, state, algorithm=algorithm, metadata=meta)
+        elif not getattr(ckptfs.open(str(out)).info(2).manifest, "references", None):
+            sys.exit(f"{out}: step 2 references nothing of step 1: not a v4 golden run")
     print(f"wrote format-v{version} golden run at {out}")
 
 
