@@ -334,3 +334,73 @@ def test_checker_and_ckptfs_reject_bad_references(tmp_path: Path, where: str) ->
     assert done.returncode != 0 and word in done.stderr, done.stderr
     with pytest.raises(CorruptCheckpointError):
         ckptfs.open(str(root)).load(20)
+
+
+# -- format v4 (sharded incremental, §9.6) -----------------------------------------------------
+
+def _sharded_incremental_run(root: Path) -> ckptfs.CheckpointStore:
+    """A format v4 run in one process (DCP without collectives): step 20 references the frozen
+    tensors of step 10's rank file."""
+    from ckptfs.protocol.incremental import ReuseMemory
+    from ckptfs.protocol.sharded import save_sharded
+
+    store = ckptfs.open(str(root), incremental=True)
+    memory = ReuseMemory()
+    frozen = {"w": torch.arange(24.0).reshape(6, 4), "b": torch.ones(3, dtype=torch.bfloat16)}
+    for step in (10, 20):
+        save_sharded(store.storage, step, {"base": frozen, "head": torch.full((4,), float(step)),
+                                           "trainer": {"step": step}},
+                     algorithm="sha256", memory=memory)
+    return store
+
+
+def test_by_hand_checker_accepts_sharded_incremental_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    store = _sharded_incremental_run(root)
+    manifest = json.loads((root / StepPaths(20).manifest(store.info(20).attempt)).read_bytes())
+    assert manifest["format_version"] == 4 and len(manifest["references"]) == 1
+    done = run_checker(tmp_path, root)
+    assert done.returncode == 0, done.stderr
+    assert "step 20: committed, sharded by 1 ranks, 2 files verified, 4 stored items, " \
+        "1 references verified" in done.stdout
+
+
+def _rechunk_reference(root: Path, store: Any, where: str) -> str:
+    """Edit the chunk list of step 20's reference (its manifest and marker resealed, so only
+    the edit is wrong): one of its item chunks dropped, or a chunk of the source file that
+    dcp.msgpack places nowhere added."""
+    attempt = store.info(20).attempt
+    manifest = json.loads((root / StepPaths(20).manifest(attempt)).read_bytes())
+    ref = manifest["references"][0]
+    if where == "dropped":
+        ref["chunks"].pop()
+        word = "not a chunk of"
+    else:
+        source = json.loads((root / StepPaths(ref["step"]).manifest(ref["attempt"])).read_bytes())
+        entry = next(f for f in source["files"] if f["path"] == ref["source"])
+        used = {c[0] for c in ref["chunks"]}
+        ref["chunks"] = sorted(ref["chunks"] + [next(c for c in entry["chunks"]
+                                                     if c[0] not in used and c[1] > 0)])
+        word = "not its header and its items"
+    mbytes = json.dumps(manifest).encode()
+    (root / StepPaths(20).manifest(attempt)).write_bytes(mbytes)
+    marker_path = root / StepPaths(20).marker
+    marker = json.loads(marker_path.read_bytes())
+    marker["manifest_digest"] = "sha256:" + hashlib.sha256(mbytes).hexdigest()
+    marker["manifest_size"] = len(mbytes)
+    marker_path.write_bytes(json.dumps(marker).encode())
+    return word
+
+
+@pytest.mark.parametrize("where", ["tensor", "header", "missing", "size", "dropped", "extra"])
+def test_checker_and_ckptfs_reject_bad_v4_references(tmp_path: Path, where: str) -> None:
+    root = tmp_path / "run"
+    store = _sharded_incremental_run(root)
+    if where in ("dropped", "extra"):
+        word = _rechunk_reference(root, store, where)
+    else:
+        word = _tamper_reference(root, store, where)
+    done = run_checker(tmp_path, root)
+    assert done.returncode != 0 and word in done.stderr, done.stderr
+    with pytest.raises(CorruptCheckpointError):
+        ckptfs.open(str(root)).load(20)
