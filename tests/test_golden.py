@@ -1,9 +1,10 @@
 """Golden checkpoints (tests/golden/v1: format v1; tests/golden/v2: format v2, sharded, step 1
 written by 2 gloo ranks; tests/golden/v3: format v3, incremental, step 2 referencing step 1;
-each written once by tests/golden/make_golden.py): every future ckptfs
-must load them bit-exact and verify them, and the by-hand checker of docs/protocol.md must accept
-them.  The expected values are rebuilt from the generator's recipe, never stored as output
-blobs."""
+tests/golden/v4: format v4, sharded incremental, both steps written by 2 gloo ranks, step 2
+referencing step 1's rank files; each written once by tests/golden/make_golden.py): every future
+ckptfs must load them bit-exact and verify them, the by-hand checker of docs/protocol.md must
+accept them, and a reader older than their format must refuse them.  The expected values are
+rebuilt from the generator's recipe, never stored as output blobs."""
 
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def _recipe() -> ModuleType:
 
 
 RECIPE = _recipe()
+
+
+def zeros(value: Any) -> Any:
+    """``value`` with every tensor replaced by zeros of its dtype and shape (a load target)."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {k: zeros(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return type(value)(zeros(v) for v in value)
+    return value
 
 
 def assert_bit_exact(got: Any, want: Any, path: str = "") -> None:
@@ -158,16 +170,6 @@ def test_v2_loads_into_another_placement(v2_run: Path) -> None:
     """Written by 2 ranks (rows and columns split), read into whole tensors in one process
     through the ranged reader: every chunk read, verified and copied into place."""
     state, _, _, _ = RECIPE.golden_v2()[1]
-
-    def zeros(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return torch.zeros_like(value)
-        if isinstance(value, dict):
-            return {k: zeros(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-            return type(value)(zeros(v) for v in value)
-        return value
-
     into = {k: zeros(state[k]) for k in ("rows", "cols", "replicated")}
     ckptfs.open(str(v2_run)).load(1, into=into)
     assert_bit_exact(into, {k: state[k] for k in into})
@@ -267,3 +269,126 @@ def test_v3_refused_by_a_pre_v3_reader(v3_run: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(versions, "MAX_READ_VERSION", 2)
     with pytest.raises(FormatVersionError, match="format version 3"):
         ckptfs.open(str(v3_run)).load(2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Format v4 (sharded incremental): both steps by 2 gloo ranks, step 2 referencing the frozen
+# items of step 1's rank files
+
+
+@pytest.fixture
+def v4_run(tmp_path: Path) -> Path:
+    src = GOLDEN / "v4" / "run"
+    assert (src / "checkpoints").is_dir(), f"{src} is missing: the golden files must be committed"
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _unchanged(before: Any, after: Any, path: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """DCP name -> tensor, for the tensors with bytes that ``after`` holds as the very objects
+    ``before`` holds at the same key path: what an incremental save of ``after`` references."""
+    if isinstance(after, torch.Tensor):
+        return {".".join(path): after} if after is before and after.numel() else {}
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(after, dict) and isinstance(before, dict):
+        for k, v in after.items():
+            if k in before:
+                out.update(_unchanged(before[k], v, (*path, str(k))))
+    return out
+
+
+def test_v4_steps_metadata_and_references(v4_run: Path) -> None:
+    import msgpack
+
+    from ckptfs.format.incremental import ShardedIncrementalManifest
+    from ckptfs.format.layout import StepPaths
+
+    store = ckptfs.open(str(v4_run))
+    recipe = RECIPE.golden_v4()
+    assert store.steps() == sorted(recipe)
+    for step, (_, meta, algorithm, world) in recipe.items():
+        info = store.info(step)
+        assert isinstance(info.manifest, ShardedIncrementalManifest)
+        assert info.manifest.format_version == 4 and info.marker.format_version == 1
+        assert info.manifest.hash_algorithm == algorithm and info.manifest.world_size == world
+        assert {f.path for f in info.manifest.files} == {
+            "dcp.msgpack", *(f"rank-{r:05d}/data-0.safetensors" for r in range(world))}
+        assert {k: v for k, v in info.metadata.items() if k != "tensor_count"} == meta
+    # Step 1 (the first save of its processes) references nothing: every byte written.
+    first, second = store.info(1), store.info(2)
+    assert not first.manifest.references and first.bytes_written == first.bytes
+    # Step 2 references step 1's attempt: one reference per rank file (both ranks hold frozen
+    # row shards), each naming the file that holds the bytes, with its size.
+    refs = second.manifest.references
+    sizes = {f.path: f.size for f in first.manifest.files if f.path != "dcp.msgpack"}
+    assert all((r.step, r.attempt) == (1, first.attempt) for r in refs)
+    assert {r.source: r.size for r in refs} == sizes and len(refs) == len(sizes)
+    # dcp.msgpack places exactly the frozen tensors (those step 2 holds as step 1's objects)
+    # in the references, and their bytes are exactly the referenced item chunks.
+    frozen = _unchanged(recipe[1][0], recipe[2][0])
+    assert frozen and not any(k.startswith(("rows.head", "replicated.bias")) for k in frozen)
+    md = msgpack.unpackb((v4_run / StepPaths(2).file(second.attempt, "dcp.msgpack")
+                          ).read_bytes(), raw=False, strict_map_key=False)
+    in_refs = {fqn for fqn, _, path, _, _ in md["storage_data"] if path in {r.path for r in refs}}
+    assert in_refs == set(frozen)
+    frozen_bytes = sum(t.numel() * t.element_size() for t in frozen.values())
+    assert sum(c.length for r in refs for c in r.chunks[1:]) == frozen_bytes
+    assert second.bytes - second.bytes_written == sum(c.length for r in refs for c in r.chunks)
+
+
+@pytest.mark.parametrize("step", sorted(RECIPE.golden_v4()))
+def test_v4_loads_bit_exact(v4_run: Path, step: int) -> None:
+    """Written by 2 ranks, loaded whole in one process (no process group)."""
+    state, _, _, _ = RECIPE.golden_v4()[step]
+    assert_bit_exact(ckptfs.open(str(v4_run)).load(step), state)
+
+
+def test_v4_loads_into_another_placement(v4_run: Path) -> None:
+    """Step 2 into whole zero tensors in one process through the ranged reader: the frozen
+    chunks read from step 1's rank files through the references, each checked by its digest."""
+    state, _, _, _ = RECIPE.golden_v4()[2]
+    into = {k: zeros(state[k]) for k in ("rows", "cols", "replicated")}
+    ckptfs.open(str(v4_run)).load(2, into=into)
+    assert_bit_exact(into, {k: state[k] for k in into})
+
+
+def test_v4_verifies(v4_run: Path) -> None:
+    store = ckptfs.open(str(v4_run))
+    for step in store.steps():
+        for quick in (True, False):
+            report = store.verify(step, quick=quick)
+            assert report.ok, report.problems
+
+
+def test_v4_by_hand_checker(v4_run: Path, tmp_path: Path) -> None:
+    from test_format_spec import checker_source
+
+    script = tmp_path / "check.py"
+    script.write_text(checker_source())
+    refs = len(ckptfs.open(str(v4_run)).info(2).manifest.references)
+    # The checker reads the newest step; check step 1 (no references) alone too.
+    for root, expect in ((v4_run, "step 2: committed, sharded by 2 ranks, 3 files verified"),
+                         (tmp_path / "only1", "step 1: committed, sharded by 2 ranks")):
+        if not root.exists():
+            shutil.copytree(v4_run, root)
+            shutil.rmtree(root / "checkpoints" / "step-000000000002")
+        done = subprocess.run([sys.executable, str(script), str(root)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert expect in done.stdout
+        n = refs if root == v4_run else 0
+        assert f"{n} references verified" in done.stdout
+
+
+def test_v4_refused_by_a_pre_v4_reader(v4_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that knows formats 1 to 3 only (the version check of ckptfs before v4)
+    refuses v4, both steps, with FormatVersionError."""
+    from ckptfs.errors import FormatVersionError
+    from ckptfs.format import versions
+
+    monkeypatch.setattr(versions, "READ_VERSIONS", (1, 2, 3))
+    monkeypatch.setattr(versions, "MAX_READ_VERSION", 3)
+    for step in sorted(RECIPE.golden_v4()):
+        with pytest.raises(FormatVersionError, match="format version 4"):
+            ckptfs.open(str(v4_run)).load(step)
