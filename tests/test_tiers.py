@@ -5,6 +5,7 @@ checkpoint, and a restart resumes what a killed replicator left."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -29,7 +30,7 @@ from ckptfs.format.incremental import IncrementalManifest
 from ckptfs.lifecycle.gc import collect
 from ckptfs.protocol.copy import COPY_CHUNK, COPY_HASH_LEAD
 from ckptfs.protocol.store import CheckpointStore
-from ckptfs.protocol.tiers import TieredStore, tiered
+from ckptfs.protocol.tiers import SCAN_TIMEOUT_S, TieredStore, tiered
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage
 
@@ -532,3 +533,103 @@ def test_replication_memory_is_bounded(tmp_path: Any) -> None:
     grew = int(out.stdout.strip().splitlines()[-1])
     assert grew < bound, f"peak grew {grew / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
     assert ckptfs.open(str(remote)).verify(1).ok
+
+
+class Gate:
+    """A TCP forwarder on a free loopback port in front of a storage server: while ``down``,
+    every connection is accepted and closed at once (the server is unreachable: clients see
+    their connections reset); else bytes are forwarded both ways."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        import socket
+
+        self.target = target
+        self.down = True
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.down:
+                conn.close()
+                continue
+            try:
+                up = socket.create_connection(self.target)
+            except OSError:
+                conn.close()
+                continue
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: Any, b: Any) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+def test_remote_down_at_open_then_back(local_backend: Backend, s3_backend: Backend,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A job restarted while the object store is down (S3 on moto behind a forwarder that
+    resets every connection): the tiered store opens (logged), saves and resumes from the
+    local tier, retention holds what is not replicated, a save's bookkeeping does not wait on
+    the remote; once the store answers, replication catches up without a reopen.  A missing
+    bucket is still refused at open: that is the configuration, not an outage."""
+    from urllib.parse import urlsplit
+
+    endpoint = urlsplit(str(s3_backend.options["endpoint_url"]))
+    gate = Gate((endpoint.hostname or "127.0.0.1", endpoint.port or 80))
+    # One try per request (botocore's and ckptfs's retries multiply a dead endpoint's wait:
+    # the test checks what happens, not how long the libraries retry).
+    options = {**s3_backend.options, "endpoint_url": f"http://127.0.0.1:{gate.port}",
+               "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
+    local_backend.open().save(1, state(1))  # before the restart
+    try:
+        caplog.set_level(logging.WARNING, logger="ckptfs")
+        t0 = time.monotonic()
+        store = tiered(local_backend.url, s3_backend.url, remote_options=options, retries=0,
+                       retry_base_s=0.05, retry_max_s=0.2)
+        opened_in = time.monotonic() - t0
+        assert any("does not answer at open" in r.getMessage() for r in caplog.records)
+        assert opened_in < SCAN_TIMEOUT_S + 60, opened_in  # bounded, not the retries' sum
+        assert_same(store.load(), state(1))  # the resume: from the local tier
+        mgr = ckptfs.CheckpointManager(store, keep_last=1)
+        info = store.save(2, state(2))
+        assert store.tier_of(info) == "local"
+        result = mgr.save(3, model=torch.nn.Linear(2, 2))
+        assert not result.errors, result.errors
+        assert {1, 2, 3} <= set(store.retention_holds())  # none is at the remote
+        assert store.local.steps() == [1, 2, 3]
+        assert store.latest().step == 3  # type: ignore[union-attr]
+        assert store.replication().outage is not None
+        gate.down = False
+        status = store.wait_replicated(timeout=120)
+        assert all(status.state(s) == "replicated" for s in (1, 2, 3)), status
+        remote = s3_backend.open()
+        assert remote.steps() == [1, 2, 3] and remote.verify(2).ok
+        assert_same(remote.load(2), state(2))
+        store.close()
+        gate.down = True
+        with pytest.raises(ckptfs.StorageError):  # no such bucket: refused, outage or not
+            tiered(local_backend.sibling().url, "s3://no-such-bucket-ckptfs/run",
+                   remote_options={**s3_backend.options}).close()
+    finally:
+        gate.close()

@@ -307,23 +307,27 @@ def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T
     listing) reads and passes; the same per-step rule as :func:`walk_tiers` for one step asked
     by number: every copy corrupt -> :class:`CorruptCheckpointError` naming each tier's error
     (no rollback: the step was asked for), every copy unreadable -> the storage error, in no
-    tier -> :class:`CheckpointNotFoundError`."""
-    holders: list[tuple[Tier, str]] = []
+    tier -> :class:`CheckpointNotFoundError`.
+
+    The tiers are asked one at a time: a later tier is not even listed while an earlier copy
+    passes (a step the local tier serves costs the remote nothing, and an unreachable remote
+    delays nothing)."""
     problems: list[tuple[Tier, Exception]] = []
-    for tier in tiers:
+    for i, tier in enumerate(tiers):
         try:
             name = find_step_dir(tier[1], step)
         except (CorruptCheckpointError, StorageError) as exc:
             problems.append((tier, exc))
             continue
-        if name is not None:
-            holders.append((tier, name))
-    try:
-        found = _use_step(step, holders, use, problems)
-    except CheckpointDeletedError:
-        found = None  # deleted while read in every tier that held it
-    if found is not None:
-        return found
+        if name is None:
+            continue
+        try:
+            found = _use_step(step, [(tier, name)], use, problems,
+                              later=[t[0] for t in tiers[i + 1:]])
+        except CheckpointDeletedError:
+            found = None  # deleted while read here: the next tier's copy, if any
+        if found is not None:
+            return found
     if problems:
         _raise(_step_error(step, problems, newest=False), problems)
     raise CheckpointNotFoundError(
@@ -347,10 +351,11 @@ def _list_tiers(tiers: Sequence[Tier]) -> list[tuple[Tier, dict[int, list[str]]]
 
 
 def _use_step(step: int, holders: Sequence[tuple[Tier, list[str] | str]],
-              use: Callable[[CheckpointInfo], T], problems: list[tuple[Tier, Exception]]
-              ) -> tuple[CheckpointInfo, T] | None:
+              use: Callable[[CheckpointInfo], T], problems: list[tuple[Tier, Exception]],
+              *, later: Sequence[str] = ()) -> tuple[CheckpointInfo, T] | None:
     """``use`` on the first holder's copy of ``step`` that reads and passes; the failures of
     the others go to ``problems``.  ``None`` if no copy is committed or every one failed.
+    ``later``: the names of the tiers asked after these (for the log line of a failing copy).
     :class:`CheckpointDeletedError` (a copy deleted while read) is raised if no later tier
     serves the step: the caller lists again."""
     deleted: CheckpointDeletedError | None = None
@@ -369,8 +374,8 @@ def _use_step(step: int, holders: Sequence[tuple[Tier, list[str] | str]],
             raise  # written by a newer ckptfs: never skipped, never rolled back over
         except (CorruptCheckpointError, StorageError) as exc:
             problems.append((tier, exc))
-            if len(holders) > 1 or name:
-                rest = [t[0] for t, _ in holders[i + 1:]]
+            if len(holders) > 1 or later or name:
+                rest = [t[0] for t, _ in holders[i + 1:]] + list(later)
                 log.warning("the %s copy of step %d at %s fails (%s: %s)%s", name, step,
                             storage.url, type(exc).__name__, exc,
                             f"; using the {rest[0]} copy" if rest else "")

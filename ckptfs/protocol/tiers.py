@@ -25,8 +25,10 @@ Design decisions (argued in docs/tiers.md):
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, overload
 
@@ -36,7 +38,9 @@ from ckptfs.errors import (
     CorruptCheckpointError,
     LoadOptionError,
     ShardedSaveError,
+    StorageAccessError,
     StorageError,
+    StorageNotFoundError,
     TierOverlapError,
     UnreplicatedCheckpointError,
 )
@@ -58,6 +62,11 @@ from ckptfs.protocol.store import open as open_store
 from ckptfs.storage.base import overlaps
 
 log = logging.getLogger("ckptfs")
+
+#: How long opening a two-tier store waits for the remote tier's listing: past it, every local
+#: checkpoint is queued (the copy recognizes what the remote already holds), so a remote that is
+#: down at open delays the job by at most this.
+SCAN_TIMEOUT_S = 10.0
 
 T = TypeVar("T")
 Tier = tuple[str, CheckpointStore]
@@ -156,7 +165,7 @@ class TieredStore(CheckpointStore):
                         exc)
             return []
         try:
-            remote = set(committed_steps(self.remote.storage))
+            remote = self._remote_steps()
         except StorageError as exc:
             log.warning("remote tier %s cannot be listed (%s): every local checkpoint is queued "
                         "(one the remote already holds is recognized by the copy)",
@@ -172,6 +181,25 @@ class TieredStore(CheckpointStore):
             found.append((step, nbytes, step in remote and info is not None
                           and self._same_at_remote(info)))
         return found
+
+    def _remote_steps(self) -> set[int]:
+        """The remote's committed steps, or :class:`StorageError` if its listing takes longer
+        than :data:`SCAN_TIMEOUT_S` (a remote that is down answers after its retries, tens of
+        seconds: the open does not wait for them; the listing is abandoned)."""
+        listing: Future[list[int]] = Future()
+
+        def run() -> None:
+            try:
+                listing.set_result(committed_steps(self.remote.storage))
+            except BaseException as exc:  # handed to the opener
+                listing.set_exception(exc)
+
+        threading.Thread(target=run, name="ckptfs-tier-scan", daemon=True).start()
+        try:
+            return set(listing.result(timeout=SCAN_TIMEOUT_S))
+        except FutureTimeoutError:
+            raise StorageError(f"{self.remote.url}: no listing in {SCAN_TIMEOUT_S:.0f} s") \
+                from None
 
     def _same_at_remote(self, info: CheckpointInfo) -> bool:
         """Whether the remote's committed ``info.step`` has the local copy's content."""
@@ -453,7 +481,23 @@ def tiered(local: str | CheckpointStore, remote: str | CheckpointStore, *,
                           retries=retries, incremental=incremental, lease_s=lease_s,
                           **dict(options or {}))
 
-    return TieredStore(opened(local, local_options), opened(remote, remote_options),
+    def opened_remote(t: str | CheckpointStore) -> CheckpointStore:
+        """The remote tier; one that does not answer at open (an outage, a restart during one)
+        is opened without its reachability probe: the job saves locally and replication
+        retries until it answers.  A missing bucket or refused credentials still raise: those
+        are the configuration's, not an outage."""
+        try:
+            return opened(t, remote_options)
+        except (StorageAccessError, StorageNotFoundError):
+            raise
+        except StorageError as exc:
+            if isinstance(t, CheckpointStore) or (remote_options or {}).get("probe") is False:
+                raise
+            log.warning("the remote tier %s does not answer at open (%s): local saves go on "
+                        "and replication retries until it answers", t, exc)
+            return opened(t, {**(remote_options or {}), "probe": False})
+
+    return TieredStore(opened(local, local_options), opened_remote(remote),
                        delete_unreplicated=delete_unreplicated,
                        replicate_threads=replicate_threads, bytes_per_s=bytes_per_s,
                        retry_base_s=retry_base_s, retry_max_s=retry_max_s,
