@@ -405,3 +405,60 @@ def test_lost_rank_no_remote_commit_then_restart(how: str, where: str, tmp_path:
         names = {e.name.rsplit("/", 1)[-1] for e in remote.storage.list_dir(info.paths.dir)}
         assert names == {"COMPLETE", info.attempt}, names
         assert remote.verify(step).ok
+
+
+def job_async(rank: int, world: int, root: str) -> Any:
+    """Sharded ``save_async`` on a tiered store: every rank writes its file on its own node in
+    the background, the parameters change right after each call returns (the snapshot holds),
+    each node's files get their committed path when the save completes (the remote is held
+    back meanwhile, so that the replicator, which also settles a node's files, cannot be the
+    one that did it), and each step is replicated."""
+    import threading
+
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.testing.faults import FaultyStorage
+
+    local = f"{root}/node-{rank}"
+    held = {"on": False}
+    gate = threading.Event()
+
+    def hook(op: str, path: str) -> None:
+        if held["on"]:
+            assert gate.wait(60), "the remote was never released"
+
+    remote = CheckpointStore(FaultyStorage(ckptfs.open(f"file://{root}/remote").storage,
+                                           hook=hook))
+    model, opt, mesh = _model(world)
+    store = ckptfs.tiered(local, remote)
+    held["on"] = True
+    plains, futures = {}, []
+    for step in (1, 2):
+        state = _train_state(model, opt, step)
+        plains[step] = _frozen(to_plain(state))  # collective: the values being saved
+        futures.append(store.save_async(step, state))
+        with torch.no_grad():  # right after the call returns: must not reach the checkpoint
+            for p in model.parameters():
+                p.add_(1.0)
+    infos = [f.result(timeout=120) for f in futures]
+    assert [i.step for i in infos] == [1, 2]
+    assert not list(Path(local).glob("checkpoints/*/.tmp-*"))  # settled on every node
+    assert sorted(p.name for p in Path(local).glob("checkpoints/*/a-*")) == sorted(
+        i.attempt for i in infos)
+    gate.set()
+    status = store.wait_replicated(timeout=120)
+    assert status.state(1) == status.state(2) == "replicated", status
+    assert store.tier_steps()["remote"] == [1, 2]
+    for step in (2, 1):  # the local copy, spread over the nodes
+        assert_state_equal(_load_step(store, plains[step], mesh, step), plains[step])
+    store.close()
+    return plains if rank == 0 else None
+
+
+def test_sharded_save_async_on_two_tiers(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    plains = run_ranks(job_async, 2, root, timeout=240)[0]
+    remote = ckptfs.open(f"{root}/remote")
+    assert remote.steps() == [1, 2]
+    for step in (1, 2):
+        assert remote.verify(step).ok
+        assert_state_equal(remote.load(step), plains[step])

@@ -112,7 +112,7 @@ def submit_sharded(saver: AsyncSaver, store: CheckpointStore, step: int,
     group = _group(coll)
     prep = sh.prepare_save(store.storage, step, state, group=group, kind="async-save",
                            algorithm=store.algorithm, durable=store.durable,
-                           threads=store.threads, metadata=meta)
+                           threads=store.threads, metadata=meta, node_local=store.node_local)
     validated = time.perf_counter() - t0
     saver.wait_for_slot(step, max_in_flight)
     saver.raise_uncollected()
@@ -142,6 +142,7 @@ def submit_sharded(saver: AsyncSaver, store: CheckpointStore, step: int,
                 if exc is None:
                     info = prep.info(f.result())  # the committed checkpoint, on every rank
                     prep.live.done()
+                    store.after_sharded_commit(info)
             except BaseException as e:
                 exc = e
             saver.pool.give_back(buffers)

@@ -71,6 +71,10 @@ class CheckpointStore:
         #: keeps what its manifest references (docs/protocol.md §9.5).  Exceeds the lease by
         #: the default margin for clock skew (1 h against the default 30 min lease).
         self.grace_s: float = max(DEFAULT_GRACE_S, lease_s + DEFAULT_GRACE_S - DEFAULT_LEASE_S)
+        #: Each rank's ``storage`` is its own node's (a two-tier store's local tier): a sharded
+        #: save checks each rank's file on its own node and :meth:`after_sharded_commit`
+        #: settles it there (docs/tiers.md "Sharded").  False: every rank sees one storage.
+        self.node_local = False
         caps = storage.capabilities
         if caps.exclusive_create == "none":
             log.warning("%s: %s", storage.url, caps.caveat or "no exclusive create on this "
@@ -137,6 +141,11 @@ class CheckpointStore:
             except CorruptCheckpointError as exc:
                 log.warning("step %d at %s is deleted (its marker is gone) but its files are "
                             "kept: %s; then run 'ckptfs gc'", step, self.url, exc)
+
+    def after_sharded_commit(self, info: CheckpointInfo) -> None:
+        """Called on every rank once a sharded save of this store committed (synchronous or
+        async), before it is reported: nothing here; a two-tier store gives its node's files
+        their committed path (:attr:`node_local`)."""
 
     def retention_holds(self) -> frozenset[int]:
         """Steps retention must keep whatever its policy says (none here; a two-tier store

@@ -115,6 +115,7 @@ class TieredStore(CheckpointStore):
         #: Opened on every rank of a process group (each with its own node's local tier):
         #: sharded saves, per-rank replication, loads across tiers (docs/tiers.md "Sharded").
         self.sharded = _world() > 1 if sharded is None else sharded
+        self.node_local = self.sharded
         self._copier: Any = None
         if self.sharded:
             from ckptfs.protocol import replication_sharded as rs  # torch.distributed: only here
@@ -228,28 +229,40 @@ class TieredStore(CheckpointStore):
                       metadata: Mapping[str, Any] | None, process_group: Any) -> CheckpointInfo:
         """Every rank writes its file on its own node's local tier; the coordinator commits
         there (docs/tiers.md "Sharded")."""
+        self._check_sharded(process_group)
+        async_save.before_sync_save(self)
+        from ckptfs.protocol import sharded
+        info = sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
+                                    durable=self.durable, threads=self.threads,
+                                    metadata=metadata, memory=self.reuse, lease_s=self.lease_s,
+                                    node_local=True)
+        self.after_sharded_commit(info)
+        return info
+
+    def _check_sharded(self, process_group: Any) -> None:
         if not self.sharded or process_group is not None:
             raise ShardedSaveError(
                 "a tiered store saves sharded checkpoints when it was opened on every rank "
                 "after torch.distributed was initialized (each rank with its own node's local "
                 "tier), on the default process group: open it so (ckptfs.tiered(local, remote)"
                 " on every rank) and save without process_group=")
-        async_save.before_sync_save(self)
-        from ckptfs.protocol import sharded
-        from ckptfs.protocol.replication_sharded import settle_node_attempt
-        info = sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
-                                    durable=self.durable, threads=self.threads,
-                                    metadata=metadata, memory=self.reuse, lease_s=self.lease_s,
-                                    node_local=True)
-        settle_node_attempt(self.storage, info.step, info.attempt, durable=self.durable)
-        return info
+
+    def after_sharded_commit(self, info: CheckpointInfo) -> None:
+        """Each rank's files of a committed sharded save get their committed path on its own
+        node (the coordinator's commit renamed only its node's attempt)."""
+        if self.sharded:
+            from ckptfs.protocol.replication_sharded import settle_node_attempt
+            settle_node_attempt(self.storage, info.step, info.attempt, durable=self.durable)
 
     def save_async(self, step: int, state: Mapping[str, Any], *,
                    metadata: Mapping[str, Any] | None = None,
                    max_in_flight: int = 1) -> async_save.SaveFuture:
         """:meth:`CheckpointStore.save_async`; the step is queued for replication once it
-        committed locally."""
-        self._single_process(state, None)
+        committed locally.  A sharded state (on every rank of a store opened on every rank):
+        the collective async save of a plain store (format v2), each rank writing its file on
+        its own node, then settled there (:meth:`after_sharded_commit`)."""
+        if wants_sharded_save(state, None):
+            self._check_sharded(None)
         self.replicator.hold()  # copying pauses until this save's local write is done
         try:
             future = super().save_async(step, state, metadata=metadata,
@@ -266,13 +279,6 @@ class TieredStore(CheckpointStore):
             return
         info = future.result()
         self.replicator.enqueue(info.step, info.bytes)
-
-    @staticmethod
-    def _single_process(state: Mapping[str, Any], process_group: Any) -> None:
-        if wants_sharded_save(state, process_group):
-            raise ShardedSaveError(
-                "a tiered store saves sharded checkpoints synchronously only (store.save on "
-                "every rank); save_async of a sharded state is not supported on it yet")
 
     def delete(self, step: int) -> None:
         """Delete the local copy of ``step`` (the remote tier is left alone: use
