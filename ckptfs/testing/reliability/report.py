@@ -271,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
     if args.tiers:
+        scenarios = sum(s["tried"] for sweeps in doc["results"].values() for s in sweeps)
         update_block(args.doc, TIERS_BEGIN, TIERS_END,
                      f"Last run: {doc['generated']} (`python -m ckptfs.testing.reliability "
-                     f"--tiers`).\n\n{tiers_table(doc)}")
+                     f"--tiers --backends {' '.join(args.backends)}`; {scenarios} "
+                     f"scenarios).\n\n{tiers_table(doc)}")
         print(tiers_table(doc))
     else:
         update_doc(args.doc, doc)
