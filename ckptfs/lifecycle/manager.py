@@ -367,6 +367,9 @@ class CheckpointManager:
             lambda: self._committed(step, info, side, metrics),
             f"{what} (committed; bookkeeping)", ShardedSaveError,
             encode=SaveResult.to_doc, decode=lambda doc: SaveResult.from_doc(info, doc))
+        if coord.collective and result.prune is not None and result.prune.deleted:
+            # every rank: a node-local store (two tiers) removes its node's files of them
+            self.store.after_prune(result.prune.deleted)
         self._last_saved = step
         self._pending_changes = []
         return result
@@ -593,6 +596,13 @@ class CheckpointManager:
             if coord.collective and optimizer is not None and model is None:
                 raise ValueError("a distributed restore of an optimizer needs model= too (DCP "
                                  "names the optimizer's state by parameter name)")
+            if coord.collective and self.store.node_local:
+                raise ShardedLoadError(
+                    f"{what}: a restore from node-local tiers (a sharded two-tier store) is "
+                    "not supported yet (each node holds only its own files, and the manager "
+                    "reads its small entries from one complete copy): restore from the remote "
+                    "tier, CheckpointManager(store.remote).restore_latest(...) on every rank, "
+                    "after the job's last save was replicated (docs/tiers.md)")
 
         coord.agree(check, what, ShardedLoadError)
         skipped: list[str] = []

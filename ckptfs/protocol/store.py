@@ -147,6 +147,11 @@ class CheckpointStore:
         async), before it is reported: nothing here; a two-tier store gives its node's files
         their committed path (:attr:`node_local`)."""
 
+    def after_prune(self, deleted: Iterable[int]) -> None:
+        """Called on every rank of a collective :class:`~ckptfs.CheckpointManager` with the
+        steps its writer's prune deleted: nothing here; a node-local sharded two-tier store
+        removes the other nodes' files of those steps."""
+
     def retention_holds(self) -> frozenset[int]:
         """Steps retention must keep whatever its policy says (none here; a two-tier store
         holds the local checkpoints not yet replicated: docs/tiers.md)."""

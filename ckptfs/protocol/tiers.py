@@ -43,18 +43,27 @@ from ckptfs.errors import (
     StorageNotFoundError,
     TierOverlapError,
     UnreplicatedCheckpointError,
+    UnsafeCheckpointError,
 )
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
 from ckptfs.format.incremental import DEFAULT_LEASE_S
-from ckptfs.format.layout import check_step
+from ckptfs.format.layout import StepPaths, check_step
+from ckptfs.format.sharded import ShardedManifest
 from ckptfs.protocol import async_save
 from ckptfs.protocol.collective import is_distributed, wants_sharded_save
 from ckptfs.protocol.copy import same_content
 from ckptfs.protocol.formats import VerifyReport
+from ckptfs.protocol.listing import list_attempt, problems
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
 from ckptfs.protocol.remote_verify import RemoteVerifyReport
 from ckptfs.protocol.replication import ReplicationStatus, Replicator
-from ckptfs.protocol.resolve import CheckpointInfo, committed_steps, read_committed, use_step
+from ckptfs.protocol.resolve import (
+    CheckpointInfo,
+    committed_steps,
+    list_step_dirs,
+    read_committed,
+    use_step,
+)
 from ckptfs.protocol.resolve import Tier as ReadTier
 from ckptfs.protocol.resolve import tier_of as resolve_tier
 from ckptfs.protocol.store import CheckpointStore
@@ -440,6 +449,8 @@ class TieredStore(CheckpointStore):
             return self.remote.verify(step, remote=True)
 
         def use(info: CheckpointInfo) -> VerifyReport:
+            if quick and self.node_local and self.tier_of(info) == "local":
+                return self._verify_node_copy(info)
             return self._store_of(info).verify(info.step, quick=quick)
 
         if step is not None:
@@ -449,6 +460,47 @@ class TieredStore(CheckpointStore):
             raise CheckpointNotFoundError(f"no committed checkpoint at {self.url} or "
                                           f"{self.remote.url}")
         return found[1]
+
+    def _verify_node_copy(self, info: CheckpointInfo) -> VerifyReport:
+        """The quick verify of a sharded step's local copy on node-local storage: the listing
+        checks (links, missing, resized) of the files this node holds, its rank files (and on
+        the coordinator's node ``dcp.msgpack``, besides the marker and manifest the read
+        checked); the other nodes' files are not visible from here.  This is what retention
+        asks of the newest step before it deletes older local copies (their remote copies
+        stay the fallbacks)."""
+        if not isinstance(info.manifest, ShardedManifest) or self._copier is None:
+            return self.local.verify(info.step, quick=True)
+        from ckptfs.protocol.replication_sharded import own_files
+        mine = own_files(info.manifest, self._copier.rank, self._copier.coordinator)
+        found = problems(info, list_attempt(self.storage, info), files=mine)
+        report = VerifyReport(info.step, info.attempt, info.url, "quick")
+        report.problems = [p.text for p in found]
+        report.unsafe = [p.text for p in found if p.kind == "link"]
+        report.files = len(mine)
+        report.bytes = sum(e.size for e in mine)
+        if found:
+            cls = UnsafeCheckpointError if report.unsafe else CorruptCheckpointError
+            raise cls(f"step {info.step} at {info.url} fails quick verification on this node: "
+                      + "; ".join(report.problems), step=info.step, path=info.path)
+        return report
+
+    def after_prune(self, deleted: Iterable[int]) -> None:
+        """On a node-local sharded store, a rank other than the coordinator removes its node's
+        files of the steps the coordinator's prune deleted (the coordinator deleted its own,
+        marker first); a step committed on this node is left alone."""
+        if not self.node_local or self._copier is None or self._copier.coordinator:
+            return
+        listed = list_step_dirs(self.storage)
+        for step in deleted:
+            for name in listed.get(step, []):
+                paths = StepPaths(step, name)
+                if self.storage.exists(paths.marker):
+                    continue
+                try:
+                    self.storage.delete_tree(paths.dir)
+                except StorageError as exc:
+                    log.warning("prune: could not remove this node's files of step %d at %s: "
+                                "%s", step, self.url, exc)
 
     def __repr__(self) -> str:
         return f"TieredStore({self.url!r}, remote={self.remote.url!r})"
