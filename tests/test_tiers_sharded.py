@@ -467,25 +467,48 @@ def test_sharded_save_async_on_two_tiers(tmp_path: Path) -> None:
 def job_manager(rank: int, world: int, root: str) -> Any:
     """A CheckpointManager on a sharded two-tier store: local retention works on every node
     (the coordinator's quick verify checks the files its node holds; the other nodes remove
-    their files of the steps it deleted).  Its restore from node-local tiers is refused with
+    their files of the steps it deleted), after each save and in ``mgr.prune()`` on every
+    rank.  Its restore from node-local tiers is refused with
     a typed error naming the way that works: a manager on the remote tier, bit-exact, also
     with node 1's disk lost."""
+    import threading
+
     import torch.distributed as dist
 
     from ckptfs.errors import ShardedLoadError
     from ckptfs.protocol.resolve import list_step_dirs
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.testing.faults import FaultyStorage
 
     local, remote = f"{root}/node-{rank}", f"file://{root}/remote"
+    held = {"on": False}
+    gate = threading.Event()
+
+    def hook(op: str, path: str) -> None:
+        if held["on"]:
+            assert gate.wait(60), "the remote was never released"
+
     model, opt, _mesh = _model(world)
-    store = ckptfs.tiered(local, remote)
+    store = ckptfs.tiered(local, CheckpointStore(FaultyStorage(ckptfs.open(remote).storage,
+                                                               hook=hook)))
     mgr = ckptfs.CheckpointManager(store, keep_last=1)
     errors = []
     for step in (1, 2, 3):
         _train_state(model, opt, step)
         errors += mgr.save(step, model=model, optimizer=opt, metrics={"loss": 1.0 / step}).errors
         store.wait_replicated(timeout=60)  # so that the next save's prune may delete it
-    out: dict[str, Any] = {"errors": errors, "node_steps": sorted(list_step_dirs(store.storage)),
-                           "remote": store.remote.steps()}
+    node_steps = [sorted(list_step_dirs(store.storage))]
+    held["on"] = True  # the remote held back: step 4 is not replicated at step 5's prune
+    for step in (4, 5):
+        _train_state(model, opt, step)
+        errors += mgr.save(step, model=model, optimizer=opt, metrics={"loss": 1.0 / step}).errors
+    node_steps.append(sorted(list_step_dirs(store.storage)))
+    gate.set()
+    store.wait_replicated(timeout=60)
+    report = mgr.prune()  # every rank: the writer prunes, every node follows
+    node_steps.append(sorted(list_step_dirs(store.storage)))
+    out: dict[str, Any] = {"errors": errors, "node_steps": node_steps,
+                           "remote": store.remote.steps(), "pruned": report.deleted}
     model2, opt2, _ = _model(world)
     try:
         ckptfs.CheckpointManager(store, keep_last=1).restore_latest(model=model2,
@@ -499,7 +522,7 @@ def job_manager(rank: int, world: int, root: str) -> Any:
         model3, opt3, _ = _model(world)
         nxt = ckptfs.CheckpointManager(ckptfs.open(remote)).restore_latest(model=model3,
                                                                           optimizer=opt3)
-        return nxt == 4 and all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in
+        return nxt == 6 and all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in
                                 zip(model.parameters(), model3.parameters(), strict=True))
 
     out["restored"] = restored()
@@ -514,7 +537,8 @@ def job_manager(rank: int, world: int, root: str) -> Any:
 def test_manager_retention_on_sharded_tiers(tmp_path: Path) -> None:
     for rank, got in enumerate(run_ranks(job_manager, 2, str(tmp_path), timeout=240)):
         assert got["errors"] == [], (rank, got["errors"])  # the prune was never refused
-        assert got["node_steps"] == [3], (rank, got)  # every node pruned, not only node 0
-        assert got["remote"] == [1, 2, 3]
+        assert got["node_steps"] == [[3], [4, 5], [5]], (rank, got)  # every node, not node 0
+        assert got["pruned"] == [4], (rank, got)  # mgr.prune(): the same report on every rank
+        assert got["remote"] == [1, 2, 3, 4, 5]
         assert "CheckpointManager(store.remote)" in got["refused"], (rank, got["refused"])
         assert got["restored"] and got["restored_after_loss"], (rank, got)

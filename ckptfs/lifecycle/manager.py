@@ -395,7 +395,7 @@ class CheckpointManager:
                     self._bookkeeping_failed(result, step, "best record", exc)
         if self.policy.keep_last is not None:
             try:
-                result.prune = self.prune()
+                result.prune = self._prune(False)
             except Exception as exc:
                 self._bookkeeping_failed(result, step, "prune", exc)
             else:
@@ -442,7 +442,21 @@ class CheckpointManager:
     # -- retention and GC ------------------------------------------------------------------------
 
     def prune(self, *, dry_run: bool = False) -> PruneReport:
-        """Apply the retention policy now (``save`` does after every commit)."""
+        """Apply the retention policy now (``save`` does after every commit).  On a sharded
+        two-tier store (node-local tiers) call it on every rank: the writer prunes, then every
+        rank removes its node's files of the steps it deleted."""
+        coord = self._coordinator(None)
+        if not (coord.collective and self.store.node_local):
+            return self._prune(dry_run)
+        report = coord.on_writer(lambda: self._prune(dry_run), f"prune at {self.url}",
+                                 ShardedSaveError, encode=PruneReport.as_dict,
+                                 decode=PruneReport.from_dict)
+        if not dry_run:
+            self.store.after_prune(report.deleted)
+        return report
+
+    def _prune(self, dry_run: bool) -> PruneReport:
+        """The prune itself, on the writer (:meth:`prune`; a save's bookkeeping)."""
         if not dry_run:
             self.side_outputs.reconcile()
         protected = set(self.protected)
