@@ -468,77 +468,82 @@ def job_manager(rank: int, world: int, root: str) -> Any:
     """A CheckpointManager on a sharded two-tier store: local retention works on every node
     (the coordinator's quick verify checks the files its node holds; the other nodes remove
     their files of the steps it deleted), after each save and in ``mgr.prune()`` on every
-    rank.  Its restore from node-local tiers is refused with
-    a typed error naming the way that works: a manager on the remote tier, bit-exact, also
-    with node 1's disk lost."""
+    rank.  A new job's manager restores bit-exact (its walk reads the remote tier, the one
+    complete copy; the model and optimizer load from each node's files first): the step the
+    last job saved while the remote was down is replicated by the restart first, then
+    restored; also with node 1's disk lost."""
     import threading
 
     import torch.distributed as dist
 
-    from ckptfs.errors import ShardedLoadError
     from ckptfs.protocol.resolve import list_step_dirs
     from ckptfs.protocol.store import CheckpointStore
     from ckptfs.testing.faults import FaultyStorage
 
     local, remote = f"{root}/node-{rank}", f"file://{root}/remote"
-    held = {"on": False}
+    mode = {"now": ""}
     gate = threading.Event()
 
     def hook(op: str, path: str) -> None:
-        if held["on"]:
+        if mode["now"] == "held":
             assert gate.wait(60), "the remote was never released"
+        elif mode["now"] == "down":
+            raise StorageError(f"{op} {path}: injected outage")
 
     model, opt, _mesh = _model(world)
     store = ckptfs.tiered(local, CheckpointStore(FaultyStorage(ckptfs.open(remote).storage,
-                                                               hook=hook)))
+                                                               hook=hook)), retry_max_s=0.5)
     mgr = ckptfs.CheckpointManager(store, keep_last=1)
     errors = []
-    for step in (1, 2, 3):
+
+    def save(step: int) -> None:
         _train_state(model, opt, step)
-        errors += mgr.save(step, model=model, optimizer=opt, metrics={"loss": 1.0 / step}).errors
+        errors.extend(mgr.save(step, model=model, optimizer=opt,
+                               metrics={"loss": 1.0 / step}).errors)
+
+    for step in (1, 2, 3):
+        save(step)
         store.wait_replicated(timeout=60)  # so that the next save's prune may delete it
     node_steps = [sorted(list_step_dirs(store.storage))]
-    held["on"] = True  # the remote held back: step 4 is not replicated at step 5's prune
+    mode["now"] = "held"  # the remote held back: step 4 is not replicated at step 5's prune
     for step in (4, 5):
-        _train_state(model, opt, step)
-        errors += mgr.save(step, model=model, optimizer=opt, metrics={"loss": 1.0 / step}).errors
+        save(step)
     node_steps.append(sorted(list_step_dirs(store.storage)))
+    mode["now"] = ""
     gate.set()
     store.wait_replicated(timeout=60)
     report = mgr.prune()  # every rank: the writer prunes, every node follows
     node_steps.append(sorted(list_step_dirs(store.storage)))
     out: dict[str, Any] = {"errors": errors, "node_steps": node_steps,
                            "remote": store.remote.steps(), "pruned": report.deleted}
-    model2, opt2, _ = _model(world)
-    try:
-        ckptfs.CheckpointManager(store, keep_last=1).restore_latest(model=model2,
-                                                                     optimizer=opt2)
-        out["refused"] = ""
-    except ShardedLoadError as exc:
-        out["refused"] = str(exc)
+    mode["now"] = "down"  # step 6 is saved during an outage; the job ends before it is copied
+    save(6)
     store.close()
+    out["remote_before_restart"] = ckptfs.open(remote).steps()
 
     def restored() -> bool:
         model3, opt3, _ = _model(world)
-        nxt = ckptfs.CheckpointManager(ckptfs.open(remote)).restore_latest(model=model3,
+        again = ckptfs.tiered(local, remote)
+        nxt = ckptfs.CheckpointManager(again, keep_last=1).restore_latest(model=model3,
                                                                           optimizer=opt3)
-        return nxt == 6 and all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in
+        again.close()
+        return nxt == 7 and all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in
                                 zip(model.parameters(), model3.parameters(), strict=True))
 
-    out["restored"] = restored()
+    out["restored"] = restored()  # the restart replicates step 6, then restores it
     dist.barrier()
     if rank == 1:
-        shutil.rmtree(local)  # node 1 replaced
+        shutil.rmtree(local)  # node 1 replaced: its files of step 6 come from the remote
     dist.barrier()
     out["restored_after_loss"] = restored()
     return out
 
 
-def test_manager_retention_on_sharded_tiers(tmp_path: Path) -> None:
+def test_manager_retention_and_restore_on_sharded_tiers(tmp_path: Path) -> None:
     for rank, got in enumerate(run_ranks(job_manager, 2, str(tmp_path), timeout=240)):
         assert got["errors"] == [], (rank, got["errors"])  # the prune was never refused
         assert got["node_steps"] == [[3], [4, 5], [5]], (rank, got)  # every node, not node 0
         assert got["pruned"] == [4], (rank, got)  # mgr.prune(): the same report on every rank
         assert got["remote"] == [1, 2, 3, 4, 5]
-        assert "CheckpointManager(store.remote)" in got["refused"], (rank, got["refused"])
+        assert got["remote_before_restart"] == [1, 2, 3, 4, 5]  # step 6: local only
         assert got["restored"] and got["restored_after_loss"], (rank, got)

@@ -610,22 +610,19 @@ class CheckpointManager:
             if coord.collective and optimizer is not None and model is None:
                 raise ValueError("a distributed restore of an optimizer needs model= too (DCP "
                                  "names the optimizer's state by parameter name)")
-            if coord.collective and self.store.node_local:
-                raise ShardedLoadError(
-                    f"{what}: a restore from node-local tiers (a sharded two-tier store) is "
-                    "not supported yet (each node holds only its own files, and the manager "
-                    "reads its small entries from one complete copy): restore from the remote "
-                    "tier, CheckpointManager(store.remote).restore_latest(...) on every rank, "
-                    "after the job's last save was replicated (docs/tiers.md)")
 
         coord.agree(check, what, ShardedLoadError)
+        # The store whose checkpoints the walk reads: the store itself, except where no node
+        # holds a complete copy (a sharded two-tier store: its remote tier, once what the local
+        # tiers hold has been replicated); the model and optimizer still load through the store.
+        source = self.store.restore_source() if coord.collective else self.store
         skipped: list[str] = []
 
         def lead(try_one: Callable[[CheckpointInfo], _Loaded]) -> CheckpointInfo | None:
             """The writer: which checkpoint, by the store's one walk (or the step asked)."""
             if step is not None:
-                return self.store.use_step(step, try_one)[0]
-            found = self.store.walk(try_one, allow_rollback=allow_rollback, skipped=skipped)
+                return source.use_step(step, try_one)[0]
+            found = source.walk(try_one, allow_rollback=allow_rollback, skipped=skipped)
             if found is None and skipped:
                 raise CheckpointNotFoundError(
                     f"no loadable committed checkpoint at {self.url}: every one is corrupt "
@@ -633,8 +630,8 @@ class CheckpointManager:
             return None if found is None else found[0]
 
         def use(candidate: Candidate, info: CheckpointInfo | None) -> _Loaded:
-            return self._load_candidate(coord, candidate, info, expect=expect, mode=mode,
-                                        map_location=map_location, model=model,
+            return self._load_candidate(coord, source, candidate, info, expect=expect,
+                                        mode=mode, map_location=map_location, model=model,
                                         optimizer=optimizer, names=names, what=what)
 
         loaded = coord.drive(lead, use, what, ShardedLoadError)
@@ -651,8 +648,9 @@ class CheckpointManager:
                                         discard_uncommitted=discard_uncommitted),
             f"{what}, step {loaded.info.step}", ShardedLoadError)
 
-    def _load_candidate(self, coord: Coordinator, candidate: Candidate,
-                        info: CheckpointInfo | None, *, expect: prov.Provenance | None,
+    def _load_candidate(self, coord: Coordinator, source: CheckpointStore,
+                        candidate: Candidate, info: CheckpointInfo | None, *,
+                        expect: prov.Provenance | None,
                         mode: prov.ProvenanceMode, map_location: MapLocation,
                         model: torch.nn.Module | None, optimizer: Stateful | None,
                         names: list[str], what: str) -> _Loaded:
@@ -674,10 +672,10 @@ class CheckpointManager:
         def entries() -> tuple[CheckpointInfo, dict[Any, Any], dict[str, Any] | None]:
             """(info, small entries, fresh model/optimizer state dicts for the collective
             load, or None: none wanted, a v1 checkpoint, or not saved: named at apply)."""
-            found = info if info is not None else self._read_candidate(candidate)
+            found = info if info is not None else self._read_candidate(source, candidate)
             into = None
             if coord.collective and distributed.is_sharded(found):
-                state = distributed.load_entries(self.store, found, coord.rank, names,
+                state = distributed.load_entries(source, found, coord.rank, names,
                                                  map_location)
                 saved = schema.saved_entries(state)
                 if wanted and (saved is None or all(n in saved for n in wanted)):
@@ -696,10 +694,11 @@ class CheckpointManager:
             state = {**state, **into}
         return _Loaded(found, state)
 
-    def _read_candidate(self, candidate: Candidate) -> CheckpointInfo:
+    @staticmethod
+    def _read_candidate(source: CheckpointStore, candidate: Candidate) -> CheckpointInfo:
         """A non-writer rank's reading of the writer's candidate, in the tier that holds that
         attempt (a two-tier store's copies have different attempts; the local copy first)."""
-        tiers = self.store.read_tiers()
+        tiers = source.read_tiers()
         for _, storage in tiers[:-1]:
             try:
                 return candidate.read(storage)

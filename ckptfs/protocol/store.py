@@ -147,6 +147,13 @@ class CheckpointStore:
         async), before it is reported: nothing here; a two-tier store gives its node's files
         their committed path (:attr:`node_local`)."""
 
+    def restore_source(self) -> CheckpointStore:
+        """The store whose checkpoints a collective restore (``CheckpointManager``) walks and
+        reads its small entries from: this one; a sharded two-tier store, whose nodes each
+        hold only their own files, waits (bounded) for its local steps to replicate and gives
+        its remote tier, the one complete copy."""
+        return self
+
     def after_prune(self, deleted: Iterable[int]) -> None:
         """Called on every rank of a collective :class:`~ckptfs.CheckpointManager` with the
         steps its writer's prune deleted: nothing here; a node-local sharded two-tier store

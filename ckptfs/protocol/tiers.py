@@ -37,6 +37,7 @@ from ckptfs.errors import (
     CkptfsError,
     CorruptCheckpointError,
     LoadOptionError,
+    ReplicationError,
     ShardedSaveError,
     StorageAccessError,
     StorageError,
@@ -76,6 +77,10 @@ log = logging.getLogger("ckptfs")
 #: checkpoint is queued (the copy recognizes what the remote already holds), so a remote that is
 #: down at open delays the job by at most this.
 SCAN_TIMEOUT_S = 10.0
+#: How long a collective manager restore on a sharded two-tier store waits for the steps its
+#: local tiers hold to reach the remote tier, whose copy it reads
+#: (:meth:`TieredStore.restore_source`).
+RESTORE_WAIT_S = 300.0
 
 T = TypeVar("T")
 Tier = tuple[str, CheckpointStore]
@@ -483,6 +488,23 @@ class TieredStore(CheckpointStore):
             raise cls(f"step {info.step} at {info.url} fails quick verification on this node: "
                       + "; ".join(report.problems), step=info.step, path=info.path)
         return report
+
+    def restore_source(self) -> CheckpointStore:
+        """A sharded two-tier store's nodes each hold only their own files, so a collective
+        manager restore walks the remote tier, the one complete copy, after waiting (at most
+        :data:`RESTORE_WAIT_S`) for the local steps to get there (a job restarted on its nodes
+        replicates at open what its last run left); the model and optimizer still load through
+        this store, each node's own files first.  A step that cannot reach the remote (its
+        files lost with a node, or the remote down) is not a candidate: logged."""
+        if not self.node_local:
+            return self
+        try:
+            self.wait_replicated(timeout=RESTORE_WAIT_S)
+        except (ReplicationError, TimeoutError) as exc:
+            log.warning("restore at %s: the local steps did not all reach %s (%s); the restore "
+                        "resumes from the newest step the remote tier holds", self.url,
+                        self.remote.url, exc)
+        return self.remote
 
     def after_prune(self, deleted: Iterable[int]) -> None:
         """On a node-local sharded store, a rank other than the coordinator removes its node's
