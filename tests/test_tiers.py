@@ -619,7 +619,12 @@ def test_remote_down_at_open_then_back(local_backend: Backend, s3_backend: Backe
         assert {1, 2, 3} <= set(store.retention_holds())  # none is at the remote
         assert store.local.steps() == [1, 2, 3]
         assert store.latest().step == 3  # type: ignore[union-attr]
-        assert store.replication().outage is not None
+        status = store.replication()
+        assert not [s for s in (1, 2, 3) if status.state(s) == "replicated"], status
+        deadline = time.monotonic() + 60
+        while store.replication().outage is None:  # the replicator's failed attempts say so
+            assert time.monotonic() < deadline, store.replication()
+            time.sleep(0.05)
         gate.down = False
         status = store.wait_replicated(timeout=120)
         assert all(status.state(s) == "replicated" for s in (1, 2, 3)), status
