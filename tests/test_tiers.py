@@ -23,7 +23,6 @@ import ckptfs
 from ckptfs.errors import (
     CorruptCheckpointError,
     ReplicationError,
-    StorageError,
     UnreplicatedCheckpointError,
 )
 from ckptfs.format.incremental import IncrementalManifest
@@ -109,14 +108,8 @@ def test_save_returns_before_replication(local_backend: Backend,
 
 def test_remote_outage_then_recovery(local_backend: Backend, memory_backend: Backend,
                                      caplog: pytest.LogCaptureFixture) -> None:
-    down = threading.Event()
-    down.set()
-
-    def outage(op: str, path: str) -> None:
-        if down.is_set():
-            raise StorageError(f"{op} {path}: injected outage (connection refused)")
-
-    remote, _ = remote_store(memory_backend, hook=outage)
+    remote, faulty = remote_store(memory_backend)
+    faulty.begin_outage()  # every call to the remote fails until end_outage()
     store = open_tiers(local_backend, remote)
     with caplog.at_level(logging.WARNING, logger="ckptfs"):
         for s in (1, 2, 3):
@@ -133,7 +126,7 @@ def test_remote_outage_then_recovery(local_backend: Backend, memory_backend: Bac
     assert {status.state(s) for s in (2, 3)} == {"local"}  # oldest first: 1 is in flight
     assert status.state(1) == "replicating" and status.steps[1].attempts >= 3
     assert "not replicated yet" in caplog.text
-    down.clear()
+    faulty.end_outage()
     status = store.wait_replicated(timeout=60)
     assert [status.state(s) for s in (1, 2, 3)] == ["replicated"] * 3
     assert status.outage is None and status.lag_steps == 0
@@ -232,14 +225,8 @@ def test_corrupt_newest_in_both_tiers_raises(local_backend: Backend,
 
 def test_retention_keeps_unreplicated_steps(local_backend: Backend,
                                             memory_backend: Backend) -> None:
-    down = threading.Event()
-    down.set()
-
-    def outage(op: str, path: str) -> None:
-        if down.is_set():
-            raise StorageError(f"{op} {path}: injected outage")
-
-    remote, _ = remote_store(memory_backend, hook=outage)
+    remote, faulty = remote_store(memory_backend)
+    faulty.begin_outage()  # every call to the remote fails until end_outage()
     store = open_tiers(local_backend, remote)
     mgr = ckptfs.CheckpointManager(store, keep_last=2)
     model = torch.nn.Linear(4, 2)
@@ -251,7 +238,7 @@ def test_retention_keeps_unreplicated_steps(local_backend: Backend,
     assert store.steps() == [1, 2, 3, 4, 5]  # the remote is down: nothing else holds them
     with pytest.raises(UnreplicatedCheckpointError, match="only copy"):
         store.delete(1)
-    down.clear()
+    faulty.end_outage()
     store.wait_replicated(timeout=60)
     report = mgr.prune()
     assert report.deleted == [1, 2, 3]
@@ -264,14 +251,8 @@ def test_retention_may_delete_unreplicated_when_allowed(local_backend: Backend,
                                                         memory_backend: Backend,
                                                         caplog: pytest.LogCaptureFixture
                                                         ) -> None:
-    down = threading.Event()
-    down.set()
-
-    def outage(op: str, path: str) -> None:
-        if down.is_set():
-            raise StorageError(f"{op} {path}: injected outage")
-
-    remote, _ = remote_store(memory_backend, hook=outage)
+    remote, faulty = remote_store(memory_backend)
+    faulty.begin_outage()  # every call to the remote fails until end_outage()
     store = open_tiers(local_backend, remote, delete_unreplicated=True)
     mgr = ckptfs.CheckpointManager(store, keep_last=2)
     model = torch.nn.Linear(4, 2)
@@ -279,7 +260,7 @@ def test_retention_may_delete_unreplicated_when_allowed(local_backend: Backend,
         for s in range(1, 6):
             mgr.save(s, model=model)
         assert store.steps() == [4, 5]  # the disk-full policy: local retention wins
-        down.clear()
+        faulty.end_outage()
         store.wait_replicated(timeout=60)
     assert memory_backend.open().steps() == [4, 5]
     assert "deleted from the local tier" in caplog.text

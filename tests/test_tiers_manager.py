@@ -9,7 +9,6 @@ import contextlib
 import logging
 import random
 import shutil
-import threading
 from typing import Any
 
 import pytest
@@ -123,18 +122,13 @@ def test_restore_uses_remote_copy_when_local_fails(local_backend: Backend,
 
 def test_restore_during_remote_outage_uses_local(local_backend: Backend,
                                                  memory_backend: Backend) -> None:
-    down = threading.Event()
-
-    def outage(op: str, path: str) -> None:
-        if down.is_set():
-            raise StorageError(f"{op} {path}: injected outage")
-
-    remote = CheckpointStore(FaultyStorage(memory_backend.open().storage, hook=outage))
+    faulty = FaultyStorage(memory_backend.open().storage)  # begin_outage(): every call fails
+    remote = CheckpointStore(faulty)
     store = open_tiers(local_backend, remote)
     mgr = ckptfs.CheckpointManager(store)
     mgr.save(1, model=torch.nn.Linear(2, 2))
     store.wait_replicated(timeout=60)
-    down.set()
+    faulty.begin_outage()
     model = torch.nn.Linear(2, 2)
     assert ckptfs.CheckpointManager(store).restore_latest(model=model) == 2
     store.close()
@@ -191,13 +185,8 @@ def test_remote_prune_during_outage_and_damaged_newest(local_backend: Backend,
     """During a remote outage saves go on locally with no bookkeeping error (the remote
     prune is skipped, or fails in the background, logged); once the remote is back a remote
     newest that fails a quick verify refuses the remote prune: nothing deleted."""
-    down = threading.Event()
-
-    def outage(op: str, path: str) -> None:
-        if down.is_set():
-            raise StorageError(f"{op} {path}: injected outage")
-
-    remote = CheckpointStore(FaultyStorage(memory_backend.open().storage, hook=outage))
+    faulty = FaultyStorage(memory_backend.open().storage)  # begin_outage(): every call fails
+    remote = CheckpointStore(faulty)
     store = open_tiers(local_backend, remote)
     mgr = ckptfs.CheckpointManager(store, keep_last=1,
                                    remote_retention=RetentionPolicy(keep_last=1))
@@ -208,14 +197,14 @@ def test_remote_prune_during_outage_and_damaged_newest(local_backend: Backend,
     mgr.prune()  # step 1 may have been held by save 2's prune (not replicated yet)
     mgr.prune_remote()
     assert memory_backend.open().steps() == [2]
-    down.set()
+    faulty.begin_outage()
     for s in (3, 4):
         result = mgr.save(s, model=model)
         assert not result.errors, result.errors
     with contextlib.suppress(StorageError):  # a run begun before the outage was noticed
         mgr.wait_remote_prune(timeout=60)
     assert store.steps() == [3, 4]  # held locally: not replicated
-    down.clear()
+    faulty.end_outage()
     store.wait_replicated(timeout=60)
     assert memory_backend.open().steps() == [2, 3, 4]
     info = store.remote.info(4)
