@@ -277,16 +277,22 @@ class FsspecStorage:
                 f.close()
 
     def _settled(self, fn: Callable[[], T]) -> T:
-        """``fn()``, repeated if fsspec's in-memory filesystem raised ``KeyError``: its
-        ``ls``/``info`` look a key up again after a snapshot of its dict, so a file another
-        thread deletes in between (a losing writer discarding its attempt) fails the listing
-        instead of leaving it out.  Other backends: once."""
+        """``fn()``, repeated if fsspec's in-memory filesystem tripped over another thread's
+        change to its dict: ``KeyError`` (its ``ls``/``info`` look a key up again after a
+        snapshot, so a file deleted in between, a losing writer discarding its attempt, fails
+        the listing instead of leaving it out) or ``RuntimeError`` "dictionary changed size
+        during iteration" (its ``ls`` iterates the shared dict itself while a writer adds or
+        removes a file).  Other backends: once."""
         if self.capabilities.protocol != "memory":
             return fn()
         for _ in range(_MEMORY_SETTLE_TRIES - 1):
             try:
                 return fn()
             except KeyError:
+                continue
+            except RuntimeError as exc:
+                if "changed size during iteration" not in str(exc):
+                    raise
                 continue
         return fn()
 
