@@ -56,7 +56,7 @@ def test_listing_survives_files_deleted_by_another_thread(memory_backend: Backen
     storage = FsspecStorage(memory_backend.url)  # the adapter alone (no retry layer above it)
     storage.write_bytes("checkpoints/a", b"x")
     fs = storage.fs
-    for name in ("ls", "find", "exists"):
+    for name in ("ls", "find", "exists", "rm"):
         real = getattr(fs, name)
         left = {"n": 2}
 
@@ -71,6 +71,8 @@ def test_listing_survives_files_deleted_by_another_thread(memory_backend: Backen
     assert [e.basename for e in storage.list_dir("checkpoints")] == ["a"]
     assert [e.basename for e in storage.list_tree("checkpoints")] == ["a"]
     assert storage.exists("checkpoints/a")
+    storage.delete_tree("checkpoints")  # its expansion iterates the dict as well
+    assert not storage.exists("checkpoints/a")
     monkeypatch.setattr(fs, "ls", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug")))
     with pytest.raises(ckptfs.StorageError, match="bug"):
         storage.list_dir("checkpoints")

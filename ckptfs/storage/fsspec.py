@@ -504,9 +504,12 @@ class FsspecStorage:
             self.fs.rm_file(self.full(path))
 
     def delete_tree(self, path: str) -> None:
-        with self._errors("delete", path):
-            with suppress(FileNotFoundError):
+        def rm() -> None:
+            with suppress(FileNotFoundError):  # repeated: what is gone already is not found
                 self.fs.rm(self.full(path), recursive=True)
+
+        with self._errors("delete", path):
+            self._settled(rm)
             self._invalidate(path)
 
     def makedirs(self, path: str) -> None:
