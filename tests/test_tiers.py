@@ -500,20 +500,41 @@ def test_replication_memory_is_bounded(tmp_path: Any) -> None:
     size.  The adverse case: a 256 MiB file hashed with sha256 (slower than blake3) into a
     directory written without fsync (the page cache takes bytes faster than the hash), so the
     writer runs ahead of the hasher as far as it may.  A fresh process's peak resident memory
-    grows by less than 96 MiB (the lead, two slices and 48 MiB of slack: threads' stacks, the
-    allocator keeping freed slices).  Measured here: 58 MiB; 122 MiB with the save's lead
-    (256 MiB), which a copy used before: a copy's slices are buffers of their own, not views
-    of tensors."""
+    grows by less than 160 MiB, not the file (58-99 MiB measured: resident memory is noisy
+    under load), and every write of a copy is given at most ``COPY_HASH_LEAD`` (the save's
+    256 MiB lead was used by the whole-file copy path: a copy's slices are buffers of their
+    own, not views of tensors)."""
     local, remote = tmp_path / "local", tmp_path / "remote"
     ckptfs.open(str(local), algorithm="sha256").save(
         1, {"w": torch.randn(64 * 2**20, generator=torch.Generator().manual_seed(1))})
     assert COPY_HASH_LEAD == 4 * COPY_CHUNK == 32 * 2**20
-    bound = 96 * 2**20
+    # Resident memory is noisy under load (the allocator keeps freed slices: up to 99 MiB
+    # measured in CI, 58 MiB idle): the bound says "not the file", the lead is checked below.
+    bound = 160 * 2**20
     out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(local), str(remote), "1"],
                          capture_output=True, text=True, timeout=300, check=True)
     grew = int(out.stdout.strip().splitlines()[-1])
     assert grew < bound, f"peak grew {grew / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
     assert ckptfs.open(str(remote)).verify(1).ok
+    # Every write of a copy runs at most COPY_HASH_LEAD ahead of its hasher (the save's lead
+    # is 256 MiB: a copy's slices are buffers of their own, alive until hashed).
+    from ckptfs.protocol import commit
+    from ckptfs.protocol.copy import copy_step
+
+    leads: list[int] = []
+    real = commit.Attempt.write_file
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        leads.append(kwargs.get("hash_lead", commit.MAX_HASH_LEAD))
+        return real(self, *args, **kwargs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(commit.Attempt, "write_file", spy)
+    try:
+        copy_step(ckptfs.open(str(local)).storage, ckptfs.open(str(tmp_path / "cp")).storage, 1)
+    finally:
+        mp.undo()
+    assert leads and max(leads) <= COPY_HASH_LEAD, leads
 
 
 class Gate:

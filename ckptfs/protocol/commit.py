@@ -371,15 +371,16 @@ class Attempt:
             return written, "", hasher.digests(), checksums
         return written, hasher.hexdigest(), [], checksums
 
-    def write_files(self, files: Sequence[tuple[str, int, Chunks]], *, threads: int
-                    ) -> list[WrittenFile]:
+    def write_files(self, files: Sequence[tuple[str, int, Chunks]], *, threads: int,
+                    hash_lead: int = MAX_HASH_LEAD) -> list[WrittenFile]:
         """:meth:`write_file` of each ``(relpath, size, chunks)`` (whole-file digests), several
         at once (bounded by ``threads`` and the storage's write-memory budget)."""
         n = write_streams(self.storage, threads, len(files))
         if n <= 1:
-            return [self.write_file(p, s, c) for p, s, c in files]
+            return [self.write_file(p, s, c, hash_lead=hash_lead) for p, s, c in files]
         with ThreadPoolExecutor(n, thread_name_prefix="ckptfs-save") as pool:
-            futures = [pool.submit(self.write_file, p, s, c) for p, s, c in files]
+            futures = [pool.submit(self.write_file, p, s, c, hash_lead=hash_lead)
+                       for p, s, c in files]
             return [fut.result() for fut in futures]
 
     def write_document(self, relpath: str, data: bytes) -> WrittenFile:

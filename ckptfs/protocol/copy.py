@@ -193,7 +193,7 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
             if not any(isinstance(e, ChunkedFileEntry) for e in entries):
                 files = [(e.path, e.size, _source_chunks(src, info.path, info.step, e, progress))
                          for e in entries]
-                written = att.write_files(files, threads=threads)
+                written = att.write_files(files, threads=threads, hash_lead=COPY_HASH_LEAD)
                 for entry, w in zip(entries, written, strict=True):
                     _check_copied(src, dst, info.path, info.step, entry, w.digest, [])
             else:
