@@ -17,7 +17,7 @@ The checkpoints are the same as ``ckptfs.open(url).save(step, state)`` writes on
 DCP's metadata in msgpack, one exclusive ``COMPLETE`` marker.  Nothing is pickled and no
 ``.metadata``/``.distcp`` file is read or written.  DCP's default planners pickle non-tensor
 values (``torch.save``) and unpickle them (``torch.load(weights_only=False)``); the writer and
-reader refuse them with :class:`~ckptfs.UnsupportedValueError`: pass the planners of this
+reader refuse them with `UnsupportedValueError`: pass the planners of this
 module.  DCP wraps every error in its ``CheckpointException`` (a ``BaseException``); the ckptfs
 error is in its ``failures``, from every rank: the ``Reader`` raises a damaged, malformed or
 newer ``dcp.msgpack`` (and a missing step) inside DCP's planning step, never from
@@ -52,8 +52,8 @@ class Writer(ShardedWriter):
     """A DCP ``StorageWriter`` that commits step ``step`` of the ckptfs run at ``url``.
 
     Construct one per save on every rank.  ``storage_options`` go to fsspec, as for
-    :func:`ckptfs.open`.  After the save, :attr:`info` is the committed
-    :class:`~ckptfs.CheckpointInfo` (on the coordinator; on every rank the metadata ``dcp.save``
+    `ckptfs.open`.  After the save, `info` is the committed
+    `CheckpointInfo` (on the coordinator; on every rank the metadata ``dcp.save``
     returns carries it as ``_ckptfs_info``)."""
 
     def __init__(self, url: str, step: int, *, algorithm: str = DEFAULT_ALGORITHM,

@@ -1,11 +1,11 @@
 """Typed errors of ckptfs.
 
-Every error ckptfs raises derives from :class:`CkptfsError`; where an error refines a builtin
+Every error ckptfs raises derives from `CkptfsError`; where an error refines a builtin
 (a missing checkpoint is a ``FileNotFoundError``, an existing one a ``FileExistsError``, bad input
 a ``ValueError`` or ``TypeError``) it inherits that builtin too, so ``except FileNotFoundError``
 keeps working for callers that do not know ckptfs.  Messages say what is wrong, where (the URL or
 path), and what to do next.  Exceptions from storage libraries (botocore, google-cloud, azure)
-never escape raw: the storage adapter wraps them in :class:`StorageError` with the original as
+never escape raw: the storage adapter wraps them in `StorageError` with the original as
 ``__cause__``.
 """
 

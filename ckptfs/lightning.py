@@ -111,7 +111,7 @@ class CkptfsCheckpointIO(CheckpointIO):
     checkpoint (module docstring: the layout).  Pass it as ``Trainer(plugins=[...])``.
 
     ``algorithm``, ``durable``, ``threads``, ``retries`` and ``storage_options`` (for example
-    ``endpoint_url``, ``key``, ``secret`` on S3) are those of :func:`ckptfs.open`, used for every
+    ``endpoint_url``, ``key``, ``secret`` on S3) are those of `ckptfs.open`, used for every
     path.  ``verify``: hash every byte while loading (default).  Lightning's own ``ModelCheckpoint``
     also asks fsspec whether a path exists, with no options: give it the credentials and endpoint
     through the environment or the fsspec configuration too (docs/integrations.md)."""
@@ -147,7 +147,7 @@ class CkptfsCheckpointIO(CheckpointIO):
                         storage_options: Any | None = None) -> None:
         """Commit ``checkpoint`` as the new content of ``path`` (replacing the previous one only
         once the new one has committed).  Values the format cannot hold raise
-        :class:`~ckptfs.UnsupportedValueError` naming their key path, before anything is
+        `UnsupportedValueError` naming their key path, before anything is
         written."""
         if storage_options is not None:
             raise UnsupportedValueError(
@@ -183,7 +183,7 @@ class CkptfsCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """The newest committed checkpoint of ``path``, every byte verified as it is read.
-        ``map_location`` as for :meth:`ckptfs.CheckpointStore.load`; ``weights_only`` is
+        ``map_location`` as for `ckptfs.CheckpointStore.load`; ``weights_only`` is
         accepted and ignored (nothing is ever unpickled)."""
         del weights_only
         store = self._root(*self._resolve_root(_url(path)))
@@ -339,9 +339,9 @@ def load_from_checkpoint(cls: type[M], path: Any, map_location: Any | None = Non
                          strict: bool | None = None, storage_options: dict[str, Any] | None = None,
                          verify: bool = True, **kwargs: Any) -> M:
     """``cls.load_from_checkpoint(path, ...)`` for a checkpoint written by
-    :class:`CkptfsCheckpointIO`: the class is built from the stored hyper-parameters (``kwargs``
+    `CkptfsCheckpointIO`: the class is built from the stored hyper-parameters (``kwargs``
     override them, as in Lightning) and its weights loaded; works for a ``LightningModule`` or a
-    ``LightningDataModule``.  ``storage_options`` as for :func:`ckptfs.open`.
+    ``LightningDataModule``.  ``storage_options`` as for `ckptfs.open`.
 
     Lightning's own ``load_from_checkpoint`` reads ``path`` with ``torch.load`` and cannot read
     a ckptfs checkpoint; this helper runs the same steps (``_load_state``, the checkpoint

@@ -6,30 +6,30 @@ it is used; the few private names below are not part of torch's compatibility pr
 are looked up here and only here.  Each is looked up when this module is imported (which
 imports DCP, about 0.7 s: only the sharded machinery imports this module, never a
 single-process save or load), and a torch that lacks one fails at once with
-:class:`TorchCompatError` naming it, the torch found and the version ckptfs is tested with,
+`TorchCompatError` naming it, the torch found and the version ckptfs is tested with,
 instead of an ``AttributeError`` from deep inside a collective save.
 
 ==================================  ==============================================  ==========
 here                                torch's private API                             used by
 ==================================  ==============================================  ==========
-:data:`EmptyStateDictLoadPlanner`   ``checkpoint.default_planner.                   full load
+`EmptyStateDictLoadPlanner`   ``checkpoint.default_planner.                   full load
                                     _EmptyStateDictLoadPlanner``                    (one rank)
-:func:`load_state_dict`             ``checkpoint.state_dict_loader.                 full load,
+`load_state_dict`             ``checkpoint.state_dict_loader.                 full load,
                                     _load_state_dict`` (fills an empty dict; the    benchmark
                                     public ``load`` only fills existing keys)
-:func:`set_element`                 ``checkpoint._traverse.set_element``            value load
-:func:`narrow_tensor_by_index`      ``_shard._utils.narrow_tensor_by_index``        ranged load
-:func:`default_store`               ``distributed_c10d._get_default_store``         dead-rank
+`set_element`                 ``checkpoint._traverse.set_element``            value load
+`narrow_tensor_by_index`      ``_shard._utils.narrow_tensor_by_index``        ranged load
+`default_store`               ``distributed_c10d._get_default_store``         dead-rank
                                                                                     report
-:func:`group_timeout`               ``ProcessGroup._get_backend(...).options.       dead-rank
+`group_timeout`               ``ProcessGroup._get_backend(...).options.       dead-rank
                                     _timeout``                                      wait bound
-:func:`dtensor_local`,              ``DTensor._local_tensor``, ``DTensor._spec``,   async
-:func:`dtensor_like`                ``DTensor(local, spec, requires_grad=)``        snapshot
-:data:`FsspecWriter`,               ``checkpoint._fsspec_filesystem``               benchmark
-:data:`FsspecReader`                (optional: an error when used, if missing)      baseline
+`dtensor_local`,              ``DTensor._local_tensor``, ``DTensor._spec``,   async
+`dtensor_like`                ``DTensor(local, spec, requires_grad=)``        snapshot
+`FsspecWriter`,               ``checkpoint._fsspec_filesystem``               benchmark
+`FsspecReader`                (optional: an error when used, if missing)      baseline
 ==================================  ==============================================  ==========
 
-:data:`MIN_TORCH` is the oldest torch the test suite runs on (pyproject.toml declares the same
+`MIN_TORCH` is the oldest torch the test suite runs on (pyproject.toml declares the same
 floor); an older torch is refused here with the same error, even if it happens to have the
 names, because nothing else was tested.
 """
@@ -51,7 +51,7 @@ MIN_TORCH = (2, 13)
 
 class TorchCompatError(CkptfsError, ImportError):
     """The installed torch lacks a (private) torch API ckptfs's sharded checkpoints need, or is
-    older than :data:`MIN_TORCH`.  Single-process saves and loads do not need them."""
+    older than `MIN_TORCH`.  Single-process saves and loads do not need them."""
 
 
 def torch_version(text: str | None = None) -> tuple[int, int]:
@@ -70,7 +70,7 @@ def _need(what: str) -> TorchCompatError:
 
 
 def check_version(version: str | None = None) -> None:
-    """Refuse a torch older than :data:`MIN_TORCH` with :class:`TorchCompatError`."""
+    """Refuse a torch older than `MIN_TORCH` with `TorchCompatError`."""
     found = torch_version(version)
     if found < MIN_TORCH:
         raise TorchCompatError(
@@ -81,7 +81,7 @@ def check_version(version: str | None = None) -> None:
 
 
 def lookup(module: str, name: str) -> Any:
-    """``module.name``, or :class:`TorchCompatError` naming it."""
+    """``module.name``, or `TorchCompatError` naming it."""
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
@@ -158,7 +158,7 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
 
 
 def optional_lookup(module: str, name: str) -> Any:
-    """``module.name``, or a class whose construction raises :class:`TorchCompatError`
+    """``module.name``, or a class whose construction raises `TorchCompatError`
     naming it (for the benchmarks' baselines: their absence must not break checkpoints)."""
     try:
         return getattr(importlib.import_module(module), name)

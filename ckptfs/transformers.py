@@ -1,6 +1,6 @@
 """Hugging Face ``transformers.Trainer`` checkpoints in a ckptfs store (docs/integrations.md).
 
-:class:`CkptfsTrainer` is a ``Trainer`` whose checkpoints are ckptfs checkpoints: one committed
+`CkptfsTrainer` is a ``Trainer`` whose checkpoints are ckptfs checkpoints: one committed
 step per ``save_steps`` (marker last, content hashes, no pickle) on any URL ckptfs opens, instead
 of ``checkpoint-N`` folders of ``torch.save`` pickles under ``output_dir``.  A checkpoint holds::
 
@@ -21,7 +21,7 @@ resolves and loads (verified) the whole checkpoint once, calls the base ``train`
 checkpoint (so nothing reads a local path), and the overridden ``_inner_training_loop`` hands
 the loop a reference string, so that the base loop still skips the trained batches and calls
 the loaders below, which read the loaded state instead of files.  These are private methods of
-transformers 5 (checked at construction: :class:`~ckptfs.BackendUnavailableError` otherwise).
+transformers 5 (checked at construction: `BackendUnavailableError` otherwise).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class CkptfsTrainer(Trainer):  # type: ignore[misc,unused-ignore]  # Any without
     """A ``transformers.Trainer`` that checkpoints into ``checkpoint_url`` with ckptfs.
 
     ``checkpoint_url``: the run root (any URL ``ckptfs.open`` takes; default
-    ``args.output_dir``), or an open :class:`~ckptfs.CheckpointStore`.
+    ``args.output_dir``), or an open `CheckpointStore`.
     ``storage_options`` go to ``ckptfs.open`` (and to stores opened for a step URL of another
     run root given to ``resume_from_checkpoint``).  Everything else is ``Trainer``'s."""
 
@@ -159,8 +159,8 @@ class CkptfsTrainer(Trainer):  # type: ignore[misc,unused-ignore]  # Any without
         """The store and committed step that ``resume_from_checkpoint=ref`` means: ``True``
         (the newest committed step), an int step, ``"checkpoint-N"``, or a step URL
         ``<root>/checkpoints/step-<digits>``.  Raises
-        :class:`~ckptfs.CheckpointNotFoundError` if there is no such committed checkpoint and
-        :class:`~ckptfs.InvalidStepError` for a value of another form."""
+        `CheckpointNotFoundError` if there is no such committed checkpoint and
+        `InvalidStepError` for a value of another form."""
         store = self.checkpoint_store
         if ref is True:
             info = store.latest()
@@ -272,7 +272,7 @@ class CkptfsTrainer(Trainer):  # type: ignore[misc,unused-ignore]  # Any without
 
     def train(self, resume_from_checkpoint: Any = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
-        """``Trainer.train``; ``resume_from_checkpoint`` as :meth:`resolve_checkpoint` takes.
+        """``Trainer.train``; ``resume_from_checkpoint`` as `resolve_checkpoint` takes.
         The checkpoint is loaded and verified before training starts."""
         self._ckptfs_resume = None
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
@@ -433,7 +433,7 @@ def save_accelerate_state(accelerator: Any, target: str | ckptfs.CheckpointStore
     schedulers, stateful dataloaders (``use_stateful_dataloader``), the grad scaler, the objects
     given to ``register_for_checkpointing`` (their ``state_dict()``), ``accelerator.step`` and
     the RNG states of every process.  Call it on every process; the main process writes and
-    gets the committed :class:`~ckptfs.CheckpointInfo` (the others get ``None``)."""
+    gets the committed `CheckpointInfo` (the others get ``None``)."""
     parts = _accelerate_parts(accelerator)
     mine = rng.capture()
     world = int(accelerator.num_processes)
@@ -462,13 +462,13 @@ def save_accelerate_state(accelerator: Any, target: str | ckptfs.CheckpointStore
 def load_accelerate_state(accelerator: Any, target: str | ckptfs.CheckpointStore,
                           step: int | None = None, *, strict: bool = True,
                           **storage_options: Any) -> int:
-    """Restore what :func:`save_accelerate_state` saved (``step``, default the newest committed
+    """Restore what `save_accelerate_state` saved (``step``, default the newest committed
     one, verified before anything is restored) into the objects ``accelerator`` prepared, in
     the same order, like ``accelerator.load_state()``; returns the step.  The RNG states are
     restored too: when resuming in the middle of an epoch, call it after fetching the first
     batch of the resumed iterator (a DataLoader iterator draws its seed from torch's RNG then;
     the Trainer restores at the same point).  A checkpoint holding
-    another number of models, optimizers, ... raises :class:`~ckptfs.ProvenanceMismatchError`
+    another number of models, optimizers, ... raises `ProvenanceMismatchError`
     naming them, before anything is restored."""
     store = _open(target, storage_options)
     parts = _accelerate_parts(accelerator)

@@ -4,24 +4,24 @@ The questions (``ckptfs bench hash|save|interleaved|s3|latest|fresh|incremental`
 the scripts in ``benchmarks/`` call the same functions), rendered (``ckptfs bench report``) into
 ``docs/benchmarks.md`` with plots in ``docs/img/``.  One module per concern:
 
-* :mod:`ckptfs.bench.common`: sizes, timing with peak RSS, machine description, the
+* `ckptfs.bench.common`: sizes, timing with peak RSS, machine description, the
   transformer-shaped states (parameters + AdamW ``exp_avg``/``exp_avg_sq``);
-* :mod:`ckptfs.bench.variants`: each thing timed (ckptfs with every algorithm, durable and fast;
+* `ckptfs.bench.variants`: each thing timed (ckptfs with every algorithm, durable and fast;
   ``torch.save``/``torch.load``, ``safetensors``, DCP; raw s3fs ``pipe``/``cat``) and the runner
   measuring one variant in a fresh process;
-* :mod:`ckptfs.bench.save`: **save** (local disk), **interleaved** (the save targets with the
+* `ckptfs.bench.save`: **save** (local disk), **interleaved** (the save targets with the
   variants interleaved run by run) and **s3** (a moto S3 server);
-* :mod:`ckptfs.bench.hashing`: **hash**, throughput of every algorithm, ckptfs's hasher against
+* `ckptfs.bench.hashing`: **hash**, throughput of every algorithm, ckptfs's hasher against
   the raw library, per chunk;
-* :mod:`ckptfs.bench.latest`: **latest**, storage requests and time to resolve the latest
-  checkpoint among 10 to 10,000 (:class:`~ckptfs.bench.latest.CountingStorage`,
-  :func:`~ckptfs.bench.latest.count_http`);
-* :mod:`ckptfs.bench.fresh`: **fresh**, import + first save/load in a new process;
-* :mod:`ckptfs.bench.incremental`: **incremental**, what incremental saves (format v3) write and
+* `ckptfs.bench.latest`: **latest**, storage requests and time to resolve the latest
+  checkpoint among 10 to 10,000 (`CountingStorage`,
+  `count_http`);
+* `ckptfs.bench.fresh`: **fresh**, import + first save/load in a new process;
+* `ckptfs.bench.incremental`: **incremental**, what incremental saves (format v3) write and
   cost against full saves and DCP (LoRA-like, RL-like, full fine-tuning, ``keep_last=5``
   retention, S3, a fresh process);
-* :mod:`ckptfs.bench.report`: target ratios, the Markdown report and its plots;
-* :mod:`ckptfs.bench.cli`: ``ckptfs bench ...`` (``add_subcommands``, ``main``) and the isolated
+* `ckptfs.bench.report`: target ratios, the Markdown report and its plots;
+* `ckptfs.bench.cli`: ``ckptfs bench ...`` (``add_subcommands``, ``main``) and the isolated
   worker's entry point (``python -m ckptfs.bench.cli SPEC``).
 
 Why it is built this way:

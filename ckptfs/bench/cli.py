@@ -1,6 +1,6 @@
 """``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,all,report}`` (also
 ``main``, which the scripts in ``benchmarks/`` call) and the isolated worker's entry point:
-``python -m ckptfs.bench.cli SPEC`` runs one variant (:func:`ckptfs.bench.variants.run_isolated`);
+``python -m ckptfs.bench.cli SPEC`` runs one variant (`ckptfs.bench.variants.run_isolated`);
 ``python -m ckptfs.bench.cli ARGS`` is ``ckptfs bench ARGS``."""
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ _OWN: dict[str, tuple[str, ...]] = {
 
 def add_arguments(p: argparse.ArgumentParser, command: str = "all") -> None:
     """The options of ``ckptfs bench COMMAND`` only; the others still get their defaults (so
-    :func:`run_question` reads every attribute), they are just not offered."""
+    `run_question` reads every attribute), they are just not offered."""
     own = _OWN[command]
     for dest, (flags, kw) in _OPTIONS.items():
         if dest in own:

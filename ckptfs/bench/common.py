@@ -2,7 +2,7 @@
 the transformer-shaped states that are saved and loaded.
 
 This VM hands memory that sat free for a few seconds back to the host, and the next first touch
-is 6-9x slower; every timed run is preceded by touching and freeing a few GiB (:func:`timed`),
+is 6-9x slower; every timed run is preceded by touching and freeing a few GiB (`timed`),
 or the figures would swing with idle time.  Peak resident memory is the kernel's high-water mark
 reset right before the timed call (``/proc/self/clear_refs``)."""
 

@@ -25,7 +25,7 @@ from round to round so none is always first):
 
 Local saves are durable (fsync of files and directories, ckptfs's default; DCP's
 ``FileSystemWriter`` default ``sync_files=True``).  Before each timed save a few GiB are touched
-and freed (:func:`ckptfs.bench.common.timed`, as the other save benchmarks: this VM returns idle
+and freed (`ckptfs.bench.common.timed`, as the other save benchmarks: this VM returns idle
 memory to its host).  Every variant keeps its run (a job's saves accumulate; DCP writes one
 directory per step): the incremental variant must (it references its earlier checkpoints), and
 clearing the others' directories would hand them the page cache of the deleted files to reuse,

@@ -1,5 +1,5 @@
 """The ``latest`` question: storage requests and time to resolve the latest checkpoint among 10
-to 10,000, with the request counters (:class:`CountingStorage`, :func:`count_http`)."""
+to 10,000, with the request counters (`CountingStorage`, `count_http`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ckptfs.storage.base import Entry, PendingUpload, Storage, StorageWrapper
 
 class CountingStorage(StorageWrapper):
     """A storage wrapper counting every call by operation (``calls``): every
-    :class:`~ckptfs.storage.base.Storage` member and every optional capability, delegated
+    `Storage` member and every optional capability, delegated
     explicitly (the capabilities of ``inner`` are kept: a sharded load still reads ranges)."""
 
     def __init__(self, inner: Storage) -> None:

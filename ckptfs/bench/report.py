@@ -408,7 +408,7 @@ def _plots(data: Mapping[str, Any], img: Path) -> dict[str, str]:
 
 INCREMENTAL_HEADING = "## Incremental checkpoints (format v3)"
 #: Where a spliced section goes when the document has none yet: before the hand-written notes
-#: (where :func:`write_report` puts it).
+#: (where `write_report` puts it).
 _NOTES_HEADING = "## How ckptfs gets these figures"
 KEEP_LAST_TEXT = "100 LoRA-like saves with `keep_last=5`"
 
@@ -554,7 +554,7 @@ def write_incremental_section(results_dir: Path = RESULTS_DIR, docs_dir: Path = 
                               md_name: str = "benchmarks.md") -> Path:
     """Render only the incremental section and its plot into an existing report: the section
     is replaced where it is, else inserted before the hand-written notes (where
-    :func:`write_report` puts it).  The rest of the document is left as it is."""
+    `write_report` puts it).  The rest of the document is left as it is."""
     p = results_dir / "incremental.json"
     inc = json.loads(p.read_text()) if p.exists() else None
     img = docs_dir / "img"

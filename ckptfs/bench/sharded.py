@@ -241,7 +241,7 @@ def _free_port() -> int:
 
 def run_job(spec: Mapping[str, Any], env: Mapping[str, str], *, ranks: int = 1,
             timeout: float = 1800.0) -> dict[str, Any]:
-    """One fresh job of ``ranks`` processes running :data:`CHILD`; rank 0's result.  A job still
+    """One fresh job of ``ranks`` processes running `CHILD`; rank 0's result.  A job still
     running after ``timeout`` is killed, process by process."""
     full = {"port": _free_port(), "timeout": int(timeout), "warm": WARM, **spec}
     # Run from a directory holding no ckptfs: ``python -c`` puts the working directory first

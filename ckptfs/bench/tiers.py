@@ -10,7 +10,7 @@ cores) as the remote tier:
   job saving faster than it replicates sees; copying pauses while the job saves) against a
   local-only save right after another;
 - **replication**: the time from ``save`` returning to the step being committed at the remote,
-  against ``ckptfs cp`` (:func:`~ckptfs.protocol.copy.copy_step`, what the replicator runs) of
+  against ``ckptfs cp`` (`copy_step`, what the replicator runs) of
   the same checkpoint alone to an empty prefix, alternating;
 - **loop**: a small training loop (an MLP with AdamW, a fixed batch) saving every ``every``
   steps, run with no checkpoint, with a local-only store and with two tiers: the loop's
@@ -64,7 +64,7 @@ def _settle(nbytes: int, seconds: float) -> None:
 
 
 def _copy_alone(tiered: Any, dst: Any, step: int) -> float:
-    """``ckptfs cp`` (:func:`copy_step`, what the replicator runs) of ``step`` alone."""
+    """``ckptfs cp`` (`copy_step`, what the replicator runs) of ``step`` alone."""
     from ckptfs.protocol.copy import copy_step
 
     t0 = time.perf_counter()

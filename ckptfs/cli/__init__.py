@@ -1,6 +1,6 @@
-"""The ``ckptfs`` command: core verbs in :mod:`.core`; lifecycle verbs (:mod:`.lifecycle`),
-``doctor`` (:mod:`.doctor`) and ``bench`` (:mod:`ckptfs.bench`) plug in through
-``add_subcommands``.  The demo training run is :mod:`.demo`."""
+"""The ``ckptfs`` command: core verbs in `.core`; lifecycle verbs (`.lifecycle`),
+``doctor`` (`.doctor`) and ``bench`` (`ckptfs.bench`) plug in through
+``add_subcommands``.  The demo training run is `.demo`."""
 
 from ckptfs.cli.core import main
 

@@ -8,7 +8,7 @@ What it does, on CPU with deterministic ops (about 10-20 s):
 1. trains a small classifier (with dropout, a shuffling sampler, noise from torch, Python and
    NumPy RNGs: every generator matters) for ``--steps`` steps in this process, without
    interruption: the *reference*;
-2. starts the same training in a child process with a :class:`~ckptfs.CheckpointManager`
+2. starts the same training in a child process with a `CheckpointManager`
    saving every ``--save-every`` steps, and kills it with SIGKILL while it saves step
    ``--kill-at`` (the child reports when its data files are written and the commit marker is
    not yet created; the parent kills it right there);

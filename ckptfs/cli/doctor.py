@@ -1,6 +1,6 @@
 """``ckptfs doctor URL``: does *this* store give the guarantees the commit protocol relies on?
 
-The capability table (:mod:`ckptfs.storage.backends`) says what a backend *should* do; an
+The capability table (`ckptfs.storage.backends`) says what a backend *should* do; an
 emulator, a MinIO/Ceph/R2 deployment or a proxy in front of a real bucket may not.  The doctor
 measures it, under a fresh prefix ``<url>/.ckptfs-doctor-<random>/``, through the same adapter
 and library calls ckptfs uses, and removes everything it wrote (multipart uploads included)::
@@ -396,7 +396,7 @@ def _shape(exc: BaseException) -> str:
 def run_doctor(url: str, *, threads: int = 8, **storage_options: Any) -> DoctorReport:
     """Run every probe against a fresh prefix of ``url`` and remove what it wrote.
 
-    Raises a typed :class:`~ckptfs.errors.StorageError` if the store cannot be reached at all
+    Raises a typed `StorageError` if the store cannot be reached at all
     (missing bucket, refused credentials, dead endpoint); otherwise every probe's outcome,
     including unexpected errors, is in the report."""
     doc = _Doctor(url, threads, dict(storage_options))

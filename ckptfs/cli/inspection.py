@@ -1,7 +1,7 @@
 """``ckptfs inspect`` (docs/cli.md): what a checkpoint holds, without reading tensor bytes.
 
 Everything is first checked by the format table's check
-(:func:`ckptfs.protocol.formats.check_checkpoint`, the one ``ckptfs cp`` runs before copying):
+(`ckptfs.protocol.formats.check_checkpoint`, the one ``ckptfs cp`` runs before copying):
 the listing (links, missing and resized files), ``state.msgpack`` (digest-checked) and its tree
 with the loader's own decoder, each safetensors *header* (two ranged reads per file) against the
 state document; format v2: ``dcp.msgpack``, every value document, the stored tree.  So inspect
@@ -258,7 +258,7 @@ def inspect_info(store: CheckpointStore, info: CheckpointInfo, *,
                  max_items: int = DEFAULT_MAX_ITEMS,
                  max_rows: int = DEFAULT_MAX_ROWS) -> dict[str, Any]:
     """What ``ckptfs inspect`` shows (docs/cli.md).  Everything is checked first by the format
-    table's check (:func:`ckptfs.protocol.formats.check_checkpoint`, the one ``ckptfs cp`` runs
+    table's check (`ckptfs.protocol.formats.check_checkpoint`, the one ``ckptfs cp`` runs
     too), so inspect refuses what load refuses, with the same typed error, except what only
     the tensor bytes would show (``verify``); the rows are then rendered from what it decoded."""
     m = info.manifest

@@ -1,8 +1,8 @@
 """``ckptfs replicate LOCAL REMOTE``: finish the replication a two-tier job left undone
 (docs/tiers.md, docs/cli.md).  ``ckptfs ls LOCAL --remote REMOTE`` (both tiers side by side) is
-``ls`` in :mod:`ckptfs.cli.core`.
+``ls`` in `ckptfs.cli.core`.
 
-``replicate`` opens the two tiers as the job did (:func:`ckptfs.tiered`: every step committed
+``replicate`` opens the two tiers as the job did (`ckptfs.tiered`: every step committed
 locally and not at the remote is queued, oldest first), says what it will copy, and waits while
 the replicator copies it with ``ckptfs cp``'s copy (every byte verified, marker last), showing
 progress in bytes and steps.  Exit 0 when every locally committed step is committed at the

@@ -1,8 +1,8 @@
 """``ckptfs cp`` and ``ckptfs export`` (docs/cli.md); ``ckptfs inspect`` is
-:mod:`ckptfs.cli.inspection`.
+`ckptfs.cli.inspection`.
 
 * ``cp`` copies committed steps between any two URLs under the commit protocol
-  (:mod:`ckptfs.protocol.copy`): verified while streamed, marker last.
+  (`ckptfs.protocol.copy`): verified while streamed, marker last.
 * ``export`` writes one step as a single safetensors file (flat ``/``-joined keys for every
   tensor, wherever it sits, extension values included; non-tensor values as JSON in
   ``__metadata__``; a tensor is never written as text) or, when asked for ``.pt``, with

@@ -6,9 +6,9 @@ Design decision: **a loader never turns a name read from a file into code.**  An
 value is stored as ``["x", [type name, payload node]]`` (docs/protocol.md, section 2.3.1): the
 payload is an ordinary node of the tree (tensors, dicts, strings... even other extension
 values), and the type name is only ever a *key into this process's registry*.  A name that
-nobody registered in this process is an :class:`~ckptfs.errors.ExtensionTypeError` naming the
+nobody registered in this process is an `ExtensionTypeError` naming the
 key path and how to register it; nothing is imported, looked up as an attribute or called by
-name.  Registration is explicit, by the program that loads (:func:`register_type`); the common
+name.  Registration is explicit, by the program that loads (`register_type`); the common
 types are registered here, by ckptfs itself.
 
 Encoding looks a value's *exact* type up (one dict lookup per value of the tree): a subclass of
@@ -39,7 +39,7 @@ EXT_TAG = "x"
 IN_PAYLOAD = object()
 #: Type names: 1-200 characters of ``[A-Za-z0-9_.<>-]`` (``module.QualName``, ``<locals>``).
 NAME_RE = re.compile(r"[A-Za-z0-9_.<>-]{1,200}")
-#: Key of the plain dict that :func:`unregistered_as_dict` returns for an unregistered type.
+#: Key of the plain dict that `unregistered_as_dict` returns for an unregistered type.
 FALLBACK_TYPE_KEY = "__ckptfs_type__"
 
 C = TypeVar("C", bound=type)
@@ -47,12 +47,12 @@ C = TypeVar("C", bound=type)
 
 class Malformed(Exception):
     """Raised by a built-in decoder for a payload no writer produces (a hostile or corrupt
-    file): reported as :class:`CorruptCheckpointError`, not as a refused decode."""
+    file): reported as `CorruptCheckpointError`, not as a refused decode."""
 
 
 class Refused(Exception):
     """Raised by a built-in encoder for a value of its type that it cannot store (an object
-    array): reported as :class:`UnsupportedValueError` naming the key path."""
+    array): reported as `UnsupportedValueError` naming the key path."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class ExtensionType:
     builtin: bool = False
 
     def payload(self, value: Any, where: Callable[[], str]) -> Any:
-        """``encode(value)``, its failures reported as :class:`UnsupportedValueError` naming the
+        """``encode(value)``, its failures reported as `UnsupportedValueError` naming the
         key path ``where()``."""
         try:
             out = self.encode(value)
@@ -112,7 +112,7 @@ def register_type(cls: C, encode: Callable[[Any], Any] | None = None,
 
     The loading process must register the same name: a checkpoint never names code to run.
     Registering a name again for the same class replaces its functions; for another class
-    it is an :class:`~ckptfs.errors.ExtensionTypeError` unless ``replace=True`` (a class
+    it is an `ExtensionTypeError` unless ``replace=True`` (a class
     redefined in a notebook, say)."""
     if not isinstance(cls, type):
         raise ExtensionTypeError(f"register_type() takes a class, got {cls!r:.80}")
@@ -213,7 +213,7 @@ def unregistered_as_dict() -> Iterator[None]:
 
 class ExtensionNodeError(Exception):
     """Internal: an extension node that failed, to be reported with its key path by
-    :func:`reporting_key_paths`."""
+    `reporting_key_paths`."""
 
     def __init__(self, node: Any, message: str, *, corrupt: bool) -> None:
         super().__init__(message)
@@ -252,7 +252,7 @@ def decode_extension(payload: Any, decode_child: Callable[[Any], Any], node: Any
 
 
 def reporting_key_paths(decode: Callable[[], Any], tree: Any, where: str) -> Any:
-    """Run ``decode()``; an :class:`ExtensionNodeError` becomes a typed error naming the key
+    """Run ``decode()``; an `ExtensionNodeError` becomes a typed error naming the key
     path of its node (found again in ``tree`` only on failure, so success costs nothing)."""
     try:
         return decode()

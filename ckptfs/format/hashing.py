@@ -8,9 +8,9 @@ as well as accidental modification) and, at about 5 GB/s per core, fast enough t
 behind the write; ``sha256`` (about 1.1-1.8 GB/s per core here) would make a save to the page
 cache 2-3x slower (docs/benchmarks.md).  ``sha256`` needs only Python; ``xxh3-128`` and
 ``crc32c`` are faster non-cryptographic extras.  An algorithm whose package is missing raises
-:class:`HashAlgorithmUnavailableError` naming the package to install.  Every hasher accepts
+`HashAlgorithmUnavailableError` naming the package to install.  Every hasher accepts
 ``memoryview``s (no copies) and releases the GIL on large updates, so hashing runs on its own
-thread beside the I/O (:class:`BackgroundHasher`) and several files are hashed at once.
+thread beside the I/O (`BackgroundHasher`) and several files are hashed at once.
 """
 
 from __future__ import annotations
@@ -112,19 +112,19 @@ STORE_CHECKSUM_HEX: dict[str, int] = {"crc32": 8, "crc32c": 8, "crc64nvme": 16}
 
 
 def new_store_hasher(algorithm: str) -> Hasher:
-    """A fresh hasher of the store checksum ``algorithm`` (one of :data:`STORE_CHECKSUMS`)."""
+    """A fresh hasher of the store checksum ``algorithm`` (one of `STORE_CHECKSUMS`)."""
     return STORE_CHECKSUMS[algorithm]()
 
 
-#: Slice of a :class:`MultiHasher` update: about an L2 cache.
+#: Slice of a `MultiHasher` update: about an L2 cache.
 MULTI_SLICE = 1 << 20
 
 
 class MultiHasher:
     """Several hashers fed the same bytes in one pass over them (the content digest and the
-    store's checksums, on the same helper thread): each slice of :data:`MULTI_SLICE` bytes goes
+    store's checksums, on the same helper thread): each slice of `MULTI_SLICE` bytes goes
     to every hasher in turn while it is still in the CPU's cache, so memory is read once.
-    :meth:`hexdigest` is the first hasher's."""
+    `hexdigest` is the first hasher's."""
 
     def __init__(self, first: Hasher, *others: Hasher) -> None:
         self.hashers = (first, *others)
@@ -178,7 +178,7 @@ def format_digest(algorithm: str, hexdigest: str) -> str:
 
 
 def parse_digest(digest: object) -> tuple[str, str]:
-    """Split ``"algo:hex"``; raise :class:`CorruptCheckpointError` on anything else."""
+    """Split ``"algo:hex"``; raise `CorruptCheckpointError` on anything else."""
     if not isinstance(digest, str) or ":" not in digest or len(digest) > MAX_DIGEST_CHARS:
         raise CorruptCheckpointError(
             f"malformed digest {digest!r:.100}: expected 'algorithm:hex' of at most "
@@ -302,9 +302,9 @@ class BackgroundHasher:
 
 
 class PieceHasher:
-    """A :class:`Hasher` that digests consecutive pieces of a stream separately: the pieces are
+    """A `Hasher` that digests consecutive pieces of a stream separately: the pieces are
     ``lengths`` bytes long, in order, whatever slices the stream is fed in (format v2 chunks:
-    a file's header, then each item).  :meth:`digests` gives each piece's hex digest once the
+    a file's header, then each item).  `digests` gives each piece's hex digest once the
     stream is complete; bytes beyond the last piece go into one more piece (the caller's size
     check reports them)."""
 

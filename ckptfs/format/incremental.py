@@ -129,7 +129,7 @@ class Reference:
 @dataclass(frozen=True)
 class IncrementalManifest(Manifest):
     """The manifest of an incremental checkpoint (format v3): ``files`` are
-    :class:`ChunkedFileEntry` (this attempt's own files), ``references`` the chunks it uses
+    `ChunkedFileEntry` (this attempt's own files), ``references`` the chunks it uses
     from files of other attempts."""
 
     references: tuple[Reference, ...] = field(default=())
@@ -290,7 +290,7 @@ def _decode_reference(raw: Any, seen: set[str], step: int, attempt: str,
 
 @dataclass(frozen=True)
 class ReferencedFile(ChunkedFileEntry):
-    """A v4 reference seen as a rank file (what :meth:`ShardedIncrementalManifest.chunked`
+    """A v4 reference seen as a rank file (what `ShardedIncrementalManifest.chunked`
     returns for a reference's ``path``): ``location`` (from the run root) is where its bytes
     are read, and ``chunks`` are only the chunks this checkpoint uses (the header chunk first,
     then one per item it reads there): sorted and disjoint, not a tiling."""
@@ -316,7 +316,7 @@ class ShardedIncrementalManifest(ShardedManifest):
 
     def chunked(self, path: str) -> ChunkedFileEntry:
         """The file ``path`` of the manifest, or the reference named ``path`` as a
-        :class:`ReferencedFile` (read at its location, its used chunks only)."""
+        `ReferencedFile` (read at its location, its used chunks only)."""
         ref = self.reference(path)
         if ref is None:
             return super().chunked(path)
@@ -338,7 +338,7 @@ class ShardedIncrementalManifest(ShardedManifest):
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any], *, where: str) -> ShardedIncrementalManifest:
-        """Decode a v4 manifest: every rule of v2 (:meth:`ShardedManifest.from_doc`), and
+        """Decode a v4 manifest: every rule of v2 (`ShardedManifest.from_doc`), and
         ``references`` as in v3 (each well formed, no name shared with a file or another
         reference, at most ``MAX_FILES`` entries in all).  Typed errors only."""
         base = super().from_doc(doc, where=where)

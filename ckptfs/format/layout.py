@@ -19,7 +19,7 @@ digest it records equals the digest of that attempt's ``MANIFEST.json``.
 
 Names are matched as whole strings of ASCII characters (``fullmatch``, ``[0-9]``).  A step
 directory may have more than 12 digits (extra leading zeros: a non-canonical name of the same
-step); code that lists directories addresses them by the listed name (:class:`StepPaths` with
+step); code that lists directories addresses them by the listed name (`StepPaths` with
 ``name``), never by a name rebuilt from the step.
 """
 
@@ -51,7 +51,7 @@ _ATTEMPT_RE = re.compile(r"a-([0-9]{8}T[0-9]{6}Z)-([0-9a-f]{8,32})")
 
 
 def check_step(step: object) -> int:
-    """Return ``step`` if it is a valid step number, else raise :class:`InvalidStepError`."""
+    """Return ``step`` if it is a valid step number, else raise `InvalidStepError`."""
     if isinstance(step, bool) or not isinstance(step, int):
         raise InvalidStepError(
             f"step must be a non-negative int, got {type(step).__name__} {step!r}; "
@@ -71,10 +71,10 @@ def step_dir_name(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     """The step of a step directory name, or ``None`` if ``name`` is not one (ignored).
 
-    ``step-`` followed by 12 or more ASCII digits whose value is at most :data:`MAX_STEP`, as a
+    ``step-`` followed by 12 or more ASCII digits whose value is at most `MAX_STEP`, as a
     whole string.  More than 12 digits (extra leading zeros) is a valid but non-canonical
     name: callers must use the name they listed, never rebuild it from the step
-    (:class:`StepPaths` takes it), and two names of one step are an error for the reader."""
+    (`StepPaths` takes it), and two names of one step are an error for the reader."""
     m = _STEP_RE.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     if m is None:
         return None
@@ -129,7 +129,7 @@ class StepPaths:
     """Paths of one step, relative to the run root (always ``/``-separated).
 
     ``name`` is the step directory's name as it was listed; empty means the canonical name a
-    writer creates (:func:`step_dir_name`).  Code that found a step by listing must pass the
+    writer creates (`step_dir_name`).  Code that found a step by listing must pass the
     listed name: a non-canonical name (``step-0000000000020``) rebuilt from its step would
     address another directory."""
 
@@ -180,7 +180,7 @@ def check_relpath(relpath: object) -> str:
     """Validate a path found in a manifest: relative, ``/``-separated, no ``..``/``.``, no
     backslash, NUL, colon (URL schemes, drive letters) or leading dot components.
 
-    Raises :class:`UnsafeCheckpointError`; a checkpoint can never name a file outside itself.
+    Raises `UnsafeCheckpointError`; a checkpoint can never name a file outside itself.
     """
     if not isinstance(relpath, str) or not relpath or len(relpath) > 512:
         raise UnsafeCheckpointError(f"manifest path {relpath!r} is not a short non-empty string")

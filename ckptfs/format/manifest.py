@@ -2,10 +2,10 @@
 
 Both are UTF-8 JSON objects (``sort_keys``, no NaN), readable with nothing but ``json``.  Decoding
 is strict and bounded: sizes are checked before anything is allocated, a key named twice, a
-missing key or nesting beyond :data:`~ckptfs.format.limits.MAX_JSON_DEPTH` is an error, every
-path goes through :func:`ckptfs.format.layout.check_relpath`, unknown schema or a newer format
+missing key or nesting beyond `MAX_JSON_DEPTH` is an error, every
+path goes through `ckptfs.format.layout.check_relpath`, unknown schema or a newer format
 version is a typed error.  Unknown extra keys are ignored (docs/protocol.md, section 2.1).
-The writer's side (:func:`check_metadata`, :func:`check_document_size`) enforces the same
+The writer's side (`check_metadata`, `check_document_size`) enforces the same
 limits before anything is written.
 """
 
@@ -64,7 +64,7 @@ MARKER_DIGEST_ALGORITHM = "sha256"
 
 class DuplicateKeyError(ValueError):
     """A JSON object or msgpack map names a key twice (raised inside the decoders and turned
-    into :class:`~ckptfs.errors.CorruptCheckpointError` by them)."""
+    into `CorruptCheckpointError` by them)."""
 
 
 def unique_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -97,7 +97,7 @@ def decode_store_checksums(raw: Mapping[str, Any], path: str) -> tuple[tuple[str
     """The ``store_checksums`` of a file entry: an object of ``name: hex``.  Names this reader
     does not know are ignored (a newer writer's); a known name with a malformed value, or a
     value that is not an object, is a malformed manifest (``TypeError``, reported by the
-    decoder as :class:`~ckptfs.errors.CorruptCheckpointError`)."""
+    decoder as `CorruptCheckpointError`)."""
     value = raw.get(STORE_CHECKSUMS_KEY)
     if value is None:
         return ()
@@ -261,7 +261,7 @@ class Marker:
         return cls(step, attempt, mdigest, msize, created, writer, doc["format_version"])
 
     def check_manifest(self, manifest_bytes: bytes, *, where: str) -> None:
-        """Raise :class:`CorruptCheckpointError` unless ``manifest_bytes`` is the manifest this
+        """Raise `CorruptCheckpointError` unless ``manifest_bytes`` is the manifest this
         marker committed."""
         algo, _ = parse_digest(self.manifest_digest)
         actual = digest_bytes(algo, manifest_bytes)
@@ -277,11 +277,11 @@ class Marker:
 
 
 def check_metadata(meta: Mapping[str, Any], *, what: str = "checkpoint metadata") -> None:
-    """Writer side: raise :class:`UnsupportedValueError` (naming the key path) unless ``meta``
+    """Writer side: raise `UnsupportedValueError` (naming the key path) unless ``meta``
     is JSON that every reader accepts and reads back equal: ``str`` keys only (``json`` would
     turn ``1`` into ``"1"`` silently), str/int/finite float/bool/None/list/tuple/dict values,
-    ints of at most :data:`MAX_BIGINT_DIGITS` digits, valid Unicode, and nesting that keeps the
-    manifest within :data:`MAX_JSON_DEPTH`.  Tuples are stored as JSON arrays (read back as
+    ints of at most `MAX_BIGINT_DIGITS` digits, valid Unicode, and nesting that keeps the
+    manifest within `MAX_JSON_DEPTH`.  Tuples are stored as JSON arrays (read back as
     lists)."""
     budget = MAX_JSON_DEPTH - 1  # the manifest object itself is one level
 
@@ -330,7 +330,7 @@ def check_metadata(meta: Mapping[str, Any], *, what: str = "checkpoint metadata"
 
 
 def bigint_text(value: int) -> str | None:
-    """``str(value)``, or ``None`` if it has more than :data:`MAX_BIGINT_DIGITS` digits (checked
+    """``str(value)``, or ``None`` if it has more than `MAX_BIGINT_DIGITS` digits (checked
     from the bit length first: converting a huge int is slow, and raises past Python's own
     limit)."""
     if abs(value).bit_length() > 14_300:  # 10**4300 < 2**14_285

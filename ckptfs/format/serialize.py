@@ -10,15 +10,15 @@ splits it in two:
   (no intermediate copy of the state), in files the ``safetensors`` library opens itself.
 
 Tensors that are the same view of the same storage (tied weights) are stored once and come back
-as one tensor object in every place they appeared (:func:`tensor_identity` is the one definition
+as one tensor object in every place they appeared (`tensor_identity` is the one definition
 of "the same tensor", used by every writer).  Other aliasing (overlapping but different views)
 is not preserved: each view is stored and loaded as an independent tensor.
 
-:func:`plan_state` does all the work that reads the state, once: every non-tensor value
+`plan_state` does all the work that reads the state, once: every non-tensor value
 (extension types included) is encoded into the ``state.msgpack`` bytes, and the tensors are
-collected in a :class:`StatePlan`, whose files read only the plan's own tensors when written.
+collected in a `StatePlan`, whose files read only the plan's own tensors when written.
 An asynchronous save copies exactly those tensors and rebinds the plan to the copies
-(:meth:`StatePlan.rebind`), so nothing of the caller's state is read after it returns.
+(`StatePlan.rebind`), so nothing of the caller's state is read after it returns.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _is_dispatch_subclass(t: torch.Tensor) -> bool:
 
 
 def check_tensor(t: torch.Tensor, where: str) -> None:
-    """Raise :class:`UnsupportedValueError` naming the key path ``where`` for a tensor the
+    """Raise `UnsupportedValueError` naming the key path ``where`` for a tensor the
     format cannot store (a wrapper subclass, nested, sparse, quantized or of a dtype safetensors
     lacks, on the meta device, with dimension names).  Every writer checks every tensor with
     this before anything is written: the single-process serializer, and the sharded save's
@@ -291,7 +291,7 @@ class Flattener:
 @dataclass(frozen=True)
 class TensorFile:
     """One planned safetensors file: its header (with the 8-byte length prefix), then the data
-    of the plan's tensors ``members`` (indices into :attr:`StatePlan.tensors`), in order."""
+    of the plan's tensors ``members`` (indices into `StatePlan.tensors`), in order."""
 
     path: str
     prefix: bytes
@@ -311,16 +311,16 @@ class TensorFile:
 class StatePlan:
     """A validated state, ready to write: ``document`` (the bytes of ``state.msgpack``, every
     non-tensor value already encoded), the tensor files' layout, and ``tensors`` (one per
-    distinct :func:`tensor_identity`, index order), the only part of the state it still reads.
+    distinct `tensor_identity`, index order), the only part of the state it still reads.
 
-    :attr:`files` stream the tensors' bytes when written (nothing is copied at planning).
-    :meth:`rebind` gives the same plan over other tensors of the same dtypes and shapes (an
+    `files` stream the tensors' bytes when written (nothing is copied at planning).
+    `rebind` gives the same plan over other tensors of the same dtypes and shapes (an
     asynchronous save's staged copies)."""
 
     document: bytes
     tensor_files: tuple[TensorFile, ...]
     tensors: tuple[torch.Tensor, ...]
-    #: What :func:`relayout` needs to plan the files again over part of the tensors (an
+    #: What `relayout` needs to plan the files again over part of the tensors (an
     #: incremental save that references the others): the encoded tree, each tensor's name
     #: (its key path) and top-level key, and the slots of tensors stored elsewhere.
     tree: Any = None
@@ -329,7 +329,7 @@ class StatePlan:
     shard_bytes: int = DEFAULT_SHARD_BYTES
     external: dict[int, TensorSlot] = field(default_factory=dict)
     #: Each tensor's name in the files (``names`` with a ``#n`` suffix on a clash) and the
-    #: caller's tensors' ``(data_ptr, _version)`` at planning (kept by :meth:`rebind`): what an
+    #: caller's tensors' ``(data_ptr, _version)`` at planning (kept by `rebind`): what an
     #: incremental save takes as a hint of what did not change.
     versions: tuple[tuple[int, int], ...] = ()
     files: list[PlannedFile] = field(init=False, repr=False, compare=False)
@@ -352,7 +352,7 @@ class StatePlan:
         return sum(tf.size for tf in self.tensor_files)
 
     def rebind(self, tensors: Sequence[torch.Tensor]) -> StatePlan:
-        """This plan over ``tensors`` instead of :attr:`tensors`: the same document and files,
+        """This plan over ``tensors`` instead of `tensors`: the same document and files,
         the bytes read from ``tensors[i]`` in place of ``self.tensors[i]``.  Each must have the
         same dtype and shape (the layout depends on nothing else)."""
         if len(tensors) != len(self.tensors):
@@ -378,9 +378,9 @@ class StatePlan:
 
 
 def plan_state(state: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> StatePlan:
-    """Validate ``state`` and plan its files.  Raises :class:`UnsupportedValueError` naming the
+    """Validate ``state`` and plan its files.  Raises `UnsupportedValueError` naming the
     key path of the first value the format cannot hold, before any byte is written.  The state
-    is traversed once; afterwards the plan reads only :attr:`StatePlan.tensors`."""
+    is traversed once; afterwards the plan reads only `StatePlan.tensors`."""
     if not isinstance(state, Mapping):
         raise UnsupportedValueError(
             "state must be a dict (e.g. {'model': model.state_dict()}), got "
@@ -416,7 +416,7 @@ def version_of(t: torch.Tensor) -> tuple[int, int]:
 def relayout(plan: StatePlan, external: dict[int, TensorSlot]) -> StatePlan:
     """``plan`` with the tensors of ``external`` (index -> where another file already holds
     them) left out of its files, and its document naming them there.  The other tensors are
-    sharded as :func:`plan_state` shards them (by top-level key, then element size)."""
+    sharded as `plan_state` shards them (by top-level key, then element size)."""
     tensors = plan.tensors
     shard_bytes = plan.shard_bytes
     todo = [i for i in range(len(tensors)) if i not in external]
@@ -576,8 +576,8 @@ def _is_int(x: object) -> bool:
 
 def decode_state_doc(data: bytes, *, where: str) -> tuple[Any, list[TensorSlot]]:
     """Parse ``state.msgpack`` bytes into (tagged tree, tensor slots).  Typed errors only:
-    :class:`FormatVersionError` for a newer state format, :class:`UnsafeCheckpointError` for
-    extension types or a document over the size limit, :class:`CorruptCheckpointError` else."""
+    `FormatVersionError` for a newer state format, `UnsafeCheckpointError` for
+    extension types or a document over the size limit, `CorruptCheckpointError` else."""
     if len(data) > MAX_STATE_DOC_BYTES:
         raise UnsafeCheckpointError(
             f"{where}: {len(data)} bytes exceeds the {MAX_STATE_DOC_BYTES}-byte limit")

@@ -1,7 +1,7 @@
 """Format v2, the sharded layout: names, chunk digests, the v2 manifest, the rank files'
 safetensors headers (as planned by the writer) and the pickle-free encoding of non-tensor
 values.  ``dcp.msgpack`` (DCP's global metadata) and the checks binding it to the manifest and
-to the headers are :mod:`ckptfs.format.sharded_metadata`.  Pure: no I/O, no collectives.
+to the headers are `ckptfs.format.sharded_metadata`.  Pure: no I/O, no collectives.
 
 A sharded checkpoint is written by several ranks into one attempt::
 
@@ -17,7 +17,7 @@ A sharded checkpoint is written by several ranks into one attempt::
 
 Every file is tiled by *chunks* (offset, length, digest): the safetensors header is one chunk,
 each write item's bytes another.  Each byte is hashed once, into its chunk's digest; the file's
-digest is the digest of its chunk list (:func:`chunk_list_digest`), so no second pass over the
+digest is the digest of its chunk list (`chunk_list_digest`), so no second pass over the
 bytes is needed, and a ranged reader checks exactly the chunks it reads.
 """
 
@@ -82,7 +82,7 @@ def rank_file_name(rank: int, index: int = 0) -> str:
 
 def rank_of_file(path: str) -> int | None:
     """The rank whose data file ``path`` is, if ``path`` is exactly the name
-    :func:`rank_file_name` gives it (canonical: 5 or more digits, no extra zeros), else
+    `rank_file_name` gives it (canonical: 5 or more digits, no extra zeros), else
     ``None``."""
     m = _RANK_FILE.fullmatch(path)
     if m is None:
@@ -112,7 +112,7 @@ def chunk_list_text(chunks: Iterable[Chunk]) -> bytes:
 
 
 def chunk_list_digest(algorithm: str, chunks: Iterable[Chunk]) -> str:
-    """``"<algorithm>:<hex>"`` of :func:`chunk_list_text`: the file digest of format v2."""
+    """``"<algorithm>:<hex>"`` of `chunk_list_text`: the file digest of format v2."""
     return digest_bytes(algorithm, chunk_list_text(chunks))
 
 
@@ -243,7 +243,7 @@ class ShardedManifest(Manifest):
 def manifest_error(exc: Exception, where: str, version: str) -> Exception:
     """What a manifest decoder (formats v2-v4) raises for ``exc``: a typed ckptfs error
     (path, size, digest) named after the manifest ``where``, a malformed field as
-    :class:`CorruptCheckpointError`; anything else unchanged."""
+    `CorruptCheckpointError`; anything else unchanged."""
     if isinstance(exc, CorruptCheckpointError):
         return exc if str(exc).startswith(where) else type(exc)(f"{where}: {exc}")
     if isinstance(exc, (KeyError, TypeError, ValueError, AttributeError)):
@@ -288,7 +288,7 @@ def _decode_entry(raw: Any, seen: set[str], world: int, where: str) -> ChunkedFi
 def decode_chunks(raw: Any, algo: str, path: str) -> list[Chunk]:
     """A manifest's chunk list, ``[[offset, length, hex], ...]`` (formats v2, v3, v4): each an
     array of two ints and a hex digest of ``algo`` (``TypeError``/``ValueError`` otherwise,
-    which the manifest decoders turn into :class:`CorruptCheckpointError`)."""
+    which the manifest decoders turn into `CorruptCheckpointError`)."""
     if not isinstance(raw, list):
         raise TypeError(f"file {path!r}: 'chunks' is not a list")
     chunks = []
@@ -305,7 +305,7 @@ def bound_entry(path: str, size: int, digest: str, algo: str, chunks: list[Chunk
                 rank: int | None, *, where: str,
                 store_checksums: tuple[tuple[str, str], ...] = ()) -> ChunkedFileEntry:
     """The manifest entry of a chunked file, after checking that ``chunks`` tile it and that
-    ``digest`` is the digest of their list (:class:`CorruptCheckpointError` naming ``where``)."""
+    ``digest`` is the digest of their list (`CorruptCheckpointError` naming ``where``)."""
     check_tiling(chunks, size, where=f"{where}: {path}")
     entry = ChunkedFileEntry(path, size, digest, tuple(chunks), rank,
                              store_checksums=store_checksums)
@@ -363,7 +363,7 @@ def element_size(code: str) -> int:
 
 
 def tensor_code(dtype: torch.dtype, where: str) -> str:
-    """The safetensors code of ``dtype``, or :class:`UnsupportedValueError` naming ``where``."""
+    """The safetensors code of ``dtype``, or `UnsupportedValueError` naming ``where``."""
     try:
         return dtype_code(dtype)
     except KeyError:
@@ -378,7 +378,7 @@ def tensor_code(dtype: torch.dtype, where: str) -> str:
 def encode_value(value: Any, *, key: str, path: tuple[Any, ...] | None = None) -> bytes:
     """Encode one non-tensor value of the state (an int, a list of param names, a tuple of
     betas...) with the v1 tagged tree; tensors inside it are stored inline.  Raises
-    :class:`UnsupportedValueError` naming its key path (``path``, the value's keys in the
+    `UnsupportedValueError` naming its key path (``path``, the value's keys in the
     state; else ``key``, its DCP name) for what the format cannot hold."""
     flat = Flattener()
     tree = flat.encode(value, path or (key,))
@@ -395,7 +395,7 @@ def encode_value(value: Any, *, key: str, path: tuple[Any, ...] | None = None) -
 def decode_value(data: bytes | bytearray | memoryview, *, where: str) -> Any:
     """Decode a value document (§8.5): typed errors only, nothing is ever unpickled.  Every key
     of §8.5 is required, no map names a key twice, ``format_version`` is 2 (a newer one raises
-    :class:`FormatVersionError`), every inline tensor's bytes fit its dtype and shape."""
+    `FormatVersionError`), every inline tensor's bytes fit its dtype and shape."""
     try:
         doc = unpack_document(data, where)
     except UnsafeCheckpointError:
@@ -435,8 +435,8 @@ def decode_value(data: bytes | bytearray | memoryview, *, where: str) -> Any:
 
 
 def check_version(version: Any, where: str, what: str) -> None:
-    """``format_version`` of a v2 document: 2; a newer int raises :class:`FormatVersionError`
-    (upgrade ckptfs), anything else :class:`CorruptCheckpointError`."""
+    """``format_version`` of a v2 document: 2; a newer int raises `FormatVersionError`
+    (upgrade ckptfs), anything else `CorruptCheckpointError`."""
     if _is_int(version) and version > SHARDED_FORMAT_VERSION:
         raise FormatVersionError(
             f"{where}: {what} written by format version {version}; this ckptfs reads "
@@ -448,8 +448,8 @@ def check_version(version: Any, where: str, what: str) -> None:
 
 def unpack_document(data: bytes | bytearray | memoryview, where: str) -> Any:
     """A msgpack document of format v2 (``dcp.msgpack``, a value document): str or bin map
-    keys only, no map naming a key twice, no extension types (:class:`UnsafeCheckpointError`);
-    anything else malformed is :class:`CorruptCheckpointError` naming ``where``."""
+    keys only, no map naming a key twice, no extension types (`UnsafeCheckpointError`);
+    anything else malformed is `CorruptCheckpointError` naming ``where``."""
 
     def no_ext(code: int, payload: bytes) -> Any:
         raise UnsafeCheckpointError(f"{where}: msgpack extension type {code} is not allowed")

@@ -6,17 +6,17 @@ What a decoded document guarantees (checked here, once, for load, verify and cop
 by-hand checker of protocol.md §7 checks the same):
 
 * every key of §8.4 is present, no map names a key twice, ``format_version`` is 2 (a newer one
-  is :class:`~ckptfs.errors.FormatVersionError`);
+  is `FormatVersionError`);
 * every tensor's chunks lie inside it and **cover it exactly once**: no gap, no overlap, and a
-  tensor with elements has chunks (:func:`check_cover`);
+  tensor with elements has chunks (`check_cover`);
 * every stored item (``storage_data``) is a chunk of a tensor (its byte length that chunk's
   elements times the element size) or a value, named once; every chunk and every value has
   exactly one stored item;
 * ``planner_data`` names exactly the stored names, each the ``"."``-join of its key path, and
   ``tree`` (when present) is well formed and its leaves are exactly the stored names.
 
-:func:`check_locations` binds the items to the manifest (each item one chunk of a rank file, a
-rank file's chunks its header and then its items) and :func:`check_rank_header` binds a rank
+`check_locations` binds the items to the manifest (each item one chunk of a rank file, a
+rank file's chunks its header and then its items) and `check_rank_header` binds a rank
 file's safetensors header to them (the same names, dtypes, shapes and offsets): the header and
 ``dcp.msgpack`` must agree, and a reader uses ``dcp.msgpack``.
 """
@@ -111,7 +111,7 @@ class DcpDocument:
 
 
 def encode_metadata(doc: DcpDocument) -> bytes:
-    """Encode DCP's Metadata without pickle.  Raises :class:`UnsupportedValueError` for
+    """Encode DCP's Metadata without pickle.  Raises `UnsupportedValueError` for
     planner data or storage data that is not plain (a custom planner's objects)."""
     import msgpack
     from torch.distributed.checkpoint.metadata import (
@@ -172,8 +172,8 @@ def encode_metadata(doc: DcpDocument) -> bytes:
 
 def decode_metadata(data: bytes | bytearray | memoryview, *, where: str) -> DcpDocument:
     """Decode ``dcp.msgpack`` into DCP's Metadata with every check of the module docstring.
-    Typed errors only: :class:`FormatVersionError`, :class:`UnsafeCheckpointError` (msgpack
-    extension types, a path leaving the checkpoint), else :class:`CorruptCheckpointError`;
+    Typed errors only: `FormatVersionError`, `UnsafeCheckpointError` (msgpack
+    extension types, a path leaving the checkpoint), else `CorruptCheckpointError`;
     each names ``where``."""
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -332,7 +332,7 @@ def _ints(v: Any, what: str, bad: Any) -> list[int]:
 
 def check_cover(fqn: str, size: list[int], chunks: list[tuple[list[int], list[int]]],
                 where: str) -> None:
-    """Raise :class:`CorruptCheckpointError` unless ``chunks`` (offsets, sizes) lie inside a
+    """Raise `CorruptCheckpointError` unless ``chunks`` (offsets, sizes) lie inside a
     tensor of ``size`` and cover each of its elements exactly once.  Checked as: every chunk
     inside, the chunks' element counts summing to the tensor's, and no two chunks with
     elements intersecting (a sweep along the dimension with the most distinct offsets)."""
@@ -417,10 +417,10 @@ def check_rank_header(head: bytes | bytearray | memoryview, entry: ChunkedFileEn
     """``head`` (the header chunk of the rank file ``entry``, digest already checked) is a
     safetensors header (§2.4 bounds, no key named twice) whose ``__metadata__`` names the
     file's rank and whose entries are exactly ``items``: the same names, dtypes, shapes and
-    offsets as ``dcp.msgpack``.  For a reference (format v4, a :class:`ReferencedFile`: a
+    offsets as ``dcp.msgpack``.  For a reference (format v4, a `ReferencedFile`: a
     rank file of another attempt), each of ``items`` must be the header's entry of its name
     (same dtype, shape and offsets); the file holds others this checkpoint does not read.
-    :class:`CorruptCheckpointError` naming the file otherwise."""
+    `CorruptCheckpointError` naming the file otherwise."""
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: safetensors header {what}")
 

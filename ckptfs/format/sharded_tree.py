@@ -6,11 +6,11 @@ loses int keys (``{0: ...}`` comes back as ``{"0": ...}``) and cannot shard a te
 tuple.  ckptfs keeps DCP's naming (so a checkpoint written by ``store.save`` loads with plain
 ``dcp.load`` and the other way round) and stores the exact tree beside it:
 
-* :func:`dcp_view` turns the state into the dict DCP is given (str keys, tuples holding tensors
+* `dcp_view` turns the state into the dict DCP is given (str keys, tuples holding tensors
   as lists) and returns a *skeleton*: the tagged tree of v1 (``state.msgpack``'s tags), in
   which every value DCP stores is the node ``["v", null]``;
-* :func:`restore` rebuilds the user's types from the skeleton and DCP's unflattened result;
-* :func:`write_back` puts the non-tensor values DCP loaded into the caller's own containers
+* `restore` rebuilds the user's types from the skeleton and DCP's unflattened result;
+* `write_back` puts the non-tensor values DCP loaded into the caller's own containers
   (tensors are filled in place by DCP).
 """
 
@@ -52,7 +52,7 @@ def _where(path: tuple[Any, ...]) -> str:
 
 def dcp_view(state: Mapping[Any, Any]) -> tuple[dict[str, Any], Any]:
     """(the dict handed to DCP, the skeleton).  The view shares every tensor and value with
-    ``state`` (nothing is copied).  Raises :class:`UnsupportedValueError` naming the key paths
+    ``state`` (nothing is copied).  Raises `UnsupportedValueError` naming the key paths
     when two values would get the same DCP name (two keys of one dict that read the same as
     strings, ``0`` and ``"0"``; or keys that collide once joined with ``"."``, ``{"a.b": x}``
     and ``{"a": {"b": y}}``), for key types the format cannot hold, and for trees deeper than
@@ -130,9 +130,9 @@ def _plain_key_node(node: Any) -> bool:
 
 
 def check_skeleton(tree: Any, stored: set[str], *, where: str) -> None:
-    """Raise :class:`CorruptCheckpointError` unless ``tree`` is a well-formed skeleton (§8.4:
+    """Raise `CorruptCheckpointError` unless ``tree`` is a well-formed skeleton (§8.4:
     ``d``/``l``/``t`` nodes and ``["v", nil]`` leaves, keys as in §2.3, at most
-    :data:`MAX_DEPTH` deep, the root a dict) whose leaves, named as DCP names them (the
+    `MAX_DEPTH` deep, the root a dict) whose leaves, named as DCP names them (the
     ``"."``-join of ``str(key)`` per dict and the index per list), are exactly ``stored``."""
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: malformed stored tree ({what})")

@@ -4,11 +4,11 @@ section 2.4, "Shard layout").
 A v1 file is verified whole (its digest covers every byte), so a reader that wants only some of
 the state (``store.load(keys=["model"])``, docs/loading.md) must read every file holding one of
 the tensors it wants.  The plan therefore groups tensors by their **top-level key**: every
-top-level key whose tensors total at least :data:`OWN_FILES_BYTES` gets files of its own
+top-level key whose tensors total at least `OWN_FILES_BYTES` gets files of its own
 (greedy in order of appearance, each closed at ``shard_bytes`` or at the header budget), so
 loading ``"model"`` never reads a byte of ``"optimizer"``.  Smaller groups (a scheduler, a few
 scalars as tensors, a flat state dict's biases) are packed together into shared files closed
-at :data:`OWN_FILES_BYTES`, so a state with many small top-level keys does not explode into as
+at `OWN_FILES_BYTES`, so a state with many small top-level keys does not explode into as
 many files, and loading one small key reads at most about that much besides.
 
 The layout is a writer's choice: v1 readers find every tensor through ``state.msgpack``'s

@@ -1,10 +1,10 @@
 """The format table, pure half: which manifest versions this ckptfs reads, how each is decoded,
 and which of its documents have a reader limit.
 
-Every manifest is read through :func:`decode_manifest` (the reader) and every manifest a writer
-is about to commit is checked through :func:`check_committable` (the commit object), so the
+Every manifest is read through `decode_manifest` (the reader) and every manifest a writer
+is about to commit is checked through `check_committable` (the commit object), so the
 writer refuses exactly what the reader would.  The I/O half of the table (how each version is
-loaded and verified) is :mod:`ckptfs.protocol.formats`.
+loaded and verified) is `ckptfs.protocol.formats`.
 
 ========  ===========  ============================================  =====================
 version   layout       documents with a size limit (before reading)  spec
@@ -48,10 +48,10 @@ DOCUMENT_LIMITS: dict[int, dict[str, int]] = {
 
 
 def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
-    """Decode a manifest of any version this ckptfs reads: v1 (:class:`Manifest`), v2
-    (:class:`ShardedManifest`) or v3 (:class:`IncrementalManifest`).  A newer version raises
-    :class:`FormatVersionError`; anything malformed :class:`CorruptCheckpointError` (or
-    :class:`UnsafeCheckpointError`)."""
+    """Decode a manifest of any version this ckptfs reads: v1 (`Manifest`), v2
+    (`ShardedManifest`) or v3 (`IncrementalManifest`).  A newer version raises
+    `FormatVersionError`; anything malformed `CorruptCheckpointError` (or
+    `UnsafeCheckpointError`)."""
     doc = load_json(data, MAX_MANIFEST_BYTES, where)  # bounded: size, depth, duplicate keys
     version = doc.get("format_version")
     newest = max(READ_VERSIONS)
@@ -77,7 +77,7 @@ def document_limits(manifest: Manifest) -> dict[str, int]:
 
 
 def check_committable(manifest: Manifest, data: bytes, *, where: str) -> None:
-    """Refuse (with :class:`UnsupportedValueError`, before anything is committed) a manifest a
+    """Refuse (with `UnsupportedValueError`, before anything is committed) a manifest a
     reader would refuse: ``data`` (its encoding) is decoded with the reader's own decoder, and
     every document with a reader limit is checked against it.  The commit object calls this for
     every writer; a save calls it earlier too, with placeholder digests, before writing."""

@@ -5,9 +5,9 @@ a name, with a *descriptor* (a small JSON dict saying what it is: model id, revi
 Each artifact is a one-step checkpoint store of its own, ``artifacts/<name>/``, committed by the
 same exclusive marker as any checkpoint, so "saved once" is enforced by the storage: a second
 save with the same descriptor is a no-op, with a different descriptor an
-:class:`~ckptfs.errors.ArtifactConflictError`, and two racing first saves produce one artifact.
+`ArtifactConflictError`, and two racing first saves produce one artifact.
 The manifest's metadata records the descriptor and its digest; the marker binds that manifest,
-so descriptor and content are committed together.  :meth:`RunArtifacts.load` verifies every byte
+so descriptor and content are committed together.  `RunArtifacts.load` verifies every byte
 against the manifest, the recorded descriptor against its digest, and the descriptor the caller
 expects against the recorded one.  ``ArtifactInfo.content_digest`` (a digest over the manifest's
 file entries) identifies the content for logs and comparisons across runs.
@@ -128,7 +128,7 @@ class RunArtifacts:
              descriptor: Mapping[str, Any]) -> tuple[ArtifactInfo, bool]:
         """Save ``state`` as artifact ``name`` once.  Returns (info, created): ``created`` is
         False when the artifact already existed with the same descriptor (nothing written).
-        Raises :class:`ArtifactConflictError` if it exists with a different descriptor."""
+        Raises `ArtifactConflictError` if it exists with a different descriptor."""
         ddig = descriptor_digest(descriptor)
         desc = json.loads(_canonical(descriptor, "artifact descriptor"))
         sub = self._sub(name)
@@ -156,7 +156,7 @@ class RunArtifacts:
              map_location: MapLocation = None) -> dict[Any, Any]:
         """Load artifact ``name``, verifying every byte against its manifest, the recorded
         content digest against the manifest, and (if given) ``descriptor`` against the
-        recorded one.  Raises :class:`ArtifactMismatchError` on any disagreement."""
+        recorded one.  Raises `ArtifactMismatchError` on any disagreement."""
         info = self.info(name)
         sub = self._sub(name)
         ci = sub.info(ARTIFACT_STEP)
@@ -187,7 +187,7 @@ def content_digest(manifest: Any) -> str:
 def check_listing(listed: object, where: str) -> dict[str, dict[str, Any]]:
     """A side-output listing (``path -> {"size": int, "digest": "<algorithm>:<hex>"}``) as
     written by the manager, from a side-commit record or a checkpoint's metadata; anything else
-    raises :class:`~ckptfs.lifecycle.records.CorruptRecordError` naming ``where``.  Raising,
+    raises `CorruptRecordError` naming ``where``.  Raising,
     not skipping: an entry ignored here would make a committed side output read as uncommitted,
     and a resume would delete it."""
     def bad(why: str) -> CorruptRecordError:
@@ -253,7 +253,7 @@ class SideOutputs:
         return self.store.storage.read_bytes(self.path(step, name))
 
     def take_pending(self) -> dict[str, dict[str, Any]]:
-        """The side outputs to list in the next checkpoint (cleared by :meth:`committed`)."""
+        """The side outputs to list in the next checkpoint (cleared by `committed`)."""
         return dict(self._pending)
 
     def committed(self, step: int, listed: Mapping[str, Any]) -> None:

@@ -1,11 +1,11 @@
-"""Who does what when :class:`~ckptfs.CheckpointManager` saves and restores: the coordinator
+"""Who does what when `CheckpointManager` saves and restores: the coordinator
 under the one manager body.
 
 Design decision: **one manager body, two coordinators.**  The manager
-(:mod:`ckptfs.lifecycle.manager`) is written once, as the collective algorithm; a coordinator
-says how its steps run.  :class:`Solo` (one process, or a process of a job without
+(`ckptfs.lifecycle.manager`) is written once, as the collective algorithm; a coordinator
+says how its steps run.  `Solo` (one process, or a process of a job without
 torch.distributed) is the identity: every step runs here, nothing is sent.
-:class:`ProcessGroup` (torch.distributed initialized with several ranks, or a model holding
+`ProcessGroup` (torch.distributed initialized with several ranks, or a model holding
 DTensors) runs the same steps on every rank, agrees on their outcome (a failure on one rank
 raises on every rank, before anything is written) and lets the writer rank (rank 0) decide
 what only one rank may decide: which checkpoint a resume loads, the provenance check (one
@@ -50,12 +50,12 @@ The call sequence of a collective restore (``restore_latest``/``restore``, every
     4) (all ranks)  agree: apply the loaded state to the objects (only now touched), restore
                     this rank's RNG state; the writer runs the resume bookkeeping
 
-With :class:`Solo` the same sequence runs in this process: agree and on_writer call the
+With `Solo` the same sequence runs in this process: agree and on_writer call the
 function, agree_gather returns this process's result, drive runs the walk here.  A non-writer
 rank of a job without torch.distributed (``rank``/``world_size`` given) stops a save after 1):
 it writes nothing, and its metrics are not recorded (logged).
 
-The messages of :class:`ProcessGroup` are JSON in uint8 tensors (no pickle, a few hundred
+The messages of `ProcessGroup` are JSON in uint8 tensors (no pickle, a few hundred
 bytes per rank) on ckptfs's dedicated gloo group (``ckptfs.protocol.sharded.collective_group``,
 its timeout ``COLLECTIVE_TIMEOUT``); ``ckptfs.protocol.sharded`` (and so DCP, seconds to
 import) is imported only when a process group coordinates.
@@ -112,7 +112,7 @@ class Candidate:
 
     def read(self, storage: Storage) -> CheckpointInfo:
         """Another rank's reading of it: the same attempt, or
-        :class:`~ckptfs.CheckpointDeletedError` (replaced meanwhile: the walk lists again)."""
+        `CheckpointDeletedError` (replaced meanwhile: the walk lists again)."""
         info = read_committed(storage, self.step, self.dir_name)
         if info.attempt != self.attempt:
             raise CheckpointDeletedError(
@@ -150,7 +150,7 @@ class Coordinator(Protocol):
 
     def agree_gather(self, fn: Callable[[], Any], what: str,
                      error: ErrorClass) -> list[tuple[int, Any]]:
-        """As :meth:`agree`, returning every rank's result (JSON), in rank order."""
+        """As `agree`, returning every rank's result (JSON), in rank order."""
         ...
 
     def on_writer(self, fn: Callable[[], T], what: str, error: ErrorClass, *,

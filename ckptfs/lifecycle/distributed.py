@@ -1,6 +1,6 @@
 """The model and optimizer across torch.distributed.checkpoint's boundary, for the manager's
 collective saves and restores (docs/lifecycle.md section 11; who calls what, in which order:
-:mod:`ckptfs.lifecycle.coordinator`).
+`ckptfs.lifecycle.coordinator`).
 
 * A collective save stores DCP state dicts (``get_state_dict``: parameters by name, optimizer
   state keyed by parameter name; DTensors hold this rank's shards), never a gather to one rank.
@@ -104,7 +104,7 @@ def load_into_objects(state: Mapping[Any, Any], model: torch.nn.Module | None,
     """Put the ``model``/``optimizer`` entries of a loaded state into the objects:
     ``set_state_dict`` for DCP state dicts (a collective save); a one-process save's
     ``state_dict()``s with ``load_state_dict`` in one process, and distributed into today's
-    placement (:func:`set_full_state`) under a process group."""
+    placement (`set_full_state`) under a process group."""
     if model is not None and schema.has_dcp_state_dicts(state):
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,

@@ -9,11 +9,11 @@ Three kinds of garbage, each removed only when it is older than a grace period:
 - **temporary directories and files**: ``.tmp-a-...`` attempt directories on local disk (a crash
   before the rename; aged by the attempt name they embed) and ``.tmp-<uuid>`` files of a crashed
   local marker creation (aged by the file's modification time where the storage offers
-  :class:`~ckptfs.storage.base.ModifiedTimes`; never removed when it does not);
+  `ModifiedTimes`; never removed when it does not);
 - **orphaned multipart uploads** of files inside attempt directories
   (``checkpoints/step-N/a-.../<file>``, also ``.tmp-a-...`` and under ``artifacts/<name>/``) on
   stores that have them (S3): found and aborted through the storage interface's optional
-  :class:`~ckptfs.storage.base.MultipartUploads` capability, only where the storage offers it
+  `MultipartUploads` capability, only where the storage offers it
   (a declared capability, never a URL test).  Any other upload, under the run root or
   elsewhere in the bucket (``run/exports/model.bin``), belongs to another program and is never
   touched.
@@ -24,14 +24,14 @@ removed first is noted (``note``), not reported as a failure.
 Incremental (format v3) attempts share bytes: an uncommitted attempt older than the grace whose
 manifest is v3 (or does not decode) is removed only if none of its files is referenced.  Every
 step's marker is read first, then one reference scan runs with gc's grace
-(:func:`ckptfs.protocol.references.scan_references`, docs/protocol.md §9.5), then gc decides.
+(`ckptfs.protocol.references.scan_references`, docs/protocol.md §9.5), then gc decides.
 An attempt still referenced (*retired* by a delete) is kept and reported in
-:attr:`GcReport.retired` with the bytes it keeps stored; if a committed manifest cannot be read,
+`GcReport.retired` with the bytes it keeps stored; if a committed manifest cannot be read,
 every such attempt is kept and the refusal is listed in ``skipped``.
 
 A step's committed attempt and its marker are never touched; a step whose marker does not parse
 is left alone entirely (that is for ``verify`` and a human, not for a collector).  Everything
-removed (or that would be, with ``dry_run``) is listed with its size in a :class:`GcReport`.
+removed (or that would be, with ``dry_run``) is listed with its size in a `GcReport`.
 Artifacts (``artifacts/<name>/``) are collected the same way.
 """
 
@@ -141,7 +141,7 @@ def parse_duration(text: str) -> timedelta:
 
 
 class InvalidDurationError(CkptfsError, ValueError):
-    """A grace period that is not a duration :func:`parse_duration` reads, or is too long."""
+    """A grace period that is not a duration `parse_duration` reads, or is too long."""
 
 
 MAX_GRACE = timedelta(days=36500)
@@ -328,7 +328,7 @@ def _consider_tmp_file(storage: Storage, path: str, size: int, grace: timedelta,
 
 def _mtime(storage: Storage, path: str) -> datetime | None:
     """The file's modification time where the storage offers them
-    (:class:`~ckptfs.storage.base.ModifiedTimes`); ``None`` (unknown) otherwise or when it
+    (`ModifiedTimes`); ``None`` (unknown) otherwise or when it
     cannot be read."""
     if not supports(storage, ModifiedTimes):
         return None
@@ -341,7 +341,7 @@ def _mtime(storage: Storage, path: str) -> datetime | None:
 def _remove_empty_dir(storage: Storage, path: str) -> str | None:
     """Remove a step directory left empty, without ever removing something a writer created in
     it meanwhile: non-recursive ``rmdir`` where directories are real
-    (:class:`~ckptfs.storage.base.EmptyDirRemoval`); object stores have no empty directories to
+    (`EmptyDirRemoval`); object stores have no empty directories to
     remove.  Returns why it was not removed when that is no failure (gone already; not empty
     any more), ``None`` once removed."""
     if not storage.capabilities.real_directories:

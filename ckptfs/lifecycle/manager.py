@@ -1,6 +1,6 @@
 """The training-run lifecycle over the core store: save, resume, retention, best, GC.
 
-:class:`CheckpointManager` is what a training loop talks to::
+`CheckpointManager` is what a training loop talks to::
 
     mgr = ckptfs.CheckpointManager("s3://bucket/runs/exp1", save_every=1000,
                                    keep_last=3, keep_every=10_000,
@@ -13,24 +13,24 @@
                      metrics={"eval/loss": loss})
 
 It adds no commit protocol of its own: every checkpoint is one
-:meth:`CheckpointStore.save <ckptfs.CheckpointStore.save>` (or ``save_async``; marker created
+`CheckpointStore.save` (or ``save_async``; marker created
 last, exclusively), and everything the manager does after that (side-output records, the best
 record, pruning) happens only once the checkpoint has committed, so a crash at any point leaves
-the committed history intact and the next :meth:`restore_latest` heals what was left half-done.
-Resuming uses the store's one walk (:meth:`CheckpointStore.walk
-<ckptfs.CheckpointStore.walk>`, :func:`ckptfs.protocol.resolve.walk_tiers`: the newest
+the committed history intact and the next `restore_latest` heals what was left half-done.
+Resuming uses the store's one walk (`CheckpointStore.walk
+<ckptfs.CheckpointStore.walk>`, `ckptfs.protocol.resolve.walk_tiers`: the newest
 committed checkpoint, rolled back over a corrupt one only if allowed; on a two-tier store the
 newest in either tier, the local copy first: docs/tiers.md).  On a two-tier store the manager's
 retention prunes the local tier, and ``remote_retention`` the remote tier, in the background.
 
 One body for every mode.  ``save`` and ``restore_latest`` are written once, as the collective
-algorithm, over a coordinator (:mod:`ckptfs.lifecycle.coordinator`, whose docstring gives the
-call sequences): :class:`~ckptfs.lifecycle.coordinator.Solo` in one process (the identity: no
-collectives), :class:`~ckptfs.lifecycle.coordinator.ProcessGroup` when torch.distributed runs
+algorithm, over a coordinator (`ckptfs.lifecycle.coordinator`, whose docstring gives the
+call sequences): `Solo` in one process (the identity: no
+collectives), `ProcessGroup` when torch.distributed runs
 several ranks (every rank calls them; each saves and loads its own shards and RNG state, a
 failure on one rank raises on every rank, the bookkeeping runs once, on rank 0, and every rank
-returns the same ``SaveResult``).  What a checkpoint holds: :mod:`ckptfs.lifecycle.schema`;
-the model and optimizer across DCP's boundary: :mod:`ckptfs.lifecycle.distributed`.
+returns the same ``SaveResult``).  What a checkpoint holds: `ckptfs.lifecycle.schema`;
+the model and optimizer across DCP's boundary: `ckptfs.lifecycle.distributed`.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ RngGather = Callable[[dict[str, Any]], Mapping[int, Mapping[str, Any]]]
 
 @dataclass
 class SaveResult:
-    """What :meth:`CheckpointManager.save` did.  ``info`` is None on a non-writer rank of a
+    """What `CheckpointManager.save` did.  ``info`` is None on a non-writer rank of a
     job without torch.distributed (it writes nothing).
 
     ``errors`` lists bookkeeping that failed *after* the checkpoint committed (the side-output
@@ -103,7 +103,7 @@ class SaveResult:
     prune: PruneReport | None = None
     errors: list[str] = field(default_factory=list)
     #: ``async_save=True``: the pending save; ``info`` stays None here, and the SaveResult of
-    #: its bookkeeping comes from :meth:`CheckpointManager.wait` (docs/async.md).
+    #: its bookkeeping comes from `CheckpointManager.wait` (docs/async.md).
     future: SaveFuture | None = None
 
     def to_doc(self) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class SaveResult:
 @dataclass
 class _Pending:
     """An async save whose bookkeeping runs once it committed (at the next save, restore or
-    :meth:`CheckpointManager.wait`), on the caller's thread, with the coordinator it was
+    `CheckpointManager.wait`), on the caller's thread, with the coordinator it was
     saved under."""
 
     coord: Coordinator
@@ -156,13 +156,13 @@ class CheckpointManager:
     ``keep_last`` None keeps every checkpoint.  ``rank``/``world_size`` default to
     torch.distributed's when it is initialized, else 0/1.  ``run_seed`` derives the RNG seeds
     of ranks that have no saved state (a larger world size on resume).  ``async_save``:
-    :meth:`save` returns once the state is snapshotted (``store.save_async``, collective under
+    `save` returns once the state is snapshotted (``store.save_async``, collective under
     a process group); the bookkeeping of a save runs after its commit (docs/async.md).
 
-    On a two-tier store (:func:`ckptfs.tiered`), ``keep_last``/``keep_every`` are the local
+    On a two-tier store (`ckptfs.tiered`), ``keep_last``/``keep_every`` are the local
     tier's retention (a local checkpoint not yet replicated is kept whatever they say) and
     ``remote_retention`` the remote tier's, applied in the background after each save
-    (:meth:`prune_remote`; docs/tiers.md).  The best pool and the protected steps are kept in
+    (`prune_remote`; docs/tiers.md).  The best pool and the protected steps are kept in
     both tiers."""
 
     def __init__(self, url: str | CheckpointStore, *, save_every: int | None = None,
@@ -183,7 +183,7 @@ class CheckpointManager:
         if remote_retention is not None and not isinstance(remote_retention, RetentionPolicy):
             raise TypeError("remote_retention must be a ckptfs.RetentionPolicy, got "
                             f"{type(remote_retention).__name__}")
-        #: The remote tier's retention (two-tier stores), applied by :meth:`prune_remote`.
+        #: The remote tier's retention (two-tier stores), applied by `prune_remote`.
         self.remote_policy = remote_retention
         self._remote_pruner = _Background(self._prune_remote_now, "ckptfs-remote-prune")
         if save_every is not None and save_every < 1:
@@ -258,12 +258,12 @@ class CheckpointManager:
 
         Call it on every rank: collective under a process group (docs/lifecycle.md §11), else
         the RNG states are gathered (``rng_gather``) and only the writer rank writes.
-        ``rng_states`` overrides the gather (rank -> :func:`ckptfs.lifecycle.rng.capture`
+        ``rng_states`` overrides the gather (rank -> `ckptfs.lifecycle.rng.capture`
         output).  Pruning and the best record happen only after the commit succeeded.
 
         Metrics are checked before anything is written: each must be a real scalar (a Python
         number, a one-element tensor, a NumPy scalar), a bool, a string or None, and the tracked
-        ``best`` metric a real scalar or None, else :class:`~ckptfs.UnsupportedValueError`.  A
+        ``best`` metric a real scalar or None, else `UnsupportedValueError`.  A
         NaN or infinite metric is recorded as ``null`` and never enters the best pool (logged).
         Under a process group the ranks' metrics are merged: a metric given on one rank only is
         recorded, one given on several ranks must have the same value on each (else
@@ -456,7 +456,7 @@ class CheckpointManager:
         return report
 
     def _prune(self, dry_run: bool) -> PruneReport:
-        """The prune itself, on the writer (:meth:`prune`; a save's bookkeeping)."""
+        """The prune itself, on the writer (`prune`; a save's bookkeeping)."""
         if not dry_run:
             self.side_outputs.reconcile()
         protected = set(self.protected)
@@ -494,7 +494,7 @@ class CheckpointManager:
 
     def prune_remote(self, *, dry_run: bool = False) -> PruneReport:
         """Apply ``remote_retention`` to the remote tier of a two-tier store now (``save``
-        requests it in the background after every commit: :meth:`wait_remote_prune`).
+        requests it in the background after every commit: `wait_remote_prune`).
 
         The remote tier keeps what the policy keeps, its newest committed step (always), the
         best pool, the protected steps (and the one the run resumed from) and every step the
@@ -545,7 +545,7 @@ class CheckpointManager:
 
     def gc(self, *, older_than: timedelta = DEFAULT_GRACE, dry_run: bool = False) -> GcReport:
         """Remove uncommitted attempts, temporary files and orphaned uploads older than
-        ``older_than`` (see :mod:`ckptfs.lifecycle.gc`)."""
+        ``older_than`` (see `ckptfs.lifecycle.gc`)."""
         return collect(self.store.storage, older_than=older_than, dry_run=dry_run)
 
     # -- resuming ------------------------------------------------------------------------------
@@ -561,11 +561,11 @@ class CheckpointManager:
         continue from (saved step + 1), or 0 when the run has no checkpoint yet.
 
         A newest checkpoint that fails its check (marker, manifest, or the content hashes
-        verified while loading) raises :class:`~ckptfs.CorruptCheckpointError`; with
+        verified while loading) raises `CorruptCheckpointError`; with
         ``allow_rollback`` the next older committed checkpoint is tried instead (logged), as
-        :meth:`CheckpointStore.load <ckptfs.CheckpointStore.load>` does (the same walk).
+        `CheckpointStore.load` does (the same walk).
         Nothing is restored into the objects before a checkpoint has loaded and verified.  If
-        every committed checkpoint is corrupt, :class:`~ckptfs.CheckpointNotFoundError` lists
+        every committed checkpoint is corrupt, `CheckpointNotFoundError` lists
         them (never a silent start from step 0).
 
         ``map_location``: every form ``torch.load`` accepts, applied to every loaded tensor;
@@ -584,7 +584,7 @@ class CheckpointManager:
                 expect: prov.Provenance | None = None, mode: prov.ProvenanceMode = "exact",
                 strict_rng: bool = False, map_location: MapLocation = "cpu",
                 discard_uncommitted: bool = True) -> int:
-        """Restore checkpoint ``step``; see :meth:`restore_latest`."""
+        """Restore checkpoint ``step``; see `restore_latest`."""
         self.wait()
         return self._restore(step, model=model, optimizer=optimizer, scheduler=scheduler,
                              stateful=stateful, expect=expect, mode=mode, strict_rng=strict_rng,
@@ -596,7 +596,7 @@ class CheckpointManager:
                  stateful: Mapping[str, Stateful] | None, expect: prov.Provenance | None,
                  mode: prov.ProvenanceMode, strict_rng: bool, map_location: MapLocation,
                  allow_rollback: bool, discard_uncommitted: bool) -> int:
-        """The one restore body (call sequence: :mod:`ckptfs.lifecycle.coordinator`)."""
+        """The one restore body (call sequence: `ckptfs.lifecycle.coordinator`)."""
         coord = self._coordinator(model)
         what = f"CheckpointManager restore at {self.url}"
         names = ["scheduler"] * (scheduler is not None) + list(stateful or {})

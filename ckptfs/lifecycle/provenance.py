@@ -11,7 +11,7 @@ Restoring with ``expect=`` compares the flattened keys (``config``, ``fingerprin
 ``execution.<name>``) of the expected provenance with the checkpoint's:
 
 - ``mode="exact"``: any difference refuses the resume with
-  :class:`~ckptfs.errors.ProvenanceMismatchError`, whose message and ``differences`` list every
+  `ProvenanceMismatchError`, whose message and ``differences`` list every
   differing key as (key, expected, actual); the same report is written to the store as a
   diagnostic record ``lifecycle/diagnostics/provenance-<UTC time>-<token>.json`` so the refusal
   is visible to whoever inspects the run later;
@@ -87,7 +87,7 @@ class Provenance:
 
 
 def malformed(record: object) -> str | None:
-    """Why a recorded provenance does not have the shape :meth:`Provenance.to_record` writes
+    """Why a recorded provenance does not have the shape `Provenance.to_record` writes
     (``config`` a string or null, ``fingerprints`` and ``execution`` maps with string keys),
     or ``None``."""
     if not isinstance(record, Mapping):
@@ -138,7 +138,7 @@ def compare(expected: Provenance, recorded: Mapping[str, Any] | None
 def check(storage: Storage, expected: Provenance, recorded: Mapping[str, Any] | None, *,
           step: int, mode: ProvenanceMode = "exact") -> list[dict[str, Any]]:
     """Check ``expected`` against a checkpoint's recorded provenance.  Returns the accepted
-    execution changes (for the next checkpoint); raises :class:`ProvenanceMismatchError` and
+    execution changes (for the next checkpoint); raises `ProvenanceMismatchError` and
     writes a diagnostic record when the resume must be refused."""
     if mode not in ("exact", "execution_change"):
         raise ValueError(f"provenance mode must be 'exact' or 'execution_change', got {mode!r}")

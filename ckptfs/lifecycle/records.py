@@ -11,7 +11,7 @@ relies on.  So a record named ``best`` lives as::
     lifecycle/best/gen-000000000002.json      <- current: the highest generation that parses
 
 A writer reads the current generation ``g`` and creates ``g + 1`` exclusively; if another writer
-created it first the write fails with :class:`~ckptfs.errors.CheckpointExistsError` instead of
+created it first the write fails with `CheckpointExistsError` instead of
 silently overwriting (the caller re-reads and retries).  A reader lists the directory (one
 request, caches bypassed) and reads the highest generation: a crash mid-write never leaves a torn
 record, because a generation appears whole (single-request create) or not at all.  Old
@@ -56,7 +56,7 @@ def parse_json(data: bytes, where: str) -> Any:
     """Parse store content written by ckptfs as JSON, strictly: ``NaN``/``Infinity`` (never
     written: records are dumped with ``allow_nan=False``), nesting deep enough to exhaust the
     interpreter's recursion and integers beyond Python's digit limit all raise
-    :class:`CorruptRecordError` naming ``where``, never a raw ``RecursionError``/``ValueError``."""
+    `CorruptRecordError` naming ``where``, never a raw ``RecursionError``/``ValueError``."""
     def no_constant(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
@@ -138,7 +138,7 @@ class RecordLog:
 
     def write(self, doc: Mapping[str, Any], *, expect_generation: int | None) -> Record:
         """Create generation ``expect_generation + 1`` (1 if ``None``) with ``doc``.  Raises
-        :class:`CheckpointExistsError` if another writer got there first."""
+        `CheckpointExistsError` if another writer got there first."""
         gen = (expect_generation or 0) + 1
         try:
             data = json.dumps(dict(doc), sort_keys=True, allow_nan=False).encode()

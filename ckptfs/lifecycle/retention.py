@@ -1,16 +1,16 @@
 """Which committed checkpoints to keep, the running-best tracker, and pruning.
 
-Retention is a pure decision (:func:`plan_retention`) over the committed steps, executed by
-:func:`prune`.  The rules, all of which *keep* (a step is deleted only if no rule keeps it):
+Retention is a pure decision (`plan_retention`) over the committed steps, executed by
+`prune`.  The rules, all of which *keep* (a step is deleted only if no rule keeps it):
 
 - the newest committed checkpoint, always (the one a crash-resume needs);
 - ``keep_last`` N: the N newest committed steps (``None``: keep all);
 - ``keep_every`` K: every step divisible by K (milestones);
-- the running-best pool (:class:`BestTracker`);
+- the running-best pool (`BestTracker`);
 - protected steps (e.g. the checkpoint the run resumed from).
 
 Pruning runs only after a new checkpoint has committed (the manager calls it after ``save``
-returns), deletes oldest first, and goes through :meth:`CheckpointStore.delete`, which removes
+returns), deletes oldest first, and goes through `CheckpointStore.delete`, which removes
 the marker first: a prune killed half-way leaves a step that reads as *incomplete*, never one
 that reads as committed with files missing.
 
@@ -19,7 +19,7 @@ strict improvement over every earlier value of the metric (``None`` and NaN neve
 recent last.  When the pool overflows, its oldest entry leaves the pool; that checkpoint is then
 deleted by the next prune only if no other rule keeps it (a best that is also a milestone
 stays).  The tracker is persisted in the store as an atomically written record
-(:mod:`ckptfs.lifecycle.records`: exclusive creation of the next generation, on every backend).
+(`ckptfs.lifecycle.records`: exclusive creation of the next generation, on every backend).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def plan_retention(steps: Iterable[int], policy: RetentionPolicy, *,
 
 @dataclass
 class PruneReport:
-    """What :func:`prune` did.  ``refused`` says why nothing was deleted when the newest
+    """What `prune` did.  ``refused`` says why nothing was deleted when the newest
     committed checkpoint fails its quick verify (the older ones are then its only fallbacks);
     ``already_gone`` lists steps another process deleted first (not a failure)."""
 
@@ -147,7 +147,7 @@ class PruneReport:
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> PruneReport:
-        """The report :meth:`as_dict` wrote (sent to the other ranks of a distributed job)."""
+        """The report `as_dict` wrote (sent to the other ranks of a distributed job)."""
         plan = RetentionPlan({int(k): list(v) for k, v in doc["keep"].items()},
                              [int(s) for s in doc["delete"]])
         return cls(plan, [int(s) for s in doc["deleted"]], bool(doc["dry_run"]),
@@ -254,7 +254,7 @@ def metric_value(value: object, *, key: str = "metric") -> float | None:
     an integer or floating dtype, and anything else real with ``__float__`` (``Decimal``,
     ``Fraction``).  Booleans (a comparison result, not a measurement), complex numbers, strings,
     multi-element tensors or arrays and ints too large for a float raise
-    :class:`~ckptfs.UnsupportedValueError`.  NaN and infinities are returned as such: the caller
+    `UnsupportedValueError`.  NaN and infinities are returned as such: the caller
     decides (the best tracker never lets them in)."""
     what = f"metric {key!r}"
     if value is None:
@@ -310,7 +310,7 @@ def record_metrics(metrics: Mapping[str, Any] | None, tracked: str | None = None
     """The metrics as recorded in the manifest: real scalars (tensors, NumPy scalars included)
     as floats, NaN/inf as ``None``; booleans, ``None`` and strings as they are.  Anything else
     (a multi-element tensor, a complex number, a list) raises
-    :class:`~ckptfs.UnsupportedValueError`, as does a ``tracked`` (best) metric that is not a
+    `UnsupportedValueError`, as does a ``tracked`` (best) metric that is not a
     real scalar or ``None``: checked before anything is written."""
     if metrics is None:
         return {}
@@ -348,8 +348,8 @@ class BestTracker:
 
     def value_of(self, metrics: Mapping[str, Any] | None) -> float | None:
         """The tracked metric of ``metrics`` as a float, or ``None`` (absent).  Raises
-        :class:`~ckptfs.UnsupportedValueError` if it is not a real scalar (see
-        :func:`metric_value`): the manager calls this before committing a save."""
+        `UnsupportedValueError` if it is not a real scalar (see
+        `metric_value`): the manager calls this before committing a save."""
         if metrics is None:
             return None
         return metric_value(metrics.get(self.config.metric), key=self.config.metric)
@@ -412,7 +412,7 @@ class BestTracker:
         """Adopt a persisted record.  Entries whose checkpoint no longer exists are dropped
         (self-heal); a flipped ``mode`` discards the high-water mark with a warning but keeps
         the pool; a different metric name starts over.  A record of the wrong shape raises
-        :class:`~ckptfs.lifecycle.records.CorruptRecordError` (see :func:`check_best_doc`)."""
+        `CorruptRecordError` (see `check_best_doc`)."""
         doc = check_best_doc(doc, where)
         if doc.get("metric") != self.config.metric:
             log.warning("%s: best record tracks %r, this run tracks %r: starting a new pool",
@@ -450,7 +450,7 @@ def check_best_doc(doc: object, where: str = "") -> dict[str, Any]:
     """Validate a persisted best record; returns it as a dict.  Anything of the wrong shape (a
     pool that is not a list of ``{"step": int, "value": finite number}``, a non-finite or
     non-numeric high-water mark, an unknown mode, a newer version) raises
-    :class:`~ckptfs.lifecycle.records.CorruptRecordError` naming ``where``: retention must not
+    `CorruptRecordError` naming ``where``: retention must not
     guess which checkpoints a damaged record protects."""
     def bad(why: str) -> CorruptRecordError:
         return CorruptRecordError(
@@ -488,7 +488,7 @@ def check_best_doc(doc: object, where: str = "") -> dict[str, Any]:
 
 def read_best(store: CheckpointStore) -> dict[str, Any] | None:
     """The persisted best record of a store (``None`` if the run never tracked one), validated
-    by :func:`check_best_doc`."""
+    by `check_best_doc`."""
     rec = RecordLog(store.storage, BEST_RECORD).read()
     if rec is None:
         return None
@@ -497,14 +497,14 @@ def read_best(store: CheckpointStore) -> dict[str, Any] | None:
 
 def best_steps_of(doc: Mapping[str, Any] | None, where: str = "") -> list[int]:
     """The steps of a best record's pool; a malformed record raises
-    :class:`~ckptfs.lifecycle.records.CorruptRecordError`."""
+    `CorruptRecordError`."""
     if doc is None:
         return []
     return [int(e["step"]) for e in check_best_doc(doc, where).get("pool") or []]
 
 
 class BestPool:
-    """A run's running-best pool as the manager keeps it: the :class:`BestTracker` (None
+    """A run's running-best pool as the manager keeps it: the `BestTracker` (None
     without ``best=``), persisted in the store's ``best`` record and replayed from the
     committed manifests' metrics for steps the record has not seen (a crash between a commit
     and the record's update, or a lost record).  ``steps``: the committed steps to replay
@@ -521,7 +521,7 @@ class BestPool:
         self.loaded = False
 
     def ensure_loaded(self) -> None:
-        """Read the record and replay what it missed, once (again after :meth:`reload`)."""
+        """Read the record and replay what it missed, once (again after `reload`)."""
         if self.loaded or self.tracker is None:
             self.loaded = True
             return

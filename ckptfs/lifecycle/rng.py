@@ -14,7 +14,7 @@ tree::
 
 and the checkpoint holds one such entry per rank: ``{"world_size": W, "ranks": {0: ..., 1: ...}}``.
 
-On resume with a different world size (:func:`restore_for_rank`): a rank that has a saved state
+On resume with a different world size (`restore_for_rank`): a rank that has a saved state
 gets it; a *new* rank (beyond the saved world size) is reseeded deterministically from the run
 seed and its rank through a SplitMix64 mix, so neighbouring ranks get uncorrelated streams and a
 rerun reseeds identically; a checkpoint that lacks some ranks' states (a partial gather) is
@@ -68,9 +68,9 @@ def capture() -> dict[str, Any]:
 
 
 def restore(state: Mapping[str, Any]) -> None:
-    """Set the process's RNG states from :func:`capture`'s output.  Generators absent from
+    """Set the process's RNG states from `capture`'s output.  Generators absent from
     ``state`` (NumPy not installed when saved, no CUDA then) are left alone, with a log line.
-    A malformed state raises :class:`RngStateError`, never a raw ``KeyError``/``TypeError``."""
+    A malformed state raises `RngStateError`, never a raw ``KeyError``/``TypeError``."""
     try:
         _restore(state)
     except RngStateError:
@@ -141,7 +141,7 @@ def seed_all(seed: int) -> None:
 
 @dataclass
 class RestoreOutcome:
-    """What :func:`restore_for_rank` did, for logs and tests."""
+    """What `restore_for_rank` did, for logs and tests."""
 
     rank: int
     action: str  # "restored" | "reseeded-new-rank" | "reseeded-missing"
@@ -163,11 +163,11 @@ def restore_for_rank(entry: Mapping[str, Any] | None, *, rank: int, world_size: 
     """Restore this rank's RNG from a checkpoint's RNG entry, handling world-size changes.
 
     - the rank has a saved state: it is restored;
-    - the rank is new (``rank >= saved world size``): reseeded with :func:`rank_seed` and a
+    - the rank is new (``rank >= saved world size``): reseeded with `rank_seed` and a
       warning says how the global batch size changed;
     - fewer ranks than saved: the extra states are ignored, with an info message;
     - the checkpoint lacks some ranks' states: they are named in a warning; this rank, if among
-      them, is reseeded (or, with ``strict``, :class:`RngStateError` is raised).
+      them, is reseeded (or, with ``strict``, `RngStateError` is raised).
     """
     if entry is None:
         seed = rank_seed(run_seed, rank)
@@ -217,7 +217,7 @@ MAX_WORLD_SIZE = 1 << 24
 
 
 def check_entry(entry: object) -> tuple[int, dict[int, Any]]:
-    """(saved world size, rank -> state) of a checkpoint's RNG entry; :class:`RngStateError`
+    """(saved world size, rank -> state) of a checkpoint's RNG entry; `RngStateError`
     for an entry of the wrong shape (hostile or edited content), never a raw error or a loop
     over a world size of 10**12."""
     def bad(why: str) -> RngStateError:

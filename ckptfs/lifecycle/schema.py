@@ -1,4 +1,4 @@
-"""What a :class:`~ckptfs.CheckpointManager` checkpoint holds: the state entries it reserves,
+"""What a `CheckpointManager` checkpoint holds: the state entries it reserves,
 the shape of its own entries, and the manifest metadata it writes.  Shared by the one manager
 body in every mode (one process, or every rank of a process group), by its checks on resume and
 by the tools that read a run (docs/lifecycle.md section 1).
@@ -13,7 +13,7 @@ The state tree::
 
 ``model``/``optimizer`` are ``state_dict()``s in a one-process save and DCP state dicts
 (``get_state_dict``: parameters by name, optimizer state keyed by parameter name) in a collective
-one, which ``manager.state_dicts == "dcp"`` marks (:data:`DCP_STATE_DICTS`).
+one, which ``manager.state_dicts == "dcp"`` marks (`DCP_STATE_DICTS`).
 
 The manifest metadata (readable without loading the state; used by resume and the CLI):
 ``trainer`` counters, finite ``metrics`` (one value per name for the whole job),
@@ -127,7 +127,7 @@ def checkpoint_metadata(*, trainer: TrainerState, metrics: Mapping[str, Any], wo
 
 def merge_rank_metrics(per_rank: Sequence[tuple[int, Mapping[str, Any]]]) -> dict[str, Any]:
     """One set of metrics for the checkpoint from each rank's recorded metrics
-    (:func:`~ckptfs.lifecycle.retention.record_metrics`): the union, so a metric given on one
+    (`record_metrics`): the union, so a metric given on one
     rank only (an evaluation on the last pipeline stage) is recorded and tracked.  A metric
     given on several ranks must have the same recorded value on each, else ``ValueError``
     naming the ranks and values (never one rank's value chosen silently)."""
@@ -155,7 +155,7 @@ def _is_int(value: object) -> bool:
 
 def check_manager_entries(state: Mapping[Any, Any], where: str, step: int) -> None:
     """The ``trainer`` and ``manager`` entries of a loaded state have the shape the manager
-    writes, else :class:`~ckptfs.CorruptCheckpointError` (never a raw ``TypeError`` from
+    writes, else `CorruptCheckpointError` (never a raw ``TypeError`` from
     restoring them)."""
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: {why}; this checkpoint was not written by "

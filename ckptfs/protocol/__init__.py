@@ -1,8 +1,8 @@
 """The commit protocol over the narrow storage interface: writing an attempt and creating its
-marker last (:mod:`.commit`), resolving committed steps and "latest" by listing
-(:mod:`.resolve`), verified loading (:mod:`.reader`) and the user-facing
-:class:`~ckptfs.protocol.store.CheckpointStore` (:mod:`.store`).
+marker last (`.commit`), resolving committed steps and "latest" by listing
+(`.resolve`), verified loading (`.reader`) and the user-facing
+`CheckpointStore` (`.store`).
 
-Imports :mod:`ckptfs.format` and :mod:`ckptfs.storage`; never the lifecycle, the CLI or an
+Imports `ckptfs.format` and `ckptfs.storage`; never the lifecycle, the CLI or an
 integration.
 """

@@ -2,15 +2,15 @@
 
 Design decision: **plan on the caller's thread with the serializer, copy exactly the plan's
 tensors, then commit the plan on one background thread per store.**  The serializer's plan
-(:func:`ckptfs.protocol.commit.plan_v1`) already holds everything but the tensors' bytes as
+(`ckptfs.protocol.commit.plan_v1`) already holds everything but the tensors' bytes as
 bytes (the tree and every non-tensor value, extension types included, encoded into
 ``state.msgpack``) and the tensors themselves, one per distinct tensor by the serializer's own
-identity (:func:`ckptfs.format.serialize.tensor_identity`).  Those tensors are copied into
-staging buffers (:mod:`ckptfs.protocol.staging`) and the plan is rebound to the copies
-(:meth:`~ckptfs.format.serialize.StatePlan.rebind`), so the background save writes exactly the
+identity (`ckptfs.format.serialize.tensor_identity`).  Those tensors are copied into
+staging buffers (`ckptfs.protocol.staging`) and the plan is rebound to the copies
+(`rebind`), so the background save writes exactly the
 bytes the synchronous save would have written at the time of the call, and after
-:meth:`~ckptfs.CheckpointStore.save_async` returns nothing of the caller's objects is read
-again.  The background thread runs the unchanged commit (:func:`ckptfs.protocol.commit.save_plan`):
+`save_async` returns nothing of the caller's objects is read
+again.  The background thread runs the unchanged commit (`ckptfs.protocol.commit.save_plan`):
 one commit protocol and one proof (a background failure leaves no marker, exactly as a failed
 synchronous save does).
 
@@ -31,18 +31,18 @@ synchronous save does).
 The staging pool keeps one buffer per tensor of the last snapshot(s), so a run that saves the
 same shapes allocates nothing after its first save.  Extra memory is one copy of the state's
 tensors per save in flight (``max_in_flight``, default 1), held until
-:meth:`~ckptfs.CheckpointStore.close`.
+`close`.
 
 At interpreter exit (before ``concurrent.futures`` stops accepting work, so the commit can still
 use its writer threads) pending saves are completed and a failure nobody collected is logged as
 an error: never silent.  A killed process leaves an attempt without a marker, which readers skip
 and garbage collection removes.  A process forked while saves are in flight (a data-loader
 worker, say) starts with none: in the child, the parent's pending futures fail with
-:class:`~ckptfs.AsyncSaveError` (the parent completes them) and the store works as new.
+`AsyncSaveError` (the parent completes them) and the store works as new.
 
 Sharded states (several ranks, one commit) are saved through ``dcp.async_save``:
-:mod:`ckptfs.protocol.async_sharded`, which uses the saver's small internal API (the methods of
-:class:`AsyncSaver` without a leading underscore) and nothing else of this module.  See
+`ckptfs.protocol.async_sharded`, which uses the saver's small internal API (the methods of
+`AsyncSaver` without a leading underscore) and nothing else of this module.  See
 docs/async.md.
 """
 
@@ -116,7 +116,7 @@ class AsyncStats:
 def _plan(store: CheckpointStore, step: int, state: Mapping[str, Any],
           metadata: Mapping[str, Any] | None) -> tuple[StatePlan, dict[str, Any]]:
     """The serializer's plan of ``state`` and the manifest metadata, with everything
-    :func:`~ckptfs.protocol.commit.save_plan` would refuse before writing checked now, so that
+    `save_plan` would refuse before writing checked now, so that
     ``save_async`` itself raises it (a value the format cannot hold, naming its key path; bad
     metadata; a manifest too large to be read).  The metadata is a deep copy (plain JSON)."""
     check_step(step)
@@ -176,7 +176,7 @@ def _add_note(exc: BaseException, text: str) -> None:
 
 class SaveFuture(Future[CheckpointInfo]):
     """The future of one async save: ``result()`` is the committed
-    :class:`~ckptfs.CheckpointInfo` or raises what went wrong.  A failure read through
+    `CheckpointInfo` or raises what went wrong.  A failure read through
     ``result()`` or ``exception()`` counts as collected: the store's next call does not raise
     it again."""
 
@@ -206,7 +206,7 @@ class SaveFuture(Future[CheckpointInfo]):
 
     def fail_in_forked_child(self, parent: int) -> None:
         """In a process forked while this save was pending: the save runs in the parent only,
-        so here it fails with :class:`AsyncSaveError` (counted as collected).  The threads
+        so here it fails with `AsyncSaveError` (counted as collected).  The threads
         that could hold this future's lock at the fork do not exist here: it gets a new one.
         Its done callbacks are the parent's (they run there when the save ends), not run here:
         this runs inside ``os.fork()``, and the save did not fail."""
@@ -234,11 +234,11 @@ class AsyncSaver:
     """The async-save machinery of one store.  Holds no reference to the store (it lives in a
     weak mapping keyed by the store), only what the background saves need.
 
-    The internal API of the collective form (:mod:`ckptfs.protocol.async_sharded`), in call
-    order: :meth:`check_step_free`, :meth:`wait_for_slot`, :meth:`raise_uncollected`,
-    :attr:`pool` (staging), :meth:`track` (the future of a submitted save),
-    :meth:`record_blocked`, then on the thread that runs the save :meth:`settle` inside
-    :meth:`background_thread`.  (It imports nothing of this module at run time: no cycle.)"""
+    The internal API of the collective form (`ckptfs.protocol.async_sharded`), in call
+    order: `check_step_free`, `wait_for_slot`, `raise_uncollected`,
+    `pool` (staging), `track` (the future of a submitted save),
+    `record_blocked`, then on the thread that runs the save `settle` inside
+    `background_thread`.  (It imports nothing of this module at run time: no cycle.)"""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -300,7 +300,7 @@ class AsyncSaver:
     def track(self, step: int) -> SaveFuture:
         """A new future of a save of ``step``, counted as submitted: ``wait``, ``close``, the
         next call's re-raise and the exit hook follow it (the collective form's futures,
-        resolved by :meth:`settle`)."""
+        resolved by `settle`)."""
         fut = SaveFuture(step, self.url)
         with self._lock:
             self._futures.append(fut)
@@ -343,7 +343,7 @@ class AsyncSaver:
     def background_thread(self) -> Iterator[None]:
         """Marks the current thread as running this saver's background save: ``save_async``,
         ``wait`` and ``close`` of the store called from it (a done callback) raise
-        :class:`AsyncSaveError` instead of waiting for themselves."""
+        `AsyncSaveError` instead of waiting for themselves."""
         _worker.saver = self
         try:
             yield
@@ -406,7 +406,7 @@ class AsyncSaver:
     def close(self) -> None:
         """Flush (raising uncollected failures), then stop the thread and free the pool.
         From the background thread itself (a done callback) it raises
-        :class:`AsyncSaveError` before touching anything."""
+        `AsyncSaveError` before touching anything."""
         self._check_not_worker("close")
         try:
             self.wait()
@@ -450,7 +450,7 @@ class AsyncSaver:
 
     def after_fork_in_child(self, parent: int) -> None:
         """In a forked child: no thread of the parent exists here.  Fresh locks, no executor,
-        an empty pool; the parent's pending saves fail here (:meth:`SaveFuture.
+        an empty pool; the parent's pending saves fail here (`SaveFuture.
         fail_in_forked_child`) and every future of the parent is forgotten, so the child's
         ``save``, ``wait``, ``close`` and exit never wait for them nor raise their errors."""
         self._submit_lock = threading.Lock()
@@ -584,7 +584,7 @@ def _at_exit() -> None:
 
 
 def _register_exit_hook() -> None:
-    """Run :func:`_at_exit` before ``concurrent.futures`` shuts its executors down (after which
+    """Run `_at_exit` before ``concurrent.futures`` shuts its executors down (after which
     the commit could not start its writer threads): ``threading._register_atexit`` hooks run in
     reverse order of registration, and ``concurrent.futures.thread`` registered its own when it
     was imported, before this module.  ``atexit`` is the fallback."""
@@ -605,7 +605,7 @@ def _register_exit_hook() -> None:
 
 def _after_fork_in_child() -> None:
     """``os.fork()`` copies this module's state but only the forking thread: reset every
-    saver (see :meth:`AsyncSaver.after_fork_in_child`) and the registry's lock, which a thread
+    saver (see `AsyncSaver.after_fork_in_child`) and the registry's lock, which a thread
     of the parent may have held.  The exit hook stays registered (it then has nothing to do
     for the parent's saves)."""
     global _SAVERS_LOCK

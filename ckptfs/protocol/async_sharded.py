@@ -1,10 +1,10 @@
 """Asynchronous saves of sharded states (several ranks, one commit): the collective form of
-:meth:`~ckptfs.CheckpointStore.save_async`.
+`save_async`.
 
 Design decision: **ckptfs snapshots, DCP runs the save, ckptfs's writer commits.**  Every rank
 snapshots its part of the state on the caller's thread, then hands the snapshot to
 ``torch.distributed.checkpoint.async_save`` (thread mode) with
-:class:`~ckptfs.protocol.sharded_io.ShardedWriter` and the pickle-free planner: planning,
+`ShardedWriter` and the pickle-free planner: planning,
 writing, hashing and the one exclusive marker (by the coordinator, after every rank reported)
 run on DCP's thread exactly as in a synchronous sharded save.
 
@@ -12,22 +12,22 @@ The snapshot is the state's DCP view with nothing of the caller's left in it, be
 (and so reads every value) on its own thread:
 
 * every tensor and every DTensor's local shard is copied into the store's staging pool
-  (:func:`ckptfs.protocol.staging.stage`), once per distinct tensor by the serializer's identity
-  (:func:`ckptfs.format.serialize.tensor_identity`); a DTensor is rebuilt around its staged
+  (`ckptfs.protocol.staging.stage`), once per distinct tensor by the serializer's identity
+  (`ckptfs.format.serialize.tensor_identity`); a DTensor is rebuilt around its staged
   shard with the same spec;
 * containers are rebuilt; plain immutable values are shared;
 * every other value (a NumPy array, a set, a ``Namespace``, a registered dataclass or
   container, with the tensors inside it) is replaced by its own copy, decoded from the bytes the
-  format stores for it (:func:`ckptfs.format.sharded.encode_value` then ``decode_value``), so
+  format stores for it (`ckptfs.format.sharded.encode_value` then ``decode_value``), so
   DCP's planner encodes, on its thread, a value that only it holds.  A value the format cannot
   hold is left in place: the planner refuses it inside DCP, on every rank together.
 
 The collectives run on a gloo group of the store's own (created once per store, collectively),
 never on the training loop's group (sharing it hung) nor on the synchronous saves' group; a
 store's sharded saves run one after the other on it.  The returned
-:class:`~ckptfs.protocol.async_save.SaveFuture` is the store's like any other: back-pressure,
+`SaveFuture` is the store's like any other: back-pressure,
 ``wait``/``close``, re-raised uncollected failures and the exit hook all apply, through the
-saver's internal API (:class:`~ckptfs.protocol.async_save.AsyncSaver`).  See docs/async.md.
+saver's internal API (`AsyncSaver`).  See docs/async.md.
 """
 
 from __future__ import annotations
@@ -188,8 +188,8 @@ class _Slot:
 
 
 class _Snapshot:
-    """The snapshot of a DCP view (module docstring), in two steps: :meth:`walk` copies every
-    value and collects the tensors to stage (one per :func:`tensor_identity`), :meth:`fill`
+    """The snapshot of a DCP view (module docstring), in two steps: `walk` copies every
+    value and collects the tensors to stage (one per `tensor_identity`), `fill`
     puts the staged copies in their places."""
 
     def __init__(self) -> None:

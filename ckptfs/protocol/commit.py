@@ -6,7 +6,7 @@ Rename is not atomic on object stores (it is copy + delete), so it cannot be the
 making the marker the commit everywhere keeps one protocol and one proof.
 
 Every writer (the single-process save, the coordinator of a sharded save, ``ckptfs cp``, the
-background thread of an async save) goes through one object, an :class:`Attempt`::
+background thread of an async save) goes through one object, an `Attempt`::
 
     attempt = Attempt.open(storage, step, algorithm=..., durable=...)   # 1, 2
     entry = attempt.write_file("tensors-00000.safetensors", size, chunks) # 3 (any rank)
@@ -17,15 +17,15 @@ background thread of an async save) goes through one object, an :class:`Attempt`
    time + 64 random bits), so its files can never mix with a crashed earlier attempt or a
    concurrent writer of the same step (a zombie job and its replacement).  On local disk the
    attempt is written under a hidden ``.tmp-`` name.  Other ranks of a sharded save get a
-   handle on the same attempt with :meth:`Attempt.join` (no I/O).
-2. Before anything is written, a writer that knows its files' sizes calls :meth:`Attempt.check`
+   handle on the same attempt with `Attempt.join` (no I/O).
+2. Before anything is written, a writer that knows its files' sizes calls `Attempt.check`
    with a manifest of placeholder digests: every reader limit (manifest and marker size,
-   documents a reader bounds: :mod:`ckptfs.format.versions`) is checked, so a checkpoint a
+   documents a reader bounds: `ckptfs.format.versions`) is checked, so a checkpoint a
    reader would refuse fails here.
 3. ``write_file`` streams a file into the attempt, hashing every byte from memory as it is
    written (on a helper thread), fsyncing it when durable (large files also along the way:
-   :class:`EarlyFlush`), repeated from its first byte under the storage's bounded retries
-   (:class:`~ckptfs.storage.base.Retrying`).  Nothing written is read back.
+   `EarlyFlush`), repeated from its first byte under the storage's bounded retries
+   (`Retrying`).  Nothing written is read back.
 4. ``commit`` checks the final manifest again with the reader's own decoder (so nothing is
    committed that a reader refuses, for every writer), writes ``MANIFEST.json``, renames the
    attempt into place (local disk), makes every directory entry leading to its files durable
@@ -38,7 +38,7 @@ background thread of an async save) goes through one object, an :class:`Attempt`
 The outcome of the marker request itself can be ambiguous; it is settled here, once: the
 marker is re-read, and if it names this attempt the commit succeeded (a retried request whose
 first try took effect); if another writer's marker is there, this attempt is discarded and
-:class:`CheckpointExistsError` raised; if the outcome is unknown, the attempt is kept (a marker
+`CheckpointExistsError` raised; if the outcome is unknown, the attempt is kept (a marker
 may still name it) and the error propagates.  A crash before step 4 leaves an uncommitted
 attempt that readers skip and garbage collection removes.
 """
@@ -107,7 +107,7 @@ MAX_HASH_LEAD = 256 * 1024 * 1024
 #: Largest slice handed to one ``write`` call.
 WRITE_SLICE = 16 * 1024 * 1024
 #: A durable write is flushed to disk in the background each time this many more bytes were
-#: written (see :class:`EarlyFlush`).
+#: written (see `EarlyFlush`).
 FLUSH_STEP = 64 * 1024 * 1024
 
 #: The most bytes a save's parallel streaming writes may hold in buffers at once (object
@@ -147,7 +147,7 @@ class WrittenFile:
     digest: str
     pieces: tuple[str, ...] = ()
     #: ``(algorithm, hex)`` of the whole-object checksums the store keeps
-    #: (:class:`~ckptfs.storage.base.ServerChecksums`), computed in the same pass as the digest.
+    #: (`ServerChecksums`), computed in the same pass as the digest.
     store_checksums: tuple[tuple[str, str], ...] = ()
 
     def entry(self, algorithm: str) -> FileEntry:
@@ -158,8 +158,8 @@ class WrittenFile:
     def chunked_entry(self, algorithm: str, lengths: Sequence[int], rank: int | None = None
                       ) -> ChunkedFileEntry:
         """Its chunked (format v2-v4) entry, written by pieces of ``lengths`` (those given to
-        :meth:`Attempt.write_file`), with the store checksums: every writer's entries carry
-        them through here or :meth:`entry`."""
+        `Attempt.write_file`), with the store checksums: every writer's entries carry
+        them through here or `entry`."""
         out, pos = [], 0
         for length, hexd in zip(lengths, self.pieces, strict=True):
             out.append(Chunk(pos, length, hexd))
@@ -170,12 +170,12 @@ class WrittenFile:
 
 class EarlyFlush:
     """While a durable file is streamed, a helper thread fsyncs what is written so far each
-    time another :data:`FLUSH_STEP` bytes were written, so the data goes to disk during the
+    time another `FLUSH_STEP` bytes were written, so the data goes to disk during the
     write instead of all at once in the final ``fsync`` (which still runs, last, and is what
     makes the file durable).  Bounding the dirty data also keeps the writes themselves fast:
     measured here, two processes each writing 512 MiB + fsync took 0.44 s instead of 0.65 s.
 
-    Use as a context manager around the writes; :meth:`finish` before the final ``fsync``
+    Use as a context manager around the writes; `finish` before the final ``fsync``
     waits for a flush in flight and raises its error (the kernel reports a write-back error
     to one ``fsync`` only, so an early one's must not be lost).  Disabled (no thread) for
     small or non-durable files."""
@@ -242,8 +242,8 @@ def _hex(algorithm: str, data: memoryview | bytes) -> str:
 class Attempt:
     """One attempt at committing one step: open, write files, commit; or discard.
 
-    Use :meth:`open` (the writer that commits) or :meth:`join` (another rank writing into the
-    same attempt).  As a context manager, leaving on an exception before :meth:`commit`
+    Use `open` (the writer that commits) or `join` (another rank writing into the
+    same attempt).  As a context manager, leaving on an exception before `commit`
     discards what was written (best effort; garbage collection removes what a crash leaves)."""
 
     def __init__(self, storage: Storage, step: int, name: str, *, algorithm: str,
@@ -272,7 +272,7 @@ class Attempt:
     @classmethod
     def open(cls, storage: Storage, step: int, *, algorithm: str = DEFAULT_ALGORITHM,
              durable: bool = True) -> Attempt:
-        """Start a new attempt of ``step``: :class:`CheckpointExistsError` if the step is
+        """Start a new attempt of ``step``: `CheckpointExistsError` if the step is
         already committed; else a fresh attempt name and its (hidden, on local disk)
         directory."""
         check_step(step)
@@ -310,7 +310,7 @@ class Attempt:
     def check(self, manifest: Manifest, **writer: Any) -> None:
         """Refuse now, before any byte is written, a checkpoint a reader would refuse:
         ``manifest`` is the one this attempt will commit, with placeholder digests of the right
-        length (:func:`placeholder_digest`)."""
+        length (`placeholder_digest`)."""
         if manifest.step != self.step or manifest.attempt != self.name:
             raise AssertionError("the manifest is not this attempt's")  # pragma: no cover
         check_manifest(manifest, writer_identity(**writer))
@@ -373,7 +373,7 @@ class Attempt:
 
     def write_files(self, files: Sequence[tuple[str, int, Chunks]], *, threads: int,
                     hash_lead: int = MAX_HASH_LEAD) -> list[WrittenFile]:
-        """:meth:`write_file` of each ``(relpath, size, chunks)`` (whole-file digests), several
+        """`write_file` of each ``(relpath, size, chunks)`` (whole-file digests), several
         at once (bounded by ``threads`` and the storage's write-memory budget)."""
         n = write_streams(self.storage, threads, len(files))
         if n <= 1:
@@ -474,7 +474,7 @@ class Attempt:
                             storage_url(self.storage, d), exc_info=True)
 
     def reread(self) -> CheckpointInfo:
-        """The committed checkpoint as a reader sees it (after :meth:`commit`)."""
+        """The committed checkpoint as a reader sees it (after `commit`)."""
         return read_committed(self.storage, self.step)
 
 
@@ -499,14 +499,14 @@ def subdirectories(relpaths: Iterable[str]) -> list[str]:
 
 
 def placeholder_digest(algorithm: str) -> str:
-    """A digest of the right length, for :meth:`Attempt.check` before the real one is known."""
+    """A digest of the right length, for `Attempt.check` before the real one is known."""
     return digest_bytes(algorithm, b"")
 
 
 def check_manifest(manifest: Manifest, writer: Mapping[str, Any]) -> bytes:
-    """Encode ``manifest`` and refuse it, with :class:`~ckptfs.UnsupportedValueError`, if a
+    """Encode ``manifest`` and refuse it, with `UnsupportedValueError`, if a
     reader would refuse it or the marker that commits it (every limit of
-    :mod:`ckptfs.format.limits`, decoded by the reader's own decoder).  Returns its bytes."""
+    `ckptfs.format.limits`, decoded by the reader's own decoder).  Returns its bytes."""
     mbytes = manifest.to_bytes()
     check_committable(manifest, mbytes, where=f"MANIFEST.json of step {manifest.step}")
     marker = Marker(manifest.step, manifest.attempt,
@@ -530,7 +530,7 @@ def plan_v1(state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None,
 
 
 def check_plan(step: int, plan: StatePlan, meta: Mapping[str, Any], algorithm: str) -> None:
-    """:meth:`Attempt.check` of a planned v1 save, without opening an attempt (an async save
+    """`Attempt.check` of a planned v1 save, without opening an attempt (an async save
     checks on the caller's thread, before it returns)."""
     check_manifest(v1_manifest(step, new_attempt_name(), algorithm, meta, now_text(),
                                [(pf.path, pf.size, placeholder_digest(algorithm))

@@ -1,19 +1,19 @@
 """Copying a committed checkpoint to another store (``ckptfs cp``), under the commit protocol.
 
 Design decision: **a copy is a new save of the same bytes, not a file transfer.**  It opens an
-:class:`~ckptfs.protocol.commit.Attempt` at the destination (a fresh attempt name, never the
+`Attempt` at the destination (a fresh attempt name, never the
 source's: an interrupted earlier copy, or a concurrent one, can then never share a path with
 this one), streams every file from the source through it (hashed while written, as every save
 is), and refuses a file whose size or digest differs from the source's manifest before anything
 is committed.  Before anything is written at the destination, the source is checked as a load
-checks it (:func:`~ckptfs.protocol.formats.check_checkpoint`: the listing, every document
+checks it (`check_checkpoint`: the listing, every document
 decoded, every tensor file's header), so copying a source that a reader refuses fails with the
 error the load raises and commits nothing.  Then it commits the source manifest with only
 ``attempt`` changed (files, digests, metadata, ``created`` are the source's), so a copy is
 either committed whole or absent, and every reader limit is checked by the same commit as any
 save.  A destination step that is already committed is left alone: the copy succeeds only if it
 holds the same content (same files with the same digests, same metadata), else
-:class:`~ckptfs.errors.CheckpointExistsError`.
+`CheckpointExistsError`.
 
 An incremental checkpoint (format v3, docs/protocol.md §9) references files of other attempts
 of its run, which the destination does not have.  Its copy is a v3 checkpoint that holds every
@@ -24,7 +24,7 @@ byte it uses itself, or references only the destination's own committed checkpoi
   them in one file, under the same names and the same digests (same algorithm, length, dtype
   and shape), becomes a reference to that file at the destination (decided by digest, as an
   incremental save decides; that checkpoint is the copy's *protector*, fenced before the marker
-  exactly as a save's: :func:`ckptfs.protocol.incremental.index_of`, ``Attempt.commit(fence=)``);
+  exactly as a save's: `ckptfs.protocol.incremental.index_of`, ``Attempt.commit(fence=)``);
 * else a source's own file is copied byte for byte, and a reference is *materialized*: a file
   of the destination attempt named by the reference's ``path``, holding exactly the tensors the
   state reads there (a new safetensors header over them, then their bytes, each tensor one
@@ -33,7 +33,7 @@ byte it uses itself, or references only the destination's own committed checkpoi
 
 The state document is copied unchanged: its slots name files by ``path`` and tensors by name,
 and both are kept.  A source byte that differs from its digest (own file or referenced chunk)
-fails the copy with :class:`~ckptfs.errors.CorruptCheckpointError` before anything commits.
+fails the copy with `CorruptCheckpointError` before anything commits.
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
     manifest records the destination store's own checksums of the files it wrote, computed
     while writing (docs/remote-verify.md).  ``check_stored``: before the marker, compare them
     with what the destination store keeps (one metadata request per file; where it offers
-    :class:`~ckptfs.storage.base.ServerChecksums`): a difference is a
-    :class:`~ckptfs.errors.StorageError` and nothing is committed."""
+    `ServerChecksums`): a difference is a
+    `StorageError` and nothing is committed."""
     info = read_committed(src, step)
     manifest = info.manifest
 
@@ -219,8 +219,8 @@ def check_stored_checksums(dst: Storage, att: Attempt, written: list[WrittenFile
                            ) -> tuple[int, int]:
     """Before the marker (of a copy, a replica, or each rank's part of a sharded replica):
     each written object's checksum as ``dst`` keeps it equals the one
-    computed from the bytes sent (:func:`~ckptfs.protocol.remote_verify.compare_stored`).
-    Returns (matched, not available); a mismatch raises :class:`StorageError` (the store holds
+    computed from the bytes sent (`compare_stored`).
+    Returns (matched, not available); a mismatch raises `StorageError` (the store holds
     other bytes than were sent: nothing is committed, a replicator retries)."""
     results = [compare_stored(dst, att.file_path(w.path), w.path, w.store_checksums)[0]
                for w in written]
@@ -237,10 +237,10 @@ def copy_file(src: Storage, source_dir: str, att: Attempt, entry: FileEntry, *,
               progress: Progress | None = None) -> WrittenFile:
     """Copy one file of a committed checkpoint (``entry``, under ``source_dir`` of ``src``,
     the attempt's directory from the run root) into ``att``: streamed, hashed while written
-    (per chunk for a chunked entry), and :class:`CorruptCheckpointError` (before anything is
+    (per chunk for a chunked entry), and `CorruptCheckpointError` (before anything is
     committed) unless its size and digests are the manifest's.  The one per-file copy of
-    :func:`copy_step` and of the per-rank upload of a sharded replica
-    (:mod:`ckptfs.protocol.replication_sharded`)."""
+    `copy_step` and of the per-rank upload of a sharded replica
+    (`ckptfs.protocol.replication_sharded`)."""
     pieces = [c.length for c in entry.chunks] if isinstance(entry, ChunkedFileEntry) else None
     w = att.write_file(entry.path, entry.size,
                        _source_chunks(src, source_dir, att.step, entry, progress), pieces=pieces,
@@ -251,7 +251,7 @@ def copy_file(src: Storage, source_dir: str, att: Attempt, entry: FileEntry, *,
 
 def _source_chunks(src: Storage, source_dir: str, step: int, entry: FileEntry,
                    progress: Progress | None) -> Callable[[], Iterator[memoryview]]:
-    """The bytes of ``entry`` read from the source, in slices of at most :data:`COPY_CHUNK`; a
+    """The bytes of ``entry`` read from the source, in slices of at most `COPY_CHUNK`; a
     file that turns out shorter or longer than declared raises while it is written (the partial
     upload is aborted).
 
@@ -260,7 +260,7 @@ def _source_chunks(src: Storage, source_dir: str, step: int, entry: FileEntry,
     after it was yielded.  (A reused buffer was refilled by the next read before the hasher had
     read it whenever the destination took the bytes faster than the hash, e.g. ``memory://``:
     a healthy source then failed as "digest differs", and replication gave the step up.)
-    Memory: the hasher's bounded lead (:data:`COPY_HASH_LEAD`) per file in flight."""
+    Memory: the hasher's bounded lead (`COPY_HASH_LEAD`) per file in flight."""
     source = f"{source_dir}/{entry.path}"
 
     def chunks() -> Iterator[memoryview]:
@@ -347,7 +347,7 @@ def _materialized(ref: Reference, located: dict[str, tuple[HeaderEntry, Chunk]]
 def _materialized_chunks(src: Storage, info: CheckpointInfo, m: _Materialized,
                          progress: Progress | None) -> Callable[[], Iterator[memoryview]]:
     """The new header, then each tensor's bytes read from the referenced file (ranged reads of
-    at most :data:`COPY_CHUNK`)."""
+    at most `COPY_CHUNK`)."""
     loc = m.ref.location
 
     def chunks() -> Iterator[memoryview]:

@@ -5,23 +5,23 @@ manager, the integrations).
 =======  =====================================  ==========================================
 version  load                                   full verify (after the shared listing)
 =======  =====================================  ==========================================
-1        :func:`ckptfs.protocol.reader.load_v1`  every file re-read and re-hashed
-2        :func:`ckptfs.protocol.sharded.         every chunk re-read and checked,
+1        `ckptfs.protocol.reader.load_v1`  every file re-read and re-hashed
+2        `ckptfs.protocol.sharded.         every chunk re-read and checked,
          load_full` (imported only then: DCP     ``dcp.msgpack`` and every value document
          costs ~1 s to import)                   decoded
 =======  =====================================  ==========================================
 
-A third column, ``check`` (:func:`check_checkpoint`), refuses what a load would refuse without
+A third column, ``check`` (`check_checkpoint`), refuses what a load would refuse without
 reading tensor data (every document decoded, every tensor file's header or chunk table checked
 against it): ``ckptfs cp`` runs it before copying, so a copy never commits, at its destination,
 a checkpoint that a reader of the source refuses.
 
 What every version shares lives here, once: the options are checked before any I/O
 (``map_location`` in every ``torch.load`` form, ``keys``, ``mmap``), the listing checks
-(:mod:`ckptfs.protocol.listing`: links, missing, resized, stray), and ``map_location`` is applied
-by one implementation (:func:`ckptfs.protocol.load_options.tensor_map`).  The pure half of the
+(`ckptfs.protocol.listing`: links, missing, resized, stray), and ``map_location`` is applied
+by one implementation (`ckptfs.protocol.load_options.tensor_map`).  The pure half of the
 table (which versions exist, how each manifest decodes, which documents a reader bounds) is
-:mod:`ckptfs.format.versions`.
+`ckptfs.format.versions`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ Checker = Callable[[Storage, CheckpointInfo], Any]
 @dataclass(frozen=True)
 class FormatOps:
     """How one manifest format version is loaded, fully verified, and checked without its
-    tensor data (:func:`check_checkpoint`)."""
+    tensor data (`check_checkpoint`)."""
 
     version: int
     load: Callable[[], Loader]
@@ -90,7 +90,7 @@ def check_v2(storage: Storage, info: CheckpointInfo) -> DcpDocument:
     header chunk read, digest checked, and checked against ``dcp.msgpack``, as a load checks
     it before using any item of the file), every stored value document (read, checked,
     decoded: never unpickled), and the stored tree rebuilt over the stored keys, as
-    :func:`ckptfs.protocol.sharded.load_full` rebuilds it.  Values of types not registered in
+    `ckptfs.protocol.sharded.load_full` rebuilds it.  Values of types not registered in
     this process are checked as plain dicts."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -135,7 +135,7 @@ def check_v2(storage: Storage, info: CheckpointInfo) -> DcpDocument:
 
 
 def _stored_view(tree: Any, where: str) -> Any:
-    """What a full load hands :func:`~ckptfs.format.sharded_tree.restore`, for a checkpoint
+    """What a full load hands `restore`, for a checkpoint
     holding every value its tree names (placeholders: no value is read)."""
     from ckptfs.format.serialize import build_tree
 
@@ -216,8 +216,8 @@ def check_checkpoint(storage: Storage, info: CheckpointInfo) -> Any:
     """Raise what a load of ``info`` would raise (the same typed error), reading every document
     and every tensor file's header but no tensor data.  What it cannot know: the bytes of the
     tensors (their digests are checked by whoever reads them: a load, a verify, a copy).
-    Returns what the version's check decoded (v1: :class:`~ckptfs.protocol.reader.CheckedV1`;
-    v2: the :class:`~ckptfs.format.sharded.DcpDocument`), for ``ckptfs inspect``."""
+    Returns what the version's check decoded (v1: `CheckedV1`;
+    v2: the `DcpDocument`), for ``ckptfs inspect``."""
     return ops_for(info).check()(storage, info)
 
 

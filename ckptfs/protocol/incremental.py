@@ -1,7 +1,7 @@
 """Incremental saves (format v3, docs/protocol.md §9): bytes that did not change are referenced,
 never written again.
 
-A save plans the state as a single-process save does (:func:`ckptfs.protocol.commit.plan_v1`),
+A save plans the state as a single-process save does (`ckptfs.protocol.commit.plan_v1`),
 then looks each tensor up in a *reuse index*: the tensors a committed v3 checkpoint of the run
 holds (its own files and what it references, flattened), by ``(algorithm, digest, length,
 dtype, shape)``.  Reuse is decided by digest only, with the store's (cryptographic) algorithm.
@@ -215,7 +215,7 @@ def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorith
                threads: int, storage: Storage | None = None) -> dict[int, Stored]:
     """The plan's tensors to reference (index -> stored copy): candidates by the hint, each
     confirmed by its digest, and (``storage``) the stored chunk checked once per process
-    (:func:`stored_chunk_intact`)."""
+    (`stored_chunk_intact`)."""
     candidates = []
     for i, t in enumerate(plan.tensors):
         name = plan.names[i]

@@ -4,26 +4,26 @@ copy: one listing of the attempt, compared with the manifest, before any file is
 What a listing can show, and what each reader does with it:
 
 ==============================  =====================================  ======================
-finding                         load / copy (:func:`check_listing`)    verify (report)
+finding                         load / copy (`check_listing`)    verify (report)
 ==============================  =====================================  ======================
-a symbolic link (the step or    :class:`UnsafeCheckpointError`         "symbolic link
+a symbolic link (the step or    `UnsafeCheckpointError`         "symbolic link
 attempt directory, any file)                                           (refused)"
-a listed file missing           :class:`CorruptCheckpointError`        "missing"
-a listed file of another size   :class:`CorruptCheckpointError`        "size ..."
+a listed file missing           `CorruptCheckpointError`        "missing"
+a listed file of another size   `CorruptCheckpointError`        "size ..."
 a file the manifest does not    ignored, logged                        "not in the manifest
 list (stray)                                                           (stray file)"
 ==============================  =====================================  ======================
 
 Sizes are compared here, from the listing, before any buffer is allocated: a manifest that
 declares a 1 PiB file fails as corrupt instead of making a reader allocate (or request) what it
-declares.  Before that, without any I/O, :func:`check_listing` refuses a document whose size the
-format bounds (the format table's :func:`~ckptfs.format.versions.document_limits`: v1
+declares.  Before that, without any I/O, `check_listing` refuses a document whose size the
+format bounds (the format table's `document_limits`: v1
 ``state.msgpack``, v2 ``dcp.msgpack``) declared beyond its limit, as
-:class:`UnsafeCheckpointError`: what the document's own reader raises, whichever reader gets
+`UnsafeCheckpointError`: what the document's own reader raises, whichever reader gets
 there first (a collective load reads ``dcp.msgpack`` before the coordinator lists).
 
 Links are found from the listing alone (``Entry.is_link``, part of the
-:class:`~ckptfs.storage.base.Storage` interface), so a storage wrapper that implements exactly
+`Storage` interface), so a storage wrapper that implements exactly
 that interface keeps the refusal.  Directory links are looked for where directories are real
 (``capabilities.real_directories``): object stores have none.
 
@@ -169,13 +169,13 @@ def reference_problems(storage: Storage, info: CheckpointInfo,
 
 def check_references(storage: Storage, info: CheckpointInfo,
                      refs: Iterable[Reference] | None = None) -> None:
-    """Raise the first :func:`reference_problems` finding as its typed error."""
+    """Raise the first `reference_problems` finding as its typed error."""
     for p in reference_problems(storage, info, refs):
         raise p.error(storage, info)
 
 
 def check_document_sizes(storage: Storage, info: CheckpointInfo) -> None:
-    """:class:`UnsafeCheckpointError` for a document of ``info``'s format whose declared size
+    """`UnsafeCheckpointError` for a document of ``info``'s format whose declared size
     exceeds the limit its reader enforces (no I/O)."""
     limits = document_limits(info.manifest)
     for entry in info.manifest.files:

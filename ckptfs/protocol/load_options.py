@@ -199,7 +199,7 @@ def _device(value: Any, what: str) -> torch.device:
 
 def tensor_map(map_location: Any) -> TensorMap | None:
     """``map_location`` (as ``torch.load`` takes it) as a function of one loaded CPU tensor, or
-    None when nothing is to be done.  Anything else raises :class:`LoadOptionError` (a dtype
+    None when nothing is to be done.  Anything else raises `LoadOptionError` (a dtype
     included: ``map_location`` moves tensors, it never casts them)."""
     if map_location is None:
         return None

@@ -1,9 +1,9 @@
 """Reading committed format v1 checkpoints: load with streaming verification, and verify.
-The format table (:mod:`ckptfs.protocol.formats`) dispatches here for version 1.
+The format table (`ckptfs.protocol.formats`) dispatches here for version 1.
 
 Every byte is hashed as it is read, in the same pass that fills the buffer the tensors will view
 (no second read); sizes come from the manifest, are bounded, and are checked before anything is
-allocated; a mismatch raises :class:`CorruptCheckpointError` naming the file before any state is
+allocated; a mismatch raises `CorruptCheckpointError` naming the file before any state is
 returned.  Nothing is unpickled: the tree is msgpack, the tensors safetensors.
 """
 
@@ -86,7 +86,7 @@ class VerifyReport:
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
     #: The problems that make the checkpoint unsafe to read (a symbolic link), as opposed to
-    #: corrupt: verify raises :class:`~ckptfs.UnsafeCheckpointError` for them, as load does.
+    #: corrupt: verify raises `UnsafeCheckpointError` for them, as load does.
     unsafe: list[str] = field(default_factory=list)
 
     @property
@@ -112,7 +112,7 @@ _NULL_HASHER: Hasher = _NullHasher()
 
 class ChunkListHasher:
     """Hashes a chunked file (formats v2, v3) as it streams, each chunk on its own; its
-    :meth:`hexdigest` is the digest of the chunk list (§8.1), what the manifest records."""
+    `hexdigest` is the digest of the chunk list (§8.1), what the manifest records."""
 
     def __init__(self, entry: ChunkedFileEntry) -> None:
         self.entry = entry
@@ -142,9 +142,9 @@ def read_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry,
     pass over the whole state, about 20% of a load) and is only returned once every byte of it
     has been read and checked.  The returned view keeps its memory alive.
 
-    Raises :class:`CorruptCheckpointError` (naming the file) if the file is shorter or longer
+    Raises `CorruptCheckpointError` (naming the file) if the file is shorter or longer
     than declared or, with ``verify``, its digest differs.  The caller checked the listing
-    first (:func:`~ckptfs.protocol.listing.check_listing`: links, sizes)."""
+    first (`check_listing`: links, sizes)."""
     path = f"{info.path}/{entry.path}"
     where = storage_url(storage, path)
     view = tensor_memoryview(torch.empty(entry.size, dtype=torch.uint8))
@@ -241,8 +241,8 @@ def map_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry, 
 
 
 def check_mmap_storage(storage: Storage, info: CheckpointInfo) -> None:
-    """``mmap=True`` needs local files (:class:`~ckptfs.storage.base.LocalFiles`) and format
-    v1; else :class:`LoadOptionError`, before any I/O."""
+    """``mmap=True`` needs local files (`LocalFiles`) and format
+    v1; else `LoadOptionError`, before any I/O."""
     if not supports(storage, LocalFiles):
         raise LoadOptionError(
             f"{info.url}: mmap=True maps files of a local-disk checkpoint; this store is "
@@ -273,7 +273,7 @@ def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
             mapper: TensorMap | None = None, threads: int = 4,
             keys: list[KeyPath] | None = None, mmap: bool = False) -> dict[Any, Any]:
     """Load a committed format v1 checkpoint (docs/loading.md); the options are checked by
-    :func:`ckptfs.protocol.formats.load_checkpoint`.
+    `ckptfs.protocol.formats.load_checkpoint`.
 
     ``keys``: read and verify only ``state.msgpack`` and the tensor files holding the selected
     tensors.  ``mmap``: tensors view copy-on-write mappings of the files."""
@@ -405,7 +405,7 @@ def _parsed_header(storage: Storage, info: CheckpointInfo, path: str, head: Chun
 def local_header(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry
                  ) -> tuple[int, dict[str, HeaderEntry]]:
     """The safetensors header of a chunked file of the checkpoint (format v3), its header chunk
-    checked against its digest (:func:`_parsed_header`)."""
+    checked against its digest (`_parsed_header`)."""
     head = entry.chunks[0] if entry.chunks else Chunk(0, 0, "")
     return _parsed_header(storage, info, f"{info.path}/{entry.path}", head, entry.algorithm,
                           entry.size, verify=True, whose="its header chunk")
@@ -414,7 +414,7 @@ def local_header(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry
 def reference_header(storage: Storage, info: CheckpointInfo, ref: Reference, *,
                      verify: bool = True) -> tuple[int, dict[str, HeaderEntry]]:
     """The safetensors header of a referenced file, its header chunk checked against the
-    digest in this checkpoint's manifest (:func:`_parsed_header`, against the referenced
+    digest in this checkpoint's manifest (`_parsed_header`, against the referenced
     file's size)."""
     return _parsed_header(storage, info, ref.location, ref.chunks[0], ref.algorithm, ref.size,
                           verify=verify,
@@ -425,7 +425,7 @@ def reference_chunks(storage: Storage, info: CheckpointInfo, ref: Reference,
                      names: set[str] | None, *, verify: bool = True
                      ) -> dict[str, tuple[HeaderEntry, Chunk]]:
     """Each tensor ``names`` (default: every tensor the reference binds a chunk of) with the
-    chunk the reference binds for its bytes: :class:`CorruptCheckpointError` for a name the
+    chunk the reference binds for its bytes: `CorruptCheckpointError` for a name the
     header lacks or whose bytes are not exactly one chunk of the reference."""
     start, entries = reference_header(storage, info, ref, verify=verify)
     out: dict[str, tuple[HeaderEntry, Chunk]] = {}
@@ -502,7 +502,7 @@ def verify_reference(storage: Storage, info: CheckpointInfo, ref: Reference) -> 
 
 class _HeaderOnly:
     """The first bytes of a safetensors file posing as the whole file (its size known from the
-    manifest), so :func:`parse_safetensors_header` checks the header without the data."""
+    manifest), so `parse_safetensors_header` checks the header without the data."""
 
     def __init__(self, head: bytes, size: int) -> None:
         self.head, self.size = head, size
@@ -553,7 +553,7 @@ def _placeholder(slot: TensorSlot) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class CheckedV1:
-    """What :func:`check_v1` decoded: the tagged tree and the tensor slots (``ckptfs inspect``
+    """What `check_v1` decoded: the tagged tree and the tensor slots (``ckptfs inspect``
     renders them without reading anything again)."""
 
     tree: Any
@@ -561,7 +561,7 @@ class CheckedV1:
 
 
 def check_v1(storage: Storage, info: CheckpointInfo) -> CheckedV1:
-    """Refuse, with the error :func:`load_v1` would raise, a format v1 checkpoint a load would
+    """Refuse, with the error `load_v1` would raise, a format v1 checkpoint a load would
     refuse, without reading tensor data: the listing, ``state.msgpack`` (read, digest checked,
     decoded, its tree rebuilt over placeholders), and the header of every tensor file the state
     references (its entries must be those of the state document).  Values of types not
@@ -603,7 +603,7 @@ def verify_v1(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
               threads: int = 4) -> None:
     """Full verification of a format v1 checkpoint, after the shared listing checks: every
     file the listing did not already condemn is re-read and re-hashed; then, when every byte
-    is as committed, the documents are checked as a load checks them (:func:`check_v1`:
+    is as committed, the documents are checked as a load checks them (`check_v1`:
     ``state.msgpack`` decoded and its tree rebuilt, every referenced tensor file's header
     checked; extension type names are not looked up), so that verify never passes what a load
     refuses (a pickle in ``state.msgpack`` with a valid digest, a hostile header)."""

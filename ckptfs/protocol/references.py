@@ -7,11 +7,11 @@ of format v3 attempts are ever referenced (a reference names the file that physi
 the bytes, never another reference), so a step none of whose attempts is v3 is deleted as
 before, without a scan.
 
-The scan (:func:`scan_references`), strictly in this order:
+The scan (`scan_references`), strictly in this order:
 
-1. every committed step: its marker and the manifest it binds (:func:`read_committed`); the
+1. every committed step: its marker and the manifest it binds (`read_committed`); the
    references of every committed checkpoint are kept.  A committed step whose marker or
-   manifest cannot be read makes the scan raise :class:`CorruptCheckpointError` naming it: an
+   manifest cannot be read makes the scan raise `CorruptCheckpointError` naming it: an
    unreadable committed manifest might reference anything, so nothing may be freed (except
    ``skip_step``, the step being deleted, whose marker the deleter has just removed);
 2. then a *fresh* listing of every attempt directory that has a ``MANIFEST.json``, was not
@@ -19,7 +19,7 @@ The scan (:func:`scan_references`), strictly in this order:
    fence (it wrote its manifest, re-read its protectors' markers, and is about to create its
    own).  Their references are kept too.  A manifest that does not decode is a save still
    writing it (it has not fenced yet, and its fence will see the deleted marker): ignored.
-   One written by a newer ckptfs raises :class:`FormatVersionError` (never guessed at).
+   One written by a newer ckptfs raises `FormatVersionError` (never guessed at).
 
 Why the order makes it safe (the argument of §9.5): a saver S writes its manifest at p1, then
 fences on its protector C at t1 > p1.  A deleter removes C's marker at t2, then scans.  If
@@ -154,9 +154,9 @@ def scan_references(storage: Storage, *, grace_s: float, skip_step: int | None =
     may take.  Phase 1 (committed) strictly before phase 2 (in flight): see the module
     docstring.
 
-    Raises :class:`CorruptCheckpointError` naming a committed step whose marker or manifest
+    Raises `CorruptCheckpointError` naming a committed step whose marker or manifest
     cannot be read (unless it is ``skip_step``, the step being deleted), and
-    :class:`FormatVersionError` for a manifest of a newer ckptfs: the caller then frees
+    `FormatVersionError` for a manifest of a newer ckptfs: the caller then frees
     nothing."""
     now = now or _utcnow()
     committed = read_all_committed(storage)
@@ -247,8 +247,8 @@ def free_step(storage: Storage, paths: StepPaths, *, grace_s: float,
     """Called after the step's marker was deleted: scan for references, then delete every
     entry of the step directory except the attempts holding a referenced file, which are
     *retired* (logged): only their referenced files and manifest are kept
-    (:func:`free_unreferenced`).  Returns the retired attempts.  Raises what
-    :func:`scan_references` raises, having deleted nothing."""
+    (`free_unreferenced`).  Returns the retired attempts.  Raises what
+    `scan_references` raises, having deleted nothing."""
     refs = scan_references(storage, grace_s=grace_s, skip_step=paths.step, now=now)
     used = referenced_attempts(refs)
     children = storage.list_dir(paths.dir)

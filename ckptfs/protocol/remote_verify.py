@@ -2,7 +2,7 @@
 
 A writer records, per file, the whole-object checksum the store itself keeps
 (``files[].store_checksums``, docs/protocol.md section 2.1), computed in the same pass as the
-content digest.  :func:`verify_remote` reads the checkpoint's marker and manifest (as every
+content digest.  `verify_remote` reads the checkpoint's marker and manifest (as every
 reader does), lists the attempt once (missing, resized and stray files) and asks the store for
 each file's stored checksum (one metadata request per file: ``HeadObject`` on S3, the object's
 metadata on GCS), reading none of the data.  Each file is reported as ``match``, ``mismatch``
@@ -46,7 +46,7 @@ class RemoteVerifyReport:
     @property
     def ok(self) -> bool:
         """No mismatch.  Files ``not available`` are not mismatches, and not passes either:
-        :attr:`complete` says whether every file was compared."""
+        `complete` says whether every file was compared."""
         return self.count("mismatch") == 0
 
     @property
@@ -65,9 +65,9 @@ class RemoteVerifyReport:
 
 def verify_remote(storage: Storage, info: CheckpointInfo) -> RemoteVerifyReport:
     """Compare each of ``info``'s own files with the store's stored checksum (see the module
-    docstring).  Raises :class:`~ckptfs.RemoteChecksumMismatchError` (with the report) if any
+    docstring).  Raises `RemoteChecksumMismatchError` (with the report) if any
     file mismatches, is missing or resized; returns the report otherwise (check
-    :attr:`RemoteVerifyReport.complete`: files the store cannot vouch for are ``not
+    `RemoteVerifyReport.complete`: files the store cannot vouch for are ``not
     available``)."""
     report = RemoteVerifyReport(info.step, info.attempt, info.url)
     base = info.path
@@ -99,7 +99,7 @@ def compare_stored(storage: Storage, full: str, path: str,
                    recorded: Iterable[tuple[str, str]]) -> tuple[RemoteFileResult, int]:
     """Compare the store's checksum of the object ``full`` (``path`` in the report) with the
     ``recorded`` ``(algorithm, hex)`` pairs; and the number of requests made (0 or 1).  Used by
-    :func:`verify_remote` and by a copy before it commits (``copy_step(check_stored=True)``)."""
+    `verify_remote` and by a copy before it commits (``copy_step(check_stored=True)``)."""
     wanted = dict(recorded)
     if not supports(storage, ServerChecksums):
         return RemoteFileResult(

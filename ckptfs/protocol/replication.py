@@ -2,8 +2,8 @@
 committed on the local tier to the remote tier, oldest first, with retries.
 
 Design decision: **a replica is a copy, and a copy is a save.**  Each step is replicated by
-:func:`ckptfs.protocol.copy.copy_step`, the function behind ``ckptfs cp``: an
-:class:`~ckptfs.protocol.commit.Attempt` opened at the remote, every byte hashed while it is
+`ckptfs.protocol.copy.copy_step`, the function behind ``ckptfs cp``: an
+`Attempt` opened at the remote, every byte hashed while it is
 written there and compared with the local manifest, the marker created last and exclusively.
 There is no second copy implementation: what ``ckptfs cp`` guarantees, a replica has (a remote
 marker never vouches for bytes that did not verify; an interrupted copy leaves an uncommitted
@@ -54,8 +54,8 @@ log = logging.getLogger("ckptfs")
 
 State = Literal["local", "replicating", "replicated", "failed"]
 
-#: How one step is copied: ``copier(step, progress)``; :func:`copy_step` by default, the
-#: collective per-rank copy for a sharded store (:mod:`ckptfs.protocol.replication_sharded`).
+#: How one step is copied: ``copier(step, progress)``; `copy_step` by default, the
+#: collective per-rank copy for a sharded store (`ckptfs.protocol.replication_sharded`).
 Copier = Callable[[int, Progress], CopyResult]
 
 
@@ -117,7 +117,7 @@ class ReplicationStatus:
 
 class _Meter:
     """copy's ``progress`` hook: counts bytes and, with a rate, sleeps to keep under it; and
-    waits while the job is saving locally (:meth:`Replicator.foreground`)."""
+    waits while the job is saving locally (`Replicator.foreground`)."""
 
     def __init__(self, record: StepReplication, lock: threading.Condition,
                  bytes_per_s: float | None, yield_to: Callable[[], None]) -> None:
@@ -210,8 +210,8 @@ class Replicator:
                                      sum(r.bytes for r in lag), self._outage, self._dead)
 
     def wait(self, timeout: float | None = None) -> ReplicationStatus:
-        """Until every queued step is replicated or failed; raises :class:`ReplicationError`
-        if one failed or the thread died, :class:`TimeoutError` after ``timeout`` seconds."""
+        """Until every queued step is replicated or failed; raises `ReplicationError`
+        if one failed or the thread died, `TimeoutError` after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._pending() and self._dead is None and not self._closed:
@@ -259,7 +259,7 @@ class Replicator:
             self.release()
 
     def hold(self) -> None:
-        """:meth:`foreground` in two halves (an async save holds until its write is done)."""
+        """`foreground` in two halves (an async save holds until its write is done)."""
         with self._cond:
             self._foreground += 1
 

@@ -17,7 +17,7 @@ calling thread), used only by the replication threads, and every rank processes 
 in the same order: the coordinator's open-time scan is broadcast, every rank enqueues each
 step its collective save returns, and each worker takes the oldest pending step.
 
-One step, on every rank (:class:`ShardedCopier`)::
+One step, on every rank (`ShardedCopier`)::
 
     coordinator   reads its local marker and manifest; the remote already holds the step?
                   (the same content: "identical"; other content: CheckpointExistsError);
@@ -40,7 +40,7 @@ A rank that fails its upload (its node's file corrupt, the remote refusing it) m
 commit for that step, and the previous remote step stays the latest; a storage error is
 retried (every rank again, after the same backoff), corruption fails the step.  A rank that
 dies or hangs fails the collective on the survivors after ``timeout``: their replication stops
-(:class:`~ckptfs.protocol.replication.ReplicationStopped`, status ``dead``) and the next open
+(`ReplicationStopped`, status ``dead``) and the next open
 of the store queues what is missing again; an uncommitted remote attempt is collected by gc.
 """
 
@@ -92,7 +92,7 @@ log = logging.getLogger("ckptfs")
 REPLICATE_TIMEOUT = timedelta(minutes=30)
 
 #: Errors rebuilt by class on every rank (the class decides retry or fail); others become
-#: :class:`ReplicationError` (not retried).
+#: `ReplicationError` (not retried).
 _KINDS: dict[str, type[Exception]] = {
     c.__name__: c for c in (StorageError, CorruptCheckpointError, UnsafeCheckpointError,
                             CheckpointExistsError, CheckpointNotFoundError, ReplicationError)}
@@ -158,7 +158,7 @@ def rebuild_error(error: tuple[str, str]) -> Exception:
 
 class ShardedCopier:
     """The per-rank copier of a sharded two-tier store (module docstring); a
-    :data:`~ckptfs.protocol.replication.Copier` for the :class:`Replicator`."""
+    `Copier` for the `Replicator`."""
 
     def __init__(self, local: Storage, remote: Storage, group: Any, *, durable: bool = True,
                  threads: int = 2) -> None:
@@ -267,7 +267,7 @@ class ShardedCopier:
     def _upload(self, plan: _Plan, progress: Progress) -> _Upload:
         """This rank's files, from its own node to the remote attempt; each object's checksum
         as the remote keeps it compared with the one computed while sending
-        (:func:`~ckptfs.protocol.copy.check_stored_checksums`, as every replica)."""
+        (`check_stored_checksums`, as every replica)."""
         source, manifest = plan.source, plan.manifest
         assert source is not None and manifest is not None
         mine = own_files(cast(ShardedManifest, source.manifest), self.rank, self.coordinator)
@@ -343,7 +343,7 @@ def _remote_manifest(remote: Storage, manifest: ShardedManifest) -> ShardedManif
     """``manifest`` for the remote copy: a v4 reference names the attempt of the step it takes
     bytes from; at the remote that step's copy has another attempt name, and must hold the same
     file with the same size and the referenced chunks (checked here), else the step cannot be
-    replicated by reference (:class:`ReplicationError`, not retried)."""
+    replicated by reference (`ReplicationError`, not retried)."""
     if not isinstance(manifest, ShardedIncrementalManifest) or not manifest.references:
         return manifest
     refs: list[Reference] = []

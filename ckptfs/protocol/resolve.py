@@ -17,7 +17,7 @@ older one.
 
 Step directories are addressed by the name that was listed, never rebuilt from the step number:
 ``step-0000000000020`` (more than 12 digits) is step 20 but is not ``step-000000000020``.  Two
-directory names of one step are an error (:class:`CorruptCheckpointError` naming both).
+directory names of one step are an error (`CorruptCheckpointError` naming both).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class CheckpointInfo:
     @property
     def bytes_written(self) -> int:
         """Bytes its save wrote (its own files; the manifest and marker aside).  Equal to
-        :attr:`bytes` but for an incremental checkpoint that reused stored bytes."""
+        `bytes` but for an incremental checkpoint that reused stored bytes."""
         return self.manifest.total_bytes
 
     @property
@@ -123,7 +123,7 @@ def step_dirs(storage: Storage) -> list[int]:
 
 
 def unique_dir(storage: Storage, step: int, names: list[str]) -> str:
-    """The one directory name of ``step``; :class:`CorruptCheckpointError` naming all of them if
+    """The one directory name of ``step``; `CorruptCheckpointError` naming all of them if
     several names parse to the same step (``step-000000000020`` and ``step-0000000000020``):
     the reader never picks one silently."""
     if len(names) != 1:
@@ -143,7 +143,7 @@ def find_step_dir(storage: Storage, step: int) -> str | None:
 
 def committed_steps(storage: Storage) -> list[int]:
     """Steps whose marker exists, ascending, from one recursive listing.  (Markers are checked
-    against their manifests by :func:`read_committed`, which ``latest``/``load`` use.)"""
+    against their manifests by `read_committed`, which ``latest``/``load`` use.)"""
     steps = set()
     for entry in storage.list_tree(CHECKPOINTS_DIR):
         parts = entry.name.split("/")
@@ -172,7 +172,7 @@ def read_marker(storage: Storage, step: int, name: str = "") -> Marker | None:
 
 def check_still_committed(storage: Storage, step: int, name: str, attempt: str) -> None:
     """Called when a file a marker vouches for is missing (or differs).  Raises
-    :class:`CheckpointDeletedError` if the step's marker is gone or now names another attempt
+    `CheckpointDeletedError` if the step's marker is gone or now names another attempt
     (deleted or replaced while it was read); returns if the marker still names ``attempt``
     (then the caller's finding is corruption).  A marker that no longer parses counts as still
     committed (the caller reports its corruption); a storage failure propagates."""
@@ -190,10 +190,10 @@ def read_committed(storage: Storage, step: int, name: str | None = None) -> Chec
     """The committed checkpoint of ``step`` in the step directory ``name`` (``None``: found by
     listing ``checkpoints/``).
 
-    :class:`CheckpointNotFoundError` if the step has no directory or no marker,
-    :class:`CheckpointDeletedError` if it was deleted while being read,
-    :class:`CorruptCheckpointError` if the marker and manifest disagree or the step has several
-    directories, :class:`FormatVersionError` if a newer ckptfs wrote it."""
+    `CheckpointNotFoundError` if the step has no directory or no marker,
+    `CheckpointDeletedError` if it was deleted while being read,
+    `CorruptCheckpointError` if the marker and manifest disagree or the step has several
+    directories, `FormatVersionError` if a newer ckptfs wrote it."""
     if name is None:
         name = find_step_dir(storage, step)
         if name is None:
@@ -233,7 +233,7 @@ def walk_latest(storage: Storage, use: Callable[[CheckpointInfo], T], *,
                 allow_rollback: bool = False,
                 skipped: list[str] | None = None) -> tuple[CheckpointInfo, T] | None:
     """Apply ``use`` to the newest committed checkpoint of one store and return it with the
-    result, or ``None`` if there is none: :func:`walk_tiers` over one tier."""
+    result, or ``None`` if there is none: `walk_tiers` over one tier."""
     return walk_tiers([("", storage)], use, allow_rollback=allow_rollback, skipped=skipped)
 
 
@@ -248,11 +248,11 @@ def walk_tiers(tiers: Sequence[Tier], use: Callable[[CheckpointInfo], T], *,
     Newest step (in any tier) first; for that step, each tier that lists it, in order: the
     first copy that reads and passes ``use`` is the answer (a later tier is tried when an
     earlier copy is incomplete, corrupt or unreadable, logged).  A step with no marker in any
-    tier -> skipped (incomplete); every copy :class:`CorruptCheckpointError` (from reading it
+    tier -> skipped (incomplete); every copy `CorruptCheckpointError` (from reading it
     or from ``use``) -> raised naming the step and each tier's error, or with
     ``allow_rollback`` logged, appended to ``skipped`` and the next older step tried; every
-    copy a :class:`~ckptfs.errors.StorageError` -> that error; :class:`FormatVersionError` ->
-    raised, never rolled back over; :class:`CheckpointDeletedError` -> the listings are read
+    copy a `StorageError` -> that error; `FormatVersionError` ->
+    raised, never rolled back over; `CheckpointDeletedError` -> the listings are read
     again.  When the answer comes after skipping newer steps, the tiers are listed once more,
     and a step that appeared meanwhile starts the walk over: a writer that committed a newer
     step and then pruned the one being read never makes this return an older one.
@@ -304,10 +304,10 @@ def walk_tiers(tiers: Sequence[Tier], use: Callable[[CheckpointInfo], T], *,
 def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T]
              ) -> tuple[CheckpointInfo, T]:
     """``use`` on the first of ``tiers`` whose copy of ``step`` (its directory found by
-    listing) reads and passes; the same per-step rule as :func:`walk_tiers` for one step asked
-    by number: every copy corrupt -> :class:`CorruptCheckpointError` naming each tier's error
+    listing) reads and passes; the same per-step rule as `walk_tiers` for one step asked
+    by number: every copy corrupt -> `CorruptCheckpointError` naming each tier's error
     (no rollback: the step was asked for), every copy unreadable -> the storage error, in no
-    tier -> :class:`CheckpointNotFoundError`.
+    tier -> `CheckpointNotFoundError`.
 
     The tiers are asked one at a time: a later tier is not even listed while an earlier copy
     passes (a step the local tier serves costs the remote nothing, and an unreachable remote
@@ -356,7 +356,7 @@ def _use_step(step: int, holders: Sequence[tuple[Tier, list[str] | str]],
     """``use`` on the first holder's copy of ``step`` that reads and passes; the failures of
     the others go to ``problems``.  ``None`` if no copy is committed or every one failed.
     ``later``: the names of the tiers asked after these (for the log line of a failing copy).
-    :class:`CheckpointDeletedError` (a copy deleted while read) is raised if no later tier
+    `CheckpointDeletedError` (a copy deleted while read) is raised if no later tier
     serves the step: the caller lists again."""
     deleted: CheckpointDeletedError | None = None
     for i, (tier, names) in enumerate(holders):
@@ -391,7 +391,7 @@ def _where(tier: Tier) -> str:
 def _step_error(step: int, problems: list[tuple[Tier, Exception]], *,
                 newest: bool) -> Exception:
     """The error of a step whose every copy failed: the storage error if each was one (the
-    tier is unreachable, not corrupt), else :class:`CorruptCheckpointError` naming the step
+    tier is unreachable, not corrupt), else `CorruptCheckpointError` naming the step
     and each tier's error."""
     if all(isinstance(e, StorageError) for _, e in problems):
         return problems[0][1]

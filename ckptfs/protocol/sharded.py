@@ -1,24 +1,24 @@
 """Sharded checkpoints (format v2): collective save, load into any world size, full load in one
 process, verification, and the collectives' failure handling.  The pickle-free DCP planners are
-:mod:`ckptfs.protocol.sharded_plan`, the storage writer and reader
-:mod:`~ckptfs.protocol.sharded_io` and :mod:`~ckptfs.protocol.sharded_read`, the format's
-codecs :mod:`ckptfs.format.sharded` and :mod:`ckptfs.format.sharded_metadata`.
+`ckptfs.protocol.sharded_plan`, the storage writer and reader
+`sharded_io` and `sharded_read`, the format's
+codecs `ckptfs.format.sharded` and `ckptfs.format.sharded_metadata`.
 
 Design decision: **DCP plans, ckptfs stores and commits.**  torch.distributed.checkpoint's own
 planners decide who writes what (DTensor shards by their owners, replicated values once) and how
-a checkpoint is resharded on load; ckptfs's :class:`~ckptfs.protocol.sharded_io.ShardedWriter`
-and :class:`~ckptfs.protocol.sharded_read.ShardedReader` put the bytes into one attempt, hash
+a checkpoint is resharded on load; ckptfs's `ShardedWriter`
+and `ShardedReader` put the bytes into one attempt, hash
 every byte once, verify every byte read, and commit with the same marker as format v1.
 
 Every rank enters the collective even when its own input is bad: an error found before DCP runs
 (a key the format cannot hold) is raised inside DCP's planning step, where DCP gathers it, so
 all ranks fail together instead of leaving the others waiting.  DCP reports failures as
-``CheckpointException`` (a ``BaseException``); :func:`map_failure` turns it into a ckptfs error
+``CheckpointException`` (a ``BaseException``); `map_failure` turns it into a ckptfs error
 naming the failing ranks, raised on every rank.  The collectives run on a dedicated gloo group
-whose timeout (:data:`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead, hung or
-absent peer, the group's own creation included; :class:`_Liveness` names that peer.
+whose timeout (`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead, hung or
+absent peer, the group's own creation included; `_Liveness` names that peer.
 
-A collective save, step by step (every rank calls :func:`save_sharded`)::
+A collective save, step by step (every rank calls `save_sharded`)::
 
     every rank    sets its liveness key ("in"); ckptfs's gloo group (created at the first save)
     every rank    dcp.save -> planner: the state's DCP view, values encoded (a bad value raises
@@ -29,8 +29,8 @@ A collective save, step by step (every rank calls :func:`save_sharded`)::
     coordinator   ShardedWriter.finish: dcp.msgpack, MANIFEST.json, COMPLETE (Attempt.commit)
     every rank    the same CheckpointInfo, or the same typed error
 
-A collective load (:func:`load_into`) runs the reader's sequence of
-:class:`~ckptfs.protocol.sharded_read.ShardedReader`; the full load (:func:`load_full`, one
+A collective load (`load_into`) runs the reader's sequence of
+`ShardedReader`; the full load (`load_full`, one
 process) lists the attempt and reads ``dcp.msgpack`` before DCP runs.
 """
 
@@ -111,7 +111,7 @@ log = logging.getLogger("ckptfs")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 #: How long, at most, survivors of a failed collective look for the peers' keys before they
-#: name the ranks whose keys are missing (best effort; see :class:`_Liveness`); never past the
+#: name the ranks whose keys are missing (best effort; see `_Liveness`); never past the
 #: collective timeout.
 LIVENESS_WAIT = timedelta(seconds=3)
 
@@ -146,7 +146,7 @@ def collective_group(process_group: Any = None, *, what: str = "a checkpoint col
                      default: type[ShardedCheckpointError] = ShardedCheckpointError,
                      live: _Liveness | None = None) -> Any:
     """``process_group``, or ckptfs's dedicated gloo group (created once, collectively, with
-    :data:`COLLECTIVE_TIMEOUT`, which also bounds its creation: a rank that never joins fails
+    `COLLECTIVE_TIMEOUT`, which also bounds its creation: a rank that never joins fails
     it with ``default`` naming that rank, instead of falling back to the default group and its
     timeout), or ``None`` when not distributed."""
     if process_group is not None or not is_distributed():
@@ -222,7 +222,7 @@ class _Liveness:
     (``done``, right before DCP's final collective).  When a collective fails (gloo only says
     "Connection reset by peer" or "Timed out"), a survivor reads the others' keys and names the
     ranks that never entered or, if it finished its own part, those that did not finish theirs;
-    never itself.  It looks again for up to :data:`LIVENESS_WAIT` while the collective timeout
+    never itself.  It looks again for up to `LIVENESS_WAIT` while the collective timeout
     has time left (a live peer may be about to set its key), so the whole wait stays within the
     timeout given.  Keys are named by a per-group counter of collective saves and loads (every
     rank runs the same sequence) and removed once the operation succeeded."""
@@ -289,7 +289,7 @@ class _Liveness:
         return value
 
     def wait_seconds(self) -> float:
-        """How long a survivor still looks for keys: :data:`LIVENESS_WAIT`, cut to what is left
+        """How long a survivor still looks for keys: `LIVENESS_WAIT`, cut to what is left
         of the collective timeout (nothing when the collective itself timed out)."""
         limit = LIVENESS_WAIT.total_seconds()
         if self.timeout is not None:
@@ -450,12 +450,12 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
                  process_group: Any = None, memory: ReuseMemory | None = None,
                  lease_s: float = DEFAULT_LEASE_S, node_local: bool = False) -> CheckpointInfo:
     """Collective save of ``state`` (plain tensors, DTensors, values) as step ``step``; every
-    rank of the group calls it and gets the same :class:`CheckpointInfo`.
+    rank of the group calls it and gets the same `CheckpointInfo`.
 
     ``memory`` (the store's, ``incremental=True``): format v4, every rank referencing the
     items of its previous save in this process that did not change (docs/protocol.md §9.6).
     If a checkpoint referenced is deleted before the save commits (or the lease runs out),
-    every rank gets :class:`ProtectorGoneError` from the coordinator's fence, and the save is
+    every rank gets `ProtectorGoneError` from the coordinator's fence, and the save is
     retried once, on every rank, writing every byte.  ``node_local``: each rank's ``storage``
     is its own node's disk (a two-tier store's local tier, docs/tiers.md)."""
     check_step(step)
@@ -559,8 +559,8 @@ def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
 def load_v2(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
             mapper: TensorMap | None = None, threads: int | None = None,
             keys: list[KeyPath] | None = None, mmap: bool = False) -> dict[Any, Any]:
-    """The format table's load of version 2 (:mod:`ckptfs.protocol.formats`):
-    :func:`load_full` (the shared listing checks first), then ``keys`` and
+    """The format table's load of version 2 (`ckptfs.protocol.formats`):
+    `load_full` (the shared listing checks first), then ``keys`` and
     ``map_location``."""
     state = load_full(storage, info, verify=verify, threads=threads)
     return select_and_map(state, info.url, keys, mapper)
@@ -616,7 +616,7 @@ def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
 
 def _runs(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry) -> Any:
     """(offset, verified bytes) of ``entry``, in runs of adjacent whole chunks of at most
-    :data:`MAX_RANGE` (a larger chunk alone), in file order.  A reference's chunks (format
+    `MAX_RANGE` (a larger chunk alone), in file order.  A reference's chunks (format
     v4) need not tile its file: a run ends where they leave a gap."""
     start, end = 0, 0
     for c in entry.chunks:

@@ -16,11 +16,11 @@ How DCP drives the writer (torch.distributed.checkpoint, ``use_collectives=True`
    chunk to the coordinator;
 4. the coordinator: ``finish`` checks that the reported chunks tile every file and that every
    file is there with its size (one listing), writes ``dcp.msgpack``, and commits the attempt
-   (:meth:`~ckptfs.protocol.commit.Attempt.commit`: ``MANIFEST.json`` checked by the reader's
+   (`commit`: ``MANIFEST.json`` checked by the reader's
    own decoder, then ``COMPLETE`` created exclusively, once).  Any rank failing before that
    means no marker.
 
-Every file goes through the one commit object, :class:`~ckptfs.protocol.commit.Attempt`: the
+Every file goes through the one commit object, `Attempt`: the
 coordinator opens it in ``prepare_global_plan``, every rank joins it in ``write_data`` and
 streams its file through it (each item's bytes hashed once, as one piece), and the coordinator
 commits it.
@@ -108,7 +108,7 @@ MAX_RANGE = 64 * 1024 * 1024
 @dataclass(frozen=True)
 class AttemptPlan:
     """What the coordinator sends every rank in ``SavePlan.storage_data``: the attempt every
-    rank writes into (:meth:`~ckptfs.protocol.commit.Attempt.join`) and the rank's index."""
+    rank writes into (`join`) and the rank's index."""
 
     attempt: str
     rank: int
@@ -145,7 +145,7 @@ class ShardedWriter(StorageWriter):
 
     Every rank constructs one for the same ``storage`` and ``step``.  ``metadata`` (plain JSON)
     goes into the manifest; ``tree`` (set by ``store.save``) is the state's skeleton.  After a
-    successful save, :attr:`info` holds the committed :class:`CheckpointInfo` on every rank."""
+    successful save, `info` holds the committed `CheckpointInfo` on every rank."""
 
     def __init__(self, storage: Storage, step: int, *, algorithm: str = DEFAULT_ALGORITHM,
                  durable: bool = True, threads: int | None = None,
@@ -168,7 +168,7 @@ class ShardedWriter(StorageWriter):
         self._attempt: Attempt | None = None  # the coordinator's open attempt
         #: Incremental (format v4): this rank reuses the unchanged items of its previous save
         #: in this process (``memory.rank_index``); the index of this save, installed by
-        #: :meth:`remember` once it committed.
+        #: `remember` once it committed.
         self.memory = memory
         self.lease_s = lease_s
         #: Each rank writes to its own node's storage (the local tier of a two-tier store,
@@ -509,8 +509,8 @@ class ShardedWriter(StorageWriter):
     def _check_files(self, write_dir: str, entries: list[ChunkedFileEntry]) -> None:
         """Every file of ``entries`` is visible to the coordinator with its size.  On shared
         storage that is every rank's file: it catches ranks writing to storage the coordinator
-        does not share.  On node-local storage (:attr:`node_local`) only the coordinator's
-        own files: each rank checked its own before reporting (:meth:`_write_file`)."""
+        does not share.  On node-local storage (`node_local`) only the coordinator's
+        own files: each rank checked its own before reporting (`_write_file`)."""
         check_written(self.storage, write_dir, [(e.path, e.size, e.rank) for e in entries],
                       step=self.step,
                       who="the coordinator sees",
@@ -522,7 +522,7 @@ def check_written(storage: Storage, write_dir: str, files: list[tuple[str, int, 
                   *, step: int, who: str, hint: str = "", under: str = "") -> None:
     """One listing of ``write_dir`` (only its subdirectory ``under`` if given): every file of
     ``files`` (path in the attempt, declared size, rank) is there with that size, and not a
-    link; else :class:`CorruptCheckpointError` (nothing is committed).  Used by the
+    link; else `CorruptCheckpointError` (nothing is committed).  Used by the
     coordinator of a sharded save, by each rank for its own file (``who``: who looked), and
     by each rank for its upload of a sharded replica."""
     prefix = write_dir + "/"

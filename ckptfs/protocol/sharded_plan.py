@@ -99,8 +99,8 @@ class SavePlanner(DefaultSavePlanner):
 def check_tensors(state_dict: Mapping[str, Any]) -> None:
     """Every tensor DCP would plan (the leaves of dicts and lists of ``state_dict``; a DTensor
     by its local shard) is one the format can store
-    (:func:`~ckptfs.format.serialize.check_tensor`, the single-process save's own check), else
-    :class:`UnsupportedValueError` naming its key path, raised in the planner's set-up, so on
+    (`check_tensor`, the single-process save's own check), else
+    `UnsupportedValueError` naming its key path, raised in the planner's set-up, so on
     every rank and before DCP's planning touches it (a nested or meta tensor, or a wrapper
     subclass, made DCP itself fail with an untyped error)."""
     todo: list[tuple[Any, tuple[Any, ...]]] = [(state_dict, ())]
@@ -151,7 +151,7 @@ def _describe(node: Any) -> str:
 def merge_trees(trees: list[Any]) -> Any:
     """The union of the ranks' skeletons (rank order: the coordinator's entries first).  Dicts
     merge by key, lists by index; a path that is a container on one rank and a value (or
-    another kind of container) on another raises :class:`UnsupportedValueError`."""
+    another kind of container) on another raises `UnsupportedValueError`."""
     merged: Any = None
     for rank, tree in enumerate(trees):
         if tree is None:

@@ -2,7 +2,7 @@
 planner sees it) and the full verification of a sharded checkpoint.
 
 A rank reads exactly the stored chunks its read items overlap: one ranged read per run of
-adjacent chunks (at most :data:`~ckptfs.protocol.sharded_io.MAX_RANGE` bytes), each chunk
+adjacent chunks (at most `MAX_RANGE` bytes), each chunk
 hashed and compared with the manifest before any of its bytes are copied into a tensor or
 decoded.  A chunk a rank needs only part of is still read whole: its digest covers all of it.
 """
@@ -72,7 +72,7 @@ def _rank() -> int:
 
 
 def sharded_manifest(info: CheckpointInfo) -> ShardedManifest:
-    """``info``'s manifest if it is format v2, else :class:`CheckpointNotFoundError`."""
+    """``info``'s manifest if it is format v2, else `CheckpointNotFoundError`."""
     if not isinstance(info.manifest, ShardedManifest):
         raise CheckpointNotFoundError(
             f"step {info.step} at {info.url} is a single-process (format "
@@ -92,7 +92,7 @@ def entry_location(info: CheckpointInfo, entry: ChunkedFileEntry) -> str:
 def read_chunks(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry, start: int,
                 length: int, *, verify: bool = True) -> memoryview:
     """``length`` bytes at ``start`` of ``entry`` (a run of whole chunks), every chunk of it
-    checked against its digest.  :class:`CorruptCheckpointError` names the file and the rank
+    checked against its digest.  `CorruptCheckpointError` names the file and the rank
     reading it.  The caller has compared the file's size with the listing (§5: nothing is
     requested or allocated beyond what the storage holds)."""
     path = entry_location(info, entry)
@@ -124,7 +124,7 @@ def read_chunks(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry,
 
 def check_chunk(info: CheckpointInfo, entry: ChunkedFileEntry, chunk: Chunk,
                 data: memoryview, *, where: str) -> None:
-    """:class:`CorruptCheckpointError` unless ``data`` (the bytes of ``chunk`` of ``entry``)
+    """`CorruptCheckpointError` unless ``data`` (the bytes of ``chunk`` of ``entry``)
     has the chunk's digest."""
     actual = digest_bytes(entry.algorithm, data).split(":", 1)[1]
     if actual != chunk.digest:
@@ -140,7 +140,7 @@ def read_chunks_into(storage: Storage, info: CheckpointInfo, entry: ChunkedFileE
                      verify: bool = True) -> None:
     """Read the adjacent ``chunks`` of ``entry`` (the first at ``start``) straight into their
     buffers (one positional read per buffer on local disk, else one ranged read copied into
-    them) and, with ``verify``, check each against its digest.  Errors as :func:`read_chunks`;
+    them) and, with ``verify``, check each against its digest.  Errors as `read_chunks`;
     the buffers hold unverified bytes when it raises."""
     path = entry_location(info, entry)
     where = storage_url(storage, path)
@@ -231,9 +231,9 @@ def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
                   read: Callable[[ChunkedFileEntry, int, int], memoryview] | None = None
                   ) -> DcpDocument:
     """Read, verify and decode ``dcp.msgpack`` (every rule of
-    :mod:`ckptfs.format.sharded_metadata`: chunks cover each tensor exactly once, ...) and
+    `ckptfs.format.sharded_metadata`: chunks cover each tensor exactly once, ...) and
     check that every stored item is exactly one chunk of a rank file in the manifest.
-    ``read``: how its verified bytes are read (:meth:`ShardedReader.read_run`)."""
+    ``read``: how its verified bytes are read (`ShardedReader.read_run`)."""
     manifest = sharded_manifest(info)
     try:
         entry = manifest.chunked(METADATA_NAME)
@@ -258,18 +258,18 @@ class ShardedReader(StorageReader):
     How DCP drives it (``torch.distributed.checkpoint.load``), and what each step checks:
 
     1. every rank: ``read_metadata`` resolves the step and reads ``dcp.msgpack`` (its chunk
-       digest, every rule of :mod:`ckptfs.format.sharded_metadata`, every item a chunk of a
+       digest, every rule of `ckptfs.format.sharded_metadata`, every item a chunk of a
        rank file).  It never raises: a ckptfs error is kept and raised by
        ``set_up_storage_reader``, inside DCP's planning step, so DCP gathers it from every
        rank (a ``read_metadata`` failure would become DCP's "metadata is None", with a
        traceback printed, and lose its class);
     2. every rank: ``prepare_local_plan`` (the step and attempt this rank resolved);
     3. the coordinator: ``prepare_global_plan`` checks that every rank resolved the same
-       attempt, and lists it once (:func:`~ckptfs.protocol.listing.check_listing`: links
+       attempt, and lists it once (`check_listing`: links
        refused, every file present with its declared size) before any rank reads a data byte:
        a manifest declaring more than the storage holds is corrupt, never requested;
     4. every rank: ``read_data`` reads the chunks its items need (adjacent ones coalesced, one
-       ranged read each, at most :data:`MAX_RANGE`), plus the header chunk of each rank file it
+       ranged read each, at most `MAX_RANGE`), plus the header chunk of each rank file it
        touches, checks every chunk's digest, then the header against ``dcp.msgpack``, and only
        then copies bytes into a tensor (same dtype only: never converted) or decodes a value.
        A full load (``fills_own_tensors``: tensors nobody sees before the load returns) reads
@@ -328,7 +328,7 @@ class ShardedReader(StorageReader):
 
     def read_run(self, entry: ChunkedFileEntry, start: int, length: int) -> memoryview:
         """The bytes of a run of whole chunks of ``entry``, each checked against its digest
-        (with :attr:`verify`).  The one place this reader reads data (the full load's direct
+        (with `verify`).  The one place this reader reads data (the full load's direct
         reads aside): a subclass may take them elsewhere (a two-tier store's reader takes each
         file from the rank's own node, a peer or the remote copy: docs/tiers.md)."""
         return read_chunks(self.storage, self.resolve(), entry, start, length,
@@ -436,10 +436,10 @@ class ShardedReader(StorageReader):
 
     def _direct(self, planner: LoadPlanner, groups: dict[Key, list[ReadItem]]
                 ) -> dict[Key, tuple[ReadItem, torch.Tensor]]:
-        """The stored chunks that are read straight into their target (:attr:`fills_own_tensors`):
+        """The stored chunks that are read straight into their target (`fills_own_tensors`):
         a tensor chunk read whole by one item into a contiguous CPU region of the stored dtype
         and shape.  Anything else (a slice of a chunk, another dtype: refused by
-        :meth:`_apply`) takes the copying path."""
+        `_apply`) takes the copying path."""
         out: dict[Key, tuple[ReadItem, torch.Tensor]] = {}
         for key, reqs in groups.items():
             req = reqs[0]

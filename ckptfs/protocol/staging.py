@@ -1,20 +1,20 @@
 """Host copies of a plan's tensors for asynchronous saves, and the buffers they are copied into.
 
-:func:`stage` copies a list of tensors (the tensors of the serializer's plan,
-:attr:`ckptfs.format.serialize.StatePlan.tensors`, one per distinct tensor) into buffers of a
-:class:`StagingPool`, one buffer per tensor, and returns once every copy is complete: then the
+`stage` copies a list of tensors (the tensors of the serializer's plan,
+`ckptfs.format.serialize.StatePlan.tensors`, one per distinct tensor) into buffers of a
+`StagingPool`, one buffer per tensor, and returns once every copy is complete: then the
 caller may change or free its tensors.  Which tensors are "the same" (tied weights) is decided
 by the serializer, not here: a caller stages each plan tensor once.
 
 The pool keeps the buffers between saves, keyed by dtype, shape and pinning, so a run that saves
 the same shapes allocates nothing after its first save (buffer identity, i.e. ``data_ptr``, is
-stable).  After each staging the idle buffers it did not use are freed (:meth:`StagingPool.trim`),
+stable).  After each staging the idle buffers it did not use are freed (`StagingPool.trim`),
 so the pool never holds more than one copy of the state per save in flight.
 
 CUDA tensors are copied into *pinned* buffers with non-blocking copies, queued on each device's
-current stream (after the kernels that produced the tensors), and :func:`stage` synchronizes
+current stream (after the kernels that produced the tensors), and `stage` synchronizes
 those streams once per device before returning.  Other devices copy synchronously; contiguous
-CPU tensors with one ``memmove`` each (see :func:`_copy_into`).  A copy is always a plain,
+CPU tensors with one ``memmove`` each (see `_copy_into`).  A copy is always a plain,
 contiguous tensor holding the values the view reads (a conjugate or negative view's values,
 resolved), which is what the serializer writes for that view.
 """
@@ -119,7 +119,7 @@ class StagingPool:
 
 @dataclass
 class Staged:
-    """The copies made by :func:`stage` (``tensors[i]`` is the copy of the i-th tensor given)
+    """The copies made by `stage` (``tensors[i]`` is the copy of the i-th tensor given)
     and the pool buffers they live in, to give back once the save no longer reads them."""
 
     tensors: list[torch.Tensor]

@@ -1,4 +1,4 @@
-"""The user-facing API: :func:`open` a run root by URL, then save, load, list and verify."""
+"""The user-facing API: `open` a run root by URL, then save, load, list and verify."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class CheckpointStore:
     """Checkpoints of one training run, under ``<root>/checkpoints/``.
 
     Thread-safe for concurrent readers; concurrent writers of the same step are resolved by the
-    commit protocol (one wins, the others get :class:`~ckptfs.CheckpointExistsError`)."""
+    commit protocol (one wins, the others get `CheckpointExistsError`)."""
 
     def __init__(self, storage: Storage, *, algorithm: str = DEFAULT_ALGORITHM,
                  durable: bool = True, threads: int | None = None,
@@ -72,7 +72,7 @@ class CheckpointStore:
         #: the default margin for clock skew (1 h against the default 30 min lease).
         self.grace_s: float = max(DEFAULT_GRACE_S, lease_s + DEFAULT_GRACE_S - DEFAULT_LEASE_S)
         #: Each rank's ``storage`` is its own node's (a two-tier store's local tier): a sharded
-        #: save checks each rank's file on its own node and :meth:`after_sharded_commit`
+        #: save checks each rank's file on its own node and `after_sharded_commit`
         #: settles it there (docs/tiers.md "Sharded").  False: every rank sees one storage.
         self.node_local = False
         caps = storage.capabilities
@@ -95,10 +95,10 @@ class CheckpointStore:
              process_group: Any = None) -> CheckpointInfo:
         """Write ``state`` as the checkpoint of ``step`` and commit it.
 
-        Returns the committed :class:`CheckpointInfo`.  Raises
-        :class:`~ckptfs.UnsupportedValueError` (before writing anything) for values the format
-        cannot hold, :class:`~ckptfs.CheckpointExistsError` if the step is already committed
-        (or another writer commits it first).  Pending :meth:`save_async` saves are waited for
+        Returns the committed `CheckpointInfo`.  Raises
+        `UnsupportedValueError` (before writing anything) for values the format
+        cannot hold, `CheckpointExistsError` if the step is already committed
+        (or another writer commits it first).  Pending `save_async` saves are waited for
         first (and an uncollected failure of one raises here)."""
         async_save.before_sync_save(self)
         if wants_sharded_save(state, process_group):  # format v2 (docs/sharded.md)
@@ -120,7 +120,7 @@ class CheckpointStore:
         by its listed name (a non-canonical ``step-0000000000020`` included).
 
         An incremental (format v3) attempt whose files another checkpoint references (a
-        committed one, or a save younger than :attr:`grace_s`) is kept whole, without its
+        committed one, or a save younger than `grace_s`) is kept whole, without its
         marker (*retired*, logged); garbage collection removes it once nothing references it
         (docs/protocol.md §9.5).  If a committed checkpoint's manifest cannot be read, the
         step is still deleted (no marker) but its v3 attempts are all kept, with a warning
@@ -145,7 +145,7 @@ class CheckpointStore:
     def after_sharded_commit(self, info: CheckpointInfo) -> None:
         """Called on every rank once a sharded save of this store committed (synchronous or
         async), before it is reported: nothing here; a two-tier store gives its node's files
-        their committed path (:attr:`node_local`)."""
+        their committed path (`node_local`)."""
 
     def restore_source(self) -> CheckpointStore:
         """The store whose checkpoints a collective restore (``CheckpointManager``) walks and
@@ -155,7 +155,7 @@ class CheckpointStore:
         return self
 
     def after_prune(self, deleted: Iterable[int]) -> None:
-        """Called on every rank of a collective :class:`~ckptfs.CheckpointManager` with the
+        """Called on every rank of a collective `CheckpointManager` with the
         steps its writer's prune deleted: nothing here; a node-local sharded two-tier store
         removes the other nodes' files of those steps."""
 
@@ -176,7 +176,7 @@ class CheckpointStore:
 
     def latest(self, *, allow_rollback: bool = False) -> CheckpointInfo | None:
         """The newest committed checkpoint, or ``None``.  Raises
-        :class:`~ckptfs.CorruptCheckpointError` if the newest committed one fails its check,
+        `CorruptCheckpointError` if the newest committed one fails its check,
         unless ``allow_rollback``."""
         found = self.walk(lambda info: info, allow_rollback=allow_rollback)
         return None if found is None else found[0]
@@ -239,16 +239,16 @@ class CheckpointStore:
     def walk(self, use: Callable[[CheckpointInfo], T], *, allow_rollback: bool = False,
              skipped: list[str] | None = None) -> tuple[CheckpointInfo, T] | None:
         """``use`` on the newest committed checkpoint that passes it, with the checkpoint, or
-        ``None`` if there is none: the one walk behind :meth:`load` and the manager's
-        restore, over :meth:`read_tiers` (:func:`ckptfs.protocol.resolve.walk_tiers`).
-        ``use`` gets the :class:`CheckpointInfo` of one tier's copy; :meth:`load_info` loads
+        ``None`` if there is none: the one walk behind `load` and the manager's
+        restore, over `read_tiers` (`ckptfs.protocol.resolve.walk_tiers`).
+        ``use`` gets the `CheckpointInfo` of one tier's copy; `load_info` loads
         it from that tier."""
         return walk_tiers(self.read_tiers(), use, allow_rollback=allow_rollback,
                           skipped=skipped)
 
     def use_step(self, step: int, use: Callable[[CheckpointInfo], T]
                  ) -> tuple[CheckpointInfo, T]:
-        """``use`` on the committed checkpoint of ``step`` (:meth:`info`), with it: the
+        """``use`` on the committed checkpoint of ``step`` (`info`), with it: the
         walk's rule for a step asked by number (a two-tier store tries the remote copy when
         the local one fails ``use``)."""
         info = self.info(step)
@@ -258,10 +258,10 @@ class CheckpointStore:
                   map_location: MapLocation = None,
                   keys: Iterable[str | KeyPath] | None = None, mmap: bool = False
                   ) -> dict[Any, Any]:
-        """Load exactly the committed attempt ``info`` names (as resolved by :meth:`info` or
-        :meth:`latest`, or agreed by several ranks), never a newer one.  A file that went
+        """Load exactly the committed attempt ``info`` names (as resolved by `info` or
+        `latest`, or agreed by several ranks), never a newer one.  A file that went
         missing is corruption only if the marker still names this attempt; else the checkpoint
-        was deleted while it was read (:class:`~ckptfs.CheckpointDeletedError`)."""
+        was deleted while it was read (`CheckpointDeletedError`)."""
         try:
             return load_checkpoint(self.storage, info, verify=verify, map_location=map_location,
                                    threads=self.threads, keys=keys, mmap=mmap)
@@ -284,11 +284,11 @@ class CheckpointStore:
         Full (default) re-hashes every file and checks the documents as a load does (what a
         load refuses, a full verify refuses); ``quick`` compares names and sizes from one
         listing.  Returns the report if everything matches, else raises
-        :class:`~ckptfs.CorruptCheckpointError` listing every problem.
+        `CorruptCheckpointError` listing every problem.
 
         ``remote``: compare each file with the object store's own stored checksum, from
         metadata requests alone, reading no data (docs/remote-verify.md): raises
-        :class:`~ckptfs.RemoteChecksumMismatchError` on a mismatch; files the store cannot
+        `RemoteChecksumMismatchError` on a mismatch; files the store cannot
         vouch for are reported ``not available`` (``report.complete`` is then False)."""
         if remote:
             info = self.info(step) if step is not None else self.latest()
@@ -328,38 +328,38 @@ class CheckpointStore:
         The snapshot is taken on the calling thread, during this call, and after it returns
         nothing of ``state`` or ``metadata`` is read again: the caller may change, free or
         reuse every tensor, array, container and value at once.  First the state is planned
-        exactly as :meth:`save` plans it: every non-tensor value (the tree, keys, numbers,
+        exactly as `save` plans it: every non-tensor value (the tree, keys, numbers,
         strings, and extension values such as NumPy arrays' dtype and shape, sets,
         ``Namespace`` objects, registered dataclasses and containers; a registered ``encode``
         function runs here) is encoded into the checkpoint's bytes, and ``metadata`` is
         deep-copied.  Then, after any back-pressure wait, the bytes of every tensor of the
         plan (NumPy array data and tensors inside extension values included; one per distinct
-        tensor as :meth:`save` stores them: tied weights once, a conjugate or negative view and
+        tensor as `save` stores them: tied weights once, a conjugate or negative view and
         an empty tensor each on its own) are copied into reused host buffers (CUDA: pinned,
-        synchronized before returning).  The checkpoint is byte for byte what :meth:`save`
+        synchronized before returning).  The checkpoint is byte for byte what `save`
         would have written during this call.  A collective (sharded) state is snapshotted the
         same way on every rank (docs/async.md, section 7).
 
-        The future's ``result()`` is the committed :class:`CheckpointInfo` or raises what went
-        wrong; uncollected failures raise again from the next :meth:`save`,
-        :meth:`save_async` or :meth:`wait` (the oldest, with a note naming each other one).
+        The future's ``result()`` is the committed `CheckpointInfo` or raises what went
+        wrong; uncollected failures raise again from the next `save`,
+        `save_async` or `wait` (the oldest, with a note naming each other one).
         With ``max_in_flight`` saves pending, this call first waits (logged, counted in
-        :attr:`async_stats`).  Invalid values raise here, naming their key path."""
+        `async_stats`).  Invalid values raise here, naming their key path."""
         return async_save.saver_for(self).submit(self, step, state, metadata=metadata,
                                                  max_in_flight=max_in_flight)
 
     def wait(self) -> None:
-        """Wait for every pending :meth:`save_async`; raise a failure nobody collected."""
+        """Wait for every pending `save_async`; raise a failure nobody collected."""
         async_save.wait(self)
 
     def close(self) -> None:
-        """:meth:`wait`, then release the background thread and the staging buffers (a later
-        :meth:`save_async` starts them again)."""
+        """`wait`, then release the background thread and the staging buffers (a later
+        `save_async` starts them again)."""
         async_save.close(self)
 
     @property
     def async_stats(self) -> async_save.AsyncStats:
-        """Counters of :meth:`save_async`: submitted, committed, failed, back-pressure waits,
+        """Counters of `save_async`: submitted, committed, failed, back-pressure waits,
         snapshot time, staging memory."""
         return async_save.stats_of(self)
 
@@ -381,7 +381,7 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
 
     ``retries``: how many times an idempotent storage call that failed transiently is repeated
-    (with capped exponential backoff; 0 disables, see :mod:`ckptfs.storage.retry`).
+    (with capped exponential backoff; 0 disables, see `ckptfs.storage.retry`).
     ``incremental``: single-process saves write format v3 and reference the bytes an earlier
     checkpoint of the run already holds instead of writing them again (docs/incremental.md);
     sharded saves (under a process group) write format v4, every rank referencing the items

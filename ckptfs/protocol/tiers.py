@@ -1,9 +1,9 @@
 """Two tiers: save at local-disk speed, replicate to a remote store in the background, resume
 from whichever tier holds the newest good checkpoint (docs/tiers.md).
 
-:func:`tiered` opens a :class:`TieredStore`, a :class:`~ckptfs.protocol.store.CheckpointStore`
+`tiered` opens a `TieredStore`, a `CheckpointStore`
 whose own storage is the local tier: ``save`` commits there and returns; the step is then
-queued for the :class:`~ckptfs.protocol.replication.Replicator`, which copies it to the remote
+queued for the `Replicator`, which copies it to the remote
 tier with ``ckptfs cp``'s copy (one commit object, every byte verified, marker last).
 
 Design decisions (argued in docs/tiers.md):
@@ -12,11 +12,11 @@ Design decisions (argued in docs/tiers.md):
   storage options (credentials and endpoint of the object store, none for local disk), retries
   and durability, which one ``**storage_options`` cannot say; and ``open`` stays the one-tier
   function the layers below use.
-* Retention and listing (``steps``, ``delete``, what :class:`~ckptfs.CheckpointManager` prunes)
+* Retention and listing (``steps``, ``delete``, what `CheckpointManager` prunes)
   act on the local tier; ``store.remote`` is a plain store of the remote tier for anything done
   there.  ``latest``/``info``/``load``/``verify`` read across both.
 * A local checkpoint not yet replicated is never deleted (``delete`` raises
-  :class:`~ckptfs.errors.UnreplicatedCheckpointError`, retention keeps it) unless the store was
+  `UnreplicatedCheckpointError`, retention keeps it) unless the store was
   opened with ``delete_unreplicated=True``.
 * Opening scans both tiers: every step committed locally and not at the remote is queued
   (oldest first), so a process killed mid-replication resumes on its next open.
@@ -79,7 +79,7 @@ log = logging.getLogger("ckptfs")
 SCAN_TIMEOUT_S = 10.0
 #: How long a collective manager restore on a sharded two-tier store waits for the steps its
 #: local tiers hold to reach the remote tier, whose copy it reads
-#: (:meth:`TieredStore.restore_source`).
+#: (`TieredStore.restore_source`).
 RESTORE_WAIT_S = 300.0
 
 T = TypeVar("T")
@@ -87,7 +87,7 @@ Tier = tuple[str, CheckpointStore]
 
 
 def check_tiers(local: CheckpointStore, remote: CheckpointStore) -> None:
-    """Refuse two tiers that are the same run root or nested (:class:`TierOverlapError`)."""
+    """Refuse two tiers that are the same run root or nested (`TierOverlapError`)."""
     if overlaps(local.storage, remote.storage):
         raise TierOverlapError(
             f"the local tier {local.url} and the remote tier {remote.url} are the same run "
@@ -198,8 +198,8 @@ class TieredStore(CheckpointStore):
         return found
 
     def _remote_steps(self) -> set[int]:
-        """The remote's committed steps, or :class:`StorageError` if its listing takes longer
-        than :data:`SCAN_TIMEOUT_S` (a remote that is down answers after its retries, tens of
+        """The remote's committed steps, or `StorageError` if its listing takes longer
+        than `SCAN_TIMEOUT_S` (a remote that is down answers after its retries, tens of
         seconds: the open does not wait for them; the listing is abandoned)."""
         listing: Future[list[int]] = Future()
 
@@ -230,7 +230,7 @@ class TieredStore(CheckpointStore):
              metadata: Mapping[str, Any] | None = None,
              process_group: Any = None) -> CheckpointInfo:
         """Commit ``step`` on the local tier and return; it is replicated in the background
-        (:meth:`replication`, :meth:`wait_replicated`)."""
+        (`replication`, `wait_replicated`)."""
         with self.replicator.foreground():  # copying pauses while this save writes
             if wants_sharded_save(state, process_group):
                 info = self._save_sharded(step, state, metadata, process_group)
@@ -271,10 +271,10 @@ class TieredStore(CheckpointStore):
     def save_async(self, step: int, state: Mapping[str, Any], *,
                    metadata: Mapping[str, Any] | None = None,
                    max_in_flight: int = 1) -> async_save.SaveFuture:
-        """:meth:`CheckpointStore.save_async`; the step is queued for replication once it
+        """`CheckpointStore.save_async`; the step is queued for replication once it
         committed locally.  A sharded state (on every rank of a store opened on every rank):
         the collective async save of a plain store (format v2), each rank writing its file on
-        its own node, then settled there (:meth:`after_sharded_commit`)."""
+        its own node, then settled there (`after_sharded_commit`)."""
         if wants_sharded_save(state, None):
             self._check_sharded(None)
         self.replicator.hold()  # copying pauses until this save's local write is done
@@ -297,7 +297,7 @@ class TieredStore(CheckpointStore):
     def delete(self, step: int) -> None:
         """Delete the local copy of ``step`` (the remote tier is left alone: use
         ``store.remote.delete``).  Refused with
-        :class:`~ckptfs.errors.UnreplicatedCheckpointError` while the step has not reached the
+        `UnreplicatedCheckpointError` while the step has not reached the
         remote tier, unless the store allows it (``delete_unreplicated``)."""
         check_step(step)
         if not self.delete_unreplicated and step in self.replicator.unreplicated():
@@ -325,8 +325,8 @@ class TieredStore(CheckpointStore):
 
     def wait_replicated(self, timeout: float | None = None) -> ReplicationStatus:
         """Wait until every checkpoint saved (or found unreplicated at open) is at the remote
-        tier.  Raises :class:`~ckptfs.errors.ReplicationError` if a step failed for good,
-        :class:`TimeoutError` (with the lag) after ``timeout`` seconds."""
+        tier.  Raises `ReplicationError` if a step failed for good,
+        `TimeoutError` (with the lag) after ``timeout`` seconds."""
         self.wait()  # pending save_async: committed locally and queued first
         return self.replicator.wait(timeout)
 
@@ -353,7 +353,7 @@ class TieredStore(CheckpointStore):
 
     def read_tiers(self) -> list[ReadTier]:
         """``[("local", local storage), ("remote", remote storage)]``: every read
-        (``latest``, ``load``, ``verify``, the manager's restore through :meth:`walk`)
+        (``latest``, ``load``, ``verify``, the manager's restore through `walk`)
         resolves across both, the local copy first."""
         return [(name, st.storage) for name, st in self._tiers()]
 
@@ -383,7 +383,7 @@ class TieredStore(CheckpointStore):
              into: dict[str, Any] | None = None, process_group: Any = None,
              keys: Iterable[str | KeyPath] | None = None, mmap: bool = False
              ) -> dict[Any, Any]:
-        """:meth:`CheckpointStore.load` across tiers: the newest step in either tier (or
+        """`CheckpointStore.load` across tiers: the newest step in either tier (or
         ``step``), from the local copy when it loads and verifies, else from the remote copy
         (logged).  A step bad in both tiers raises (``allow_rollback``: the next older)."""
         if into is not None or process_group is not None:
@@ -492,7 +492,7 @@ class TieredStore(CheckpointStore):
     def restore_source(self) -> CheckpointStore:
         """A sharded two-tier store's nodes each hold only their own files, so a collective
         manager restore walks the remote tier, the one complete copy, after waiting (at most
-        :data:`RESTORE_WAIT_S`) for the local steps to get there (a job restarted on its nodes
+        `RESTORE_WAIT_S`) for the local steps to get there (a job restarted on its nodes
         replicates at open what its last run left); the model and optimizer still load through
         this store, each node's own files first.  A step that cannot reach the remote (its
         files lost with a node, or the remote down) is not a candidate: logged."""
@@ -542,8 +542,8 @@ def tiered(local: str | CheckpointStore, remote: str | CheckpointStore, *,
     an open store) and are replicated to ``remote`` in the background (docs/tiers.md).
 
     ``local_options`` / ``remote_options``: each tier's storage options (as
-    :func:`ckptfs.open`'s ``**storage_options``); the other keywords up to ``lease_s`` are
-    :func:`ckptfs.open`'s, for both tiers (ignored for a tier given as a store).
+    `ckptfs.open`'s ``**storage_options``); the other keywords up to ``lease_s`` are
+    `ckptfs.open`'s, for both tiers (ignored for a tier given as a store).
     ``delete_unreplicated``: let ``delete`` and retention remove a local checkpoint that has
     not reached the remote (default: never).  ``replicate_threads``: files copied at once
     (memory: about 8 MiB per thread plus the remote's write buffer); ``bytes_per_s``: a

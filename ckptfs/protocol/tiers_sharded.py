@@ -17,19 +17,19 @@ manifest, ``dcp.msgpack`` and its rank file; each other node its own rank file. 
 2. every rank lists, on its own node, the files of the checkpoint (its own rank files, and for
    format v4 the files its references name) and the ranks gather what each node holds with its
    declared size;
-3. DCP's load runs with a :class:`NodeReader`: in its read step each rank gathers the stored
+3. DCP's load runs with a `NodeReader`: in its read step each rank gathers the stored
    chunks it needs that its node does not hold; each is served by the lowest rank whose node
    holds the file (read and checked against its digest there, sent through the process group:
    meant for the small items stored once, such as the optimizer's step counters), else read
    from the remote copy (a replaced node), else the local copy cannot serve the load:
-   :class:`LocalCopyUnavailable` on every rank.
+   `LocalCopyUnavailable` on every rank.
 
-What happens when a copy fails (:func:`load_across_tiers`): a local copy that is corrupt or
+What happens when a copy fails (`load_across_tiers`): a local copy that is corrupt or
 unavailable falls back to the remote copy of the same step (logged); a step whose local copy
 is *unavailable* (files of a lost node) and that the remote does not hold is skipped for the
 newest step that can be read (logged: a node's loss, not corruption); a step that is corrupt in
-every tier that holds it raises :class:`~ckptfs.errors.CorruptCheckpointError`, unless
-``allow_rollback``.  A :class:`~ckptfs.errors.FormatVersionError` is raised, never skipped.
+every tier that holds it raises `CorruptCheckpointError`, unless
+``allow_rollback``.  A `FormatVersionError` is raised, never skipped.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Storage: the narrow interface ckptfs owns, with its optional capabilities and the wrapper base
-(:mod:`.base`), the backend table (:mod:`.backends`), the single fsspec adapter
-(:mod:`.fsspec`), and the wrappers of this layer: retries (:mod:`.retry`) and a sub-root
-(:mod:`.sub`)."""
+(`.base`), the backend table (`.backends`), the single fsspec adapter
+(`.fsspec`), and the wrappers of this layer: retries (`.retry`) and a sub-root
+(`.sub`)."""
 
 from ckptfs.storage.backends import BACKENDS, BackendSpec, spec_for
 from ckptfs.storage.base import Capabilities, Entry, Storage

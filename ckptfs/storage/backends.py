@@ -2,8 +2,8 @@
 options ckptfs sets by default, and how each guarantee is obtained.
 
 Looked up once, by the fsspec filesystem's own protocol names, when a store is opened; the rest
-of ckptfs reads the resulting :class:`~ckptfs.storage.base.Capabilities` and never inspects URLs.
-:func:`capability_table` renders this table for docs/backends.md (a test keeps the two in step)
+of ckptfs reads the resulting `Capabilities` and never inspects URLs.
+`capability_table` renders this table for docs/backends.md (a test keeps the two in step)
 and ``ckptfs doctor`` checks a live store against it.
 
 Default options are merged *under* the user's (the user's win; dict-valued options such as
@@ -79,12 +79,12 @@ class BackendSpec:
     write_block_copies: int = 0
     #: The keys of the library's ``info`` that carry an object's modification time, in order
     #: of preference; empty where none is known (then the store does not offer
-    #: :class:`~ckptfs.storage.base.ModifiedTimes`, and GC leaves files it cannot age alone).
+    #: `ModifiedTimes`, and GC leaves files it cannot age alone).
     mtime_keys: tuple[str, ...] = ()
     #: The whole-object checksums the store keeps for objects ckptfs writes through the
     #: library, and reports from a metadata request (names of
     #: ``ckptfs.format.hashing.STORE_CHECKSUMS``); empty where it keeps none that ckptfs can
-    #: compute.  The store offers :class:`~ckptfs.storage.base.ServerChecksums` where this is
+    #: compute.  The store offers `ServerChecksums` where this is
     #: not empty (docs/remote-verify.md).
     server_checksums: tuple[str, ...] = ()
 

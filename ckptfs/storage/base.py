@@ -1,9 +1,9 @@
 """The storage interface ckptfs owns: the few operations the commit protocol needs.
 
-Everything above this module speaks only :class:`Storage`; everything below it (fsspec, s3fs,
-gcsfs, adlfs, the OS) is hidden behind one adapter, :class:`ckptfs.storage.fsspec.FsspecStorage`.
+Everything above this module speaks only `Storage`; everything below it (fsspec, s3fs,
+gcsfs, adlfs, the OS) is hidden behind one adapter, `ckptfs.storage.fsspec.FsspecStorage`.
 Paths are ``/``-separated and relative to the store's root.  Differences between backends are
-data (:class:`Capabilities`), read by the protocol, never guessed from a URL at call sites.
+data (`Capabilities`), read by the protocol, never guessed from a URL at call sites.
 
 Note for implementers: ``create_exclusive`` is the commit.  It must either write all of ``data``
 in one request that the server refuses if the object exists, or raise ``FileExistsError``;
@@ -85,7 +85,7 @@ class Entry:
 
 @runtime_checkable
 class Storage(Protocol):
-    """A store rooted at one URL.  All methods raise :class:`ckptfs.errors.StorageError` (or a
+    """A store rooted at one URL.  All methods raise `ckptfs.errors.StorageError` (or a
     subclass, or ``FileNotFoundError``/``FileExistsError`` subclasses of it) for storage
     failures; never a storage library's own exception."""
 
@@ -112,7 +112,7 @@ class Storage(Protocol):
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Create ``path`` with ``data`` in one request iff it does not exist; else raise
-        ``FileExistsError`` (:class:`ckptfs.errors.CheckpointExistsError` family)."""
+        ``FileExistsError`` (`ckptfs.errors.CheckpointExistsError` family)."""
         ...
 
     def list_dir(self, path: str) -> list[Entry]:
@@ -154,9 +154,9 @@ class Storage(Protocol):
 
 # -- optional capabilities ---------------------------------------------------------------------
 #
-# Each is a small protocol the core asks for with :func:`supports` (never a ``getattr`` probe),
-# and each is delegated explicitly by :class:`StorageWrapper`.  A storage that implements only
-# :class:`Storage` keeps every safety check; it just loses the optimisation or the extra.
+# Each is a small protocol the core asks for with `supports` (never a ``getattr`` probe),
+# and each is delegated explicitly by `StorageWrapper`.  A storage that implements only
+# `Storage` keeps every safety check; it just loses the optimisation or the extra.
 
 T = TypeVar("T")
 
@@ -164,8 +164,8 @@ T = TypeVar("T")
 @runtime_checkable
 class RangedRead(Protocol):
     """Read a byte range in one request (an HTTP ranged GET on object stores).  Used by sharded
-    loads, which read only the chunks a rank needs; :func:`read_range` falls back to a
-    streaming read for a :class:`Storage` without it."""
+    loads, which read only the chunks a rank needs; `read_range` falls back to a
+    streaming read for a `Storage` without it."""
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """Up to ``length`` bytes at ``start`` (fewer only at the end of the object);
@@ -185,7 +185,7 @@ class LocalFiles(Protocol):
 @runtime_checkable
 class Retrying(Protocol):
     """Bounded retries of a whole operation that the caller can replay from its first byte (a
-    streamed file regenerated from memory).  :func:`retry_call` runs ``fn`` once without it."""
+    streamed file regenerated from memory).  `retry_call` runs ``fn`` once without it."""
 
     def retry_call(self, op: str, path: str, fn: Callable[[], T]) -> T:
         ...
@@ -238,7 +238,7 @@ class MultipartUploads(Protocol):
 class StoredChecksum:
     """A whole-object checksum the object store itself keeps for an object (S3's full-object
     ``ChecksumCRC32``/``CRC32C``/``CRC64NVME``, GCS's ``crc32c``), as the store reports it in
-    a metadata request: ``algorithm`` one of :data:`ckptfs.format.hashing.STORE_CHECKSUMS`,
+    a metadata request: ``algorithm`` one of `ckptfs.format.hashing.STORE_CHECKSUMS`,
     ``hexdigest`` lowercase big-endian hex."""
 
     algorithm: str
@@ -249,12 +249,12 @@ class StoredChecksum:
 class ServerChecksums(Protocol):
     """The store keeps a checksum of each whole object and reports it from a metadata request
     (no data read), so a committed checkpoint can be checked against its manifest without
-    downloading it (docs/remote-verify.md).  A writer computes :meth:`checksum_algorithms`
+    downloading it (docs/remote-verify.md).  A writer computes `checksum_algorithms`
     while it writes and records them in the manifest; the verifier compares."""
 
     def checksum_algorithms(self) -> tuple[str, ...]:
         """The whole-object checksums this store keeps for objects written through this
-        storage, as names of :data:`ckptfs.format.hashing.STORE_CHECKSUMS` (the writer computes
+        storage, as names of `ckptfs.format.hashing.STORE_CHECKSUMS` (the writer computes
         each while writing)."""
         ...
 
@@ -269,7 +269,7 @@ class ServerChecksums(Protocol):
 class DeclaresCapabilities(Protocol):
     """A storage whose class has the members of several optional capabilities but offers only
     some of them on a given backend (the fsspec adapter: local files only on local disk,
-    multi-part uploads only on S3), and every :class:`StorageWrapper`.  :func:`supports` asks
+    multi-part uploads only on S3), and every `StorageWrapper`.  `supports` asks
     it instead of looking at its members."""
 
     def offers(self, capability: type) -> bool:
@@ -283,9 +283,9 @@ OPTIONAL_CAPABILITIES: tuple[type, ...] = (RangedRead, LocalFiles, Retrying, Mod
 
 def supports(storage: Storage, capability: type) -> bool:
     """Whether ``storage`` offers the optional ``capability`` (one of
-    :data:`OPTIONAL_CAPABILITIES`).  A :class:`StorageWrapper` declares every member, so for a
+    `OPTIONAL_CAPABILITIES`).  A `StorageWrapper` declares every member, so for a
     wrapper this asks the wrapper what it really offers (usually: what its inner storage
-    offers).  A storage that declares its capabilities (:class:`DeclaresCapabilities`) is
+    offers).  A storage that declares its capabilities (`DeclaresCapabilities`) is
     asked; any other is checked for the capability's members."""
     if not _has_members(storage, capability):
         return False
@@ -298,7 +298,7 @@ def location(storage: Storage) -> str:
     """Where ``storage``'s run root is, spelled one way: the resolved OS path for local disk
     (``/a/../a``, ``file:///a/`` and a symbolic link to ``/a`` are all ``/a``), else the
     ``protocol://path`` of its URL without repeated or trailing slashes.  For telling whether
-    two storages are the same place, or one lies inside the other (:func:`overlaps`)."""
+    two storages are the same place, or one lies inside the other (`overlaps`)."""
     if supports(storage, LocalFiles):
         return os.path.realpath(cast(LocalFiles, storage).local_path(""))
     protocol, sep, path = storage.url.partition("://")
@@ -343,7 +343,7 @@ def read_range(storage: Storage, path: str, start: int, length: int) -> bytes:
 
 
 def retry_call(storage: Storage, op: str, path: str, fn: Callable[[], T]) -> T:
-    """``fn`` under ``storage``'s bounded retries where it offers them (:class:`Retrying`),
+    """``fn`` under ``storage``'s bounded retries where it offers them (`Retrying`),
     else once."""
     if supports(storage, Retrying):
         return storage.retry_call(op, path, fn)  # type: ignore[attr-defined, no-any-return]
@@ -352,17 +352,17 @@ def retry_call(storage: Storage, op: str, path: str, fn: Callable[[], T]) -> T:
 
 class CapabilityUnavailableError(NotImplementedError):
     """An optional capability was used on a storage that does not offer it (a bug in the
-    caller: ask :func:`supports` first)."""
+    caller: ask `supports` first)."""
 
 
 class StorageWrapper:
     """Base of every storage that wraps another (retries, a sub-root, fault injection).
 
-    Every member of :class:`Storage` and of each optional capability is delegated here
-    *explicitly*, through two hooks a subclass may override: :meth:`inner_path` (the inner
-    storage's path of one of ours) and :meth:`outer_entry` (the reverse, for listings).  There
+    Every member of `Storage` and of each optional capability is delegated here
+    *explicitly*, through two hooks a subclass may override: `inner_path` (the inner
+    storage's path of one of ours) and `outer_entry` (the reverse, for listings).  There
     is no ``__getattr__`` forwarding: a member a wrapper forgets fails a test instead of
-    silently dropping a check.  :meth:`offers` says which optional capabilities this wrapper
+    silently dropping a check.  `offers` says which optional capabilities this wrapper
     really has: those of its inner storage, unless a subclass adds one (retries)."""
 
     def __init__(self, inner: Storage) -> None:
@@ -428,7 +428,7 @@ class StorageWrapper:
     # -- optional capabilities (each raises CapabilityUnavailableError where not offered) ------
 
     def require(self, capability: type) -> None:
-        """Raise :class:`CapabilityUnavailableError` unless this wrapper offers ``capability``."""
+        """Raise `CapabilityUnavailableError` unless this wrapper offers ``capability``."""
         if not self.offers(capability):
             raise CapabilityUnavailableError(
                 f"{self!r} does not offer {capability.__name__} (check supports() first)")

@@ -17,7 +17,7 @@ Only errno values whose meaning is the same for local disk and for the storage l
 (which reuse errno codes for HTTP answers, e.g. s3fs maps ``IncompleteBody`` to ``EINVAL`` and
 ``InternalError`` to ``EREMOTEIO``) are listed: ``EINVAL``, ``EIO`` and ``EBUSY`` stay
 retryable.  Permission errors (``EACCES``, ``EPERM``) and "not found"/"exists" are already
-typed (:class:`~ckptfs.errors.StorageAccessError`, :class:`~ckptfs.errors.StorageNotFoundError`,
+typed (`StorageAccessError`, `StorageNotFoundError`,
 ``FileExistsError``) and never retried either.
 """
 
@@ -125,8 +125,8 @@ _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", 
 
 def classify(exc: BaseException) -> type[StorageError]:
     """The ckptfs error class for a storage library's exception, from the whole chain: a missing
-    bucket, container or object is :class:`StorageNotFoundError`; refused credentials or
-    permissions :class:`StorageAccessError`; anything else :class:`StorageError`."""
+    bucket, container or object is `StorageNotFoundError`; refused credentials or
+    permissions `StorageAccessError`; anything else `StorageError`."""
     for cur in error_chain(exc):
         if isinstance(cur, StorageError):
             return type(cur)

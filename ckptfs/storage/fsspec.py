@@ -1,10 +1,10 @@
-"""The one adapter from ckptfs's :class:`~ckptfs.storage.base.Storage` to fsspec.
+"""The one adapter from ckptfs's `Storage` to fsspec.
 
 It does three things fsspec does not: it maps every storage-library exception to a typed ckptfs
 error naming the URL; it bypasses listing caches on every listing (a commit by another process
 must be visible at once); and it implements the create-only write and the local-disk durability
 steps (fsync, ``link``-based exclusive create, rename) that the commit protocol relies on, as the
-backend's :class:`~ckptfs.storage.base.Capabilities` say.
+backend's `Capabilities` say.
 """
 
 from __future__ import annotations
@@ -76,16 +76,16 @@ SLOW_PROBE_FACTOR = 5
 
 
 class FsspecStorage:
-    """A :class:`~ckptfs.storage.base.Storage` over any fsspec filesystem, rooted at ``url``."""
+    """A `Storage` over any fsspec filesystem, rooted at ``url``."""
 
     def __init__(self, url: str, *, probe: bool = True,
                  probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
                  full_object_checksums: bool = True, **storage_options: Any) -> None:
         """Open ``url`` with ``storage_options`` passed to the fsspec implementation (merged over
-        the backend's defaults, see :mod:`ckptfs.storage.backends`).
+        the backend's defaults, see `ckptfs.storage.backends`).
 
         ``full_object_checksums`` (S3 only): multi-part uploads ask the store to keep a
-        full-object CRC32 (:class:`S3FullObjectCrc32`), so that ``verify(remote=True)`` can
+        full-object CRC32 (`S3FullObjectCrc32`), so that ``verify(remote=True)`` can
         compare them; ``False`` for an S3-compatible server that refuses those requests.
 
         On object stores the bucket/container is checked at once (one request, at most
@@ -124,7 +124,7 @@ class FsspecStorage:
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._local = self.capabilities.protocol == "file"
         self._full_object_checksums = full_object_checksums
-        #: The optional capabilities this backend has (:meth:`offers`), decided once, as data:
+        #: The optional capabilities this backend has (`offers`), decided once, as data:
         #: from the backend's spec, and for multi-part uploads from what the filesystem object
         #: can do (s3fs), never from the URL.
         self._offered: frozenset[type] = frozenset(
@@ -552,12 +552,12 @@ class FsspecStorage:
                 f"{capability.__name__}")
 
     def local_path(self, path: str) -> str:
-        """The OS path of ``path`` (local disk only: :class:`~ckptfs.storage.base.LocalFiles`)."""
+        """The OS path of ``path`` (local disk only: `LocalFiles`)."""
         self._require(LocalFiles)
         return self.full(path)
 
     def modified(self, path: str) -> datetime | None:
-        """The modification time ``info`` reports (:class:`~ckptfs.storage.base.ModifiedTimes`;
+        """The modification time ``info`` reports (`ModifiedTimes`;
         the backend's ``mtime_keys``), ``None`` if absent or not given for this object."""
         self._require(ModifiedTimes)
         with self._errors("stat", path):
@@ -573,7 +573,7 @@ class FsspecStorage:
 
     def remove_empty_dir(self, path: str) -> bool:
         """``rmdir``: never removes anything a writer created in the directory meanwhile
-        (:class:`~ckptfs.storage.base.EmptyDirRemoval`, real directories only)."""
+        (`EmptyDirRemoval`, real directories only)."""
         self._require(EmptyDirRemoval)
         with self._errors("rmdir", path):
             try:
@@ -590,7 +590,7 @@ class FsspecStorage:
 
     def list_uploads(self, path: str) -> list[PendingUpload]:
         """The unfinished multi-part uploads under ``path``
-        (:class:`~ckptfs.storage.base.MultipartUploads`), with the bytes of the parts uploaded
+        (`MultipartUploads`), with the bytes of the parts uploaded
         so far (``ListParts``; 0 where that fails)."""
         self._require(MultipartUploads)
         bucket, prefix = self._bucket_key(path)
@@ -643,7 +643,7 @@ class FsspecStorage:
 
     def checksum_algorithms(self) -> tuple[str, ...]:
         """The store checksums to compute while writing
-        (:class:`~ckptfs.storage.base.ServerChecksums`)."""
+        (`ServerChecksums`)."""
         self._require(ServerChecksums)
         return tuple(self.spec.server_checksums)
 

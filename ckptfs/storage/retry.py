@@ -1,4 +1,4 @@
-"""Bounded retries of idempotent storage calls, as a :class:`~ckptfs.storage.base.Storage`
+"""Bounded retries of idempotent storage calls, as a `Storage`
 wrapper.
 
 Object stores fail transiently (a reset connection, a 503 "slow down"); the storage libraries
@@ -22,15 +22,15 @@ bounded number of times, with capped exponential backoff and jitter:
   reports it gone).
   ``local_path`` is not a request and is delegated as it is.
 
-It is a :class:`~ckptfs.storage.base.StorageWrapper`: every member is delegated explicitly, it
+It is a `StorageWrapper`: every member is delegated explicitly, it
 offers exactly the optional capabilities of the storage it wraps, and it adds
-:class:`~ckptfs.storage.base.Retrying` (:meth:`RetryingStorage.retry_call`) for the callers that
+`Retrying` (`RetryingStorage.retry_call`) for the callers that
 can replay a whole streamed write.
 
 Errors that cannot get better by waiting (not found, access denied, exists, and the permanent
-OS errors of :data:`ckptfs.storage.classify.PERMANENT_ERRNOS`: a full disk, a read-only
+OS errors of `ckptfs.storage.classify.PERMANENT_ERRNOS`: a full disk, a read-only
 filesystem, a regular file where a directory is expected...) are never retried.
-When the attempts are used up, a :class:`~ckptfs.errors.StorageError` says how many were made.
+When the attempts are used up, a `StorageError` says how many were made.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ DEFAULT_MAX_DELAY = 5.0
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """A storage failure that may succeed if repeated: a :class:`StorageError` that is not
+    """A storage failure that may succeed if repeated: a `StorageError` that is not
     "not found", "access denied", "exists", nor caused by a permanent OS error."""
     return (isinstance(exc, StorageError)
             and not isinstance(exc, (StorageNotFoundError, StorageAccessError, FileExistsError))

@@ -2,8 +2,8 @@
 
 Run artifacts (``artifacts/<name>/``) and the Lightning integration's per-path stores reuse the
 whole commit protocol as stores of their own, one level down.  The sub-storage is a
-:class:`~ckptfs.storage.base.StorageWrapper` that only moves paths (its two hooks); everything
-else is its parent's: the retries (:class:`~ckptfs.storage.base.Retrying`), the write-memory
+`StorageWrapper` that only moves paths (its two hooks); everything
+else is its parent's: the retries (`Retrying`), the write-memory
 budget (``capabilities.stream_buffer_bytes`` is data, copied), ranged reads, local files for
 ``mmap=True``, and every other optional capability, each offered exactly where the parent
 offers it.

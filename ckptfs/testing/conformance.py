@@ -1,7 +1,7 @@
 """The conformance suite every backend passes: base test classes, one per concern.
 
 A backend's test module provides one fixture, ``backend``, returning a fresh
-:class:`~ckptfs.testing.backend.Backend` per test, and subclasses these classes::
+`Backend` per test, and subclasses these classes::
 
     class TestS3Commit(S3Fixtures, CommitConformance): ...
 
@@ -9,10 +9,10 @@ A known gap of an emulator is marked at that backend's subclass (override the te
 ``xfail`` with the reason), never by skipping the backend.  Users can run the suite against
 their own bucket the same way.
 
-Storage wrappers have their own check (the end of this module): :func:`check_wrapper` for one
-wrapper over one storage, :class:`WrapperConformance` / :class:`LocalWrapperConformance` as
-test classes (fixtures ``backend`` and ``case``), and :func:`shipped_wrappers`, the wrappers
-ckptfs ships, typed so that mypy checks each is a :class:`~ckptfs.storage.base.Storage`.
+Storage wrappers have their own check (the end of this module): `check_wrapper` for one
+wrapper over one storage, `WrapperConformance` / `LocalWrapperConformance` as
+test classes (fixtures ``backend`` and ``case``), and `shipped_wrappers`, the wrappers
+ckptfs ships, typed so that mypy checks each is a `Storage`.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def committed_attempt(backend: Backend, step: int) -> str:
 
 
 class _StreamOnly:
-    """A storage seen without ``read_range``: :func:`read_range` streams through it."""
+    """A storage seen without ``read_range``: `read_range` streams through it."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -426,9 +426,9 @@ class RaceConformance:
 #
 # A wrapper (retries, a sub-root, fault injection, request counting, yours) must offer exactly
 # the optional capabilities of the storage it wraps, each one working through it, and keep
-# every safety check.  :func:`check_wrapper` checks one wrapper over one storage;
-# :class:`WrapperConformance` runs it, and a save/load/verify, on a backend; the link checks
-# run on local disk (:class:`LocalWrapperConformance`), where links exist.
+# every safety check.  `check_wrapper` checks one wrapper over one storage;
+# `WrapperConformance` runs it, and a save/load/verify, on a backend; the link checks
+# run on local disk (`LocalWrapperConformance`), where links exist.
 
 
 @dataclass(frozen=True)
@@ -444,7 +444,7 @@ class WrapperCase:
 def shipped_wrappers() -> list[WrapperCase]:
     """Every storage wrapper ckptfs ships (the benchmarks' request counter aside: the test
     suite adds it).  Also the static check: each ``make`` is typed to return a
-    :class:`~ckptfs.storage.base.Storage`, so mypy verifies that every wrapper satisfies the
+    `Storage`, so mypy verifies that every wrapper satisfies the
     protocol."""
     return [
         WrapperCase("RetryingStorage",
@@ -472,7 +472,7 @@ def _inner_prefix(inner: Storage, wrapper: Storage, probe: str) -> str:
 
 
 def check_wrapper(inner: Storage, wrapper: Storage, *, adds: tuple[type, ...] = ()) -> None:
-    """Assert that ``wrapper`` (built around ``inner``) satisfies :class:`Storage` without
+    """Assert that ``wrapper`` (built around ``inner``) satisfies `Storage` without
     ``__getattr__`` forwarding, carries the same capabilities data (the write-memory budget's
     ``stream_buffer_bytes`` included), offers every optional capability ``inner`` offers and
     no other (``adds`` aside), and that each offered capability works through it.  Writes
@@ -567,7 +567,7 @@ def _use_multipart_uploads(inner: Storage, wrapper: Storage, scratch: str, prefi
 
 
 class _Abandon(Exception):
-    """Ends the streaming write of :func:`_use_multipart_uploads` (its upload is aborted)."""
+    """Ends the streaming write of `_use_multipart_uploads` (its upload is aborted)."""
 
 
 def _use_server_checksums(inner: Storage, wrapper: Storage, scratch: str, prefix: str) -> None:
@@ -619,7 +619,7 @@ def link_checkpoint(backend: Backend, store: CheckpointStore, step: int, what: s
 
 class WrapperConformance:
     """A storage wrapper on one backend.  Subclass with a ``backend`` fixture and a ``case``
-    fixture returning the :class:`WrapperCase` of the wrapper under test."""
+    fixture returning the `WrapperCase` of the wrapper under test."""
 
     def test_offers_what_it_wraps(self, backend: Backend, case: WrapperCase) -> None:
         raw = FsspecStorage(backend.url, **backend.options)
@@ -638,7 +638,7 @@ class WrapperConformance:
 class LocalWrapperConformance(WrapperConformance):
     """The link refusals, through the wrapper, on local disk (the only backend with links):
     a symbolic link as a file, as the attempt directory or as the step directory is refused
-    by load (:class:`~ckptfs.errors.UnsafeCheckpointError`), verify (quick and full) and
+    by load (`UnsafeCheckpointError`), verify (quick and full) and
     copy (``ckptfs cp``)."""
 
     @pytest.mark.parametrize("what", ["file", "attempt", "step"])

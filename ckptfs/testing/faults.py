@@ -1,4 +1,4 @@
-"""Fault injection around any :class:`~ckptfs.storage.base.Storage`: crashes, torn writes,
+"""Fault injection around any `Storage`: crashes, torn writes,
 transient failures, and (on local disk) power cuts.
 
 The wrapper sits between ckptfs and a real backend, so every protocol step runs against real
@@ -7,7 +7,7 @@ storage, and it numbers every *mutating* call: each ``write()`` of a streaming w
 ``delete_tree``, ``makedirs``, ``rename_dir`` and ``sync_dir``.  A crash sweep first counts the
 calls of a clean run, then crashes at each of them in turn.
 
-A crash models a killed process, not an exception: :class:`SimulatedCrash` derives from
+A crash models a killed process, not an exception: `SimulatedCrash` derives from
 ``BaseException`` (``except Exception`` cleanup cannot swallow it) and, once raised, the wrapper
 refuses every later call of that writer, reads included, so the ``except``/``finally`` cleanup
 of ckptfs cannot reach storage either.  What a killed writer leaves behind is modelled per
@@ -18,9 +18,9 @@ Streaming writes are buffered by the wrapper and handed to the inner backend who
 commit (tests use small states): that makes every crash point deterministic and lets the
 wrapper decide exactly which prefix a torn or killed write leaves.
 
-The power-cut model (:class:`PowerCutModel`, local disk only) follows POSIX durability at its
+The power-cut model (`PowerCutModel`, local disk only) follows POSIX durability at its
 weakest: file data is durable only once the file was fsynced, a directory entry (create,
-rename, delete) only once its parent directory was fsynced.  :meth:`FaultyStorage.power_cut`
+rename, delete) only once its parent directory was fsynced.  `FaultyStorage.power_cut`
 rewrites the directory tree to what would be on disk after the machine lost power: unsynced
 entries rolled back, unsynced file contents lost (empty files).  This is where a missing fsync
 of a file or of a parent directory shows up.
@@ -97,9 +97,9 @@ class FaultStats:
 
 
 class FaultyStorage(StorageWrapper):
-    """A :class:`~ckptfs.storage.base.Storage` that injects faults into ``inner``.
+    """A `Storage` that injects faults into ``inner``.
 
-    A :class:`~ckptfs.storage.base.StorageWrapper`: it offers exactly the optional capabilities
+    A `StorageWrapper`: it offers exactly the optional capabilities
     of ``inner``, and injects faults into those that are requests too (``read_range``,
     ``modified`` and ``list_uploads`` are reads; ``remove_empty_dir`` and ``abort_upload``
     mutate).  ``local_path`` and ``retry_call`` are delegated as they are (no request).
@@ -108,18 +108,18 @@ class FaultyStorage(StorageWrapper):
     (``crash_after=True``: after it took effect, before the caller sees the answer).
     ``tear_at=k``: the k-th mutating call persists only ``tear_keep`` of its bytes, then crashes
     (``tear_then_crash=False``: then reports success, a storage that lies).
-    ``transient_p``: every call fails with :class:`TransientStorageError` with that probability
+    ``transient_p``: every call fails with `TransientStorageError` with that probability
     (seeded by ``seed``); half of the failures of mutating calls happen after the call took effect.
     The ``write``/``fsync`` calls inside a streaming write are not requests of their own (the
     library buffers them), so they fail only with ``transient_stream_writes=True``.
-    ``power_model``: record durability for :meth:`power_cut` (local disk only).
+    ``power_model``: record durability for `power_cut` (local disk only).
     ``outage_at=k``: an outage of the storage begins at the k-th mutating call: from it on,
-    every call (reads included) fails with :class:`TransientStorageError` before it reaches
-    storage, until :meth:`end_outage` (or, with ``outage_calls``, after that many refused
+    every call (reads included) fails with `TransientStorageError` before it reaches
+    storage, until `end_outage` (or, with ``outage_calls``, after that many refused
     calls).  ``outage_after=True``: the k-th call takes effect first, then fails (the answer is
     lost: the ambiguous outcome), and the outage goes on from the next call.  Unlike a crash the
     writer is alive: it sees errors, retries, and goes on once the storage is back.
-    :meth:`begin_outage` starts one at once (the storage is down from the start).
+    `begin_outage` starts one at once (the storage is down from the start).
     ``hook(op, path)`` runs before every call (outside any lock): tests use it to interleave
     writers deterministically.
     """
@@ -144,7 +144,7 @@ class FaultyStorage(StorageWrapper):
         self.outage_at = outage_at
         self.outage_after = outage_after
         self.outage_calls = outage_calls
-        #: Whether the outage is on now (from ``outage_at`` until :meth:`end_outage`).
+        #: Whether the outage is on now (from ``outage_at`` until `end_outage`).
         self.down = False
         self.stats = FaultStats()
         self.crashed = False
@@ -170,7 +170,7 @@ class FaultyStorage(StorageWrapper):
         return self.stats.calls
 
     def begin_outage(self) -> None:
-        """The storage goes down now: every call fails until :meth:`end_outage`."""
+        """The storage goes down now: every call fails until `end_outage`."""
         with self._lock:
             self.down = True
 
@@ -447,7 +447,7 @@ class FaultyStorage(StorageWrapper):
 
 
 class _BufferedWriter:
-    """The file object of :meth:`FaultyStorage.open_write`: every ``write`` and ``fsync`` is a
+    """The file object of `FaultyStorage.open_write`: every ``write`` and ``fsync`` is a
     numbered mutating call; the bytes go to the backend at the commit."""
 
     def __init__(self, storage: FaultyStorage, path: str) -> None:
@@ -490,7 +490,7 @@ class _BufferedWriter:
 
 def local_root(storage: Storage) -> str:
     """The local directory a local-disk storage is rooted at
-    (:class:`~ckptfs.storage.base.LocalFiles`)."""
+    (`LocalFiles`)."""
     if not supports(storage, LocalFiles):
         raise ValueError(f"the power-cut model needs a storage on local disk (LocalFiles), got "
                          f"{storage!r}")

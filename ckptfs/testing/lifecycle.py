@@ -1,7 +1,7 @@
-"""Conformance of the training-run lifecycle (:class:`~ckptfs.CheckpointManager`) on a backend.
+"""Conformance of the training-run lifecycle (`CheckpointManager`) on a backend.
 
-Like :mod:`ckptfs.testing.conformance`, a backend's test module provides a ``backend`` fixture
-and subclasses :class:`ManagerConformance`; the same resume, retention, best-tracking and
+Like `ckptfs.testing.conformance`, a backend's test module provides a ``backend`` fixture
+and subclasses `ManagerConformance`; the same resume, retention, best-tracking and
 garbage-collection behaviour is then checked on that storage.
 """
 
@@ -32,11 +32,11 @@ class InjectedCrash(RuntimeError):
 
 
 class CrashingStorage(StorageWrapper):
-    """Wraps a storage; raises :class:`InjectedCrash` on the first call of ``method`` (a
-    member of :class:`~ckptfs.storage.base.Storage`) whose path contains ``match``: an
+    """Wraps a storage; raises `InjectedCrash` on the first call of ``method`` (a
+    member of `Storage`) whose path contains ``match``: an
     injected crash at one storage call, for crash tests.  Every other call, and every call
     after the crash, goes to ``inner`` unchanged (an explicit
-    :class:`~ckptfs.storage.base.StorageWrapper`: the optional capabilities of ``inner`` are
+    `StorageWrapper`: the optional capabilities of ``inner`` are
     kept)."""
 
     METHODS = ("read_bytes", "open_read", "open_write", "write_bytes", "create_exclusive",

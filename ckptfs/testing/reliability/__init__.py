@@ -5,27 +5,27 @@ figures in docs/reliability.md::
     python -m ckptfs.testing.reliability                # all backends, writes the JSON + table
     python -m ckptfs.testing.reliability --backends local memory
 
-Each sweep returns a :class:`Sweep`: how many scenarios it tried, and every *violation* of an
+Each sweep returns a `Sweep`: how many scenarios it tried, and every *violation* of an
 invariant of docs/protocol.md it saw, as a sentence naming the scenario.  The tests assert that
 the list is empty; the command counts.  Sweeps never stop at the first violation, so one run
 reports all of them.
 
 One module per concern, all re-exported here:
 
-- :mod:`.common`: :class:`Sweep`, the state saved at each step, :func:`check_store`.
-- :mod:`.paths`: the write paths a sweep can run through (``store.save``, the sharded save on
+- `.common`: `Sweep`, the state saved at each step, `check_store`.
+- `.paths`: the write paths a sweep can run through (``store.save``, the sharded save on
   one rank, ``save_async``, ``ckptfs cp``, a sub-storage): ``sweep(backend, path=...)``.
-- :mod:`.crash`: crash points of save, delete, prune and gc.
-- :mod:`.power`: power cuts on local disk.
-- :mod:`.races`: zombie writers, free-step races, reader during saves, prune during a save.
-- :mod:`.corruption`: the corruption matrix.
-- :mod:`.transient`: saves under transient faults through the retry layer.
-- :mod:`.hostile`: hostile checkpoints (valid marker, malicious contents), read through load,
-  verify, ``ckptfs cp`` (and any reader the caller adds); :mod:`.hostile_v2`: the same
+- `.crash`: crash points of save, delete, prune and gc.
+- `.power`: power cuts on local disk.
+- `.races`: zombie writers, free-step races, reader during saves, prune during a save.
+- `.corruption`: the corruption matrix.
+- `.transient`: saves under transient faults through the retry layer.
+- `.hostile`: hostile checkpoints (valid marker, malicious contents), read through load,
+  verify, ``ckptfs cp`` (and any reader the caller adds); `.hostile_v2`: the same
   restated for the sharded format (``hostile_sweep(fmt=2)``).
-- :mod:`.tiers`: two tiers (issue 18): the replicator killed or cut off at every mutating call
+- `.tiers`: two tiers (issue 18): the replicator killed or cut off at every mutating call
   it makes at the remote tier, a remote outage during saves, the local disk lost.
-- :mod:`.report`: the figures command (docs/reliability.json and the table in
+- `.report`: the figures command (docs/reliability.json and the table in
   docs/reliability.md); ``__main__`` runs it.
 """
 

@@ -1,4 +1,4 @@
-"""``python -m ckptfs.testing.reliability``: the figures command (:func:`.report.main`)."""
+"""``python -m ckptfs.testing.reliability``: the figures command (`.report.main`)."""
 
 import sys
 

@@ -1,5 +1,5 @@
-"""What every reliability sweep shares: the :class:`Sweep` record, the deterministic state
-saved at each step, fresh storage clients without the retry layer, and :func:`check_store`, the
+"""What every reliability sweep shares: the `Sweep` record, the deterministic state
+saved at each step, fresh storage clients without the retry layer, and `check_store`, the
 check run after every scenario (a fresh reader sees exactly the expected latest, which loads
 bit-exactly, and no committed checkpoint is lost)."""
 
@@ -88,7 +88,7 @@ def check_store(sweep: Sweep, scenario: str, backend: Backend, committed: set[in
     bit-exactly, and every retained committed checkpoint is still listed as committed and
     verifies (quick; full with ``full_all``; only the steps in ``recheck`` when given, the
     others having been verified after they were written and untouched since).  ``state``: the
-    state saved at a step (default :func:`state_for`)."""
+    state saved at a step (default `state_for`)."""
     reader = backend.open()
     with scenario_guard(sweep, scenario):
         latest = reader.latest()
@@ -114,7 +114,7 @@ def check_store(sweep: Sweep, scenario: str, backend: Backend, committed: set[in
 def died(exc: BaseException) -> bool:
     """Whether ``exc`` is a simulated crash, or carries one: DCP catches every exception of a
     rank's step (``BaseException`` included) and reports it in a ``CheckpointException``, which
-    the sharded save raises as :class:`~ckptfs.errors.ShardedSaveError`.  A killed process
+    the sharded save raises as `ShardedSaveError`.  A killed process
     raises nothing; in the sweeps the crashed writer's storage refuses every later call, so
     whatever the wrapper does afterwards cannot reach storage."""
     from ckptfs.testing.faults import SimulatedCrash

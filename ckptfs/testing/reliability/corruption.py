@@ -38,7 +38,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
     ``load(verify=True)`` must detect every one, naming the file; quick verify every size or
     inventory change.  With ``marker_byte_sweep`` every byte of the marker is also flipped: each
     flip must be detected or provably harmless (the marker still parses and binds the same step,
-    attempt and manifest digest).  ``path``: how both checkpoints are written (:mod:`.paths`);
+    attempt and manifest digest).  ``path``: how both checkpoints are written (`.paths`);
     with references (format v3), the damaged checkpoint reads its model from a file of the older
     one, and that file is damaged too: a flipped byte in a tensor chunk and in the header chunk
     it references, the file truncated, extended, deleted."""

@@ -1,6 +1,6 @@
 """Crash-point sweeps: ``save``, ``delete``, ``prune`` and ``gc`` stopped (crashed, optionally
 with a torn write) before each of their storage calls in turn, then checked with
-:func:`~ckptfs.testing.reliability.common.check_store` and by running the operation again."""
+`check_store` and by running the operation again."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def sweep_save_crashes(backend: Backend, *, tear: bool | None = None, threads: i
     parallel: the k-th call is then whichever thread gets there, and the other threads find the
     writer dead at their next call.
 
-    ``path``: how the save writes (:mod:`.paths`): ``store.save``, ``save_async`` (the crash
+    ``path``: how the save writes (`.paths`): ``store.save``, ``save_async`` (the crash
     hits the background thread), ``ckptfs cp`` (the crash hits the destination; the source is
     a scratch root), or any of them through a sub-storage; ``v3``: an incremental save whose
     model tensors are references to an earlier checkpoint's file (the sweep primes step 0, so
@@ -140,7 +140,7 @@ def sweep_delete_crashes(backend: Backend, *, path: WritePath = V1) -> Sweep:
     """Crash ``CheckpointStore.delete`` at every call: the step is either still committed and
     verifies fully, or reads as not committed; nothing else changes; deleting again works.
 
-    ``path``: :data:`~.paths.V3`: incremental checkpoints, each referencing the frozen model
+    ``path``: `V3`: incremental checkpoints, each referencing the frozen model
     an earlier one holds; the step deleted is the one the others reference (its bytes must
     survive every crash and the retry: every other checkpoint verifies fully afterwards)."""
     sweep = Sweep(backend.name, "delete-crash" if path is V1 else f"delete-crash ({path.name})")

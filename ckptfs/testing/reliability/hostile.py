@@ -1,8 +1,8 @@
 """Hostile-input sweep: checkpoints planted through the backdoor with a *valid* marker but
 malicious contents (oversized or deeply nested documents, pickles, path tricks, symlinks, ...).
-Each must give a typed error (:class:`~ckptfs.errors.CkptfsError`) from latest/load/verify, with
+Each must give a typed error (`CkptfsError`) from latest/load/verify, with
 no storage access outside the checkpoint, nothing written, nothing executed, and reader memory
-within :data:`HOSTILE_MEMORY_LIMIT`."""
+within `HOSTILE_MEMORY_LIMIT`."""
 
 from __future__ import annotations
 
@@ -110,8 +110,8 @@ def _nested_msgpack(depth: int) -> bytes:
 def hostile_cases(pl: Planter, sentinel: str, *, local: bool
                   ) -> list[tuple[str, Callable[[], int], str]]:
     """(name, plant -> step, expected) for every hostile input; ``expected`` is what load must
-    raise (:data:`EXPECTED_ERRORS`): "unsafe" (:class:`UnsafeCheckpointError`), "version"
-    (:class:`FormatVersionError`), "typed" (:class:`CorruptCheckpointError`, any subclass), or
+    raise (`EXPECTED_ERRORS`): "unsafe" (`UnsafeCheckpointError`), "version"
+    (`FormatVersionError`), "typed" (`CorruptCheckpointError`, any subclass), or
     "" (may load, harmlessly)."""
     import io
     import pickle
@@ -275,10 +275,10 @@ def _recorder(paths: list[str]) -> Callable[[str, str], None]:
 
 
 #: What a reader does with a hostile checkpoint, by operation (``hostile_sweep(reads=...)``).
-#: The loads and the copy must refuse it (:data:`REFUSING`, and every reader given as
+#: The loads and the copy must refuse it (`REFUSING`, and every reader given as
 #: ``hostile_sweep(extra=...)``: the tests add ``ckptfs inspect``'s), all with the same error
-#: class; the full verification must refuse it too (:data:`REPORTING`: it reports every problem
-#: in one :class:`CorruptCheckpointError`, whatever the kind of each); ``latest`` and the quick
+#: class; the full verification must refuse it too (`REPORTING`: it reports every problem
+#: in one `CorruptCheckpointError`, whatever the kind of each); ``latest`` and the quick
 #: verification may pass (they read no document content), but may raise nothing untyped.
 READS = ("latest", "load", "load unverified", "verify", "verify quick", "copy")
 REFUSING = ("load", "load unverified", "copy")
@@ -315,14 +315,14 @@ def _copy_refused(reader: CheckpointStore, step: int, sweep: Sweep, name: str) -
 def hostile_sweep(backend: Backend, *, fmt: int = 1, reads: tuple[str, ...] = READS,
                   extra: Mapping[str, Reader] | None = None, only: set[str] | None = None,
                   planter: Any = None) -> Sweep:
-    """Every hostile input (of format ``fmt``: :func:`hostile_cases`,
-    :func:`~ckptfs.testing.reliability.hostile_v2.hostile_v2_cases` or
-    :func:`~ckptfs.testing.reliability.hostile_v3.hostile_v3_cases`), through every reader in
+    """Every hostile input (of format ``fmt``: `hostile_cases`,
+    `hostile_v2_cases` or
+    `hostile_v3_cases`), through every reader in
     ``reads``: the loads, the copy and inspect refuse it with the error of its kind
-    (:data:`EXPECTED_ERRORS`), all of them with the same error class, and the full verification
-    refuses it too (:data:`REPORTING`); the copy commits nothing;
+    (`EXPECTED_ERRORS`), all of them with the same error class, and the full verification
+    refuses it too (`REPORTING`); the copy commits nothing;
     no operation raises anything untyped, accesses storage outside the checkpoints, writes to
-    storage, executes anything, or uses more than :data:`HOSTILE_MEMORY_LIMIT`.
+    storage, executes anything, or uses more than `HOSTILE_MEMORY_LIMIT`.
     ``sweep.outcomes[case]`` records what each operation did.  ``extra``: more readers, which
     must refuse too (the tests pass ``ckptfs inspect``'s).  ``only``: these cases;
     ``planter``: a planter of ``fmt`` for ``backend`` made earlier (its donor save reused)."""

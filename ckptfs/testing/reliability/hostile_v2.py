@@ -1,8 +1,8 @@
-"""Hostile sharded checkpoints (format v2): the inputs of :mod:`.hostile` restated for the v2
+"""Hostile sharded checkpoints (format v2): the inputs of `.hostile` restated for the v2
 layout, plus what only v2 has (``dcp.msgpack``, chunk tables, value documents inside the rank
 files).  Each is planted with a *valid* marker and, where the attacker controls them, valid
 digests (every chunk re-hashed), so only the reader's own checks can refuse it.  The expected
-error of each is the one the v1 counterpart gets (:data:`~.hostile.EXPECTED_ERRORS`): the same
+error of each is the one the v1 counterpart gets (`EXPECTED_ERRORS`): the same
 hostile input, the same typed error, whatever the format.
 """
 
@@ -134,7 +134,7 @@ def hostile_v2_cases(pl: PlanterV2, sentinel: str, *, local: bool
                      ) -> list[tuple[str, Callable[[], int], str]]:
     """(name, plant -> step, expected) for every hostile sharded input (module docstring).
     Nothing is read from ``pl`` until a case is planted, so the names and expectations are
-    known without a planter (:func:`hostile_v2_names`)."""
+    known without a planter (`hostile_v2_names`)."""
     cases: list[tuple[str, Callable[[], int], str]] = []
 
     def add(name: str, fn: Callable[[], int], expected: str = "typed") -> None:
@@ -353,6 +353,6 @@ def hostile_v2_cases(pl: PlanterV2, sentinel: str, *, local: bool
 
 
 def hostile_v2_names(*, local: bool) -> list[tuple[str, str]]:
-    """(name, expected) of every case of :func:`hostile_v2_cases`, without planting any."""
+    """(name, expected) of every case of `hostile_v2_cases`, without planting any."""
     return [(name, expected) for name, _, expected in
             hostile_v2_cases(cast(PlanterV2, None), "", local=local)]

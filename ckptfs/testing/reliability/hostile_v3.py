@@ -4,9 +4,9 @@ the reader.  A donor run holds two v3 checkpoints (step 1 references step 0's mo
 planted under a new step with a *valid* marker, one thing changed.  Where the attacker controls
 them the digests are valid (chunk lists re-hashed, a referenced file rewritten in an attempt of
 the planted step with its chunks re-hashed), so only the reader's own checks can refuse it.  The
-expected error of each (:data:`~.hostile.EXPECTED_ERRORS`) is the one its v1/v2 counterpart
-gets: a path trick is :class:`~ckptfs.errors.UnsafeCheckpointError`, the rest
-:class:`~ckptfs.errors.CorruptCheckpointError`.
+expected error of each (`EXPECTED_ERRORS`) is the one its v1/v2 counterpart
+gets: a path trick is `UnsafeCheckpointError`, the rest
+`CorruptCheckpointError`.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _header(blob: bytes) -> tuple[int, dict[str, Any]]:
 def hostile_v3_cases(pl: PlanterV3, sentinel: str, *, local: bool
                      ) -> list[tuple[str, Callable[[], int], str]]:
     """(name, plant -> step, expected) for every hostile v3 input (module docstring).  Nothing
-    is read from ``pl`` until a case is planted (:func:`hostile_v3_names`)."""
+    is read from ``pl`` until a case is planted (`hostile_v3_names`)."""
     cases: list[tuple[str, Callable[[], int], str]] = []
 
     def add(name: str, fn: Callable[[], int], expected: str = "typed") -> None:
@@ -315,7 +315,7 @@ def mismatched_v3_cases(pl: PlanterV3) -> list[tuple[str, Callable[[], int]]]:
     """References whose digests do not match the bytes they bind (what a corrupted or forged
     manifest gives): ``load(verify=False)`` reads them as they are, as it reads a corrupted
     file; every verifying reader (load, verify, ``ckptfs cp``, inspect's check) must refuse them
-    with :class:`~ckptfs.errors.CorruptCheckpointError`."""
+    with `CorruptCheckpointError`."""
     def chunks_set(make: Callable[[list[list[Any]]], list[list[Any]]]) -> Callable[[], int]:
         return lambda: pl.plant(doc_edit=lambda d: pl.ref(d).update(
             chunks=make(pl.ref(d)["chunks"])))
@@ -332,6 +332,6 @@ def mismatched_v3_cases(pl: PlanterV3) -> list[tuple[str, Callable[[], int]]]:
 
 
 def hostile_v3_names(*, local: bool) -> list[tuple[str, str]]:
-    """(name, expected) of every case of :func:`hostile_v3_cases`, without planting any."""
+    """(name, expected) of every case of `hostile_v3_cases`, without planting any."""
     return [(name, expected) for name, _, expected in
             hostile_v3_cases(cast(PlanterV3, None), "", local=local)]

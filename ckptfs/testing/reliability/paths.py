@@ -7,26 +7,26 @@ exactly what the single-process save gives it:
 =========  ====================================================================================
 ``v1``     ``store.save`` in one process (format v1)
 ``v2``     the collective save on one rank (``save_sharded`` with no process group:
-           ``dcp.save(no_dist=True)`` driving :class:`~ckptfs.protocol.sharded_io.ShardedWriter`,
+           ``dcp.save(no_dist=True)`` driving `ShardedWriter`,
            as ``ckptfs.dcp.Writer`` is driven)
 ``async``  ``store.save_async(...).result()`` (the snapshot, then the commit on the store's
            background thread)
 ``cp``     a save into a scratch ``memory://`` root, then ``ckptfs cp``
-           (:func:`~ckptfs.protocol.copy.copy_step`) into the store under test
+           (`copy_step`) into the store under test
 ``cp-v2``  the same from a format v2 source
-``sub``    ``store.save`` through a :class:`~ckptfs.lifecycle.artifacts.SubStorage` (how run
-           artifacts and the Lightning integration store checkpoints): see :class:`SubBackend`
+``sub``    ``store.save`` through a `SubStorage` (how run
+           artifacts and the Lightning integration store checkpoints): see `SubBackend`
 ``v3``     ``store.save`` of an incremental store (``ckptfs.open(url, incremental=True)``:
-           format v3), saving :func:`frozen_state_for`, whose model does not change from step
+           format v3), saving `frozen_state_for`, whose model does not change from step
            to step: every save after the first references the model's tensors in the file an
-           earlier checkpoint holds (:attr:`WritePath.references`)
+           earlier checkpoint holds (`WritePath.references`)
 =========  ====================================================================================
 
-A sweep takes a :class:`WritePath` and a :class:`~ckptfs.testing.backend.Backend`; it writes
+A sweep takes a `WritePath` and a `Backend`; it writes
 ``path.state(step)`` through ``path.save(store, step, state)`` on the store of
 ``path.at(backend)`` (the backend itself, or its sub-storage view), and reads with the
 ordinary store API.  The two-rank gloo save cannot run inside a sweep's process; the tests add
-it (tests/paths.py) as one more :class:`WritePath` whose ``save`` launches the ranks.
+it (tests/paths.py) as one more `WritePath` whose ``save`` launches the ranks.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ from ckptfs.storage.fsspec import FsspecStorage
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability.common import state_for
 
-#: Where :class:`SubBackend` roots its view (an artifact's store, as artifacts lay them out).
+#: Where `SubBackend` roots its view (an artifact's store, as artifacts lay them out).
 SUB_PREFIX = "artifacts/reliability"
 
 
 @dataclass
 class SubBackend(Backend):
-    """The run root seen through a :class:`~ckptfs.lifecycle.artifacts.SubStorage` at
-    ``prefix``: :meth:`open` returns a store on the sub-storage (as the artifacts and the
+    """The run root seen through a `SubStorage` at
+    ``prefix``: `open` returns a store on the sub-storage (as the artifacts and the
     Lightning integration build theirs), and the backdoor's paths are relative to the prefix,
     so every sweep runs unchanged on it."""
 
@@ -83,10 +83,10 @@ class WritePath:
     name: str
     #: The manifest format version the checkpoint has.
     format_version: int = 1
-    #: Whether the store under test is a sub-storage view (:class:`SubBackend`).
+    #: Whether the store under test is a sub-storage view (`SubBackend`).
     sub: bool = False
     #: Whether a save after the first references what an earlier checkpoint holds (format
-    #: v3 of :func:`frozen_state_for`): a sweep primes a first checkpoint, so the save it
+    #: v3 of `frozen_state_for`): a sweep primes a first checkpoint, so the save it
     #: examines has references.
     references: bool = False
 
@@ -141,7 +141,7 @@ def save_v2(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
 
 
 def frozen_state_for(step: int) -> dict[str, Any]:
-    """:func:`~ckptfs.testing.reliability.common.state_for` of ``step`` with the model of step
+    """`state_for` of ``step`` with the model of step
     0 (a frozen model, as in a fine-tune of a frozen base): what the ``v3`` path saves, so that
     each save references the model's tensors an earlier checkpoint holds."""
     state = state_for(step)
@@ -163,7 +163,7 @@ def copy_through(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                  metadata: Mapping[str, Any] | None = None,
                  sharded: bool = False) -> CheckpointInfo:
     """Save ``state`` into a scratch ``memory://`` root (v1, or v2 with ``sharded``), then copy
-    it into ``store`` with ``ckptfs cp``'s :func:`~ckptfs.protocol.copy.copy_step` (the same
+    it into ``store`` with ``ckptfs cp``'s `copy_step` (the same
     threads, so the destination's calls come in a deterministic order when ``store`` has one
     thread).  The scratch root is removed afterwards."""
     from ckptfs.protocol.copy import copy_step

@@ -1,6 +1,6 @@
 """Power-cut sweeps (local disk only): a save or a delete cut after each of its calls, with
 unsynced file data lost and unsynced directory entries rolled back
-(:meth:`~ckptfs.testing.faults.FaultyStorage.power_cut`)."""
+(`power_cut`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def sweep_power_cuts(backend: Backend, *, path: WritePath = V1) -> Sweep:
     """On local disk: a first save completes, then a second is cut by a power failure after each
     of its mutating calls (0..n, n = completed), with unsynced file data lost (emptied or
     halved) and unsynced directory entries rolled back.  A save that returned must survive.
-    ``path``: how the second save writes (:mod:`.paths`: ``save_async``, ``ckptfs cp``...)."""
+    ``path``: how the second save writes (`.paths`: ``save_async``, ``ckptfs cp``...)."""
     backend = path.at(backend)
     sweep = Sweep(backend.name, "power-cut" if path is V1 else f"power-cut ({path.name})")
     if backend.protocol != "file":

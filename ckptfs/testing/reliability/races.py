@@ -140,7 +140,7 @@ def sweep_zombie(backend: Backend) -> Sweep:
 def sweep_free_race(backend: Backend, *, trials: int = 3, writers: int = 2,
                     paths: Sequence[WritePath] = (V1,)) -> Sweep:
     """Unsynchronised writers (separate clients) racing on one step: one winner per trial.
-    Writer ``i`` writes through ``paths[i % len(paths)]`` (:mod:`.paths`: a save, an async
+    Writer ``i`` writes through ``paths[i % len(paths)]`` (`.paths`: a save, an async
     save, a copy and a sharded save racing each other), each its own state."""
     sweep = Sweep(backend.name, "race-free" if tuple(paths) == (V1,) else
                   "race-free (" + ", ".join(p.name for p in paths) + ")")

@@ -1,6 +1,6 @@
 """The figures command: run every sweep on each backend (starting the storage servers needed),
 write the raw results to docs/reliability.json and the table between the ``figures`` markers
-of docs/reliability.md.  ``python -m ckptfs.testing.reliability`` runs :func:`main`."""
+of docs/reliability.md.  ``python -m ckptfs.testing.reliability`` runs `main`."""
 
 from __future__ import annotations
 

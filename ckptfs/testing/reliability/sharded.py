@@ -1,5 +1,5 @@
 """Crash points of a sharded save (format v2): a 2-rank save stopped before each of its storage
-calls in turn, then checked with :func:`~ckptfs.testing.reliability.common.check_store`, by
+calls in turn, then checked with `check_store`, by
 saving again, and by garbage collection.
 
 Launching gloo ranks per crash point would cost seconds each on 2 cores, so the ranks are
@@ -14,7 +14,7 @@ save with a rank killed by SIGKILL is in tests/test_sharded_crash.py.
 
 Two families of crash points:
 
-- **job**: every rank shares one :class:`~ckptfs.testing.faults.FaultyStorage`, numbered over
+- **job**: every rank shares one `FaultyStorage`, numbered over
   the whole save; the k-th mutating call kills the whole job (a node or job failure), for every
   k, plus once after the last call (the marker was created, nobody heard);
 - **rank 1**: only rank 1's storage crashes, at each of its own calls; rank 0 finishes writing
@@ -56,7 +56,7 @@ def simulated_save(storages: list[Storage], step: int, state: dict[str, Any]
     """A sharded save of ``state`` (the same replicated state on every rank) by
     ``len(storages)`` simulated ranks, rank ``r`` writing through ``storages[r]``, in DCP's
     call order.  Returns the committed info; ``None`` if a rank died (a
-    :class:`~ckptfs.testing.faults.SimulatedCrash` on a rank other than 0: the survivors
+    `SimulatedCrash` on a rank other than 0: the survivors
     write, the coordinator never finishes); a crash of the coordinator's storage propagates."""
     from ckptfs.format.sharded_tree import dcp_view
 

@@ -1,23 +1,23 @@
-"""Two tiers (issue 18, docs/tiers.md): the replicator of a :class:`~ckptfs.protocol.tiers.
+"""Two tiers (issue 18, docs/tiers.md): the replicator of a `
 TieredStore` crashed or cut off at every mutating call it makes at the remote tier, a remote
 outage during which training goes on, and the loss of the local disk.
 
 The remote tier is the backend under test (local disk, ``memory://``, S3, GCS, Azure); the
 local tier is a directory on local disk.  Faults are injected with
-:class:`~ckptfs.testing.faults.FaultyStorage` at the remote (outermost, no retry layer below
+`FaultyStorage` at the remote (outermost, no retry layer below
 it, so every fault reaches the replicator), and the local tier is watched by another wrapper
 that records every mutating call made from a thread other than the caller's: the replicator
 must never mutate the local tier (so there is no crash point of its own there to sweep: the
 sweeps assert the count is 0).
 
-:func:`sweep_replication_crashes`: the replication of one step (a v1 checkpoint, or with
-:data:`~.paths.V3` an incremental step whose predecessor is already at the remote: it writes
+`sweep_replication_crashes`: the replication of one step (a v1 checkpoint, or with
+`V3` an incremental step whose predecessor is already at the remote: it writes
 references) is counted, then, for each mutating call ``k`` of it:
 
-* ``crash``: the replicator is killed at call ``k`` (:class:`~ckptfs.testing.faults.
+* ``crash``: the replicator is killed at call ``k`` (`
   SimulatedCrash`, a ``BaseException`` that stops the worker as a kill would, the wrapper
   refusing every later call), and once after the last call took effect (``crash-after``); then
-  a *restart*: a new :class:`TieredStore` on the same tiers, ``wait_replicated()``;
+  a *restart*: a new `TieredStore` on the same tiers, ``wait_replicated()``;
 * ``outage`` / ``outage-after``: the remote goes down at call ``k`` (before it takes effect, or
   after it did with its answer lost), every call failing, for at least two replication
   attempts; a save made meanwhile returns; then the remote returns and the same store catches
@@ -31,12 +31,12 @@ local copy's content; garbage collection of the remote after its grace leaves **
 committed files (every leaked attempt collected, nothing committed touched); the local tier is
 unchanged and got no mutating call from the replicator.
 
-:func:`sweep_replication_outage`: a remote down from the start while five checkpoints are saved
+`sweep_replication_outage`: a remote down from the start while five checkpoints are saved
 with ``keep_last=2`` retention (incremental): saves return, the lag grows and is logged,
 retention holds every unreplicated step, catch-up is oldest first after the remote returns and
 then retention prunes; and the disk-full policy (``delete_unreplicated=True``).
 
-:func:`sweep_local_loss`: the local directory removed, then the store opened again: resume from
+`sweep_local_loss`: the local directory removed, then the store opened again: resume from
 the remote bit-exactly (an incremental chain whose remote copies reference remote attempts),
 with unreplicated steps lost with the disk, and after a replicator killed before its marker.
 """
@@ -127,7 +127,7 @@ def _drop(*backends: Backend) -> None:
 
 def local_store(storage: Storage, path: WritePath) -> CheckpointStore:
     """The local tier's plain store: one thread (the save's calls in the caller's thread),
-    small shards (several files per checkpoint), incremental for :data:`~.paths.V3`."""
+    small shards (several files per checkpoint), incremental for `V3`."""
     return CheckpointStore(storage, threads=1, shard_bytes=SWEEP_SHARD_BYTES,
                            incremental=path.references)
 
@@ -265,8 +265,8 @@ def sweep_replication_crashes(backend: Backend, *, path: WritePath = V1, threads
                               local: Backend | None = None, outages: bool = True,
                               points: Callable[[int, int], list[int]] | None = None) -> Sweep:
     """The replication of one step to ``backend`` (the remote tier) crashed, and cut off by an
-    outage (``outages``), at every mutating call (module docstring).  ``path``: :data:`~.paths.
-    V1`, or :data:`~.paths.V3` (the swept step references its replicated predecessor).
+    outage (``outages``), at every mutating call (module docstring).  ``path``: `
+    V1`, or `V3` (the swept step references its replicated predecessor).
     ``threads``: files the replicator copies at once (1: the calls come in a deterministic
     order; more: the k-th call is whichever thread gets there).  ``local``: where the local
     tiers go (default: a temporary directory).  ``points(n, marker_k)``: the calls to fault
@@ -725,7 +725,7 @@ def _loss_after_kill(sweep: Sweep, b_local: Backend, b_remote: Backend) -> None:
 
 def replication_sweeps(name: str, make: Callable[[], Backend]) -> list[Sweep]:
     """Every two-tier sweep with the backend ``make`` builds as the remote tier (what the
-    figures command runs: :func:`~ckptfs.testing.reliability.report.sweeps_for`); each
+    figures command runs: `sweeps_for`); each
     sweep's wall time is its ``sweep_ms`` counter."""
     runs: list[Callable[[], Sweep]] = [
         lambda: sweep_replication_crashes(make()),

@@ -6,8 +6,8 @@ because the properties we depend on (create-only writes, preconditions,
 listing behaviour) are implemented by the server, and mocks tend to agree
 with whatever the client library assumes.
 
-Each context manager in :data:`SERVERS` starts one server on a free loopback
-port, creates an empty bucket, yields a :class:`ServerInfo` and stops the
+Each context manager in `SERVERS` starts one server on a free loopback
+port, creates an empty bucket, yields a `ServerInfo` and stops the
 server on exit::
 
     from ckptfs.testing.servers import SERVERS, available
@@ -20,7 +20,7 @@ server on exit::
 
 This package only imports the standard library at import time; ``fsspec`` (and
 through it ``s3fs``/``gcsfs``/``adlfs``) is imported lazily, only where a
-client is needed, so that :func:`available` can report a missing package
+client is needed, so that `available` can report a missing package
 instead of the import failing.
 
 Traps handled here (see also ``/work/shared/notes/backends.md``):
@@ -37,24 +37,24 @@ Traps handled here (see also ``/work/shared/notes/backends.md``):
   helpers), without touching anything else on the machine.
 * ``gcsfs`` must see ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` *before it is
   first imported* when talking to an emulator, otherwise every open makes a
-  failing gRPC call that is retried for minutes.  :attr:`ServerInfo.env`
-  carries it for subprocesses; :meth:`ServerInfo.filesystem` sets it (if
+  failing gRPC call that is retried for minutes.  `ServerInfo.env`
+  carries it for subprocesses; `ServerInfo.filesystem` sets it (if
   unset) before importing gcsfs.
 * Listing caches: s3fs, gcsfs and adlfs cache directory listings per instance
   and fsspec caches instances, so ``storage_options`` always disable both
   (``use_listings_cache=False``, ``skip_instance_cache=True``); otherwise a
   test would see a filesystem bound to a server that has since been stopped,
-  or stale listings after another process (or :meth:`ServerInfo.reset`) wrote.
+  or stale listings after another process (or `ServerInfo.reset`) wrote.
 
 Layout (everything public is re-exported here):
 
-- :mod:`.info`: :class:`ServerInfo`, :class:`ServerStartError`, the default bucket name.
-- :mod:`.process`: free ports, starting a server subprocess and waiting for it, stopping its
-  process group.  Its :data:`~.process.START_TIMEOUT` and :data:`~.process.STOP_TIMEOUT` are
+- `.info`: `ServerInfo`, `ServerStartError`, the default bucket name.
+- `.process`: free ports, starting a server subprocess and waiting for it, stopping its
+  process group.  Its `START_TIMEOUT` and `STOP_TIMEOUT` are
   read at call time, so set them there (not re-exported here, where a change would not count).
-- :mod:`.s3` (moto, ministack), :mod:`.gcs` (fake-gcs-server), :mod:`.azure` (azurite): one
+- `.s3` (moto, ministack), `.gcs` (fake-gcs-server), `.azure` (azurite): one
   module per server family.
-- :mod:`.registry`: :data:`SERVERS` and :func:`available`.
+- `.registry`: `SERVERS` and `available`.
 - ``python -m ckptfs.testing.servers [name ...]``: smoke test of each available server.
 """
 

@@ -1,5 +1,5 @@
 """``python -m ckptfs.testing.servers [name ...]``: start each available server (all of
-:data:`~ckptfs.testing.servers.SERVERS` by default), write, list, reset, stop."""
+`SERVERS` by default), write, list, reset, stop."""
 
 import sys
 import time

@@ -95,7 +95,7 @@ def _az_container(endpoint: str, bucket: str, *, delete_first: bool) -> None:
 def azurite_server(bucket: str = DEFAULT_BUCKET) -> Iterator[ServerInfo]:
     """Run azurite's blob service (npm ``azurite@3``) in memory.
 
-    Found via :func:`azurite_binary`.  ``--skipApiVersionCheck`` because the
+    Found via `azurite_binary`.  ``--skipApiVersionCheck`` because the
     Azure SDK installed with adlfs is usually newer than the API versions
     azurite knows and would otherwise be refused.  ``reset()`` deletes and
     re-creates the container, which also drops uncommitted blocks.

@@ -1,4 +1,4 @@
-"""What a test gets from a running storage server (:class:`ServerInfo`), the error when one
+"""What a test gets from a running storage server (`ServerInfo`), the error when one
 does not start, and the default bucket name."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class ServerInfo:
     """What a test needs to talk to one running storage server.
 
     Attributes:
-        name: key in :data:`SERVERS` (``"moto"``, ``"ministack"``, ``"gcs"``,
+        name: key in `SERVERS` (``"moto"``, ``"ministack"``, ``"gcs"``,
             ``"azurite"``).
         protocol: fsspec protocol: ``"s3"``, ``"gs"`` or ``"az"``.
         endpoint: base URL of the server, e.g. ``http://127.0.0.1:40123``.
@@ -40,7 +40,7 @@ class ServerInfo:
             with the same library (credentials, endpoint, gcsfs switch).
             Merge into ``os.environ`` for the child, e.g.
             ``subprocess.run(..., env={**os.environ, **srv.env})``.
-        reset: callable that empties the server and leaves :attr:`bucket`
+        reset: callable that empties the server and leaves `bucket`
             existing and empty.  Cheaper than restarting (no process start),
             so fixtures can share one server per session and reset per test.
         pid: process id of the server (for checks that it stopped).

@@ -2,7 +2,7 @@
 its own process group with its output in a log file, waiting until it answers over HTTP
 (retrying on a port lost to another process), and stopping the whole group.
 
-:func:`run_server` reads :data:`START_TIMEOUT` from this module at call time, so tests can lower
+`run_server` reads `START_TIMEOUT` from this module at call time, so tests can lower
 it here (``ckptfs.testing.servers.process.START_TIMEOUT``)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     The OS picks it (bind to port 0) because fixed ports collide between
     parallel test runs.  Another process may take it before the server binds
-    it; :func:`run_server` retries on "address in use".
+    it; `run_server` retries on "address in use".
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -80,7 +80,7 @@ def _answers(url: str) -> bool:
 
 def _stop_process(proc: subprocess.Popen[bytes]) -> None:
     """Stop ``proc`` and its process group: SIGTERM, then SIGKILL after
-    :data:`STOP_TIMEOUT` seconds.  Only the group created for this server is
+    `STOP_TIMEOUT` seconds.  Only the group created for this server is
     signalled."""
     if proc.poll() is None:
         if os.name == "posix":

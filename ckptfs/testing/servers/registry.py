@@ -1,4 +1,4 @@
-"""The servers by name (:data:`SERVERS`) and :func:`available`, which says without starting
+"""The servers by name (`SERVERS`) and `available`, which says without starting
 anything whether one can run here (packages installed, binaries present)."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def available(name: str) -> str | None:
 
     Checks only cheap, local facts (packages installed, binaries present and
     executable), so test collection can call it for every test; a server
-    that is present but fails to start raises :class:`ServerStartError`
+    that is present but fails to start raises `ServerStartError`
     from its context manager instead.  Meant for
     ``pytest.skip(reason)`` or for reporting which backends a run covered.
     """
