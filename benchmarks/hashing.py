@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 
+from benchmarks import REPO_OUTPUTS
 from ckptfs.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["hash", *sys.argv[1:]]))
+    sys.exit(main(["hash", *REPO_OUTPUTS, *sys.argv[1:]]))

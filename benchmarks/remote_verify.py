@@ -1,5 +1,5 @@
 """``verify --remote`` of a checkpoint against a full verify on S3 (moto) and GCS (fake-gcs):
-requests made, bytes read and time, side by side (issue 18, part 7).
+requests made, bytes read and time, side by side.
 
 Usage: ``python -m benchmarks.remote_verify [--size 1GiB] [--backends s3,gcs]`` (same as
 ``ckptfs bench remote-verify``; see ``--help`` and :mod:`ckptfs.bench.remote_verify`)."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from benchmarks import REPO_OUTPUTS
 from ckptfs.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["remote-verify", *sys.argv[1:]]))
+    sys.exit(main(["remote-verify", *REPO_OUTPUTS, *sys.argv[1:]]))

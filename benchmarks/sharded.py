@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import sys
 
+from benchmarks import HERE
 from ckptfs.bench.sharded import main
 
+REPO_OUTPUTS = ("--json", str(HERE / "results" / "sharded.json"),
+                "--plot", str(HERE.parent / "docs" / "img" / "sharded_save_load.png"))
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main([*REPO_OUTPUTS, *sys.argv[1:]]))

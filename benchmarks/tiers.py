@@ -1,6 +1,6 @@
 """What does a second, remote tier cost a training job?  Blocking time of a tiered save
 against a local-only one, replication against ``ckptfs cp``, and a training loop's throughput
-and replication lag with no checkpoint, local-only and two tiers (issue 18 part 7).
+and replication lag with no checkpoint, local-only and two tiers.
 
 Usage: ``python -m benchmarks.tiers [--full] [options]`` (same as ``ckptfs bench tiers``; see
 ``--help``).  The default sizes take a few minutes on 2 cores; ``--full`` runs a 1 GiB
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 
+from benchmarks import REPO_OUTPUTS
 from ckptfs.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["tiers", *sys.argv[1:]]))
+    sys.exit(main(["tiers", *REPO_OUTPUTS, *sys.argv[1:]]))

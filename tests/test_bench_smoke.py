@@ -267,3 +267,25 @@ def test_tiers_question(tmp_path: Path) -> None:
     md = (docs / "benchmarks.md").read_text()
     assert md.index(TIERS_HEADING) < md.index("## How ckptfs gets these figures")
     assert (docs / "img" / "tiers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_outputs_go_to_the_current_directory_or_out(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ckptfs bench`` writes where the user says (``--out``, default the current directory),
+    never next to the installed package (it wrote benchmarks/results and docs/benchmarks.md
+    into site-packages)."""
+    import ckptfs
+
+    package_root = Path(ckptfs.__file__).resolve().parents[1]
+    before = {p for p in (package_root / "docs").rglob("*")} if (
+        package_root / "docs").exists() else set()
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["bench", "hash", "--hash-size", "64KiB", "--reps", "1", "--report"]) == 0
+    assert (tmp_path / "results" / "hash.json").exists()
+    assert (tmp_path / "benchmarks.md").exists()
+    out = tmp_path / "elsewhere"
+    assert cli_main(["bench", "hash", "--hash-size", "64KiB", "--reps", "1", "--out",
+                     str(out)]) == 0
+    assert (out / "results" / "hash.json").exists()
+    if before:
+        assert {p for p in (package_root / "docs").rglob("*")} == before

@@ -2,7 +2,11 @@
 
 The questions (``ckptfs bench hash|save|interleaved|s3|latest|fresh|incremental``, or ``all``;
 the scripts in ``benchmarks/`` call the same functions), rendered (``ckptfs bench report``) into
-``docs/benchmarks.md`` with plots in ``docs/img/``.  One module per concern:
+``benchmarks.md`` with plots in ``img/``, under ``--out DIR`` (default: the current directory;
+never the installed package; the repository's scripts write ``docs/benchmarks.md``).  Only the
+core dependencies are needed to import `ckptfs.bench.cli` (``ckptfs --help`` offers ``bench``);
+a question that needs more raises `ckptfs.bench.common.BenchDependencyError` naming
+``pip install "ckptfs[bench]"``.  One module per concern:
 
 * `ckptfs.bench.common`: sizes, timing with peak RSS, machine description, the
   transformer-shaped states (parameters + AdamW ``exp_avg``/``exp_avg_sq``);

@@ -14,24 +14,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptfs.bench.common import (
-    DOCS_DIR,
-    QUESTIONS,
-    RESULT_TAG,
-    RESULTS_DIR,
-    machine_info,
-    parse_size,
-)
-from ckptfs.bench.fresh import bench_fresh
-from ckptfs.bench.hashing import bench_hash
-from ckptfs.bench.incremental import bench_incremental
-from ckptfs.bench.latest import bench_latest
-from ckptfs.bench.remote_verify import bench_remote_verify
-from ckptfs.bench.remote_verify import table as remote_verify_table
-from ckptfs.bench.report import write_incremental_section, write_report, write_tiers_section
-from ckptfs.bench.save import bench_interleaved, bench_s3, bench_save
-from ckptfs.bench.tiers import bench_tiers
-from ckptfs.bench.variants import run_worker
+from ckptfs.bench.common import QUESTIONS, RESULT_TAG, machine_info, parse_size
+
+# Only the standard library and ckptfs's core dependencies at import: ``ckptfs --help`` loads
+# this module to offer ``bench``.  Each question imports its module (and what that needs:
+# ``pip install "ckptfs[bench]"``) when it runs.
 
 
 def _save_json(results_dir: Path, name: str, payload: Mapping[str, Any]) -> Path:
@@ -48,7 +35,11 @@ def _sizes(text: str) -> list[int]:
 def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
     isolate = not getattr(args, "in_process", False)
     if q == "hash":
+        from ckptfs.bench.hashing import bench_hash
+
         return bench_hash(parse_size(args.hash_size), reps=args.reps)
+    if q in ("save", "interleaved", "s3"):
+        from ckptfs.bench.save import bench_interleaved, bench_s3, bench_save
     if q == "save":
         return bench_save(_sizes(args.sizes), reps=args.reps, isolate=isolate,
                           full_up_to=parse_size(args.full_up_to))
@@ -57,12 +48,18 @@ def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
     if q == "s3":
         return bench_s3(_sizes(args.s3_sizes), reps=args.s3_reps or args.reps, isolate=isolate)
     if q == "fresh":
+        from ckptfs.bench.fresh import bench_fresh
+
         return bench_fresh(parse_size(args.fresh_size), rounds=args.fresh_rounds,
                            baseline=args.baseline or None)
     if q == "latest":
+        from ckptfs.bench.latest import bench_latest
+
         return bench_latest([int(c) for c in args.counts.split(",")], reps=max(args.reps, 3),
                             s3_max=args.s3_max)
     if q == "incremental":
+        from ckptfs.bench.incremental import bench_incremental
+
         out = bench_incremental(
             full=args.incr_full, base=parse_size(args.incr_base) if args.incr_base else None,
             rounds=args.incr_rounds,
@@ -75,11 +72,16 @@ def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
         out["note"] = args.note
         return out
     if q == "remote-verify":
+        from ckptfs.bench.remote_verify import bench_remote_verify
+        from ckptfs.bench.remote_verify import table as remote_verify_table
+
         out = bench_remote_verify(parse_size(args.rv_size),
                                   [b for b in args.rv_backends.split(",") if b])
         print(remote_verify_table(out))
         return out
     if q == "tiers":
+        from ckptfs.bench.tiers import bench_tiers
+
         return bench_tiers(full=args.tiers_full,
                            size=parse_size(args.tiers_size) if args.tiers_size else None,
                            rounds=args.tiers_rounds, loop_steps=args.loop_steps,
@@ -87,16 +89,27 @@ def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
     raise ValueError(q)
 
 
+def output_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
+    """Where the JSON goes and where the report (``benchmarks.md``, ``img/``) goes:
+    ``--results`` / ``--docs`` if given, else ``OUT/results`` and ``OUT`` (``--out``, default
+    the current directory).  Never the installed package."""
+    out = Path(args.out)
+    return (Path(args.results) if args.results else out / "results",
+            Path(args.docs) if args.docs else out)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    results = Path(args.results)
+    from ckptfs.bench.report import write_incremental_section, write_report, write_tiers_section
+
+    results, docs = output_dirs(args)
     what = args.bench_command
     if what == "report":
         if args.only == "incremental":
-            print(write_incremental_section(results, Path(args.docs)))
+            print(write_incremental_section(results, docs))
         elif args.only == "tiers":
-            print(write_tiers_section(results, Path(args.docs)))
+            print(write_tiers_section(results, docs))
         else:
-            print(write_report(results, Path(args.docs)))
+            print(write_report(results, docs))
         return 0
     questions = QUESTIONS if what == "all" else (what,)
     machine = machine_info()
@@ -111,7 +124,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if what == "all" or not (results / "machine.json").exists():
         _save_json(results, "machine", machine)
     if what == "all" or args.report:
-        print(write_report(results, Path(args.docs)))
+        print(write_report(results, docs))
     return 0
 
 
@@ -185,15 +198,19 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "in_process": (("--in-process",), dict(
         action="store_true", default=False, help="run variants in this process (smoke tests; "
         "RSS then less meaningful)")),
-    "results": (("--results",), dict(default=str(RESULTS_DIR), help="where the JSON goes")),
-    "docs": (("--docs",), dict(default=str(DOCS_DIR),
-                               help="where benchmarks.md and img/ go")),
+    "out": (("--out",), dict(default=".", metavar="DIR", help="where the outputs go: the JSON "
+                             "in DIR/results/, the report in DIR/benchmarks.md and DIR/img/ "
+                             "(default: the current directory)")),
+    "results": (("--results",), dict(default="", metavar="DIR",
+                                     help="where the JSON goes (default: OUT/results)")),
+    "docs": (("--docs",), dict(default="", metavar="DIR",
+                               help="where benchmarks.md and img/ go (default: OUT)")),
     "report": (("--report",), dict(action="store_true", default=False,
                                    help="regenerate the report afterwards")),
     "note": (("--note",), dict(default="", help="a remark stored with the machine description "
                                 "(e.g. that other work was running)")),
 }
-_COMMON = ("results", "docs", "report", "note")
+_COMMON = ("out", "results", "docs", "report", "note")
 _OWN: dict[str, tuple[str, ...]] = {
     "hash": ("reps", "hash_size", *_COMMON),
     "save": ("reps", "sizes", "full_up_to", "in_process", *_COMMON),
@@ -208,7 +225,7 @@ _OWN: dict[str, tuple[str, ...]] = {
               *_COMMON),
     "remote-verify": ("rv_size", "rv_backends", *_COMMON),
     "all": tuple(d for d in _OPTIONS if not d.startswith(("tiers_", "rv_"))),
-    "report": ("results", "docs", "only"),
+    "report": ("out", "results", "docs", "only"),
 }
 
 
@@ -242,7 +259,7 @@ def add_subcommands(subparsers: Any) -> None:
              "remote-verify": "verify --remote of a checkpoint against a full verify on S3 "
                               "(moto) and GCS (fake-gcs): requests, bytes read, time",
              "all": "everything, then the report",
-             "report": "regenerate docs/benchmarks.md and docs/img/ from the JSON"}
+             "report": "regenerate benchmarks.md and img/ from the JSON"}
     for name, text in helps.items():
         q = sub.add_parser(name, help=text)
         add_arguments(q, name)
@@ -258,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _worker_main(argv: Sequence[str]) -> int:
+    from ckptfs.bench.variants import run_worker
+
     spec = json.loads(argv[0])
     result = run_worker(spec)
     print(RESULT_TAG + json.dumps(result), flush=True)

@@ -9,6 +9,7 @@ reset right before the timed call (``/proc/self/clear_refs``)."""
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import platform
 import statistics
@@ -19,12 +20,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptfs.errors import CkptfsError
+
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
+#: The directory that holds the ``ckptfs`` package (a checkout, or site-packages): what the
+#: benchmarks' child processes import from.  Never written to: outputs go where the user says
+#: (``ckptfs bench ... --out DIR``, default the current directory).
 REPO = Path(__file__).resolve().parents[2]
-RESULTS_DIR = REPO / "benchmarks" / "results"
-DOCS_DIR = REPO / "docs"
 RESULT_TAG = "@@ckptfs-bench@@ "
 QUESTIONS = ("hash", "save", "interleaved", "s3", "latest", "fresh", "incremental")
+BENCH_EXTRA = 'pip install "ckptfs[bench]"'
+
+
+class BenchDependencyError(CkptfsError, ImportError):
+    """A benchmark needs a package a plain install does not have."""
+
+
+def need(module: str, purpose: str) -> Any:
+    """``import module``, or a `BenchDependencyError` naming the extra that provides it (a
+    plain install runs ``ckptfs --help`` and every other verb without these)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise BenchDependencyError(
+            f"{purpose} needs the {module.split('.')[0]} package, which is not installed: "
+            f"{BENCH_EXTRA}") from exc
 
 
 # ----------------------------------------------------------------------------------------------

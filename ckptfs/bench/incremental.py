@@ -1,6 +1,6 @@
 """The incremental question (``incremental``): what an incremental save (format v3,
 ``ckptfs.open(url, incremental=True)``) writes and costs, next to a full ckptfs save and to
-DCP's ``dcp.save`` of the same state (issue 17, part 6).
+DCP's ``dcp.save`` of the same state.
 
 Cases (each in one process, its variants side by side and interleaved round by round: every
 round changes the state in place, untimed, then times each variant once, the order rotating
@@ -67,7 +67,7 @@ DEFAULT_SIZES = {"base": 256 * MiB, "tensors": 32, "retention_base": 128 * MiB,
 KEEP_LAST = 5
 ADAPTER_FRACTION = 0.01
 
-#: The targets of issue 17 part 6: (key, text, goal); a value at or below the goal meets it.
+#: The targets of incremental saves: (key, text, goal); a value at or below the goal meets it.
 TARGETS = {
     "lora_bytes": ("LoRA-like: bytes written per save <= 1.2% of a full save", 0.012),
     "lora_time": ("LoRA-like: steady-state save time <= 0.35x a full durable save", 0.35),
@@ -81,7 +81,7 @@ TARGETS = {
 
 
 def gc_available() -> bool:
-    """Whether this tree has the reference-aware delete (issue 17 part 3): without it,
+    """Whether this tree has the reference-aware delete: without it,
     deleting an older step of an incremental run deletes bytes later checkpoints reference."""
     return importlib.util.find_spec("ckptfs.protocol.references") is not None
 

@@ -1,5 +1,5 @@
 """``verify --remote`` against a full verify of the same checkpoint on S3 (moto) and GCS
-(fake-gcs-server): requests made, bytes read and time, side by side (issue 18, part 7).
+(fake-gcs-server): requests made, bytes read and time, side by side.
 
 A full verify reads every byte back and re-hashes it; a remote verify reads the marker and the
 manifest (as every reader does), lists the attempt once and asks the store for each file's own
@@ -21,9 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
-
-from ckptfs.bench.common import machine_info
+from ckptfs.bench.common import machine_info, need
 from ckptfs.bench.latest import count_http
 
 #: Tensors in the benchmark's state (the size is split evenly between them).
@@ -71,6 +69,7 @@ def _count_gcs(fs: Any) -> Iterator[dict[str, int]]:
 
 
 def _state(size: int) -> dict[str, Any]:
+    np = need("numpy", "ckptfs bench remote-verify")
     rng = np.random.default_rng(0)
     n = max(1, size // TENSORS // 4)
     return {f"layer{i}": rng.random(n, dtype=np.float32) for i in range(TENSORS)}

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptfs.bench.common import DOCS_DIR, QUESTIONS, REPO, RESULTS_DIR, GiB, MiB, fmt_size
+from ckptfs.bench.common import QUESTIONS, GiB, MiB, fmt_size
 
 TARGETS = [
     ("durable save, default hash >= 1.6x DCP FileSystemWriter default", 1.6),
@@ -117,9 +117,11 @@ def load_results(results_dir: Path) -> dict[str, Any]:
     return data
 
 
-def write_report(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
+def write_report(results_dir: Path, docs_dir: Path, *,
                  md_name: str = "benchmarks.md") -> Path:
-    """Render the JSON results into Markdown tables and PNG plots."""
+    """Render the JSON results of ``results_dir`` into ``docs_dir/md_name`` (Markdown tables)
+    and ``docs_dir/img/`` (PNG plots); a ``NOTES.md`` beside ``results_dir`` (the repository's
+    ``benchmarks/NOTES.md``) is appended."""
     data = load_results(results_dir)
     img = docs_dir / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -166,7 +168,7 @@ def write_report(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
     lines += _fresh_section(data.get("fresh"))
     lines += _incremental_section(data.get("incremental"), plots)
     lines += _tiers_section(data.get("tiers"), _tiers_plot(data.get("tiers"), img))
-    notes = REPO / "benchmarks" / "NOTES.md"
+    notes = results_dir.parent / "NOTES.md"
     if notes.exists():
         lines += ["", notes.read_text().strip(), ""]
     out = docs_dir / md_name
@@ -550,7 +552,7 @@ def _incremental_plot(inc: Mapping[str, Any] | None, img: Path) -> dict[str, str
     return {"incremental": "img/incremental.png"}
 
 
-def write_incremental_section(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
+def write_incremental_section(results_dir: Path, docs_dir: Path, *,
                               md_name: str = "benchmarks.md") -> Path:
     """Render only the incremental section and its plot into an existing report: the section
     is replaced where it is, else inserted before the hand-written notes (where
@@ -699,7 +701,7 @@ def _tiers_plot(t: Mapping[str, Any] | None, img: Path) -> dict[str, str]:
     return {"tiers": "img/tiers.png"}
 
 
-def write_tiers_section(results_dir: Path = RESULTS_DIR, docs_dir: Path = DOCS_DIR, *,
+def write_tiers_section(results_dir: Path, docs_dir: Path, *,
                         md_name: str = "benchmarks.md") -> Path:
     """Render only the two-tier section and its plot into an existing report."""
     p = results_dir / "tiers.json"

@@ -58,8 +58,6 @@ from pathlib import Path
 from typing import Any
 
 from ckptfs.bench.common import (
-    DOCS_DIR,
-    RESULTS_DIR,
     MiB,
     flat_tensors,
     fmt_size,
@@ -617,8 +615,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--baseline", default=None, help="another ckptfs checkout, measured as a "
                    "third variant (before/after)")
     p.add_argument("--root", default=None, help="scratch directory (default: a temp dir)")
-    p.add_argument("--json", default=str(RESULTS_DIR / "sharded.json"))
-    p.add_argument("--plot", default=str(DOCS_DIR / "img" / "sharded_save_load.png"))
+    p.add_argument("--json", default=str(Path("results") / "sharded.json"),
+                   help="where the JSON goes (default: results/sharded.json under the current "
+                   "directory)")
+    p.add_argument("--plot", default=str(Path("img") / "sharded_save_load.png"),
+                   help="where the plot goes (default: img/sharded_save_load.png under the "
+                   "current directory)")
     a = p.parse_args(argv)
     scratch = a.root or tempfile.mkdtemp(prefix="ckptfs-sharded-bench-")
     try:

@@ -1,4 +1,4 @@
-"""Two tiers (issue 18 part 7): what a second, remote tier costs a training job.
+"""Two tiers: what a second, remote tier costs a training job.
 
 Side by side in one run, on this machine, with a moto S3 server (a subprocess on the same
 cores) as the remote tier:
