@@ -40,6 +40,8 @@ def layer_of(module: str) -> str:
     if len(parts) == 1 or parts[1] == "__init__":
         return "api"
     head = parts[1]
+    if head == "__main__":
+        return "cli"               # ``python -m ckptfs``: the command, nothing else
     if head in RANK:
         return head
     return "integrations"          # ckptfs/dcp.py, ckptfs/lightning.py, ...

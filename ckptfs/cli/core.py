@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ckptfs
 from ckptfs.errors import (
     CheckpointNotFoundError,
     CkptfsError,
@@ -248,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptfs", description="Crash-consistent PyTorch checkpoints on any fsspec storage.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what ckptfs does")
+    parser.add_argument("--version", action="version", version=f"ckptfs {ckptfs.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("ls", help="list checkpoints (committed and incomplete)")
