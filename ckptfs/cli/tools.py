@@ -41,7 +41,9 @@ from ckptfs.cli.core import (
 from ckptfs.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CkptfsError,
     CorruptCheckpointError,
+    HashAlgorithmUnavailableError,
     UnsupportedValueError,
 )
 from ckptfs.format.extensions import FALLBACK_TYPE_KEY, unregistered_as_dict
@@ -50,6 +52,11 @@ from ckptfs.format.serialize import dtype_code, tensor_memoryview
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
+
+#: What makes one step of ``cp`` fail without stopping the others (an unreachable store, bad
+#: usage, stop the command: exit 2).
+_STEP_ERRORS = (CheckpointExistsError, CorruptCheckpointError, CheckpointNotFoundError,
+                HashAlgorithmUnavailableError)
 
 #: Largest JSON of non-tensor values ``export`` puts in the safetensors ``__metadata__``.
 MAX_EXPORT_METADATA = 1024 * 1024
@@ -86,36 +93,56 @@ def cmd_cp(args: argparse.Namespace) -> int:
     shared = parse_options(args.option)
     src = open_store(args.src, **{**shared, **parse_options(args.src_option)})
     dst = open_store(args.dst, **{**shared, **parse_options(args.dst_option)})
+    # Each step is resolved and copied on its own: with --all, a step that cannot be read (a
+    # corrupt marker or manifest, a hash this process lacks), conflicts or fails its copy is
+    # reported and the others are still copied (exit 1).
+    targets: list[tuple[int, CheckpointInfo | CkptfsError]] = []
     if args.all:
-        infos = [src.info(s) for s in src.steps()]
-        if not infos:
+        steps = src.steps()
+        if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint at {src.url}")
-    else:
-        infos = [resolve(src, args.step)]
-    rows: list[dict[str, Any]] = []
-    failed = False
-    with progress_bar(args, sum(i.bytes for i in infos), "cp") as bar:
-        for info in infos:
+        for step in steps:
             try:
-                res = copy_step(src.storage, dst.storage, info.step, durable=dst.durable,
+                targets.append((step, src.info(step)))
+            except _STEP_ERRORS as exc:
+                targets.append((step, exc))
+    else:
+        info = resolve(src, args.step)
+        targets.append((info.step, info))
+    rows: list[dict[str, Any]] = []
+    total = sum(t.bytes for _, t in targets if isinstance(t, CheckpointInfo))
+    with progress_bar(args, total, "cp") as bar:
+        for step, target in targets:
+            if isinstance(target, CkptfsError):
+                rows.append(_failed_step(step, target))
+                continue
+            try:
+                res = copy_step(src.storage, dst.storage, step, durable=dst.durable,
                                 threads=dst.threads, progress=bar.update,
                                 check_stored=args.verify_remote)
+            except _STEP_ERRORS as exc:
+                rows.append(_failed_step(step, exc))
+            else:
                 rows.append(res.as_dict())
-            except (CheckpointExistsError, CorruptCheckpointError,
-                    CheckpointNotFoundError) as exc:
-                failed = True
-                rows.append({"step": info.step, "status": "failed",
-                             "error": type(exc).__name__, "message": str(exc)})
-                print(f"ckptfs: error: step {info.step}: {exc}", file=sys.stderr)
+    failed = [r["step"] for r in rows if r["status"] == "failed"]
     text = "\n".join(
         f"step {r['step']}: {r['status']}"
         + (f" ({r['files']} files, {r['bytes']} B) -> {dst.url}" if r["status"] != "failed"
-           else "")
+           else f" ({r['error']})")
         + (f"; {r['server_verified']} files matched the store's own checksum, "
            f"{r['server_unverified']} not available" if args.verify_remote
            and r["status"] == "copied" else "") for r in rows)
-    emit(args, {"src": src.url, "dst": dst.url, "ok": not failed, "steps": rows}, text)
+    if failed and len(rows) > 1:
+        text += (f"\nFAILED: {len(failed)} of {len(rows)} step(s) not copied: "
+                 + ", ".join(map(str, failed)))
+    emit(args, {"src": src.url, "dst": dst.url, "ok": not failed, "steps": rows,
+                "failed": failed}, text)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _failed_step(step: int, exc: Exception) -> dict[str, Any]:
+    print(f"ckptfs: error: step {step}: {exc}", file=sys.stderr)
+    return {"step": step, "status": "failed", "error": type(exc).__name__, "message": str(exc)}
 
 
 # ----------------------------------------------------------------------------------------------
