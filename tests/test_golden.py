@@ -4,7 +4,12 @@ tests/golden/v4: format v4, sharded incremental, both steps written by 2 gloo ra
 referencing step 1's rank files; each written once by tests/golden/make_golden.py): every future
 ckptfs must load them bit-exact and verify them, the by-hand checker of docs/protocol.md must
 accept them, and a reader older than their format must refuse them.  The expected values are
-rebuilt from the generator's recipe, never stored as output blobs."""
+rebuilt from the generator's recipe, never stored as output blobs.
+
+Every fixture directory goes through one parametrized harness (`GOLDENS`: the steps and
+metadata, a bit-exact load of each step, a quick and a full verify, the by-hand checker);
+the checks particular to one format (ties and views, references, loads into another
+placement, an older reader's refusal) follow it."""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -73,32 +80,149 @@ def assert_bit_exact(got: Any, want: Any, path: str = "") -> None:
         assert got == want, (path, got, want)
 
 
-@pytest.fixture
-def v1_run(tmp_path: Path) -> Path:
-    """A copy of the golden run: nothing a test does can change the committed bytes."""
-    src = GOLDEN / "v1" / "run"
+# ----------------------------------------------------------------------------------------------
+# The harness: every fixture directory
+
+
+@dataclass(frozen=True)
+class Golden:
+    """One fixture directory (tests/golden/v<version>/run) and what its harness checks."""
+
+    version: int
+    #: step -> (state, metadata, hash algorithm[, world size]) of its recipe.
+    recipe: Callable[[], dict[int, tuple[Any, ...]]]
+    #: Sharded (format v2, v4): per-rank files and a world size.
+    sharded: bool = False
+    #: Extra bit-exact loads: ``keys=`` (the first top-level key) and ``mmap=True``.
+    extra_loads: bool = False
+    #: The by-hand checker on the run (the newest step) and, with ``only_step1``, on a copy
+    #: holding step 1 alone: substrings its report must hold.
+    checker: tuple[str, ...] = ()
+    only_step1: tuple[str, ...] = ()
+    references: Callable[[Path], tuple[int, int]] | None = field(default=None)
+
+    def __str__(self) -> str:
+        return f"v{self.version}"
+
+
+def _v4_references(run: Path) -> tuple[int, int]:
+    """(references of the newest step, of step 1 alone) for the v4 checker's report."""
+    return len(ckptfs.open(str(run)).info(2).manifest.references), 0
+
+
+GOLDENS = [
+    Golden(1, RECIPE.golden_v1, checker=("step 2: committed",)),
+    Golden(2, RECIPE.golden_v2, sharded=True,
+           checker=("step 2: committed, sharded by 1 ranks",),
+           only_step1=("step 1: committed, sharded by 2 ranks",)),
+    Golden(3, RECIPE.golden_v3, extra_loads=True,
+           checker=("step 2: committed, 2 files verified", "1 references verified")),
+    Golden(4, RECIPE.golden_v4, sharded=True,
+           checker=("step 2: committed, sharded by 2 ranks, 3 files verified",),
+           only_step1=("step 1: committed, sharded by 2 ranks",),
+           references=_v4_references),
+]
+GOLDEN_PARAMS = [pytest.param(g, id=str(g)) for g in GOLDENS]
+STEP_PARAMS = [pytest.param(g, step, id=f"{g}-step{step}")
+               for g in GOLDENS for step in sorted(g.recipe())]
+
+
+def golden_copy(version: int, tmp_path: Path) -> Path:
+    """A copy of a golden run: nothing a test does can change the committed bytes."""
+    src = GOLDEN / f"v{version}" / "run"
     assert (src / "checkpoints").is_dir(), f"{src} is missing: the golden files must be committed"
     dst = tmp_path / "run"
     shutil.copytree(src, dst)
     return dst
 
 
-def test_v1_steps_and_metadata(v1_run: Path) -> None:
-    store = ckptfs.open(str(v1_run))
-    recipe = RECIPE.golden_v1()
+@pytest.mark.parametrize("golden", GOLDEN_PARAMS)
+def test_steps_and_metadata(golden: Golden, tmp_path: Path) -> None:
+    store = ckptfs.open(str(golden_copy(golden.version, tmp_path)))
+    recipe = golden.recipe()
     assert store.steps() == sorted(recipe)
-    for step, (_, meta, algorithm) in recipe.items():
+    for step, (_, meta, algorithm, *world) in recipe.items():
         info = store.info(step)
-        assert info.manifest.format_version == 1 and info.marker.format_version == 1
+        assert info.manifest.format_version == golden.version
+        assert info.marker.format_version == 1
         assert info.manifest.hash_algorithm == algorithm
+        if golden.sharded:
+            assert info.manifest.world_size == world[0]
+            assert {f.path for f in info.manifest.files} == {
+                "dcp.msgpack", *(f"rank-{r:05d}/data-0.safetensors" for r in range(world[0]))}
         assert {k: v for k, v in info.metadata.items() if k != "tensor_count"} == meta
 
 
-@pytest.mark.parametrize("step", sorted(RECIPE.golden_v1()))
-def test_v1_loads_bit_exact(v1_run: Path, step: int) -> None:
-    state, _, _ = RECIPE.golden_v1()[step]
-    out = ckptfs.open(str(v1_run)).load(step)
-    assert_bit_exact(out, state)
+@pytest.mark.parametrize(("golden", "step"), STEP_PARAMS)
+def test_loads_bit_exact(golden: Golden, step: int, tmp_path: Path) -> None:
+    """Each step, loaded whole in one process (a sharded one with no process group)."""
+    state = golden.recipe()[step][0]
+    store = ckptfs.open(str(golden_copy(golden.version, tmp_path)))
+    assert_bit_exact(store.load(step), state)
+    if golden.extra_loads:
+        first = next(iter(state))
+        assert_bit_exact(store.load(step, keys=[first]), {first: state[first]})
+        assert_bit_exact(store.load(step, mmap=True), state)
+
+
+@pytest.mark.parametrize("golden", GOLDEN_PARAMS)
+def test_verifies(golden: Golden, tmp_path: Path) -> None:
+    store = ckptfs.open(str(golden_copy(golden.version, tmp_path)))
+    for step in store.steps():
+        for quick in (True, False):
+            report = store.verify(step, quick=quick)
+            assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("golden", GOLDEN_PARAMS)
+def test_by_hand_checker(golden: Golden, tmp_path: Path) -> None:
+    """The by-hand checker of docs/protocol.md accepts the run (it reads the newest step) and,
+    for a run whose step 1 differs in kind (2 ranks; no references), a copy holding step 1
+    alone."""
+    from test_format_spec import checker_source
+
+    run = golden_copy(golden.version, tmp_path)
+    script = tmp_path / "check.py"
+    script.write_text(checker_source())
+    refs = golden.references(run) if golden.references else None
+    roots = [(run, golden.checker, None if refs is None else refs[0])]
+    if golden.only_step1:
+        only1 = tmp_path / "only1"
+        shutil.copytree(run, only1)
+        shutil.rmtree(only1 / "checkpoints" / "step-000000000002")
+        roots.append((only1, golden.only_step1, None if refs is None else refs[1]))
+    for root, expect, n in roots:
+        done = subprocess.run([sys.executable, str(script), str(root)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        for text in expect:
+            assert text in done.stdout, (root.name, text, done.stdout)
+        if n is not None:
+            assert f"{n} references verified" in done.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# What one format adds
+
+
+@pytest.fixture
+def v1_run(tmp_path: Path) -> Path:
+    return golden_copy(1, tmp_path)
+
+
+@pytest.fixture
+def v2_run(tmp_path: Path) -> Path:
+    return golden_copy(2, tmp_path)
+
+
+@pytest.fixture
+def v3_run(tmp_path: Path) -> Path:
+    return golden_copy(3, tmp_path)
+
+
+@pytest.fixture
+def v4_run(tmp_path: Path) -> Path:
+    return golden_copy(4, tmp_path)
 
 
 def test_v1_ties_and_views(v1_run: Path) -> None:
@@ -111,61 +235,6 @@ def test_v1_ties_and_views(v1_run: Path) -> None:
     assert {getattr(torch, n) for n in RECIPE.V1_DTYPES} <= dtypes
 
 
-def test_v1_verifies(v1_run: Path) -> None:
-    store = ckptfs.open(str(v1_run))
-    for step in store.steps():
-        for quick in (True, False):
-            report = store.verify(step, quick=quick)
-            assert report.ok, report.problems
-
-
-def test_v1_by_hand_checker(v1_run: Path, tmp_path: Path) -> None:
-    from test_format_spec import checker_source
-
-    script = tmp_path / "check.py"
-    script.write_text(checker_source())
-    done = subprocess.run([sys.executable, str(script), str(v1_run)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "step 2: committed" in done.stdout
-
-
-# ----------------------------------------------------------------------------------------------
-# Format v2
-
-
-@pytest.fixture
-def v2_run(tmp_path: Path) -> Path:
-    src = GOLDEN / "v2" / "run"
-    assert (src / "checkpoints").is_dir(), f"{src} is missing: the golden files must be committed"
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    return dst
-
-
-def test_v2_steps_and_metadata(v2_run: Path) -> None:
-    from ckptfs.format.sharded import ShardedManifest
-
-    store = ckptfs.open(str(v2_run))
-    recipe = RECIPE.golden_v2()
-    assert store.steps() == sorted(recipe)
-    for step, (_, meta, algorithm, world) in recipe.items():
-        info = store.info(step)
-        assert isinstance(info.manifest, ShardedManifest)
-        assert info.manifest.format_version == 2 and info.marker.format_version == 1
-        assert info.manifest.hash_algorithm == algorithm and info.manifest.world_size == world
-        assert {f.path for f in info.manifest.files} == {
-            "dcp.msgpack", *(f"rank-{r:05d}/data-0.safetensors" for r in range(world))}
-        assert {k: v for k, v in info.metadata.items() if k != "tensor_count"} == meta
-
-
-@pytest.mark.parametrize("step", sorted(RECIPE.golden_v2()))
-def test_v2_loads_bit_exact(v2_run: Path, step: int) -> None:
-    state, _, _, _ = RECIPE.golden_v2()[step]
-    out = ckptfs.open(str(v2_run)).load(step)
-    assert_bit_exact(out, state)
-
-
 def test_v2_loads_into_another_placement(v2_run: Path) -> None:
     """Written by 2 ranks (rows and columns split), read into whole tensors in one process
     through the ranged reader: every chunk read, verified and copied into place."""
@@ -175,88 +244,14 @@ def test_v2_loads_into_another_placement(v2_run: Path) -> None:
     assert_bit_exact(into, {k: state[k] for k in into})
 
 
-def test_v2_verifies(v2_run: Path) -> None:
-    store = ckptfs.open(str(v2_run))
-    for step in store.steps():
-        for quick in (True, False):
-            report = store.verify(step, quick=quick)
-            assert report.ok, report.problems
-
-
-def test_v2_by_hand_checker(v2_run: Path, tmp_path: Path) -> None:
-    from test_format_spec import checker_source
-
-    script = tmp_path / "check.py"
-    script.write_text(checker_source())
-    # The checker reads the newest step; check step 1 (2 ranks) alone too.
-    for root, expect in ((v2_run, "step 2: committed, sharded by 1 ranks"),
-                         (tmp_path / "only1", "step 1: committed, sharded by 2 ranks")):
-        if not root.exists():
-            shutil.copytree(v2_run, root)
-            shutil.rmtree(root / "checkpoints" / "step-000000000002")
-        done = subprocess.run([sys.executable, str(script), str(root)], capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert expect in done.stdout
-
-
-# ----------------------------------------------------------------------------------------------
-# Format v3 (incremental): step 2 references step 1's unchanged tensors
-
-
-@pytest.fixture
-def v3_run(tmp_path: Path) -> Path:
-    src = GOLDEN / "v3" / "run"
-    assert (src / "checkpoints").is_dir(), f"{src} is missing: the golden files must be committed"
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    return dst
-
-
-def test_v3_steps_metadata_and_references(v3_run: Path) -> None:
-    from ckptfs.format.incremental import IncrementalManifest
-
+def test_v3_references(v3_run: Path) -> None:
+    """Step 2 references step 1's unchanged tensors: one reference, to step 1's attempt."""
     store = ckptfs.open(str(v3_run))
-    recipe = RECIPE.golden_v3()
-    assert store.steps() == sorted(recipe)
-    for step, (_, meta, algorithm) in recipe.items():
-        info = store.info(step)
-        assert info.manifest.format_version == 3 and info.manifest.hash_algorithm == algorithm
-        assert {k: v for k, v in info.metadata.items() if k != "tensor_count"} == meta
     m = store.info(2).manifest
-    assert isinstance(m, IncrementalManifest) and len(m.references) == 1
+    assert len(m.references) == 1
     ref = m.references[0]
     assert (ref.step, ref.attempt) == (1, store.info(1).attempt)
     assert store.info(2).bytes_written < store.info(2).bytes
-
-
-@pytest.mark.parametrize("step", sorted(RECIPE.golden_v3()))
-def test_v3_loads_bit_exact(v3_run: Path, step: int) -> None:
-    state, _, _ = RECIPE.golden_v3()[step]
-    store = ckptfs.open(str(v3_run))
-    assert_bit_exact(store.load(step), state)
-    assert_bit_exact(store.load(step, keys=["frozen"]), {"frozen": state["frozen"]})
-    assert_bit_exact(store.load(step, mmap=True), state)
-
-
-def test_v3_verifies(v3_run: Path) -> None:
-    store = ckptfs.open(str(v3_run))
-    for step in store.steps():
-        for quick in (True, False):
-            report = store.verify(step, quick=quick)
-            assert report.ok, report.problems
-
-
-def test_v3_by_hand_checker(v3_run: Path, tmp_path: Path) -> None:
-    from test_format_spec import checker_source
-
-    script = tmp_path / "check.py"
-    script.write_text(checker_source())
-    done = subprocess.run([sys.executable, str(script), str(v3_run)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "step 2: committed, 2 files verified" in done.stdout
-    assert "1 references verified" in done.stdout
 
 
 def test_v3_refused_by_a_pre_v3_reader(v3_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,20 +264,6 @@ def test_v3_refused_by_a_pre_v3_reader(v3_run: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(versions, "MAX_READ_VERSION", 2)
     with pytest.raises(FormatVersionError, match="format version 3"):
         ckptfs.open(str(v3_run)).load(2)
-
-
-# ----------------------------------------------------------------------------------------------
-# Format v4 (sharded incremental): both steps by 2 gloo ranks, step 2 referencing the frozen
-# items of step 1's rank files
-
-
-@pytest.fixture
-def v4_run(tmp_path: Path) -> Path:
-    src = GOLDEN / "v4" / "run"
-    assert (src / "checkpoints").is_dir(), f"{src} is missing: the golden files must be committed"
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    return dst
 
 
 def _unchanged(before: Any, after: Any, path: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -298,23 +279,13 @@ def _unchanged(before: Any, after: Any, path: tuple[str, ...] = ()) -> dict[str,
     return out
 
 
-def test_v4_steps_metadata_and_references(v4_run: Path) -> None:
+def test_v4_references(v4_run: Path) -> None:
     import msgpack
 
-    from ckptfs.format.incremental import ShardedIncrementalManifest
     from ckptfs.format.layout import StepPaths
 
     store = ckptfs.open(str(v4_run))
     recipe = RECIPE.golden_v4()
-    assert store.steps() == sorted(recipe)
-    for step, (_, meta, algorithm, world) in recipe.items():
-        info = store.info(step)
-        assert isinstance(info.manifest, ShardedIncrementalManifest)
-        assert info.manifest.format_version == 4 and info.marker.format_version == 1
-        assert info.manifest.hash_algorithm == algorithm and info.manifest.world_size == world
-        assert {f.path for f in info.manifest.files} == {
-            "dcp.msgpack", *(f"rank-{r:05d}/data-0.safetensors" for r in range(world))}
-        assert {k: v for k, v in info.metadata.items() if k != "tensor_count"} == meta
     # Step 1 (the first save of its processes) references nothing: every byte written.
     first, second = store.info(1), store.info(2)
     assert not first.manifest.references and first.bytes_written == first.bytes
@@ -337,13 +308,6 @@ def test_v4_steps_metadata_and_references(v4_run: Path) -> None:
     assert second.bytes - second.bytes_written == sum(c.length for r in refs for c in r.chunks)
 
 
-@pytest.mark.parametrize("step", sorted(RECIPE.golden_v4()))
-def test_v4_loads_bit_exact(v4_run: Path, step: int) -> None:
-    """Written by 2 ranks, loaded whole in one process (no process group)."""
-    state, _, _, _ = RECIPE.golden_v4()[step]
-    assert_bit_exact(ckptfs.open(str(v4_run)).load(step), state)
-
-
 def test_v4_loads_into_another_placement(v4_run: Path) -> None:
     """Step 2 into whole zero tensors in one process through the ranged reader: the frozen
     chunks read from step 1's rank files through the references, each checked by its digest."""
@@ -351,34 +315,6 @@ def test_v4_loads_into_another_placement(v4_run: Path) -> None:
     into = {k: zeros(state[k]) for k in ("rows", "cols", "replicated")}
     ckptfs.open(str(v4_run)).load(2, into=into)
     assert_bit_exact(into, {k: state[k] for k in into})
-
-
-def test_v4_verifies(v4_run: Path) -> None:
-    store = ckptfs.open(str(v4_run))
-    for step in store.steps():
-        for quick in (True, False):
-            report = store.verify(step, quick=quick)
-            assert report.ok, report.problems
-
-
-def test_v4_by_hand_checker(v4_run: Path, tmp_path: Path) -> None:
-    from test_format_spec import checker_source
-
-    script = tmp_path / "check.py"
-    script.write_text(checker_source())
-    refs = len(ckptfs.open(str(v4_run)).info(2).manifest.references)
-    # The checker reads the newest step; check step 1 (no references) alone too.
-    for root, expect in ((v4_run, "step 2: committed, sharded by 2 ranks, 3 files verified"),
-                         (tmp_path / "only1", "step 1: committed, sharded by 2 ranks")):
-        if not root.exists():
-            shutil.copytree(v4_run, root)
-            shutil.rmtree(root / "checkpoints" / "step-000000000002")
-        done = subprocess.run([sys.executable, str(script), str(root)], capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert expect in done.stdout
-        n = refs if root == v4_run else 0
-        assert f"{n} references verified" in done.stdout
 
 
 def test_v4_refused_by_a_pre_v4_reader(v4_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
