@@ -2,34 +2,49 @@
 
 Core subcommands live here (``ls``, ``latest``, ``verify``); feature modules add theirs through
 an ``add_subcommands(subparsers)`` function (listed in ``_PLUGINS``), so this file stays small.
-Every subcommand takes ``--json`` and exits non-zero on failure: 1 for a failed check (corrupt,
-missing), 2 for bad usage or an unreachable store.
+Every subcommand but ``bench`` takes ``--json`` and exits non-zero on failure: 1 for a failed
+check (corrupt, missing, nothing at the URL), 2 for bad usage or an unreachable store, 3 from
+``verify --remote`` alone (no mismatch, but the store could not vouch for every file).  A
+mistyped verb or option gets the close matches (`SuggestingParser`); a plug-in whose optional
+dependency is missing still shows its verb, which says what to install (`_missing_extra`).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import ckptfs
 from ckptfs.errors import (
     CheckpointNotFoundError,
     CkptfsError,
     CorruptCheckpointError,
+    StorageNotFoundError,
 )
+from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import MAX_STEP, parse_step_dir
 from ckptfs.protocol.references import run_usage
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 
-_PLUGINS = ("ckptfs.cli.doctor", "ckptfs.cli.lifecycle", "ckptfs.cli.inspection",
-            "ckptfs.cli.tools", "ckptfs.cli.tiers", "ckptfs.bench.cli")
+#: The modules that add verbs (``add_subcommands``), each with its verbs and the extra that
+#: installs what it imports beyond the core dependencies (None: it needs none).
+_PLUGINS: tuple[tuple[str, tuple[str, ...], str | None], ...] = (
+    ("ckptfs.cli.doctor", ("doctor",), None),
+    ("ckptfs.cli.lifecycle", ("prune", "gc", "best"), None),
+    ("ckptfs.cli.inspection", ("inspect",), None),
+    ("ckptfs.cli.tools", ("cp", "export"), None),
+    ("ckptfs.cli.tiers", ("replicate",), None),
+    ("ckptfs.bench.cli", ("bench",), "bench"),
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 #: ``verify --remote``: no mismatch, but the store could not vouch for every file.
@@ -112,6 +127,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     store = open_from_args(args)
     if args.remote is not None:
         return _ls_tiers(args, store)
+    if not store.storage.exists(""):
+        hint = bucket_hint(args.url)
+        emit(args, {"url": store.url, "exists": False, "checkpoints": [],
+                     **({"hint": hint} if hint else {})},
+             f"nothing at {store.url}: no such directory or prefix"
+             + (f"\n{hint}" if hint else ""))
+        return EXIT_FAILED
     rows, usage = _ls_rows(store)
     lines = [_ls_line(r) for r in rows]
     if rows:
@@ -122,6 +144,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "retired": usage.retired},
          "\n".join(lines) if lines else f"no checkpoints at {store.url}")
     return EXIT_OK
+
+
+#: A bucket or container name (S3's rules, which GCS's and Azure's names also follow).
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def bucket_hint(url: str) -> str | None:
+    """For a plain relative path whose first component exists neither here nor as a local
+    directory and looks like a bucket name (``mybucket/runs/x``): what was probably meant.
+    A path without a scheme is a local path; a bucket needs ``s3://``, ``gs://`` or
+    ``az://``."""
+    if "://" in url or os.path.isabs(url) or url.startswith(("~", ".")):
+        return None
+    head, sep, _ = url.partition("/")
+    if not sep or not _BUCKET.fullmatch(head) or os.path.exists(head):
+        return None
+    return (f"a path without a scheme is a local path: did you mean s3://{url} "
+            f"(or gs://{url}, az://{url})?")
 
 
 def _ls_tiers(args: argparse.Namespace, local: CheckpointStore) -> int:
@@ -201,7 +241,9 @@ def cmd_latest(args: argparse.Namespace) -> int:
     store = open_from_args(args)
     info = store.latest(allow_rollback=args.allow_rollback)
     if info is None:
-        emit(args, {"url": store.url, "latest": None}, f"no committed checkpoint at {store.url}")
+        hint = bucket_hint(args.url)
+        emit(args, {"url": store.url, "latest": None, **({"hint": hint} if hint else {})},
+             f"no committed checkpoint at {store.url}" + (f"\n{hint}" if hint else ""))
         return EXIT_FAILED
     emit(args, {"url": store.url, "latest": _info_dict(info)},
          f"step {info.step}  {info.url}  ({info.total_bytes} bytes, {info.created})")
@@ -218,10 +260,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.remote:
         return _verify_remote(args, store, info)
     report = verify_checkpoint(store.storage, info, quick=args.quick, threads=store.threads)
-    text = (f"OK: step {info.step} ({report.mode}: {report.files} files, {report.bytes} bytes)"
+    refs = references_of(info.manifest)
+    ref_bytes = sum(c.length for r in refs for c in r.chunks)
+    own = f"{report.files} files, {report.bytes} bytes"
+    if refs:  # an incremental step: what it uses of earlier checkpoints is checked too
+        how = "present with their sizes" if args.quick else "re-read and re-hashed"
+        own = (f"its own {own}; {len(refs)} referenced file(s) of earlier checkpoints, "
+               f"{ref_bytes} bytes used of them, {how}")
+    text = (f"OK: step {info.step} ({report.mode}: {own})"
             if report.ok else f"FAILED: step {info.step} ({report.mode}):\n  "
             + "\n  ".join(report.problems))
-    emit(args, report.as_dict(), text)
+    emit(args, {**report.as_dict(), "referenced_files": len(refs),
+                "referenced_bytes": ref_bytes}, text)
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
@@ -237,16 +287,76 @@ def _verify_remote(args: argparse.Namespace, store: Any, info: Any) -> int:
         report = exc.report
     lines = [f"  {f.status}: {f.path} ({f.detail})" for f in report.files]
     head = ("FAILED" if not report.ok else "OK" if report.complete else "INCOMPLETE")
+    refs = references_of(info.manifest)
+    ref_steps = sorted({r.step for r in refs})
+    if refs:  # its own files only: a referenced file is checked with the step that holds it
+        lines.append(f"  {len(refs)} referenced file(s) of earlier checkpoints not checked "
+                     "here: run verify --remote --step N for step(s) "
+                     + ", ".join(map(str, ref_steps)))
     text = (f"{head}: step {info.step} (remote: {report.count('match')} match, "
             f"{report.count('mismatch')} mismatch, {report.count('not available')} not "
             f"available; {report.requests} metadata requests, no data read)\n"
             + "\n".join(lines))
-    emit(args, report.as_dict(), text)
+    emit(args, {**report.as_dict(), "referenced_files": len(refs),
+                "referenced_steps": ref_steps}, text)
     return EXIT_FAILED if not report.ok else EXIT_OK if report.complete else EXIT_INCOMPLETE
 
 
+class SuggestingParser(argparse.ArgumentParser):
+    """An argument parser whose errors name the close matches of a mistyped verb or choice
+    (``ckptfs lss`` -> did you mean 'ls'?); the verbs' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m and "did you mean" not in message and "maybe you meant" not in message:
+            choices = [c.strip(" '\"") for c in m.group(2).split(",")]
+            close = difflib.get_close_matches(m.group(1), choices, n=3, cutoff=0.6)
+            if close:
+                message += "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+        super().error(message)
+
+
+def _suggest_options(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """``unrecognized arguments: ...`` with the options of ``parser`` close to each one."""
+    known = [o for a in parser._actions for o in a.option_strings]
+    parts = []
+    for extra in extras:
+        close = (difflib.get_close_matches(extra.split("=", 1)[0], known, n=3, cutoff=0.6)
+                 if extra.startswith("-") else [])
+        parts.append(extra + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    return "unrecognized arguments: " + " ".join(parts)
+
+
+def _chosen_parser(parser: argparse.ArgumentParser,
+                   args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)verb ``args`` ran: ``ckptfs bench hash`` -> bench hash's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and action.dest:
+            name = getattr(args, action.dest, None)
+            chosen = action.choices.get(name) if isinstance(name, str) else None
+            if isinstance(chosen, argparse.ArgumentParser):
+                return _chosen_parser(chosen, args)
+    return parser
+
+
+def _missing_extra(sub: Any, verbs: Sequence[str], extra: str | None,
+                   exc: ModuleNotFoundError) -> None:
+    """The verbs of a plug-in that cannot be imported because a package it needs is not
+    installed: each still exists (in ``ckptfs --help`` too) and says what to install."""
+    need = (f'pip install "ckptfs[{extra}]"' if extra else f"pip install {exc.name}")
+    why = f"it needs {exc.name}, which is not installed: {need}"
+
+    def run(args: argparse.Namespace) -> int:
+        raise UsageError(f"ckptfs {args.command}: {why}")
+
+    for verb in verbs:
+        p = sub.add_parser(verb, help=f"(not available: {why})", description=why,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=run, takes_anything=True)  # whatever follows: the same answer
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="ckptfs", description="Crash-consistent PyTorch checkpoints on any fsspec storage.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what ckptfs does")
     parser.add_argument("--version", action="version", version=f"ckptfs {ckptfs.__version__}")
@@ -278,12 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "metadata requests alone (no data read; docs/remote-verify.md)")
     p.set_defaults(func=cmd_verify)
 
-    for module in _PLUGINS:
+    for module, verbs, extra in _PLUGINS:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+            if exc.name is None or exc.name.split(".")[0] == "ckptfs":
+                raise  # ckptfs's own module: a packaging bug, never hidden
+            _missing_extra(sub, verbs, extra, exc)
             continue
         add: Callable[[Any], None] = mod.add_subcommands
         add(sub)
@@ -293,7 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras and not getattr(args, "takes_anything", False):  # reported by the verb's own parser, with its usage and close matches
+            verb = _chosen_parser(parser, args)
+            verb.error(_suggest_options(verb, extras))
     except SystemExit as exc:  # usage error (argparse printed it, naming the option) or --help
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -312,10 +426,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(args: argparse.Namespace, exc: Exception) -> None:
+    hints = [h for u in (getattr(args, "url", None), getattr(args, "src", None))
+             if isinstance(u, str) and isinstance(exc, (CheckpointNotFoundError,
+                                                        StorageNotFoundError))
+             for h in [bucket_hint(u)] if h]
     if getattr(args, "json", False):
-        print(json.dumps({"ok": False, "error": type(exc).__name__, "message": str(exc)},
-                         indent=2))
+        print(json.dumps({"ok": False, "error": type(exc).__name__, "message": str(exc),
+                          **({"hint": hints[0]} if hints else {})}, indent=2))
     print(f"ckptfs: error: {exc}", file=sys.stderr)
+    for hint in hints:
+        print(f"ckptfs: {hint}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

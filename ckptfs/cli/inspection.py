@@ -28,6 +28,7 @@ from typing import Any
 from ckptfs.cli.core import EXIT_OK, add_store_args, emit, int_option, open_from_args, step_option
 from ckptfs.cli.tools import resolve
 from ckptfs.format.extensions import EXT_TAG
+from ckptfs.format.incremental import references_of
 from ckptfs.format.serialize import (
     TensorSlot,
     dtype_code,
@@ -271,6 +272,14 @@ def inspect_info(store: CheckpointStore, info: CheckpointInfo, *,
                    "algorithm": e.algorithm} for e in m.files[:max_items]]}
     if len(m.files) > max_items:
         out["files_omitted"] = len(m.files) - max_items
+    # An incremental checkpoint's references (formats v3, v4): files of earlier checkpoints,
+    # checked as its own (listing, header) and, like them, without reading tensor data.
+    refs = references_of(m)
+    out["references"] = [{"path": r.path, "step": r.step, "attempt": r.attempt,
+                          "source": r.source, "size": r.size,
+                          "bytes": sum(c.length for c in r.chunks)} for r in refs[:max_items]]
+    if len(refs) > max_items:
+        out["references_omitted"] = len(refs) - max_items
     if isinstance(checked, CheckedV1):
         out["tree"] = list(tree_rows(checked.tree, checked.slots, max_items=max_items,
                                      max_rows=max_rows))
@@ -341,6 +350,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     lines += [f"  {f['path']}  {f['size']} B  {f['digest'][:24]}..." for f in doc["files"]]
     if doc.get("files_omitted"):
         lines.append(f"  ... {doc['files_omitted']} more files")
+    if doc["references"]:
+        n = len(doc["references"]) + doc.get("references_omitted", 0)
+        lines.append(f"references: {n} file(s) of earlier checkpoints, checked like its own "
+                     "(listing, header), tensor data not read:")
+        lines += [f"  {r['path']}  step {r['step']} {r['source']}  {r['bytes']} B used"
+                  for r in doc["references"]]
+        if doc.get("references_omitted"):
+            lines.append(f"  ... {doc['references_omitted']} more references")
     lines.append("metadata: " + json.dumps(doc["metadata"], sort_keys=True, default=str)[:2000])
     if "tensors" in doc:
         lines.append(f"tree ({doc['tensors']['count']} tensors, {doc['tensors']['bytes']} B):")
