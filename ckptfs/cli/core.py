@@ -405,7 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, extras = parser.parse_known_args(argv)
-        if extras and not getattr(args, "takes_anything", False):  # reported by the verb's own parser, with its usage and close matches
+        # Reported by the verb's own parser, with its usage and close matches.
+        if extras and not getattr(args, "takes_anything", False):
             verb = _chosen_parser(parser, args)
             verb.error(_suggest_options(verb, extras))
     except SystemExit as exc:  # usage error (argparse printed it, naming the option) or --help
