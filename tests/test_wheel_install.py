@@ -195,3 +195,17 @@ print(store.steps())
     assert (venv.cwd / "model.safetensors").stat().st_size > 8 * 4 * 4
     missing = venv.ckptfs("ls", str(venv.cwd / "nothing"), check=False)
     assert missing.returncode == 1 and "nothing at" in missing.stdout
+
+
+def test_the_wheel_carries_its_license_and_urls(venv: Venv) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(venv.wheel) as whl:
+        names = whl.namelist()
+        meta = whl.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        license_text = whl.read(next(n for n in names if n.endswith("/licenses/LICENSE")))
+    assert "License-Expression: Apache-2.0" in meta and "License-File: LICENSE" in meta
+    assert license_text.decode().lstrip().startswith("Apache License")
+    for url in ("Homepage", "Documentation", "Changelog", "Issues"):
+        assert f"Project-URL: {url}, " in meta
+    assert f"Version: {ckptfs.__version__}\n" in meta  # one source: ckptfs.__version__
