@@ -1,18 +1,31 @@
 """The write and read paths every hardening test runs through (issue 16, part 7).
 
-Write paths (:class:`WritePath`, ``path.save(store, step, state, metadata=)``): ``v1``
-(``store.save``), ``v2`` (the collective save on one rank: ``dcp.save(no_dist=True)`` through
-ckptfs's DCP writer), ``v2x2`` (the same on two gloo ranks, local disk only: slow, few cases),
-``async`` (``save_async(...).result()``), ``cp`` / ``cp-v2`` (a save into a scratch root, then
-``ckptfs cp``'s ``copy_step``), ``v3`` (an incremental store's save of a state whose model is
-frozen: ``path.state(step)``; each save after the first has references), ``sub``
-(``store.save`` through the sub-storage of artifacts and the Lightning integration;
-``path.at(backend)`` is then the sub-storage view of the backend).
+Write paths (:class:`WritePath`, ``path.save(store, step, state, metadata=)``), the matrix's
+cells: ``v1`` (``store.save``), ``v2`` (the collective save on one rank:
+``dcp.save(no_dist=True)`` through ckptfs's DCP writer), ``v3`` (an incremental store's save of
+a state whose model is frozen: ``path.state(step)``; each save after the first has references),
+``v4`` (the collective save on one rank of an incremental store, its reuse memory kept between
+the saves of a run root), ``async`` (``save_async(...).result()``), ``async-v2`` / ``async-v4``
+(``save_async`` of DTensors on a one-rank mesh under a one-rank gloo group: the collective
+async save, plain and incremental), ``cp`` / ``cp-v2`` (a save into a scratch root, then
+``ckptfs cp``'s ``copy_step``), ``cp-v3`` / ``cp-v4`` (the same from an incremental source kept
+for the run root, so that copies reference earlier copies), ``replica-v1`` / ``replica-v3``
+(the remote copy of a two-tier store: ``ckptfs.tiered(local, store)``, ``save``,
+``wait_replicated``; the store under test is the remote tier), ``sub`` (``store.save`` through
+the sub-storage of artifacts and the Lightning integration; ``path.at(backend)`` is then the
+sub-storage view of the backend), ``v2x2`` / ``v4x2`` (the collective save on two gloo ranks,
+plain and incremental, local disk only: slow).
 The in-process ones live in :mod:`ckptfs.testing.reliability.paths` (the sweeps use them too).
+:data:`EVERY` names the in-process cells, :data:`RANKS` the two-rank ones.
 
-Read paths (:func:`read`): ``load``, ``load-unverified``, ``verify``, ``verify-quick``,
-``inspect`` (``ckptfs inspect``'s reader) and ``cp`` (``copy_step`` into a fresh root, which
-must commit nothing when it refuses: :func:`copy_into_scratch`).
+Read paths (:func:`read`): ``load``, ``load-unverified``, ``load-into`` (``load(into=)`` of
+zero tensors of the state's shapes), ``verify``, ``verify-quick``, ``inspect`` (``ckptfs
+inspect``'s reader) and ``cp`` (``copy_step`` into a fresh root, which must commit nothing
+when it refuses: :func:`copy_into_scratch`).  ``load(into=, allow_rollback=True)``, the
+manager's restore of an incremental run: tests/test_hardening_read.py.
+
+Known defects (:data:`DEFECTS`): a cell that breaks a hardening test is marked there with
+:func:`known_defect` (strict: the mark fails once the defect is fixed, and is then removed).
 
 :func:`params` turns path names into pytest parameters, with the known defects of a path
 marked ``xfail(strict=True)`` (each with the defect, for the engineer who owns that path) and
@@ -38,34 +51,43 @@ from ckptfs.storage.fsspec import FsspecStorage
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability.paths import (
     ASYNC,
+    ASYNC_V2,
+    ASYNC_V4,
     CP,
     CP_V2,
+    CP_V3,
+    CP_V4,
+    REPLICA_V1,
+    REPLICA_V3,
     SUB,
     V1,
     V2,
     V3,
+    V4,
     WRITE_PATHS,
     SubBackend,
     WritePath,
 )
 
-__all__ = ["ASYNC", "CP", "CP_V2", "PATHS", "SUB", "V1", "V2", "V2X2", "V3", "KnownDefect",
-           "SubBackend", "WritePath", "assert_not_committed", "check_violations",
-           "copy_into_scratch", "known_defect", "params", "read"]
+__all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V4", "CP", "CP_V2", "CP_V3", "CP_V4", "DEFECTS",
+           "EVERY", "PATHS", "RANKS", "REPLICAS", "REPLICA_V1", "REPLICA_V3", "SUB", "V1", "V2",
+           "V2X2", "V3", "V4", "V4X2", "KnownDefect", "SubBackend", "WritePath",
+           "assert_not_committed", "check_violations", "copy_into_scratch", "known_defect",
+           "params", "read", "reads_of"]
 
 
 # -- two ranks ---------------------------------------------------------------------------------
 
 
-def rank_save(rank: int, world: int, url: str, saves: list[tuple[int, Any, Any]]
-              ) -> list[tuple[str, str] | None]:
-    """On each gloo rank: ``store.save(step, state, metadata=)`` (collective: format v2) for
-    each ``(step, state, metadata)``; ``state`` may be a list with one state per rank.  Returns,
-    per save, ``None`` or (error class, message)."""
+def rank_save(rank: int, world: int, url: str, saves: list[tuple[int, Any, Any]],
+              incremental: bool = False) -> list[tuple[str, str] | None]:
+    """On each gloo rank: ``store.save(step, state, metadata=)`` (collective: format v2; v4
+    with ``incremental``) for each ``(step, state, metadata)``; ``state`` may be a list with
+    one state per rank.  Returns, per save, ``None`` or (error class, message)."""
     import ckptfs
 
     out: list[tuple[str, str] | None] = []
-    store = ckptfs.open(url, retries=0)
+    store = ckptfs.open(url, retries=0, incremental=incremental)
     for step, state, metadata in saves:
         mine = state[rank] if isinstance(state, list) else state
         try:
@@ -87,11 +109,12 @@ def reraise(name: str, message: str) -> BaseException:
 
 
 def run_saves(url: str, saves: list[tuple[int, Any, Any]], world: int = 2,
-              timeout: float = 240) -> list[tuple[str, str] | None]:
+              timeout: float = 240, incremental: bool = False
+              ) -> list[tuple[str, str] | None]:
     """:func:`rank_save` on ``world`` ranks; per save, the outcome every rank agrees on (an
     :class:`AssertionError` when the ranks disagree about the error class)."""
     try:
-        results = run_ranks(rank_save, world, url, saves, timeout=timeout)
+        results = run_ranks(rank_save, world, url, saves, incremental, timeout=timeout)
     except RankFailure as exc:  # a rank died outside store.save
         raise AssertionError(str(exc)) from None
     agreed: list[tuple[str, str] | None] = []
@@ -107,22 +130,43 @@ def run_saves(url: str, saves: list[tuple[int, Any, Any]], world: int = 2,
 @dataclass(frozen=True)
 class RanksPath(WritePath):
     """The collective save on ``world`` gloo ranks (processes), each opening the store's URL:
-    local disk only (``memory://`` is per process)."""
+    local disk only (``memory://`` is per process).  Format v4 (``references``): the store is
+    incremental; each save is a fresh pair of processes, so a save references what an earlier
+    one wrote only as a resumed job's first save does."""
 
     world: int = 2
 
     def save(self, store: CheckpointStore, step: int, state: Mapping[str, Any], *,
              metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
-        (outcome,) = run_saves(store.url, [(step, dict(state), metadata)], self.world)
+        (outcome,) = run_saves(store.url, [(step, dict(state), metadata)], self.world,
+                               incremental=self.references)
         if outcome is not None:
             raise reraise(*outcome)
         return read_committed(store.storage, step)
 
 
 V2X2 = RanksPath("v2x2", 2)
+V4X2 = RanksPath("v4x2", 4, references=True)
 
 #: Every write path, by name.
-PATHS: dict[str, WritePath] = {**WRITE_PATHS, V2X2.name: V2X2}
+PATHS: dict[str, WritePath] = {**WRITE_PATHS, V2X2.name: V2X2, V4X2.name: V4X2}
+#: The in-process cells (every hardening test runs through these), the two-rank ones (slow:
+#: local disk only) and the two-tier remote copies (few cases by default).
+EVERY: list[str] = list(WRITE_PATHS)
+RANKS: list[str] = [V2X2.name, V4X2.name]
+REPLICAS: list[str] = [REPLICA_V1.name, REPLICA_V3.name]
+
+#: The defects a cell shows in the hardening tests (known; the strict xfail marks name them).
+DEFECTS = {
+    "cp-v4": "cp of a format v4 step commits a copy whose references still name the source's "
+             "attempt: the copy never loads",
+    "async-v4": "save_async of a DTensor state on an incremental store writes format v2 "
+                "(no references; the synchronous sharded save writes v4)",
+    "v4x2": "a resumed sharded incremental job writes every byte at its first save (nothing "
+            "referenced)",
+    "rollback-into": "load(into=..., allow_rollback=True) raises on a corrupt newest rank "
+                     "file (the full load rolls back)",
+}
 
 
 class KnownDefect(AssertionError):
@@ -134,7 +178,7 @@ class KnownDefect(AssertionError):
 def known_defect(reason: str, *, sweep: bool = True) -> Any:
     """The strict xfail of a known defect (``sweep``: only a :class:`KnownDefect` counts)."""
     return pytest.mark.xfail(strict=True, raises=KnownDefect if sweep else None,
-                             reason=f"issue 16: {reason}")
+                             reason=f"known defect: {reason}")
 
 
 def check_violations(violations: list[str], known: Iterable[str] = ()) -> None:
@@ -160,7 +204,7 @@ def params(names: Iterable[str], *, xfail: Mapping[str, str] | None = None,
         marks: list[Any] = []
         if name in xfail:
             marks.append(known_defect(xfail[name], sweep=sweep))
-        if name in slow or name == V2X2.name:
+        if name in slow or name in RANKS:
             marks.append(pytest.mark.slow)
         out.append(pytest.param(PATHS[name], id=name, marks=marks))
     return out
@@ -186,7 +230,34 @@ def copy_into_scratch(store: CheckpointStore, step: int) -> CheckpointStore:
     return dst
 
 
-READS = ("load", "load-unverified", "verify", "verify-quick", "inspect", "cp")
+READS = ("load", "load-unverified", "load-into", "verify", "verify-quick", "inspect", "cp")
+
+
+def reads_of(path: WritePath) -> tuple[str, ...]:
+    """The read paths of a checkpoint of ``path``: ``load-into`` fills a state from a sharded
+    checkpoint only (format v2, v4; a single-process one is refused: docs/sharded.md)."""
+    return READS if path.format_version in (2, 4) else tuple(r for r in READS
+                                                              if r != "load-into")
+
+
+def zeros_of(value: Any) -> Any:
+    """``value`` with every tensor replaced by zeros of its dtype and shape (a load target)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {k: zeros_of(v) for k, v in value.items()}
+    return value
+
+
+def into_target() -> dict[str, Any]:
+    """The tensors of the sweeps' state (every step's have the same shapes), as zeros: what
+    ``load(into=)`` fills."""
+    from ckptfs.testing.reliability.common import state_for
+
+    state = state_for(0)
+    return {k: zeros_of(state[k]) for k in ("model", "optimizer")}
 
 
 def read(name: str, store: CheckpointStore, step: int) -> Any:
@@ -195,6 +266,10 @@ def read(name: str, store: CheckpointStore, step: int) -> Any:
         return store.load(step)
     if name == "load-unverified":
         return store.load(step, verify=False)
+    if name == "load-into":
+        into = into_target()
+        store.load(step, into=into)
+        return into
     if name == "verify":
         return store.verify(step)
     if name == "verify-quick":

@@ -46,10 +46,13 @@ def roundtrip(backend: Backend, state: dict[str, Any], step: int = 1) -> dict[An
     return backend.open().load(step)
 
 
-#: The write paths every "refused before writing" case runs through (tests/paths.py); ``cp``
-#: is not one of them: its source cannot hold these values (its hostile sources are in
-#: tests/test_hostile.py).
-WRITERS = paths.params(["v1", "v2", "async", "sub", "v3"])
+#: The write paths every "refused before writing" case runs through (tests/paths.py); the
+#: ``cp`` cells are not among them: their source cannot hold these values (its hostile sources
+#: are in tests/test_hostile.py).
+_WRITER_NAMES = [n for n in paths.EVERY if not n.startswith("cp")]
+WRITERS = paths.params(_WRITER_NAMES, slow=paths.REPLICAS)
+#: The same, the two-tier remote copies included by default (a test of one case per path).
+WRITERS_FEW = paths.params(_WRITER_NAMES)
 def refused_before_writing(backend: Backend, state: dict[str, Any], where: str,
                            path: paths.WritePath = paths.V1, metadata: Any = None,
                            arm: Callable[[], None] | None = None) -> UnsupportedValueError:
@@ -198,7 +201,7 @@ def test_dtensor_is_a_typed_error_for_the_plain_format() -> None:
 
 # -- defect 2: whatever the reader refuses, the writer refuses first ---------------------------
 
-@pytest.mark.parametrize("path", WRITERS)
+@pytest.mark.parametrize("path", WRITERS_FEW)
 def test_oversized_metadata_refused_before_writing(memory_backend: Backend,
                                                    path: paths.WritePath) -> None:
     err = refused_before_writing(memory_backend, {"w": torch.ones(2)}, "MANIFEST.json", path,
@@ -206,8 +209,8 @@ def test_oversized_metadata_refused_before_writing(memory_backend: Backend,
     assert str(limits.MAX_MANIFEST_BYTES) in str(err)
 
 
-@pytest.mark.parametrize("path", paths.params(["v1", "v2", "async", "cp", "sub", "v3"],
-                                              slow=["async", "cp", "sub"]))
+@pytest.mark.parametrize("path", paths.params(paths.EVERY, slow=[
+    n for n in paths.EVERY if n not in ("v1", "v2", "v3", "v4")]))
 def test_metadata_at_the_limit_commits_and_loads(memory_backend: Backend,
                                                  path: paths.WritePath) -> None:
     backend = path.at(memory_backend)

@@ -20,6 +20,21 @@ exactly what the single-process save gives it:
            format v3), saving `frozen_state_for`, whose model does not change from step
            to step: every save after the first references the model's tensors in the file an
            earlier checkpoint holds (`WritePath.references`)
+``v4``     the collective save on one rank of an incremental store (format v4): the store's
+           reuse memory is kept between the saves of a run root (`reuse_memory`), and the
+           frozen model is the same tensor objects at every step, so each save after the first
+           references the model's items in an earlier checkpoint's rank file
+``async-v2`` ``save_async`` of the state's tensors as DTensors on a one-rank mesh, under a
+           one-rank gloo process group (`world_of_one`): the collective async save
+``async-v4`` the same on an incremental store (its reuse memory kept as for ``v4``)
+``cp-v3``  ``ckptfs cp`` of a format v3 step: the source is a scratch root kept for the run
+           root under test (`source_for`), written by ``v3``, and its steps are copied one by
+           one, so a copy after the first references what the destination already holds
+``cp-v4``  the same from a format v4 source written by ``v4``
+``replica-v1`` the remote copy of a two-tier store: ``ckptfs.tiered(local, store)`` with a
+           scratch local tier kept for the run root (`local_tier_for`), ``save`` then
+           ``wait_replicated``; the store under test is the remote tier (what is read)
+``replica-v3`` the same with ``incremental=True`` (format v3 on both tiers)
 =========  ====================================================================================
 
 A sweep takes a `WritePath` and a `Backend`; it writes
@@ -31,8 +46,11 @@ it (tests/paths.py) as one more `WritePath` whose ``save`` launches the ranks.
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +110,9 @@ class WritePath:
 
     def state(self, step: int) -> dict[str, Any]:
         """The state this path saves at ``step`` in every sweep (what a load must return)."""
-        return frozen_state_for(step) if self.references else state_for(step)
+        if not self.references:
+            return state_for(step)
+        return frozen_state_for(step, same_objects=self.format_version == 4)
 
     @property
     def copies(self) -> bool:
@@ -122,9 +142,20 @@ class WritePath:
                 store.close()  # the background thread, so a sweep leaves none behind
         if self.name == "v3":
             return save_v3(store, step, state, metadata=metadata)
+        if self.name == "v4":
+            return save_v4(store, step, state, metadata=metadata)
+        if self.name in ("async-v2", "async-v4"):
+            return save_async_sharded(store, step, state, metadata=metadata,
+                                      incremental=self.name == "async-v4")
         if self.name in ("cp", "cp-v2"):
             return copy_through(store, step, state, metadata=metadata,
                                 sharded=self.name == "cp-v2")
+        if self.name in ("cp-v3", "cp-v4"):
+            return copy_kept_source(store, step, state, metadata=metadata,
+                                    version=self.format_version)
+        if self.name in ("replica-v1", "replica-v3"):
+            return save_replicated(store, step, state, metadata=metadata,
+                                   incremental=self.references)
         raise ValueError(f"unknown write path {self.name!r}")  # pragma: no cover
 
     def __str__(self) -> str:
@@ -140,12 +171,23 @@ def save_v2(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                         durable=store.durable, threads=store.threads, metadata=metadata)
 
 
-def frozen_state_for(step: int) -> dict[str, Any]:
+_FROZEN_MODEL: dict[str, Any] = {}
+
+
+def frozen_state_for(step: int, *, same_objects: bool = False) -> dict[str, Any]:
     """`state_for` of ``step`` with the model of step
     0 (a frozen model, as in a fine-tune of a frozen base): what the ``v3`` path saves, so that
-    each save references the model's tensors an earlier checkpoint holds."""
+    each save references the model's tensors an earlier checkpoint holds.  ``same_objects``:
+    the model is the same tensor objects at every call (never written to), as a training
+    process holds its frozen base: what a sharded incremental save (format v4) recognises as
+    unchanged."""
     state = state_for(step)
-    state["model"] = state_for(0)["model"]
+    if not same_objects:
+        state["model"] = state_for(0)["model"]
+        return state
+    if not _FROZEN_MODEL:
+        _FROZEN_MODEL.update(state_for(0)["model"])
+    state["model"] = dict(_FROZEN_MODEL)
     return state
 
 
@@ -157,6 +199,159 @@ def save_v3(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                                   durable=store.durable, threads=store.threads,
                                   shard_bytes=store.shard_bytes, incremental=True)
     return incremental.save(step, state, metadata=metadata)
+
+
+_KEPT_LOCK = threading.Lock()
+#: Per run root under test (its URL): the sharded incremental reuse memory of its saves.
+_MEMORIES: dict[str, Any] = {}
+#: Per run root under test: the scratch ``memory://`` root a ``cp-v3``/``cp-v4`` source or a
+#: two-tier local tier is kept in.
+_KEPT: dict[tuple[str, str], str] = {}
+
+
+def reuse_memory(store: CheckpointStore) -> Any:
+    """The incremental reuse memory of the saves to ``store``'s run root in this process (a
+    store opened per save forgets what the previous save wrote; a training process keeps its
+    store, so its memory: this is that memory)."""
+    from ckptfs.protocol.incremental import ReuseMemory
+
+    with _KEPT_LOCK:
+        return _MEMORIES.setdefault(store.storage.url, ReuseMemory())
+
+
+def kept_root(store: CheckpointStore, kind: str) -> str:
+    """A scratch ``memory://`` root of ``kind`` kept for ``store``'s run root."""
+    with _KEPT_LOCK:
+        key = (kind, store.storage.url)
+        if key not in _KEPT:
+            _KEPT[key] = f"memory://{kind}-{uuid.uuid4().hex[:12]}"
+        return _KEPT[key]
+
+
+def save_v4(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+            metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+    """The collective save on one rank of an incremental store (format v4), with the reuse
+    memory of the run root (`reuse_memory`)."""
+    from ckptfs.protocol.sharded import save_sharded  # imports DCP: only when used
+
+    return save_sharded(store.storage, step, state, algorithm=store.algorithm,
+                        durable=store.durable, threads=store.threads, metadata=metadata,
+                        memory=reuse_memory(store), lease_s=store.lease_s)
+
+
+@contextlib.contextmanager
+def world_of_one() -> Iterator[Any]:
+    """A one-rank gloo process group (unless one is already initialized) and a one-rank CPU
+    device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_available() and dist.is_initialized():
+        yield init_device_mesh("cpu", (dist.get_world_size(),))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0,
+                                world_size=1)
+        try:
+            yield init_device_mesh("cpu", (1,))
+        finally:
+            dist.destroy_process_group()
+
+
+def as_dtensors(value: Any, mesh: Any, memo: dict[int, Any],
+                _open: frozenset[int] = frozenset()) -> Any:
+    """``value`` with every plain dense CPU tensor a DTensor on ``mesh`` (sharded by rows; a
+    0-dim tensor replicated); one DTensor per distinct tensor object (``memo``, by id).  Any
+    other value (a tensor subclass, a sparse, nested, meta or quantized tensor, a container
+    holding itself) is left as it is, for the save to refuse."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if type(value) is torch.Tensor:
+        plain = (value.layout == torch.strided and value.device.type == "cpu"
+                 and not value.is_nested and not value.is_quantized)
+        if not plain:
+            return value
+        if id(value) not in memo:
+            placement = Shard(0) if value.dim() else Replicate()
+            memo[id(value)] = (value, distribute_tensor(value, mesh, [placement],
+                                                        src_data_rank=None))
+        return memo[id(value)][1]
+    if type(value) is dict and id(value) not in _open:
+        inner = _open | {id(value)}
+        return {k: as_dtensors(v, mesh, memo, inner) for k, v in value.items()}
+    return value
+
+
+#: The DTensors of the frozen model's tensors, kept (a training process keeps its parameters).
+_DTENSORS: dict[int, Any] = {}
+
+
+def save_async_sharded(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+                       metadata: Mapping[str, Any] | None = None,
+                       incremental: bool = False) -> CheckpointInfo:
+    """``save_async`` of ``state`` with its tensors as DTensors on a one-rank mesh, under a
+    one-rank process group (`world_of_one`): the collective async save (``incremental``: of
+    an incremental store, with the run root's reuse memory)."""
+    saver = CheckpointStore(store.storage, algorithm=store.algorithm, durable=store.durable,
+                            threads=store.threads, shard_bytes=store.shard_bytes,
+                            incremental=incremental, lease_s=store.lease_s)
+    if incremental:
+        saver.reuse = reuse_memory(store)
+    with world_of_one() as mesh:
+        memo = _DTENSORS if incremental else {}
+        fut = saver.save_async(step, as_dtensors(dict(state), mesh, memo), metadata=metadata)
+        try:
+            return fut.result()
+        finally:
+            saver.close()
+
+
+def copy_kept_source(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+                     metadata: Mapping[str, Any] | None = None,
+                     version: int = 3) -> CheckpointInfo:
+    """``ckptfs cp`` of an incremental step: ``state`` saved (format v3, or v4) into the
+    scratch source kept for ``store``'s run root (`kept_root`: its earlier steps are there,
+    so the saved step references them), then `copy_step` into ``store``.  A step the source
+    already holds (a retry of a refused copy) is saved there again first."""
+    from ckptfs.protocol.copy import copy_step
+
+    src = CheckpointStore(FsspecStorage(kept_root(store, f"cp-v{version}-source")),
+                          algorithm=store.algorithm, threads=store.threads,
+                          shard_bytes=store.shard_bytes)
+    if step in src.steps():
+        src.delete(step)
+    if version == 4:
+        save_v4(src, step, state, metadata=metadata)
+    else:
+        save_v3(src, step, state, metadata=metadata)
+    copy_step(src.storage, store.storage, step, durable=store.durable, threads=store.threads)
+    return read_committed(store.storage, step)
+
+
+def save_replicated(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+                    metadata: Mapping[str, Any] | None = None,
+                    incremental: bool = False) -> CheckpointInfo:
+    """``ckptfs.tiered(local, store)`` with the local tier kept for ``store``'s run root
+    (`kept_root`), ``save`` then ``wait_replicated``: ``store`` is the remote tier, and the
+    checkpoint returned is its copy.  A step the local tier already holds (a retry of a
+    refused replication) is saved there again first."""
+    from ckptfs.protocol.tiers import tiered
+
+    local = CheckpointStore(FsspecStorage(kept_root(store, "replica-local")),
+                            algorithm=store.algorithm, threads=store.threads,
+                            shard_bytes=store.shard_bytes, incremental=incremental)
+    if step in local.steps():
+        local.delete(step)
+    two = tiered(local, store, algorithm=store.algorithm, durable=store.durable,
+                 threads=store.threads, incremental=incremental, replicate_threads=1,
+                 max_attempts=1)
+    try:
+        two.save(step, state, metadata=metadata)
+        two.wait_replicated(timeout=120)
+    finally:
+        two.close()
+    return read_committed(store.storage, step)
 
 
 def copy_through(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
@@ -190,6 +385,15 @@ CP = WritePath("cp")
 CP_V2 = WritePath("cp-v2", 2)
 SUB = WritePath("sub", sub=True)
 V3 = WritePath("v3", 3, references=True)
+V4 = WritePath("v4", 4, references=True)
+ASYNC_V2 = WritePath("async-v2", 2)
+ASYNC_V4 = WritePath("async-v4", 4, references=True)
+CP_V3 = WritePath("cp-v3", 3, references=True)
+CP_V4 = WritePath("cp-v4", 4, references=True)
+REPLICA_V1 = WritePath("replica-v1")
+REPLICA_V3 = WritePath("replica-v3", 3, references=True)
 
 #: Every in-process write path, by name.
-WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (V1, V2, ASYNC, CP, CP_V2, SUB, V3)}
+WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (
+    V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V4, CP_V3, CP_V4, REPLICA_V1,
+    REPLICA_V3)}
