@@ -166,6 +166,9 @@ DEFECTS = {
             "referenced)",
     "rollback-into": "load(into=..., allow_rollback=True) raises on a corrupt newest rank "
                      "file (the full load rolls back)",
+    "manager-v4": "CheckpointManager.restore_latest of a format v4 run into a DTensor model "
+                  "raises a bare RuntimeError (the lifecycle treats only version 2 as "
+                  "sharded)",
 }
 
 

@@ -560,3 +560,36 @@ def test_manager_restores_an_incremental_run(where: str,
         ckptfs.CheckpointManager(backend.open()).restore_latest(model=other,
                                                                allow_rollback=True)
     assert torch.equal(other.head, _Frozen().head)  # nothing restored into the model
+
+
+@pytest.mark.parametrize("incremental", [
+    pytest.param(False, id="v2"),
+    pytest.param(True, id="v4", marks=paths.known_defect(paths.DEFECTS["manager-v4"],
+                                                         sweep=False))])
+def test_manager_restores_a_sharded_run_into_dtensors(memory_backend: Backend,
+                                                      incremental: bool) -> None:
+    """CheckpointManager under a one-rank process group, the model's parameters DTensors
+    (as FSDP2 holds them): the collective saves (format v2; v4 on an incremental store, the
+    second referencing the frozen base) restore into a fresh DTensor model bit-exact."""
+    from torch.distributed.tensor import distribute_module
+
+    import ckptfs
+    from ckptfs.testing.reliability.paths import world_of_one
+
+    url = memory_backend.url
+    with world_of_one() as mesh:
+        model = distribute_module(_Frozen(), mesh)
+        mgr = ckptfs.CheckpointManager(ckptfs.open(url, incremental=incremental))
+        for step in (1, 2):
+            with torch.no_grad():
+                model.head.add_(1.0)
+            mgr.save(step, model=model)
+        info = ckptfs.open(url).info(2)
+        assert info.manifest.format_version == (4 if incremental else 2)
+        assert bool(getattr(info.manifest, "references", ())) == incremental
+        fresh = distribute_module(_Frozen(), mesh)
+        assert ckptfs.CheckpointManager(ckptfs.open(url, incremental=incremental)
+                                        ).restore_latest(model=fresh) == 3
+        for name in ("base", "head"):
+            assert torch.equal(getattr(fresh, name).full_tensor(),
+                               getattr(model, name).full_tensor()), name
