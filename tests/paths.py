@@ -1,4 +1,4 @@
-"""The write and read paths every hardening test runs through (issue 16, part 7).
+"""The write and read paths every hardening test runs through: the matrix's cells.
 
 Write paths (:class:`WritePath`, ``path.save(store, step, state, metadata=)``), the matrix's
 cells: ``v1`` (``store.save``), ``v2`` (the collective save on one rank:

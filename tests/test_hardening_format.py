@@ -1,4 +1,4 @@
-"""Issue 11, format and write side: values must come back with the values they had, a save must
+"""Format and write side: values must come back with the values they had, a save must
 never commit what a reader refuses, every value the format cannot hold is a typed error naming
 its key path before anything is written, and the decoders are as strict as docs/protocol.md."""
 
@@ -360,7 +360,7 @@ def test_self_referencing_state(local_backend: Backend, path: paths.WritePath) -
 
 
 def test_the_dtensor_search_survives_a_cycle_and_depth(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Regression (issue 16): the walk that looks for DTensors before a save (save_async's
+    """Regression: the walk that looks for DTensors before a save (save_async's
     refusal of a sharded state without torch.distributed, and ``wants_sharded_save`` under a
     one-rank process group) recursed without a guard: a self-referencing state raised a raw
     RecursionError from save_async instead of the serializer's UnsupportedValueError."""

@@ -1,8 +1,8 @@
-"""Issue 11, the read side: names matched exactly, step directories addressed by their listed
+"""The read side: names matched exactly, step directories addressed by their listed
 name, a delete racing a reader, stray entries and permanent errors, access problems that are
 not corruption, symlinks under quick verify.  Each test failed before its fix; the storage
 tests run on local disk, memory:// and S3 (moto).  The symlink, stray-file and rollback tests
-run for a checkpoint of every writer and through every reader (issue 16: tests/paths.py)."""
+run for a checkpoint of every writer and through every reader (tests/paths.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The write paths every reliability sweep can run through (issue 16, part 7: every hardening
-check on every path).
+"""The write paths every reliability sweep can run through (every hardening check on every
+path).
 
 A checkpoint reaches storage through one of several writers, and each must give a reader
 exactly what the single-process save gives it:
