@@ -255,3 +255,84 @@ def test_gc_over_a_storage_without_the_optional_capabilities(local_backend: Back
     assert len(step) == 1 and not step[0].removed and "cannot remove" in str(step[0].note)
     assert any("unknown age" in s for s in report.skipped)
     assert local_backend.raw_exists(marker_tmp)
+
+
+# -- references into an attempt that may not be referenced: readers and deletes agree ----------
+
+
+def _as_v1(backend: Backend, store: ckptfs.CheckpointStore, step: int) -> str:
+    """Rewrite committed ``step`` (format v3) as a format v1 attempt holding the same files:
+    a v1 manifest (whole-file digests) and a marker binding it, by hand.  Returns its path."""
+    from ckptfs.format.hashing import digest_bytes
+    from ckptfs.format.manifest import MARKER_DIGEST_ALGORITHM, FileEntry, Manifest, Marker
+
+    info = store.info(step)
+    algo = info.manifest.hash_algorithm
+    entries = tuple(FileEntry(e.path, e.size, digest_bytes(algo, backend.raw_read(
+        f"{info.path}/{e.path}"))) for e in info.manifest.files)
+    v1 = Manifest(step, info.attempt, entries, info.manifest.created, algo, {})
+    data = v1.to_bytes()
+    paths = StepPaths(step)
+    backend.raw_write(paths.manifest(info.attempt), data)
+    marker = Marker(step, info.attempt, digest_bytes(MARKER_DIGEST_ALGORITHM, data), len(data),
+                    v1.created, {})
+    backend.raw_write(paths.marker, marker.to_bytes())
+    assert store.info(step).manifest.format_version == 1
+    return info.path
+
+
+def _frozen(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"base": torch.randn(32, 32, generator=g), "head": torch.full((4,), float(step))}
+
+
+@pytest.mark.parametrize("target", ["v1", "no-manifest"])
+def test_reference_into_an_attempt_that_is_not_shared(backend: Backend, target: str) -> None:
+    """A v3 checkpoint whose reference points into a format v1 attempt (or an attempt with no
+    MANIFEST.json): a delete or gc frees such an attempt without a reference scan, so a reader
+    refuses the reference: load, verify (quick and full) and a delete of that attempt agree
+    (the reference is refused; the bytes are then freed, never half-protected)."""
+    from ckptfs.errors import CorruptCheckpointError
+
+    store = backend.open(incremental=True)
+    store.save(1, _frozen(1))
+    info2 = store.save(2, _frozen(2))
+    assert info2.manifest.references and info2.manifest.references[0].step == 1  # type: ignore[attr-defined]
+    first = _as_v1(backend, store, 1)
+    if target == "no-manifest":  # an uncommitted attempt without a manifest
+        backend.raw_delete(f"{first}/MANIFEST.json")
+        backend.raw_delete(StepPaths(1).marker)
+    fresh = backend.open()
+    why = "in an attempt whose files may not be referenced"
+    with pytest.raises(CorruptCheckpointError, match=why):
+        fresh.load(2)
+    for quick in (True, False):
+        with pytest.raises(CorruptCheckpointError, match=why):
+            fresh.verify(2, quick=quick)
+    with pytest.raises(CorruptCheckpointError, match=why):
+        fresh.load(allow_rollback=False)
+    # what the delete side does with such an attempt: frees it, without a scan
+    if target == "v1":
+        fresh.delete(1)
+    else:
+        report = collect(fresh.storage, older_than=timedelta(0))
+        assert first in [i.path for i in report.items if i.kind == "attempt"]
+        assert report.retired == []
+    assert not backend.raw_exists(f"{first}/MANIFEST.json")
+    with pytest.raises(CorruptCheckpointError):  # refused before as after: no change of answer
+        fresh.load(2)
+
+
+def test_reference_into_a_shared_attempt_still_protected(backend: Backend) -> None:
+    """The same layout with the attempt left format v3: loads, and a delete keeps the
+    referenced file (retired), which gc keeps too; the rule only refuses what deletes free."""
+    store = backend.open(incremental=True)
+    store.save(1, _frozen(1))
+    store.save(2, _frozen(2))
+    first = store.info(1).path
+    store.delete(1)
+    report = collect(store.storage, older_than=timedelta(0))
+    assert [i.path for i in report.retired] == [first]
+    got = backend.open().load(2)
+    assert all(torch.equal(got[k], v) for k, v in _frozen(2).items())
+    backend.open().verify(2)

@@ -21,8 +21,10 @@ Three kinds of garbage, each removed only when it is older than a grace period:
 Concurrent ``gc`` and ``prune`` runs on one run root are safe: something another process
 removed first is noted (``note``), not reported as a failure.
 
-Incremental (format v3) attempts share bytes: an uncommitted attempt older than the grace whose
-manifest is v3 (or does not decode) is removed only if none of its files is referenced.  Every
+Incremental (format v3, v4) attempts share bytes: an uncommitted attempt older than the grace
+that may be referenced (`ckptfs.protocol.references.attempt_sharing`, the rule readers
+enforce too: a manifest with references, or one that does not decode) is removed only if none
+of its files is referenced.  Every
 step's marker is read first, then one reference scan runs with gc's grace
 (`ckptfs.protocol.references.scan_references`, docs/protocol.md §9.5), then gc decides.
 An attempt still referenced (*retired* by a delete) is kept and reported in
@@ -44,27 +46,25 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
 from ckptfs.errors import CkptfsError, CorruptCheckpointError, StorageError, StorageNotFoundError
-from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S, has_references
+from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
-    MANIFEST_NAME,
     MARKER_NAME,
     TMP_PREFIX,
     StepPaths,
     parse_attempt_name,
     parse_step_dir,
 )
-from ckptfs.format.versions import decode_manifest
 from ckptfs.protocol.references import (
     References,
     free_unreferenced,
+    may_be_referenced,
     referenced_attempts,
     scan_references,
 )
 from ckptfs.protocol.resolve import read_marker
 from ckptfs.storage.base import (
     EmptyDirRemoval,
-    Entry,
     ModifiedTimes,
     MultipartUploads,
     Storage,
@@ -245,8 +245,8 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
             size = sum(e.size for e in files) if child.is_dir else child.size
             item = GcItem(kind, path, size, age.total_seconds())
             scan.items.append(item)
-            if kind == "attempt" and _may_be_referenced(
-                    sub, StepPaths(step, step_entry.basename), name, files):
+            if kind == "attempt" and may_be_referenced(
+                    sub, StepPaths(step, step_entry.basename).attempt_dir(name), files):
                 shared[id(item)] = (step, name)
     # Every marker above was read before this scan starts (docs/protocol.md §9.5): an
     # attempt found uncommitted is freed only if nothing read after its marker went away
@@ -271,22 +271,6 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
             removable += 1
         if not scan.committed and removable and removable == scan.entries:
             report.items.append(GcItem("empty-step", scan.path, 0, None))
-
-
-def _may_be_referenced(storage: Storage, paths: StepPaths, attempt: str,
-                       files: list[Entry]) -> bool:
-    """An uncommitted attempt whose files another checkpoint may reference: its manifest is
-    format v3 or v4, or present but undecodable (it may be)."""
-    if not any(e.basename == MANIFEST_NAME for e in files):
-        return False  # never committed, never retired: no reference can name it
-    try:
-        data = storage.read_bytes(paths.manifest(attempt))
-    except StorageNotFoundError:
-        return False
-    try:
-        return has_references(decode_manifest(data, where=paths.manifest(attempt)))
-    except CorruptCheckpointError:
-        return True
 
 
 def _referenced(storage: Storage, base: str, grace: timedelta, now: datetime,

@@ -42,6 +42,7 @@ from ckptfs.format.incremental import Reference, references_of
 from ckptfs.format.layout import CHECKPOINTS_DIR, MANIFEST_NAME
 from ckptfs.format.manifest import FileEntry
 from ckptfs.format.versions import document_limits
+from ckptfs.protocol.references import reference_target_problems
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import Storage
 
@@ -50,7 +51,7 @@ log = logging.getLogger("ckptfs")
 
 @dataclass(frozen=True)
 class Problem:
-    kind: str  # "link" | "missing" | "size" | "stray"
+    kind: str  # "link" | "missing" | "size" | "stray" | "target" (a reference's attempt)
     path: str  # relative to the run root
     text: str  # for a verify report: "<relpath>: <what>"
 
@@ -164,6 +165,11 @@ def reference_problems(storage: Storage, info: CheckpointInfo,
                 out.append(Problem("size", loc, f"{ref.path}: references {loc}, whose size "
                                                 f"differs (declared {ref.size} B, found "
                                                 f"{sizes[loc]} B)"))
+        # the one rule deletes assume too: only files of a format with references are used
+        has_manifest = f"{adir}/{MANIFEST_NAME}" in sizes
+        for ref, what in reference_target_problems(storage, adir, members,
+                                                    has_manifest=has_manifest):
+            out.append(Problem("target", ref.location, f"{ref.path}: {what}"))
     return out
 
 

@@ -3,9 +3,17 @@ them (docs/protocol.md §9.5).
 
 Design decision: **a delete removes the marker first and only then scans for references; the
 scan reads every committed manifest first and only then lists the in-flight ones.**  Only files
-of format v3 attempts are ever referenced (a reference names the file that physically holds
-the bytes, never another reference), so a step none of whose attempts is v3 is deleted as
-before, without a scan.
+of attempts whose manifest has the ``references`` feature (formats v3, v4) are ever referenced
+(a reference names the file that physically holds the bytes, never another reference), so a
+step none of whose attempts is such an attempt is deleted as before, without a scan.
+
+That rule is one function, `attempt_sharing`, asked by both sides: a delete and gc
+(`shared_attempts`, `may_be_referenced`) scan before freeing an attempt it says may be
+referenced, and every reader (load, verify, copy, a save's own check, through
+`ckptfs.protocol.listing.reference_problems`) refuses, with `reference_target_problems`, a
+reference into any other attempt: one without a manifest, of a format without references (v1,
+v2), or whose manifest does not decode.  So a reference a reader accepts always points into an
+attempt a delete scans for (docs/protocol.md §9.5).
 
 The scan (`scan_references`), strictly in this order:
 
@@ -45,7 +53,7 @@ from ckptfs.errors import (
     FormatVersionError,
     StorageNotFoundError,
 )
-from ckptfs.format.incremental import has_references, referenced_chunks
+from ckptfs.format.incremental import Reference, referenced_chunks
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -56,7 +64,7 @@ from ckptfs.format.layout import (
     parse_step_dir,
 )
 from ckptfs.format.manifest import Manifest
-from ckptfs.format.versions import decode_manifest
+from ckptfs.format.versions import REFERENCES, decode_manifest, features
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url
 from ckptfs.storage.base import Entry, Storage
 
@@ -195,31 +203,101 @@ def referenced_attempts(refs: References) -> dict[tuple[int, str], int]:
     return out
 
 
+# -- which attempts may hold referenced files: the one rule of readers and deletes -------------
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """What an attempt's ``MANIFEST.json`` says about references into its files.
+
+    ============================================  ======================  ===================
+    the attempt's manifest                        a reference into it     a delete or gc
+    ============================================  ======================  ===================
+    decodes, format with ``references`` (v3, v4)  valid (``shares``)      scans first
+    present, does not decode (or a newer format)  refused                 scans first
+    absent, or a format without references        refused                 frees, no scan
+    ============================================  ======================  ===================
+
+    ``why``: in words, why a reference into it is refused (empty when ``shares``)."""
+
+    shares: bool
+    unknown: bool
+    why: str
+    manifest: Manifest | None = None
+
+    @property
+    def may_be_referenced(self) -> bool:
+        """Whether a delete or gc must scan for references before freeing the attempt."""
+        return self.shares or self.unknown
+
+
+def attempt_sharing(storage: Storage, attempt_dir: str, *,
+                    has_manifest: bool | None = None) -> Sharing:
+    """The rule of `Sharing` for the attempt directory ``attempt_dir`` (from the run root):
+    one read of its ``MANIFEST.json`` (none when ``has_manifest`` is False: the caller's
+    listing shows none).  Storage failures other than a missing manifest propagate."""
+    mpath = f"{attempt_dir}/{MANIFEST_NAME}"
+    where = storage_url(storage, mpath)
+    if has_manifest is False:
+        return Sharing(False, False, "it has no MANIFEST.json")
+    try:
+        data = storage.read_bytes(mpath)
+    except StorageNotFoundError:
+        return Sharing(False, False, "it has no MANIFEST.json")
+    try:
+        manifest = decode_manifest(data, where=where)
+    except FormatVersionError as exc:
+        return Sharing(False, True, f"its manifest is of a newer format: {exc}")
+    except CorruptCheckpointError as exc:
+        return Sharing(False, True, f"its manifest does not decode: {exc}")
+    if REFERENCES not in features(manifest):
+        return Sharing(False, False, f"it is a format v{manifest.format_version} attempt, "
+                       "whose files are never referenced", manifest)
+    return Sharing(True, False, "", manifest)
+
+
+def reference_target_problems(storage: Storage, attempt_dir: str, refs: list[Reference], *,
+                              has_manifest: bool | None = None) -> list[tuple[Reference, str]]:
+    """The references of ``refs`` (all into ``attempt_dir``) that the rule refuses, each with
+    what is wrong: the attempt's files may not be referenced (`attempt_sharing`: a delete
+    or gc would free them without looking for references), or the referenced file is not one
+    of that attempt's own files (a reference names the file that holds the bytes, never
+    another reference).  One read of the attempt's manifest."""
+    sharing = attempt_sharing(storage, attempt_dir, has_manifest=has_manifest)
+    if not sharing.shares:
+        return [(r, f"references {r.location}, in an attempt whose files may not be "
+                    f"referenced ({sharing.why}): a delete or gc frees such files without "
+                    "looking for references") for r in refs]
+    assert sharing.manifest is not None
+    own = {e.path for e in sharing.manifest.files}
+    return [(r, f"references {r.location}, which is not one of the files that attempt's "
+                "manifest lists (a reference names the file holding the bytes)")
+            for r in refs if r.source not in own]
+
+
 # -- deleting a step --------------------------------------------------------------------------
 
 
 def shared_attempts(storage: Storage, paths: StepPaths) -> list[str]:
-    """Attempts of the step directory whose files another checkpoint may reference: those
-    whose ``MANIFEST.json`` is format v3 or v4, or is present but does not decode (it may be).  One
-    listing of the step directory and one read per attempt directory."""
+    """Attempts of the step directory whose files another checkpoint may reference
+    (`attempt_sharing`: a format with references, or a manifest that does not decode).
+    One listing of the step directory and one read per attempt directory."""
     out = []
     for child in storage.list_dir(paths.dir):
         name = child.basename
         if not child.is_dir or parse_attempt_name(name) is None:
             continue  # .tmp- attempts never committed under that name: never referenced
-        mpath = paths.manifest(name)
-        try:
-            data = storage.read_bytes(mpath)
-        except StorageNotFoundError:
-            continue
-        try:
-            manifest = decode_manifest(data, where=storage_url(storage, mpath))
-        except CorruptCheckpointError:
-            out.append(name)
-            continue
-        if has_references(manifest):  # v3 or v4: its files may be referenced
+        if attempt_sharing(storage, paths.attempt_dir(name)).may_be_referenced:
             out.append(name)
     return out
+
+
+def may_be_referenced(storage: Storage, attempt_dir: str, files: list[Entry]) -> bool:
+    """gc's question for an old uncommitted attempt whose listing is ``files``: whether
+    another checkpoint may reference its files (`attempt_sharing`), so that it is freed
+    only after the reference scan."""
+    has = any(e.basename == MANIFEST_NAME for e in files)
+    return attempt_sharing(storage, attempt_dir, has_manifest=has).may_be_referenced
 
 
 def free_unreferenced(storage: Storage, attempt_dir: str, refs: References, *,
@@ -343,6 +421,7 @@ def run_usage(storage: Storage) -> RunUsage:
     return usage
 
 
-__all__ = ["CheckpointUsage", "Committed", "References", "RunUsage", "free_step",
-           "location_attempt", "read_all_committed", "referenced_attempts", "run_usage",
-           "scan_references", "shared_attempts"]
+__all__ = ["CheckpointUsage", "Committed", "References", "RunUsage", "Sharing",
+           "attempt_sharing", "free_step", "location_attempt", "may_be_referenced",
+           "read_all_committed", "reference_target_problems", "referenced_attempts",
+           "run_usage", "scan_references", "shared_attempts"]
