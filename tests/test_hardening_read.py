@@ -417,8 +417,39 @@ def test_every_reader_refuses_a_symlink(where: str, path: paths.WritePath,
             paths.read(how, store, 1)
 
 
-@pytest.mark.parametrize(("where", "path"), _every_path(xfail={
-    "v4": paths.DEFECTS["cp-v4"], "cp-v4": paths.DEFECTS["cp-v4"]}))
+def _stray_paths() -> list[Any]:
+    """`_every_path`; a format v4 checkpoint's copy (the ``cp`` read) meets the cp-v4 defect:
+    strict on the cells that write v4 today, not strict on ``async-v4`` (which writes v2
+    while its own defect is there)."""
+    out = []
+    for p in _every_path(xfail={"v4": paths.DEFECTS["cp-v4"], "cp-v4": paths.DEFECTS["cp-v4"]}):
+        if p.values[1].name == "async-v4":
+            p = pytest.param(*p.values, id=p.id, marks=[*p.marks, paths.known_defect(
+                paths.DEFECTS["cp-v4"] + " (once async-v4 writes v4)", strict=False)])
+        out.append(p)
+    return out
+
+
+def _copy_or_known_defect(store: CheckpointStore, step: int) -> CheckpointStore:
+    """``paths.read("cp", ...)``; the cp-v4 defect's refusal (the copy's references name the
+    source's attempt) raises :class:`paths.KnownDefect`."""
+    try:
+        copy: CheckpointStore = paths.read("cp", store, step)
+    except CorruptCheckpointError as exc:
+        if "which is missing" in str(exc) and store.info(step).manifest.format_version == 4:
+            raise paths.KnownDefect(str(exc)) from exc
+        raise
+    if store.info(step).manifest.format_version == 4:
+        try:
+            copy.verify(step, quick=True)
+        except CorruptCheckpointError as exc:
+            if "which is missing" in str(exc):
+                raise paths.KnownDefect(str(exc)) from exc
+            raise
+    return copy
+
+
+@pytest.mark.parametrize(("where", "path"), _stray_paths())
 def test_stray_file_is_ignored_by_load_and_reported_by_verify(
         where: str, path: paths.WritePath, request: pytest.FixtureRequest,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -433,7 +464,7 @@ def test_stray_file_is_ignored_by_load_and_reported_by_verify(
     assert any("notes.txt" in r.getMessage() for r in caplog.records)
     with pytest.raises(CorruptCheckpointError, match=r"notes\.txt: not in the manifest"):
         store.verify(1, quick=True)
-    copy = paths.read("cp", store, 1)
+    copy = _copy_or_known_defect(store, 1)
     assert copy.verify(1, quick=True).ok and _same(copy.load(1), path.state(1))
     assert paths.read("inspect", store, 1)["step"] == 1
 
