@@ -47,6 +47,27 @@ DOCUMENT_LIMITS: dict[int, dict[str, int]] = {
 }
 
 
+#: What each manifest format version holds, as features: ``"sharded"`` (one file per rank and
+#: ``dcp.msgpack``, written collectively), ``"chunked"`` (every file tiled by chunks with their
+#: own digests), ``"references"`` (chunks of other attempts' files used in place).  Code above
+#: the format asks `features` about a manifest, never its version number.
+SHARDED = "sharded"
+CHUNKED = "chunked"
+REFERENCES = "references"
+FEATURES: dict[int, frozenset[str]] = {
+    FORMAT_VERSION: frozenset(),
+    SHARDED_FORMAT_VERSION: frozenset({SHARDED, CHUNKED}),
+    INCREMENTAL_FORMAT_VERSION: frozenset({CHUNKED, REFERENCES}),
+    SHARDED_INCREMENTAL_FORMAT_VERSION: frozenset({SHARDED, CHUNKED, REFERENCES}),
+}
+
+
+def features(manifest: Manifest) -> frozenset[str]:
+    """The features of ``manifest``'s format (`FEATURES`): ``"sharded" in
+    features(m)`` is the test for a collectively written checkpoint, whatever its version."""
+    return FEATURES.get(manifest.format_version, frozenset())
+
+
 def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     """Decode a manifest of any version this ckptfs reads: v1 (`Manifest`), v2
     (`ShardedManifest`) or v3 (`IncrementalManifest`).  A newer version raises
