@@ -595,8 +595,7 @@ def test_manager_restores_an_incremental_run(where: str,
 
 @pytest.mark.parametrize("incremental", [
     pytest.param(False, id="v2"),
-    pytest.param(True, id="v4", marks=paths.known_defect(paths.DEFECTS["manager-v4"],
-                                                         sweep=False))])
+    pytest.param(True, id="v4")])
 def test_manager_restores_a_sharded_run_into_dtensors(memory_backend: Backend,
                                                       incremental: bool) -> None:
     """CheckpointManager under a one-rank process group, the model's parameters DTensors

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ckptfs.errors import CorruptCheckpointError
-from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
+from ckptfs.format.versions import SHARDED, features
 from ckptfs.lifecycle import schema
 from ckptfs.protocol.collective import is_distributed
 from ckptfs.protocol.load_options import MapLocation, select_and_map, tensor_map
@@ -71,7 +71,10 @@ def fresh(value: Any) -> Any:
 
 
 def is_sharded(info: CheckpointInfo) -> bool:
-    return info.manifest.format_version == SHARDED_FORMAT_VERSION
+    """Whether ``info`` was written collectively (a format with the ``sharded`` feature:
+    v2, and v4 of an incremental store), so that its model and optimizer are loaded into
+    DCP state dicts of today's placement."""
+    return SHARDED in features(info.manifest)
 
 
 def load_entries(store: CheckpointStore, info: CheckpointInfo, rank: int,
