@@ -372,26 +372,29 @@ class AsyncSaver:
     # -- flushing and errors -------------------------------------------------------------------
 
     def raise_uncollected(self) -> None:
-        """Raise the background failures nobody collected (then they count as collected) and
-        forget the futures that are done.  One exception is raised, the oldest failure itself
-        (so ``except`` clauses written for ``save`` keep working); each other uncollected
-        failure is named in a note added to it (``__notes__``), and its own future still
-        holds it."""
+        """Raise the oldest background failure nobody collected (it then counts as
+        collected) and forget the futures that are done and settled.  Every failure is
+        raised, one per call, oldest first, each as its own exception object (so ``except``
+        clauses written for ``save`` keep working): with two uncollected failures, this call
+        raises the first, with a note naming the second, and the next ``save``,
+        ``save_async``, ``wait`` or ``close`` raises the second.  (A failure read through its
+        future's ``result()`` or ``exception()`` counts as collected: not raised here.)"""
         with self._lock:
-            done = [f for f in self._futures if f.done()]
-            failed = [f for f in done if not f.collected and f.failure() is not None]
-            self._futures = [f for f in self._futures if not f.done()]
+            failed = [f for f in self._futures
+                      if f.done() and not f.collected and f.failure() is not None]
+            later = failed[1:]
+            self._futures = [f for f in self._futures if not f.done() or f in later]
         if not failed:
             return
-        for f in failed:
-            f.collected = True
-        exc = failed[0].failure()
+        first = failed[0]
+        first.collected = True
+        exc = first.failure()
         assert exc is not None
-        for f in failed[1:]:
-            other = f.failure()
-            _add_note(exc, f"ckptfs: the background save of step {f.step} at {self.url} failed "
-                      f"too (uncollected): {type(other).__name__}: {other}; that save did not "
-                      "commit, its future holds the exception")
+        if later:
+            steps = ", ".join(str(f.step) for f in later)
+            _add_note(exc, f"ckptfs: {len(later)} more background save(s) at {self.url} "
+                      f"failed uncollected (step {steps}); the next save, save_async, wait or "
+                      "close raises the next one (each future holds its own exception)")
         raise exc
 
     def wait(self, what: str = "wait") -> None:

@@ -342,7 +342,8 @@ class CheckpointStore:
 
         The future's ``result()`` is the committed `CheckpointInfo` or raises what went
         wrong; uncollected failures raise again from the next `save`,
-        `save_async` or `wait` (the oldest, with a note naming each other one).
+        `save_async`, `wait` or `close`, one per call, oldest first (each with a note naming
+        those still to come).
         With ``max_in_flight`` saves pending, this call first waits (logged, counted in
         `async_stats`).  Invalid values raise here, naming their key path."""
         return async_save.saver_for(self).submit(self, step, state, metadata=metadata,
