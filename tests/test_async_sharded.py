@@ -203,3 +203,53 @@ def test_sharded_save_async_two_ranks(tmp_path: Path) -> None:
     for step in (14, 15, 16):
         assert not (tmp_path / "run" / StepPaths(step).marker).exists()
     assert store.latest().step == 13  # type: ignore[union-attr]
+
+
+# -- an incremental store: format v4, the reuse hint of the caller's tensors ---------------------
+
+
+def test_async_sharded_incremental_hashes_only_unchanged_tensors(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """save_async of DTensors on an incremental store (a one-rank process group) writes format
+    v4 as the synchronous sharded save does (before: v2), referencing the frozen base, and
+    hashes exactly what the synchronous save hashes: a tensor the caller changed in place since
+    the previous save (its autograd version moved) is not hashed as a candidate.  The writer
+    sees staged copies, so the hint is the caller's tensor's, taken at the snapshot (before:
+    every staged copy looked unchanged, and every tensor was hashed twice)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptfs.protocol import sharded_io
+    from ckptfs.testing.reliability.paths import world_of_one
+
+    hashed: list[int] = []
+    real = sharded_io.tensor_digest
+
+    def counting(t: torch.Tensor, algorithm: str) -> str:
+        hashed.append(t.numel())
+        return real(t, algorithm)
+
+    monkeypatch.setattr(sharded_io, "tensor_digest", counting)
+    counts: dict[str, list[list[int]]] = {}
+    with world_of_one() as mesh:
+        for how in ("sync", "async"):
+            url = str(tmp_path / how)
+            store = ckptfs.open(url, incremental=True)
+            base = distribute_tensor(torch.randn(16, 4), mesh, [Shard(0)])
+            head = distribute_tensor(torch.zeros(3, 5), mesh, [Shard(0)])
+            infos = []
+            counts[how] = []
+            for step in (1, 2, 3):
+                with torch.no_grad():
+                    head.to_local().add_(1.0)  # the training loop: in place, version moves
+                hashed.clear()
+                state = {"base": base, "head": head}
+                infos.append(store.save(step, state) if how == "sync"
+                             else store.save_async(step, state).result(60))
+                counts[how].append(list(hashed))
+            store.close()
+            assert [i.manifest.format_version for i in infos] == [4, 4, 4], how
+            assert [len(getattr(i.manifest, "references", ())) for i in infos] == [0, 1, 1]
+            got = ckptfs.open(url).load(3)
+            assert torch.equal(got["base"], base.full_tensor())
+            assert torch.equal(got["head"], torch.full((3, 5), 3.0))
+    assert counts["async"] == counts["sync"] == [[], [64], [64]], counts  # the base only

@@ -418,16 +418,10 @@ def test_every_reader_refuses_a_symlink(where: str, path: paths.WritePath,
 
 
 def _stray_paths() -> list[Any]:
-    """`_every_path`; a format v4 checkpoint's copy (the ``cp`` read) meets the cp-v4 defect:
-    strict on the cells that write v4 today, not strict on ``async-v4`` (which writes v2
-    while its own defect is there)."""
-    out = []
-    for p in _every_path(xfail={"v4": paths.DEFECTS["cp-v4"], "cp-v4": paths.DEFECTS["cp-v4"]}):
-        if p.values[1].name == "async-v4":
-            p = pytest.param(*p.values, id=p.id, marks=[*p.marks, paths.known_defect(
-                paths.DEFECTS["cp-v4"] + " (once async-v4 writes v4)", strict=False)])
-        out.append(p)
-    return out
+    """`_every_path`; a format v4 checkpoint's copy (the ``cp`` read) meets the cp-v4 defect
+    on every cell that writes v4 (``async-v4`` included)."""
+    cp_v4 = paths.DEFECTS["cp-v4"]
+    return _every_path(xfail={"v4": cp_v4, "cp-v4": cp_v4, "async-v4": cp_v4})
 
 
 def _copy_or_known_defect(store: CheckpointStore, step: int) -> CheckpointStore:
@@ -492,12 +486,8 @@ def test_latest_rollback_checks_the_commit_load_rollback_checks_the_data(
 
 def _sharded_paths() -> list[Any]:
     """The sharded cells (format v2, v4): ``load(into=)`` reads these."""
-    return [p for p in _every_path(xfail={
-        "v2": paths.DEFECTS["rollback-into"], "v4": paths.DEFECTS["rollback-into"],
-        "async-v2": paths.DEFECTS["rollback-into"], "async-v4": paths.DEFECTS["rollback-into"],
-        "cp-v2": paths.DEFECTS["rollback-into"], "cp-v4": paths.DEFECTS["cp-v4"],
-        "v2x2": paths.DEFECTS["rollback-into"], "v4x2": paths.DEFECTS["rollback-into"]})
-        if "load-into" in paths.reads_of(p.values[1])]
+    return [p for p in _every_path(xfail={"cp-v4": paths.DEFECTS["cp-v4"]})
+            if "load-into" in paths.reads_of(p.values[1])]
 
 
 @pytest.mark.parametrize("damage", ["flip", "delete"])

@@ -37,7 +37,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,9 +50,10 @@ from torch.distributed.tensor import DTensor
 
 from ckptfs.errors import ShardedSaveError
 from ckptfs.format.layout import check_step
-from ckptfs.format.serialize import tensor_identity
+from ckptfs.format.serialize import tensor_identity, version_of
 from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.protocol import sharded as sh
+from ckptfs.protocol.incremental import ProtectorGoneError
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.staging import stage
 from ckptfs.torch_compat import dtensor_like, dtensor_local
@@ -109,20 +110,28 @@ def submit_sharded(saver: AsyncSaver, store: CheckpointStore, step: int,
     except Exception:  # not copyable, so not JSON either: the planner refuses it on all ranks
         meta = metadata
     coll = _state_of(saver)
-    group = _group(coll)
+    what = f"async sharded save of step {step} at {store.url}"
+    live = sh.liveness(None, "async-save", step)  # before the group: an absent rank is named
+    group = _group(coll, live, what)
+    # An incremental store writes format v4 here too, with the synchronous sharded save's
+    # writer (its reuse memory and lease): the same cell of the matrix as `store.save`.
     prep = sh.prepare_save(store.storage, step, state, group=group, kind="async-save",
                            algorithm=store.algorithm, durable=store.durable,
-                           threads=store.threads, metadata=meta, node_local=store.node_local)
+                           threads=store.threads, metadata=meta, node_local=store.node_local,
+                           memory=store.reuse, lease_s=store.lease_s, live=live)
     validated = time.perf_counter() - t0
     saver.wait_for_slot(step, max_in_flight)
     saver.raise_uncollected()
     t1 = time.perf_counter()
     snap = _Snapshot()
     tree = snap.walk(prep.view, ())
+    # the reuse hint of the caller's tensors, now: the writer sees only their staged copies
+    hints = [version_of(t) for t in snap.tensors]
     staged = stage(saver.pool, snap.tensors)
     try:
         view = snap.fill(tree, staged.tensors)
         del tree, snap  # the caller's tensors: not read again
+        prep.writer.hint = _staged_hint(staged.tensors, hints)
         out: Any = dcp_async_save(view, storage_writer=prep.writer, planner=prep.planner,
                                   process_group=group, async_stager=_Staged(coll.last))
     except BaseException:
@@ -130,9 +139,13 @@ def submit_sharded(saver: AsyncSaver, store: CheckpointStore, step: int,
         raise
     saver.pool.trim()
     dcp_fut: Future[Any] = getattr(out, "upload_completion", None) or out
-    coll.last = dcp_fut
     fut = saver.track(step)
+    # The next save of this store starts its collectives once this one is settled (its retry
+    # included), never while this one's done callback still runs collectives on the group.
+    coll.last = fut
     buffers = staged.buffers
+    held: dict[str, Any] = {"view": view}
+    del view
 
     def done(f: Future[Any]) -> None:
         with saver.background_thread():
@@ -140,21 +153,22 @@ def submit_sharded(saver: AsyncSaver, store: CheckpointStore, step: int,
             exc = f.exception()
             try:
                 if exc is None:
-                    info = prep.info(f.result())  # the committed checkpoint, on every rank
+                    info = prep.finished(f.result())  # the committed checkpoint, every rank
                     prep.live.done()
+                else:
+                    exc = _mapped(exc, prep)
+                    if isinstance(exc, ProtectorGoneError) and store.reuse is not None:
+                        # every rank got it from the coordinator's fence: every rank retries,
+                        # once, writing every byte, as the synchronous save does
+                        info = sh.save_prepared(prep.in_full(exc, view=held["view"]), group)
+                        exc = None
+                if info is not None:
                     store.after_sharded_commit(info)
             except BaseException as e:
-                exc = e
+                info, exc = None, _mapped(e, prep)
+            held.clear()
             saver.pool.give_back(buffers)
             buffers.clear()
-            if exc is not None:
-                try:  # DCP's CheckpointException (a BaseException) -> ckptfs's typed error
-                    err = sh.failure(exc, prep.what, ShardedSaveError, prep.live)
-                except BaseException as e:  # pragma: no cover - never leave it unresolved
-                    err = e
-                if err is not exc:
-                    err.__cause__ = exc
-                exc = err
             saver.settle(fut, exc, info)
 
     dcp_fut.add_done_callback(done)
@@ -162,13 +176,49 @@ def submit_sharded(saver: AsyncSaver, store: CheckpointStore, step: int,
     return fut
 
 
-def _group(coll: _Collective) -> Any:
+def _mapped(exc: BaseException, prep: sh.SavePrep) -> BaseException:
+    """ckptfs's typed error for what a background collective save raised (DCP's
+    ``CheckpointException`` is a ``BaseException``), naming absent ranks (`sh.failure`)."""
+    try:
+        err = sh.failure(exc, prep.what, ShardedSaveError, prep.live)
+    except BaseException as e:  # pragma: no cover - never leave a future unresolved
+        err = e
+    if err is not exc:
+        err.__cause__ = exc
+    return err
+
+
+def _staged_hint(staged: list[torch.Tensor], hints: list[tuple[int, int]]
+                 ) -> Callable[[torch.Tensor], tuple[int, int]]:
+    """The writer's reuse hint for a snapshot: a tensor the planner resolves from a staged
+    copy (by its storage address) gets the hint of the caller's tensor it copies; any other
+    its own (`version_of`)."""
+    by_ptr = {version_of(t)[0]: h for t, h in zip(staged, hints, strict=True) if t.numel()}
+
+    def hint(t: torch.Tensor) -> tuple[int, int]:
+        own = version_of(t)
+        return by_ptr.get(own[0], own)
+
+    return hint
+
+
+def _group(coll: _Collective, live: sh.Liveness, what: str) -> Any:
     """This store's dedicated gloo group for async saves, created once (collectively: every
     rank creates its stores' groups in the same order), so that a background save's
-    collectives never share a group with the training loop's or a synchronous save's."""
+    collectives never share a group with the training loop's or a synchronous save's.  Its
+    creation is bounded by `sh.COLLECTIVE_TIMEOUT`; a rank that never joins it fails it on
+    the others with `ShardedSaveError` naming that rank (``live``)."""
     world = id(dist.group.WORLD)
     if coll.group is None or coll.group[0] != world:
-        coll.group = (world, dist.new_group(backend="gloo", timeout=sh.COLLECTIVE_TIMEOUT))
+        try:
+            group = dist.new_group(backend="gloo", timeout=sh.COLLECTIVE_TIMEOUT)
+        except Exception as exc:  # a rank did not join within the timeout
+            err = sh.failure(exc, f"{what}: creating the store's gloo group for async saves",
+                             ShardedSaveError, live)
+            if err is exc:
+                raise
+            raise err from exc
+        coll.group = (world, group)
     return coll.group[1]
 
 

@@ -16,7 +16,7 @@ all ranks fail together instead of leaving the others waiting.  DCP reports fail
 ``CheckpointException`` (a ``BaseException``); `map_failure` turns it into a ckptfs error
 naming the failing ranks, raised on every rank.  The collectives run on a dedicated gloo group
 whose timeout (`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead, hung or
-absent peer, the group's own creation included; `_Liveness` names that peer.
+absent peer, the group's own creation included; `Liveness` names that peer.
 
 A collective save, step by step (every rank calls `save_sharded`)::
 
@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ckptfs.errors import (
+    CheckpointDeletedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CkptfsError,
@@ -73,12 +74,13 @@ from ckptfs.format.serialize import build_tree
 from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, decode_value
 from ckptfs.format.sharded_metadata import DcpDocument, check_rank_header, items_by_file
 from ckptfs.format.sharded_tree import dcp_view, restore, write_back
+from ckptfs.format.versions import SHARDED, features
 from ckptfs.protocol.collective import is_distributed
 from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
 from ckptfs.protocol.reader import VerifyReport
-from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url
+from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url, walk_latest
 from ckptfs.protocol.sharded_io import MAX_RANGE, ShardedWriter
 from ckptfs.protocol.sharded_plan import (
     FullLoadPlanner,
@@ -97,10 +99,10 @@ from ckptfs.protocol.sharded_read import (
 from ckptfs.storage.base import Storage
 from ckptfs.torch_compat import default_store, group_timeout, load_state_dict
 
-__all__ = ["COLLECTIVE_TIMEOUT", "LIVENESS_WAIT", "FullLoadPlanner", "LoadPlanner",
-           "SavePlanner", "SavePrep", "collective_group", "failure", "load_full", "load_into",
-           "load_v2", "map_failure", "merge_trees", "prepare_save", "save_sharded",
-           "values_from_lowest_rank", "verify_v2"]
+__all__ = ["COLLECTIVE_TIMEOUT", "LIVENESS_WAIT", "FullLoadPlanner", "Liveness", "LoadPlanner",
+           "SavePlanner", "SavePrep", "collective_group", "failure", "liveness", "load_full",
+           "load_into", "load_v2", "map_failure", "merge_trees", "prepare_save",
+           "save_prepared", "save_sharded", "values_from_lowest_rank", "verify_v2"]
 
 log = logging.getLogger("ckptfs")
 
@@ -111,7 +113,7 @@ log = logging.getLogger("ckptfs")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 #: How long, at most, survivors of a failed collective look for the peers' keys before they
-#: name the ranks whose keys are missing (best effort; see `_Liveness`); never past the
+#: name the ranks whose keys are missing (best effort; see `Liveness`); never past the
 #: collective timeout.
 LIVENESS_WAIT = timedelta(seconds=3)
 
@@ -144,7 +146,7 @@ def _select(tree: Any, keys: set[str], prefix: str = "") -> Any:
 
 def collective_group(process_group: Any = None, *, what: str = "a checkpoint collective",
                      default: type[ShardedCheckpointError] = ShardedCheckpointError,
-                     live: _Liveness | None = None) -> Any:
+                     live: Liveness | None = None) -> Any:
     """``process_group``, or ckptfs's dedicated gloo group (created once, collectively, with
     `COLLECTIVE_TIMEOUT`, which also bounds its creation: a rank that never joins fails
     it with ``default`` naming that rank, instead of falling back to the default group and its
@@ -214,7 +216,7 @@ def _timeout_of(process_group: Any) -> timedelta | None:
     return group_timeout(process_group)
 
 
-class _Liveness:
+class Liveness:
     """Best effort: which ranks never came, died or hung in a collective save or load.
 
     Each rank sets its key in the default c10d store when it enters (``in``), before the first
@@ -334,7 +336,7 @@ class _Liveness:
 
 
 def failure(exc: BaseException, what: str, default: type[ShardedCheckpointError],
-            live: _Liveness | None = None) -> BaseException:
+            live: Liveness | None = None) -> BaseException:
     """The error to raise for ``exc`` raised by a DCP collective (``exc`` itself when it is a
     ckptfs error or not an ``Exception``): also used for async saves (their future's error)."""
     if isinstance(exc, CheckpointException):
@@ -375,7 +377,7 @@ def failure(exc: BaseException, what: str, default: type[ShardedCheckpointError]
 
 
 def _run(fn: Any, what: str, default: type[ShardedCheckpointError],
-         live: _Liveness | None = None) -> Any:
+         live: Liveness | None = None) -> Any:
     try:
         out = fn()
     except BaseException as exc:
@@ -386,6 +388,15 @@ def _run(fn: Any, what: str, default: type[ShardedCheckpointError],
     if live is not None:
         live.done()
     return out
+
+
+def liveness(process_group: Any, kind: str, step: int | None) -> Liveness:
+    """The liveness keys of one collective save or load on ``process_group`` (None: ckptfs's
+    own group, whose ranks, before it exists, are the world's), set now, before its first
+    collective (the creation of a group included), so that a rank that never comes is
+    named."""
+    return Liveness(_participants(process_group), kind, step,
+                    timeout=_timeout_of(process_group))
 
 
 def _participants(process_group: Any) -> Any:
@@ -406,8 +417,11 @@ class SavePrep:
     view: dict[str, Any]
     writer: ShardedWriter
     planner: SavePlanner
-    live: _Liveness
+    live: Liveness
     what: str
+    #: The same save prepared again over a (snapshot) view, with a fresh writer and planner
+    #: (`in_full`); the liveness given, or a new one.
+    remake: Callable[[dict[str, Any], Liveness | None], SavePrep]
 
     def info(self, md: Any) -> CheckpointInfo:
         """The committed checkpoint, from DCP's returned metadata (every rank)."""
@@ -415,11 +429,31 @@ class SavePrep:
         return info if isinstance(info, CheckpointInfo) else \
             read_committed(self.writer.storage, self.writer.step)
 
+    def finished(self, md: Any) -> CheckpointInfo:
+        """Every rank, once DCP returned: the committed checkpoint, whose items become this
+        rank's reuse index of its next incremental save (`ShardedWriter.remember`)."""
+        info = self.info(md)
+        self.writer.remember(info)
+        return info
+
+    def in_full(self, exc: BaseException, view: dict[str, Any] | None = None,
+                live: Liveness | None = None) -> SavePrep:
+        """The "write everything again" retry of an incremental save whose protector went
+        away (``exc``: the `ProtectorGoneError` every rank got from the coordinator's fence):
+        this rank's reuse memory forgotten, the same save over ``view`` (default: this one's)
+        prepared again, so it references nothing.  The synchronous and async saves both retry
+        through this, once, on every rank."""
+        log.warning("%s: %s; writing every byte instead", self.what, exc)
+        self.writer.forget()
+        again = self.remake(self.view if view is None else view, live)
+        again.writer.hint = self.writer.hint
+        return again
+
 
 def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group: Any,
                  algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 kind: str = "save", live: _Liveness | None = None,
+                 kind: str = "save", live: Liveness | None = None,
                  memory: ReuseMemory | None = None,
                  lease_s: float = DEFAULT_LEASE_S, node_local: bool = False) -> SavePrep:
     """Writer, planner and DCP view of a collective save.  A bad state or metadata does not
@@ -434,14 +468,28 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
         check_metadata(dict(metadata or {}))
     except CkptfsError as exc:
         deferred = exc
-    writer = ShardedWriter(storage, step, algorithm=algorithm, durable=durable,
-                           threads=threads, metadata=metadata, tree=skeleton, memory=memory,
-                           lease_s=lease_s, node_local=node_local)
-    planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer)
-    if live is None:
-        live = _Liveness(group, kind, step)
-    live.wrap(writer, "write_data")
-    return SavePrep(view, writer, planner, live, f"sharded save of step {step} at {storage.url}")
+    what = f"sharded save of step {step} at {storage.url}"
+
+    def make(v: dict[str, Any], live: Liveness | None) -> SavePrep:
+        writer = ShardedWriter(storage, step, algorithm=algorithm, durable=durable,
+                               threads=threads, metadata=metadata, tree=skeleton,
+                               memory=memory, lease_s=lease_s, node_local=node_local)
+        planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer)
+        if live is None:
+            live = Liveness(group, kind, step)
+        live.wrap(writer, "write_data")
+        return SavePrep(v, writer, planner, live, what, make)
+
+    return make(view, live)
+
+
+def save_prepared(p: SavePrep, group: Any) -> CheckpointInfo:
+    """Run a prepared collective save with ``dcp.save`` on ``group`` (every rank): the
+    committed checkpoint, or the typed error of `failure` on every rank."""
+    md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
+                             process_group=group, no_dist=group is None),
+              p.what, ShardedSaveError, p.live)
+    return p.finished(md)
 
 
 def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
@@ -456,37 +504,23 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
     items of its previous save in this process that did not change (docs/protocol.md §9.6).
     If a checkpoint referenced is deleted before the save commits (or the lease runs out),
     every rank gets `ProtectorGoneError` from the coordinator's fence, and the save is
-    retried once, on every rank, writing every byte.  ``node_local``: each rank's ``storage``
-    is its own node's disk (a two-tier store's local tier, docs/tiers.md)."""
+    retried once, on every rank, writing every byte (`SavePrep.in_full`).  ``node_local``:
+    each rank's ``storage`` is its own node's disk (a two-tier store's local tier,
+    docs/tiers.md)."""
     check_step(step)
-    live = _Liveness(_participants(process_group), "save", step,
-                     timeout=_timeout_of(process_group))
+    live = liveness(process_group, "save", step)
     what = f"sharded save of step {step} at {storage.url}"
     group = collective_group(process_group, what=what, default=ShardedSaveError, live=live)
     p = prepare_save(storage, step, state, group=group, algorithm=algorithm, durable=durable,
                      threads=threads, metadata=metadata, live=live, memory=memory,
                      lease_s=lease_s, node_local=node_local)
-
-    def save(p: SavePrep) -> CheckpointInfo:
-        md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
-                                 process_group=group, no_dist=group is None),
-                  p.what, ShardedSaveError, p.live)
-        info = p.info(md)
-        p.writer.remember(info)
-        return info
-
-    if memory is None:
-        return save(p)
     try:
-        return save(p)
+        return save_prepared(p, group)
     except ProtectorGoneError as exc:  # every rank got it: every rank retries
-        log.warning("%s: step %d: %s; writing every byte instead", storage.url, step, exc)
-        p.writer.forget()
-    live = _Liveness(_participants(process_group), "save", step,
-                     timeout=_timeout_of(process_group))
-    return save(prepare_save(storage, step, state, group=group, algorithm=algorithm,
-                             durable=durable, threads=threads, metadata=metadata, live=live,
-                             memory=memory, lease_s=lease_s, node_local=node_local))
+        if memory is None:  # pragma: no cover - only an incremental save fences
+            raise
+        again = p.in_full(exc, live=liveness(process_group, "save", step))
+    return save_prepared(again, group)
 
 
 def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
@@ -497,12 +531,63 @@ def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
     collective when distributed; its tensors and DTensors define the placement wanted.  A
     failure (a corrupt or newer ``dcp.msgpack``, a target of another dtype...) raises the same
     typed error on every rank.  ``reader``: a reader of its own (a two-tier store's, reading
-    each file where this rank finds it: docs/tiers.md)."""
-    live = _Liveness(_participants(process_group), "load", step,
-                     timeout=_timeout_of(process_group))
+    each file where this rank finds it: docs/tiers.md).
+
+    ``allow_rollback`` (the latest step): the one walk (`walk_latest`), as ``store.load``
+    does, with the collective load as its check: a step whose load fails as corrupt on any
+    rank (DCP gathers the failure, so every rank sees the same error and takes the same
+    decision) is logged and skipped, and the next older step is loaded into ``into``, whose
+    objects are touched again by that load (its values only once a load succeeded)."""
+    live = liveness(process_group, "load", step)
     where = f"sharded load of {'the latest step' if step is None else f'step {step}'} at " \
             f"{storage.url}"
     group = collective_group(process_group, what=where, default=ShardedLoadError, live=live)
+    if step is not None or not allow_rollback or reader is not None:
+        return _load_once(storage, step, into, group, live, where, verify=verify,
+                          threads=threads, allow_rollback=allow_rollback, reader=reader)
+    first: list[Liveness] = [live]
+
+    def use(info: CheckpointInfo) -> dict[str, Any]:
+        one = ShardedReader(storage, info.step, verify=verify, threads=threads)
+        one.info = info
+        keys = first.pop() if first else liveness(process_group, "load", info.step)
+        try:
+            if SHARDED not in features(info.manifest):
+                sharded_manifest(info)  # raises the refusal: not a sharded checkpoint
+            return _load_once(storage, info.step, into, group, keys, where, verify=verify,
+                              threads=threads, reader=one)
+        except CheckpointDeletedError:
+            raise  # the walk lists again
+        except CheckpointNotFoundError as exc:  # a refusal, never "incomplete": not skipped
+            raise _Refusal(exc) from exc
+
+    skipped: list[str] = []
+    try:
+        found = walk_latest(storage, use, allow_rollback=True, skipped=skipped)
+    except _Refusal as refusal:
+        raise refusal.error from None
+    if found is None:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint to load at {storage.url}"
+            + (f" (skipped corrupt: {'; '.join(skipped)})" if skipped else ""))
+    return into
+
+
+class _Refusal(Exception):
+    """Carries a `CheckpointNotFoundError` of a collective load through the walk, which
+    would otherwise take it for an incomplete step and pass over it."""
+
+    def __init__(self, error: CheckpointNotFoundError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _load_once(storage: Storage, step: int | None, into: dict[str, Any], group: Any,
+               live: Liveness, where: str, *, verify: bool, threads: int | None,
+               allow_rollback: bool = False, reader: ShardedReader | None = None
+               ) -> dict[str, Any]:
+    """One collective load into ``into`` (`load_into`): every error found before DCP runs
+    (a bad target, an unresolvable step) is raised inside DCP, on every rank together."""
     deferred: BaseException | None = None
     view: dict[str, Any] = {}
     skeleton: Any = None

@@ -38,7 +38,7 @@ import io
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,9 @@ class ShardedWriter(StorageWriter):
         self.node_local = node_local
         self._opened = 0.0
         self._pending: tuple[ReuseIndex, dict[str, tuple[int, int]]] | None = None
+        #: The reuse hint of a resolved tensor (``version_of``); an async save, whose tensors
+        #: are staged copies, gives the caller's tensors' hints taken at its snapshot.
+        self.hint: Callable[[torch.Tensor], tuple[int, int]] = version_of
 
     @property
     def checkpoint_id(self) -> str:
@@ -307,7 +310,7 @@ class ShardedWriter(StorageWriter):
             new_index = ReuseIndex((self.step, ap.attempt))
             for name, st in written.items():
                 new_index.add(name, st)
-            self._pending = (new_index, {p.name: version_of(tensors[id(i)])
+            self._pending = (new_index, {p.name: self.hint(tensors[id(i)])
                                          for i, p in planned if id(i) in tensors})
         return results
 
@@ -345,7 +348,7 @@ class ShardedWriter(StorageWriter):
             if (t is None or st is None or pi.nbytes == 0 or st.dtype != pi.dtype
                     or st.shape != pi.shape or st.algorithm != self.algorithm
                     or st.chunk.length != pi.nbytes
-                    or before.get(pi.name) != version_of(t)):
+                    or before.get(pi.name) != self.hint(t)):
                 continue
             if tensor_digest(t, self.algorithm) == st.chunk.digest:
                 out[id(item)] = st

@@ -78,9 +78,10 @@ Digests = dict[str, str]
 
 #: What a reader of a digest file should know about the bytes it records.
 NOTES = {
-    "async-v4": "save_async of a DTensor state on an incremental store: recorded as the code "
-                "wrote it when this golden was made, format v2 with no references (a known "
-                "defect: the synchronous sharded save writes v4); its fix changes these bytes",
+    "async-v4": "save_async of a DTensor state on an incremental store: format v4, as the "
+                "synchronous sharded save (regenerated when that was fixed: it wrote v2); its "
+                "rank files are v4's bytes, its dcp.msgpack and manifest differ from v4's as "
+                "async-v2's differ from v2's",
     "replica-v1": "a two-tier store has one hash algorithm: both steps blake3",
     "async-v2": "step 1 only (step 2 of the recipe holds no DTensor: save_async writes v1)",
 }
