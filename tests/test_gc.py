@@ -336,3 +336,23 @@ def test_reference_into_a_shared_attempt_still_protected(backend: Backend) -> No
     got = backend.open().load(2)
     assert all(torch.equal(got[k], v) for k, v in _frozen(2).items())
     backend.open().verify(2)
+
+
+def test_reference_into_an_attempt_whose_manifest_does_not_decode(backend: Backend) -> None:
+    """The third row of the rule: an attempt whose MANIFEST.json does not decode may be a v3
+    one, so gc keeps what a committed checkpoint references there (retired), while a reader
+    refuses the reference (it cannot tell the file is the attempt's): never a load of bytes a
+    delete does not protect, never a delete of bytes a checkpoint may need."""
+    from ckptfs.errors import CorruptCheckpointError
+
+    store = backend.open(incremental=True)
+    store.save(1, _frozen(1))
+    store.save(2, _frozen(2))
+    first = store.info(1).path
+    backend.raw_write(f"{first}/MANIFEST.json", b"{not json")
+    backend.raw_delete(StepPaths(1).marker)
+    with pytest.raises(CorruptCheckpointError, match="does not decode"):
+        backend.open().load(2)
+    report = collect(store.storage, older_than=timedelta(0))
+    assert [i.path for i in report.retired] == [first]
+    assert backend.raw_exists(f"{first}/MANIFEST.json")
