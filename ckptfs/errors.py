@@ -89,6 +89,15 @@ class FormatVersionError(CorruptCheckpointError):
     """The checkpoint was written by a newer, incompatible format version."""
 
 
+class TierMismatchError(CorruptCheckpointError):
+    """A two-tier read whose preferred copy of a step fails (corrupt, unreadable) found in the
+    other tier a copy of that step number that is not the same checkpoint (other content: another
+    run's, or this run's before a restart from scratch), or one it cannot compare with the failing
+    copy (that copy's manifest is unreadable).  It is not used in its place: the message names
+    both copies.  ``allow_rollback=True`` skips the step (logged) for the next older one
+    (docs/tiers.md, "Resume across tiers")."""
+
+
 class StorageError(CkptfsError, OSError):
     """A storage operation failed (network, permissions, missing bucket...).  ``__cause__`` holds
     the storage library's exception."""

@@ -223,6 +223,41 @@ def test_corrupt_newest_in_both_tiers_raises(local_backend: Backend,
     assert_same(store.load(allow_rollback=True), state(1))  # only when asked
 
 
+def test_corrupt_local_copy_never_falls_back_to_another_checkpoint(
+        local_backend: Backend, memory_backend: Backend,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The remote holds another run's step 2 (the replicator reported it failed: other
+    content); the local copy of step 2 is damaged.  No read returns the other run's state for
+    it: load, load(2), verify and info-by-load raise `TierMismatchError` naming both copies;
+    allow_rollback skips to step 1, logged; a remote copy that is the same checkpoint is still
+    used (the other test above)."""
+    other = {"other": torch.full((64, 64), 7.0), "step": 2}
+    memory_backend.open().save(2, other)  # another run's step 2 at the remote
+    store = open_tiers(local_backend, memory_backend)
+    for s in (1, 2):
+        store.save(s, state(s))
+    with pytest.raises(ReplicationError, match="step 2: CheckpointExistsError"):
+        store.wait_replicated(timeout=60)
+    _corrupt_local(local_backend, store, 2)
+    with caplog.at_level(logging.WARNING, logger="ckptfs"):
+        for read in (store.load, lambda: store.load(2), store.verify, lambda: store.verify(2)):
+            with pytest.raises(ckptfs.TierMismatchError) as ei:
+                read()
+            text = str(ei.value)
+            assert "step 2" in text and store.url in text and store.remote.url in text, text
+            assert "not the same checkpoint" in text, text
+        assert "using the remote copy" not in caplog.text
+        caplog.clear()
+        assert_same(store.load(allow_rollback=True), state(1))
+    assert "allow_rollback: skipping" in caplog.text and "step 2" in caplog.text
+    # a local copy whose manifest cannot be read cannot be compared: not replaced either
+    rel = f"{store.local.info(1).path}/MANIFEST.json"
+    local_backend.raw_write(rel, local_backend.raw_read(rel)[:-2] + b" }")
+    with pytest.raises(ckptfs.TierMismatchError, match="cannot be checked"):
+        store.load(1)
+    store.close()
+
+
 def test_retention_keeps_unreplicated_steps(local_backend: Backend,
                                             memory_backend: Backend) -> None:
     remote, faulty = remote_store(memory_backend)

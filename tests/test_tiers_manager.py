@@ -120,6 +120,34 @@ def test_restore_uses_remote_copy_when_local_fails(local_backend: Backend,
     store.close()
 
 
+def test_restore_never_takes_another_runs_step_for_a_corrupt_local_copy(
+        local_backend: Backend, memory_backend: Backend) -> None:
+    """The remote holds another run's step 2; this run's step 2 is corrupt locally: the
+    manager's restore (latest and by number) raises `TierMismatchError` naming both copies
+    instead of restoring the other run's weights; allow_rollback restores step 1."""
+    ckptfs.CheckpointManager(memory_backend.open()).save(2, model=torch.nn.Linear(8, 4))
+    store = open_tiers(local_backend, memory_backend, max_attempts=1)
+    mgr = ckptfs.CheckpointManager(store)
+    saved = {}
+    for s in (1, 2):
+        model = torch.nn.Linear(8, 4)
+        saved[s] = model.state_dict()
+        mgr.save(s, model=model)
+    with contextlib.suppress(ckptfs.ReplicationError):
+        store.wait_replicated(timeout=60)
+    assert store.replication().state(2) == "failed"
+    _corrupt(local_backend, store.local, 2)
+    with pytest.raises(ckptfs.TierMismatchError, match="not the same checkpoint"):
+        ckptfs.CheckpointManager(store).restore_latest(model=torch.nn.Linear(8, 4))
+    with pytest.raises(ckptfs.TierMismatchError, match="not the same checkpoint"):
+        ckptfs.CheckpointManager(store).restore(2, model=torch.nn.Linear(8, 4))
+    model = torch.nn.Linear(8, 4)
+    assert ckptfs.CheckpointManager(store).restore_latest(model=model,
+                                                          allow_rollback=True) == 2
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved[1].items())
+    store.close()
+
+
 def test_restore_during_remote_outage_uses_local(local_backend: Backend,
                                                  memory_backend: Backend) -> None:
     faulty = FaultyStorage(memory_backend.open().storage)  # begin_outage(): every call fails

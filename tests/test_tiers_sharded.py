@@ -159,8 +159,25 @@ def job_replicate(rank: int, world: int, root: str) -> Any:
     before = len(records.messages)
     assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
     logged = records.messages[before:]
-    assert any("the local copy of step 3 fails" in m and "using the remote copy" in m
-               for m in logged), logged
+    assert any("the local copy of step 3 fails" in m for m in logged), logged
+    assert any("using the remote copy of step 3" in m for m in logged), logged
+
+    # Another run's step 4 at the remote, then this run's step 4 (its replication fails: other
+    # content) with a corrupt local file: the other checkpoint never stands in for it, on
+    # every rank; allow_rollback: step 3 (its remote copy is the same checkpoint).
+    ckptfs.open(remote).save(4, _train_state(model, opt, 99))  # collective, both ranks
+    store.save(4, _train_state(model, opt, 4))
+    with pytest.raises(ReplicationError, match="CheckpointExistsError"):
+        store.wait_replicated(timeout=60)
+    if rank == 0:
+        f = next(Path(local).glob("checkpoints/step-*4/*/rank-00000/data-0.safetensors"))
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    dist.barrier()
+    with pytest.raises(ckptfs.TierMismatchError, match="not the same checkpoint"):
+        _load_into(store, plains[3], mesh)
+    assert_state_equal(_load_into(store, plains[3], mesh, allow_rollback=True), plains[3])
     store.close()
     return plains if rank == 0 else None
 
@@ -175,7 +192,7 @@ def test_sharded_replication_and_resume(tmp_path: Path) -> None:
     root = str(tmp_path)
     plains = run_ranks(job_replicate, 2, root, timeout=240)[0]
     remote = ckptfs.open(f"{root}/remote")
-    assert remote.steps() == [1, 2, 3]
+    assert remote.steps() == [1, 2, 3, 4]  # 4: another run's
     for step in (1, 2, 3):
         info = remote.info(step)
         assert info.marker.writer.get("copied_from", "").startswith(f"{root}/node-0")

@@ -55,15 +55,14 @@ from ckptfs.errors import (
     CorruptCheckpointError,
     StorageError,
 )
+from ckptfs.format.content import same_content as same_content  # shared: cp, tiers, walk
 from ckptfs.format.hashing import ALGORITHMS, format_digest, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
     IncrementalManifest,
     Reference,
-    ShardedIncrementalManifest,
 )
-from ckptfs.format.layout import STATE_NAME
-from ckptfs.format.manifest import FileEntry, Manifest
+from ckptfs.format.manifest import FileEntry
 from ckptfs.format.serialize import HeaderEntry, tensor_memoryview
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
 from ckptfs.protocol.commit import Attempt, WrittenFile, placeholder_digest
@@ -112,45 +111,6 @@ class CopyResult:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def same_content(a: Manifest, b: Manifest) -> bool:
-    """Same step, files (paths, sizes, digests, chunks) and metadata: the same checkpoint,
-    whatever attempt name or time either copy has."""
-    def files(m: Manifest) -> list[tuple[Any, ...]]:
-        return sorted((e.path, e.size, e.digest,
-                       e.chunks if isinstance(e, ChunkedFileEntry) else ()) for e in m.files)
-
-    if isinstance(a, IncrementalManifest) or isinstance(b, IncrementalManifest):
-        return (a.step == b.step and a.format_version == b.format_version
-                and a.metadata == b.metadata and v3_content(a) == v3_content(b))
-    same = (a.step == b.step and a.format_version == b.format_version
-            and files(a) == files(b) and a.metadata == b.metadata)
-    if isinstance(a, ShardedIncrementalManifest) or isinstance(b, ShardedIncrementalManifest):
-        # v4: the rank files, and each reference's file and chunks; not the attempt a
-        # reference names (a replica names the remote's own copy of the step it takes bytes
-        # from, docs/protocol.md section 10).
-        if not (isinstance(a, ShardedIncrementalManifest)
-                and isinstance(b, ShardedIncrementalManifest)):
-            return False
-        return same and [(r.path, r.step, r.source, r.size, r.chunks) for r in a.references] \
-            == [(r.path, r.step, r.source, r.size, r.chunks) for r in b.references]
-    return same
-
-
-def v3_content(m: Manifest) -> tuple[Any, ...]:
-    """What a v3 checkpoint holds, wherever its bytes live: its state document's digest and,
-    for each file name the state uses (own file or reference), the digests of the tensor
-    chunks it reads there.  A copy that materializes or re-references a file keeps these."""
-    state = m.file(STATE_NAME) if any(e.path == STATE_NAME for e in m.files) else None
-    tensors: dict[str, tuple[str, ...]] = {}
-    for e in m.files:
-        if isinstance(e, ChunkedFileEntry) and e.path != STATE_NAME:
-            tensors[e.path] = tuple(sorted(c.digest for c in e.chunks[1:]))
-    if isinstance(m, IncrementalManifest):
-        for r in m.references:
-            tensors[r.path] = tuple(sorted(c.digest for c in r.chunks[1:]))
-    return (None if state is None else state.digest), sorted(tensors.items())
 
 
 def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, threads: int = 4,

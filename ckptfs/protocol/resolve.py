@@ -34,7 +34,9 @@ from ckptfs.errors import (
     FormatVersionError,
     StorageError,
     StorageNotFoundError,
+    TierMismatchError,
 )
+from ckptfs.format.content import same_content
 from ckptfs.format.incremental import has_references
 from ckptfs.format.layout import CHECKPOINTS_DIR, MARKER_NAME, StepPaths, parse_step_dir
 from ckptfs.format.manifest import Manifest, Marker
@@ -313,6 +315,7 @@ def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T
     passes (a step the local tier serves costs the remote nothing, and an unreachable remote
     delays nothing)."""
     problems: list[tuple[Tier, Exception]] = []
+    failed: list[tuple[Tier, CheckpointInfo | None]] = []
     for i, tier in enumerate(tiers):
         try:
             name = find_step_dir(tier[1], step)
@@ -323,7 +326,7 @@ def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T
             continue
         try:
             found = _use_step(step, [(tier, name)], use, problems,
-                              later=[t[0] for t in tiers[i + 1:]])
+                              later=[t[0] for t in tiers[i + 1:]], failed=failed)
         except CheckpointDeletedError:
             found = None  # deleted while read here: the next tier's copy, if any
         if found is not None:
@@ -352,19 +355,34 @@ def _list_tiers(tiers: Sequence[Tier]) -> list[tuple[Tier, dict[int, list[str]]]
 
 def _use_step(step: int, holders: Sequence[tuple[Tier, list[str] | str]],
               use: Callable[[CheckpointInfo], T], problems: list[tuple[Tier, Exception]],
-              *, later: Sequence[str] = ()) -> tuple[CheckpointInfo, T] | None:
+              *, later: Sequence[str] = (),
+              failed: list[tuple[Tier, CheckpointInfo | None]] | None = None
+              ) -> tuple[CheckpointInfo, T] | None:
     """``use`` on the first holder's copy of ``step`` that reads and passes; the failures of
     the others go to ``problems``.  ``None`` if no copy is committed or every one failed.
     ``later``: the names of the tiers asked after these (for the log line of a failing copy).
     `CheckpointDeletedError` (a copy deleted while read) is raised if no later tier
-    serves the step: the caller lists again."""
+    serves the step: the caller lists again.
+
+    A copy stands in for an earlier tier's failing copy only if it is the same checkpoint
+    (`stand_in`): ``failed`` collects the failing copies (with their info when their
+    manifest was read), shared across the calls of one step."""
+    failed = [] if failed is None else failed
     deleted: CheckpointDeletedError | None = None
     for i, (tier, names) in enumerate(holders):
         name, storage = tier
+        info: CheckpointInfo | None = None
         try:
             dir_name = names if isinstance(names, str) else unique_dir(storage, step, names)
             info = read_committed(storage, step, dir_name)
-            return info, use(info)
+            if failed:
+                stand_in(step, tier, info, failed)
+            result = use(info)
+            if failed:
+                log.warning("using the %s copy of step %d at %s (the same checkpoint as the "
+                            "failing %s copy)", name, step, info.url,
+                            ", ".join(t[0] for t, _ in failed))
+            return info, result
         except CheckpointDeletedError as exc:
             deleted = exc
             continue
@@ -372,16 +390,46 @@ def _use_step(step: int, holders: Sequence[tuple[Tier, list[str] | str]],
             continue  # no marker in this tier: incomplete here
         except FormatVersionError:
             raise  # written by a newer ckptfs: never skipped, never rolled back over
+        except TierMismatchError as exc:  # another checkpoint of this step number: not used
+            problems.append((tier, exc))
+            log.warning("%s", exc)
         except (CorruptCheckpointError, StorageError) as exc:
             problems.append((tier, exc))
+            if info is not None or isinstance(exc, CorruptCheckpointError):
+                failed.append((tier, info))  # a copy is there and fails (not merely absent)
             if len(holders) > 1 or later or name:
                 rest = [t[0] for t, _ in holders[i + 1:]] + list(later)
                 log.warning("the %s copy of step %d at %s fails (%s: %s)%s", name, step,
                             storage.url, type(exc).__name__, exc,
-                            f"; using the {rest[0]} copy" if rest else "")
+                            f"; trying the {rest[0]} copy" if rest else "")
     if deleted is not None:
         raise deleted
     return None
+
+
+def stand_in(step: int, tier: Tier, info: CheckpointInfo,
+             failed: Sequence[tuple[Tier, CheckpointInfo | None]]) -> None:
+    """Return if ``info`` (``tier``'s copy of ``step``) may be used in place of the
+    ``failed`` copies of earlier tiers: it is the same checkpoint as each of them (the rule
+    ``ckptfs cp`` and the replicator use for "already there": ``same_content`` of the
+    manifests).  Else `TierMismatchError` naming both copies: another run's step of
+    that number (or a copy whose manifest could not be read, so that nothing can be compared)
+    is never returned for it."""
+    for (name, storage), earlier in failed:
+        where = storage_url(storage, "") if earlier is None else earlier.url
+        if earlier is None:
+            raise TierMismatchError(
+                f"step {step}: the {name} copy at {where} fails before its manifest could be "
+                f"read, so whether the {tier[0]} copy at {info.url} is the same checkpoint "
+                f"cannot be checked: it is not used in its place (if it is the checkpoint you "
+                f"want, load it from that tier alone, e.g. store.{tier[0]}.load({step}))",
+                step=step, path=info.path)
+        if not same_content(earlier.manifest, info.manifest):
+            raise TierMismatchError(
+                f"step {step}: the {tier[0]} copy at {info.url} is not the same checkpoint as "
+                f"the failing {name} copy at {where} (other files or metadata: another run's "
+                f"step {step}, or this run's before it restarted): it is not used in its place",
+                step=step, path=info.path)
 
 
 def _where(tier: Tier) -> str:
@@ -395,6 +443,17 @@ def _step_error(step: int, problems: list[tuple[Tier, Exception]], *,
     and each tier's error."""
     if all(isinstance(e, StorageError) for _, e in problems):
         return problems[0][1]
+    mismatch = [e for _, e in problems if isinstance(e, TierMismatchError)]
+    if mismatch:
+        hint = (". Inspect the failing copy with 'ckptfs verify', delete it if it is damaged "
+                "(then the other tier's checkpoint of that step number is the one found), or "
+                "pass allow_rollback=True to use the previous committed checkpoint"
+                if newest else "")
+        return TierMismatchError(
+            ("the newest checkpoint, " if newest else "") + f"step {step}: no copy can be used: "
+            + "; ".join(f"{_where(t)}{t[1].url}: {type(e).__name__}: {e}" for t, e in problems
+                        if not isinstance(e, TierMismatchError))
+            + "; and " + "; ".join(str(e) for e in mismatch) + hint, step=step)
     refuse = (". Refusing to fall back silently: inspect it with 'ckptfs verify {url} --step "
               f"{step}', delete it, or pass allow_rollback=True to use the previous committed "
               "checkpoint") if newest else ""

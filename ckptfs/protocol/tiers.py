@@ -46,13 +46,13 @@ from ckptfs.errors import (
     UnreplicatedCheckpointError,
     UnsafeCheckpointError,
 )
+from ckptfs.format.content import same_content
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
 from ckptfs.format.incremental import DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step
 from ckptfs.format.sharded import ShardedManifest
 from ckptfs.protocol import async_save
 from ckptfs.protocol.collective import is_distributed, wants_sharded_save
-from ckptfs.protocol.copy import same_content
 from ckptfs.protocol.formats import VerifyReport
 from ckptfs.protocol.listing import list_attempt, problems
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map

@@ -25,7 +25,10 @@ manifest, ``dcp.msgpack`` and its rank file; each other node its own rank file. 
    `LocalCopyUnavailable` on every rank.
 
 What happens when a copy fails (`load_across_tiers`): a local copy that is corrupt or
-unavailable falls back to the remote copy of the same step (logged); a step whose local copy
+unavailable falls back to the remote copy of the same step (logged) only if that copy is the
+same checkpoint (`ckptfs.protocol.resolve.stand_in`, decided by the coordinator: another
+run's step of that number is `TierMismatchError` on every rank, skipped with
+``allow_rollback``); a step whose local copy
 is *unavailable* (files of a lost node) and that the remote does not hold is skipped for the
 newest step that can be read (logged: a node's loss, not corruption); a step that is corrupt in
 every tier that holds it raises `CorruptCheckpointError`, unless
@@ -48,15 +51,17 @@ from ckptfs.errors import (
     FormatVersionError,
     ShardedLoadError,
     StorageError,
+    TierMismatchError,
 )
+from ckptfs.format.content import same_content
 from ckptfs.format.incremental import references_of
 from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, ShardedManifest
-from ckptfs.protocol.copy import committed_at, same_content
+from ckptfs.protocol.copy import committed_at
 from ckptfs.protocol.replication_sharded import (
     rebuild_error,
     settle_node_attempt,
 )
-from ckptfs.protocol.resolve import CheckpointInfo, committed_steps, read_committed
+from ckptfs.protocol.resolve import CheckpointInfo, committed_steps, read_committed, stand_in
 from ckptfs.protocol.sharded import collective_group, load_into
 from ckptfs.protocol.sharded_read import ShardedReader, entry_location, read_chunks
 from ckptfs.storage.base import Storage
@@ -92,6 +97,8 @@ def _rebuild(error: tuple[str, str]) -> Exception:
         return LocalCopyUnavailable(error[1])
     if error[0] == FormatVersionError.__name__:
         return FormatVersionError(error[1])
+    if error[0] == TierMismatchError.__name__:
+        return TierMismatchError(error[1])
     return rebuild_error(error)
 
 
@@ -260,7 +267,9 @@ def _candidates(local: Storage, remote: Storage, step: int | None
 
 def _local_facts(local: Storage, remote: Storage, step: int, verify: bool) -> Any:
     """The coordinator's part of loading the local copy of ``step``: its info, the verified
-    ``dcp.msgpack`` bytes, the remote's copy of the step when it holds the same content."""
+    ``dcp.msgpack`` bytes, the remote's copy of the step when it holds the same content; on a
+    failure, the error and the info if the manifest was read."""
+    info: CheckpointInfo | None = None
     try:
         info = read_committed(local, step)
         manifest = info.manifest
@@ -279,7 +288,7 @@ def _local_facts(local: Storage, remote: Storage, step: int, verify: bool) -> An
             there = None
         return "ok", info, doc, there
     except Exception as exc:
-        return "error", _error(exc)
+        return "error", _error(exc), info
 
 
 def load_across_tiers(local: Storage, remote: Storage, step: int | None, into: dict[str, Any],
@@ -299,16 +308,20 @@ def load_across_tiers(local: Storage, remote: Storage, step: int | None, into: d
     newest = True
     for s, tiers in plan:
         problems: list[tuple[str, Exception]] = []
+        #: The local copy when it failed: its info, None if its manifest could not be read.
+        failed: list[CheckpointInfo | None] = []
         for i, tier in enumerate(tiers):
             try:
                 if tier == "local":
                     _load_local(local, remote, s, into, group, coordinator, verify=verify,
-                                threads=threads, durable=durable)
+                                threads=threads, durable=durable, failed=failed)
                 else:
+                    if failed:
+                        _check_stand_in(local, remote, s, failed[0], group, coordinator)
                     load_into(remote, s, into, verify=verify, threads=threads)
                 if problems:
-                    log.warning("step %d loaded from the %s copy at %s (the %s copy failed)",
-                                s, tier, remote.url, problems[0][0])
+                    log.warning("using the %s copy of step %d at %s (the same checkpoint as "
+                                "the failing %s copy)", tier, s, remote.url, problems[0][0])
                 return into
             except FormatVersionError:
                 raise
@@ -318,7 +331,7 @@ def load_across_tiers(local: Storage, remote: Storage, step: int | None, into: d
                 rest = tiers[i + 1:]
                 log.warning("the %s copy of step %d fails (%s: %s)%s", tier, s,
                             type(exc).__name__, exc,
-                            f"; using the {rest[0]} copy" if rest else "")
+                            f"; trying the {rest[0]} copy" if rest else "")
         if step is not None or not problems:
             if problems:
                 _raise_for(s, problems, newest=False)
@@ -330,14 +343,44 @@ def load_across_tiers(local: Storage, remote: Storage, step: int | None, into: d
             continue
         if newest and not allow_rollback:
             _raise_for(s, problems, newest=True)
-        log.warning("allow_rollback: skipping step %d, bad in every tier that holds it", s)
+        log.warning("allow_rollback: skipping step %d, no copy of it can be used: %s", s,
+                    "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in problems))
         newest = False
     raise CheckpointNotFoundError(f"no committed checkpoint can be loaded from {local.url} or "
                                   f"{remote.url}")
 
 
+def _check_stand_in(local: Storage, remote: Storage, step: int, failed: CheckpointInfo | None,
+                    group: Any, coordinator: bool) -> None:
+    """The coordinator decides whether the remote copy of ``step`` may stand in for the failing
+    local copy (``failed``: its info, None if its manifest could not be read): the one rule of
+    every two-tier read (`stand_in`); every rank raises the same `TierMismatchError`
+    if not.  A remote copy that cannot be read here is left to the load, which reports it."""
+    verdict: tuple[str, str] | None = None
+    if coordinator:
+        try:
+            there = read_committed(remote, step)
+        except Exception:
+            there = None
+        if there is not None:
+            try:
+                stand_in(step, ("remote", remote), there, [(("local", local), failed)])
+            except TierMismatchError as exc:
+                verdict = _error(exc)
+    verdict = _bcast(verdict, group)
+    if verdict is not None:
+        raise _rebuild(verdict)
+
+
 def _raise_for(step: int, problems: list[tuple[str, Exception]], *, newest: bool) -> None:
     what = f"the newest checkpoint, step {step}," if newest else f"step {step}"
+    if any(isinstance(e, TierMismatchError) for _, e in problems):
+        raise TierMismatchError(
+            f"{what} no copy can be used: "
+            + "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in problems)
+            + (". Inspect the local copy with 'ckptfs verify', delete it if it is damaged, or "
+               "pass allow_rollback=True to use the previous committed checkpoint"
+               if newest else ""), step=step)
     raise CorruptCheckpointError(
         f"{what} fails in every tier that holds it: "
         + "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in problems)
@@ -346,11 +389,30 @@ def _raise_for(step: int, problems: list[tuple[str, Exception]], *, newest: bool
 
 
 def _load_local(local: Storage, remote: Storage, step: int, into: dict[str, Any], group: Any,
-                coordinator: bool, *, verify: bool, threads: int | None, durable: bool) -> None:
+                coordinator: bool, *, verify: bool, threads: int | None, durable: bool,
+                failed: list[CheckpointInfo | None]) -> None:
+    """Load the local copy of ``step``, spread over the nodes; when it fails, ``failed`` gets
+    its info (None if its marker or manifest is damaged), which the remote copy must match to
+    stand in for it (`_check_stand_in`)."""
     facts = _bcast(_local_facts(local, remote, step, verify) if coordinator else None, group)
     if facts[0] == "error":
-        raise _rebuild(facts[1])
+        exc = _rebuild(facts[1])
+        if facts[2] is not None or isinstance(exc, CorruptCheckpointError):
+            failed.append(facts[2])  # None: there, but its manifest unreadable
+        raise exc
     _, info, doc, there = facts
+    try:
+        _load_node_copy(local, remote, info, doc, there, into, group, verify=verify,
+                        threads=threads, durable=durable)
+    except BaseException:
+        failed.append(info)
+        raise
+
+
+def _load_node_copy(local: Storage, remote: Storage, info: CheckpointInfo, doc: bytes,
+                    there: CheckpointInfo | None, into: dict[str, Any], group: Any, *,
+                    verify: bool, threads: int | None, durable: bool) -> None:
+    step = info.step
     error: tuple[str, str] | None = None
     held: set[str] = set()
     try:
