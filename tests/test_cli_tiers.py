@@ -140,3 +140,15 @@ def test_replicate_to_itself_refused(died: tuple[Path, Path], dry_run: list[str]
         code, _, err = run(["replicate", str(local), remote, *dry_run], capsys)
         assert code == 2 and "same run root" in err and "Traceback" not in err, err
     assert sorted(p.relative_to(local) for p in local.rglob("*")) == before
+
+
+def test_ls_remote_same_root_refused(died: tuple[Path, Path],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``ls LOCAL --remote REMOTE`` with the same root spelled twice (every step would show as
+    ``both``) or with a protocol alias (``local://``): exit 2, TierOverlapError, no rows."""
+    local, _ = died
+    for remote in (f"file://{local}/", f"local://{local}", f"{local}/../{local.name}"):
+        code, out, err = run(["ls", str(local), "--remote", remote], capsys)
+        assert code == 2 and "same run root" in err and "both" not in out, (remote, out, err)
+    code, out, _ = run(["ls", str(local), "--remote", f"file://{local}", "--json"], capsys)
+    assert code == 2 and json.loads(out)["error"] == "TierOverlapError"

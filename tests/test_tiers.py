@@ -398,6 +398,37 @@ def test_same_or_nested_roots_refused(tmp_path: Any) -> None:
         tiered(local, remote).close()
 
 
+def test_protocol_aliases_are_one_root(s3_backend: Backend) -> None:
+    """The same root spelled with a protocol alias (s3/s3a, gs/gcs, az/abfs/abfss, file/local,
+    a name fsspec registers for the same implementation) is one place: refused as two tiers
+    (every step would count as replicated to itself)."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from ckptfs.storage.base import location, overlaps
+
+    def st(url: str, **options: Any) -> Any:
+        return ckptfs.open(url, probe=False, **options).storage
+
+    gs, az = {"token": "anon"}, {"account_name": "acct", "anon": True}
+    fsspec.register_implementation("ckptfs-alias-mem", MemoryFileSystem, clobber=True)
+    same = [(st("gs://b/run", **gs), st("gcs://b/run/", **gs)),
+            (st("az://c/run", **az), st("abfs://c/run", **az)),
+            (st("az://c/run", **az), st("abfss://c/run/sub", **az)),
+            (st("s3://b/run", anon=True), st("s3a://b/run", anon=True)),
+            (st("memory://tq/alias"), st("ckptfs-alias-mem://tq/alias"))]
+    for a, b in same:
+        assert overlaps(a, b) and overlaps(b, a), (location(a), location(b))
+    assert not overlaps(st("gs://b/run", **gs), st("s3://b/run", anon=True))
+    assert not overlaps(st("s3://b/run", anon=True), st("s3a://b/run2", anon=True))
+    # two tiers on S3 (moto), the remote spelled s3a://: refused before anything is read
+    s3a = s3_backend.url.replace("s3://", "s3a://", 1)
+    assert s3a != s3_backend.url
+    with pytest.raises(ckptfs.TierOverlapError, match="same run root"):
+        tiered(s3_backend.url, s3a, local_options=s3_backend.options,
+               remote_options=s3_backend.options)
+
+
 def test_copying_pauses_while_a_save_writes(local_backend: Backend,
                                             memory_backend: Backend) -> None:
     """A local save has the disk and the cores to itself: the replication of an earlier step

@@ -34,6 +34,7 @@ from ckptfs.format.layout import MAX_STEP, parse_step_dir
 from ckptfs.protocol.references import run_usage
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
+from ckptfs.storage.base import check_tier_roots
 
 #: The modules that add verbs (``add_subcommands``), each with its verbs and the extra that
 #: installs what it imports beyond the core dependencies (None: it needs none).
@@ -169,6 +170,7 @@ def _ls_tiers(args: argparse.Namespace, local: CheckpointStore) -> int:
     ``remote``, ``both``; ``none`` for a step incomplete in each tier that has it) and each
     tier's row as ``ls`` shows it."""
     remote = open_store(args.remote, **parse_options(args.remote_option))
+    check_tier_roots(local.storage, remote.storage)  # the same root twice: all "both"
     merged: dict[int, dict[str, Any]] = {}
     stored: dict[str, int] = {}
     for tier, st in (("local", local), ("remote", remote)):

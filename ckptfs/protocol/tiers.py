@@ -42,7 +42,6 @@ from ckptfs.errors import (
     StorageAccessError,
     StorageError,
     StorageNotFoundError,
-    TierOverlapError,
     UnreplicatedCheckpointError,
     UnsafeCheckpointError,
 )
@@ -69,7 +68,7 @@ from ckptfs.protocol.resolve import Tier as ReadTier
 from ckptfs.protocol.resolve import tier_of as resolve_tier
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
-from ckptfs.storage.base import overlaps
+from ckptfs.storage.base import check_tier_roots
 
 log = logging.getLogger("ckptfs")
 
@@ -88,12 +87,7 @@ Tier = tuple[str, CheckpointStore]
 
 def check_tiers(local: CheckpointStore, remote: CheckpointStore) -> None:
     """Refuse two tiers that are the same run root or nested (`TierOverlapError`)."""
-    if overlaps(local.storage, remote.storage):
-        raise TierOverlapError(
-            f"the local tier {local.url} and the remote tier {remote.url} are the same run "
-            "root, or one lies inside the other: a step would count as replicated to itself "
-            "and retention would delete its only copy; give the remote tier a run root of its "
-            "own")
+    check_tier_roots(local.storage, remote.storage)
 
 
 def _world() -> int:

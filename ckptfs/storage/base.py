@@ -21,6 +21,8 @@ from datetime import datetime
 from functools import cache
 from typing import BinaryIO, Literal, Protocol, TypeVar, cast, runtime_checkable
 
+from ckptfs.errors import TierOverlapError
+
 ExclusiveCreate = Literal["os_excl", "server_precondition", "process_lock", "none"]
 
 
@@ -296,22 +298,38 @@ def supports(storage: Storage, capability: type) -> bool:
 
 def location(storage: Storage) -> str:
     """Where ``storage``'s run root is, spelled one way: the resolved OS path for local disk
-    (``/a/../a``, ``file:///a/`` and a symbolic link to ``/a`` are all ``/a``), else the
-    ``protocol://path`` of its URL without repeated or trailing slashes.  For telling whether
-    two storages are the same place, or one lies inside the other (`overlaps`)."""
+    (``/a/../a``, ``file:///a/``, ``local:///a`` and a symbolic link to ``/a`` are all ``/a``),
+    else ``protocol://path`` with the path of its URL without repeated or trailing slashes and
+    the protocol its implementation's one name, ``capabilities.protocol``, not the alias the URL
+    spells (``s3a://b/x`` is ``s3://b/x``; ``gcs`` is ``gs``; ``abfs``/``abfss`` are ``az``; a
+    protocol the backend table does not know is named by the fsspec implementation registered
+    for it: `ckptfs.storage.backends.spec_for` of the filesystem's own protocol names).  For
+    telling whether two storages are the same place, or one lies inside the other
+    (`overlaps`)."""
     if supports(storage, LocalFiles):
         return os.path.realpath(cast(LocalFiles, storage).local_path(""))
     protocol, sep, path = storage.url.partition("://")
     if not sep:
-        protocol, path = storage.capabilities.protocol, protocol
+        path = protocol
     parts = [p for p in path.split("/") if p]
-    return f"{protocol}://{'/'.join(parts)}"
+    return f"{storage.capabilities.protocol}://{'/'.join(parts)}"
 
 
 def overlaps(a: Storage, b: Storage) -> bool:
     """Whether the run roots of ``a`` and ``b`` are the same place or one holds the other."""
     la, lb = location(a), location(b)
     return any(x == y or x.startswith(y.rstrip("/") + "/") for x, y in ((la, lb), (lb, la)))
+
+
+def check_tier_roots(local: Storage, remote: Storage) -> None:
+    """Refuse two tiers (a two-tier store's, ``ckptfs ls --remote``'s, ``ckptfs replicate``'s)
+    that are the same run root, however spelled, or nested: `TierOverlapError`."""
+    if overlaps(local, remote):
+        raise TierOverlapError(
+            f"the local tier {local.url} and the remote tier {remote.url} are the same run "
+            f"root ({location(local)}), or one lies inside the other: a step would count as "
+            "replicated to itself and retention would delete its only copy; give the remote "
+            "tier a run root of its own")
 
 
 @cache
