@@ -565,3 +565,45 @@ def test_manager_retention_and_restore_on_sharded_tiers(tmp_path: Path) -> None:
         assert got["remote"] == [1, 2, 3, 4, 5]
         assert got["remote_before_restart"] == [1, 2, 3, 4, 5]  # step 6: local only
         assert got["restored"] and got["restored_after_loss"], (rank, got)
+
+
+def job_one_rank(rank: int, world: int, root: str) -> Any:
+    """A world of one (a one-rank gloo group) with a DTensor state: a plain store saves it
+    collectively, and so does a two-tier store opened with defaults (sync and async); both
+    steps replicate, and ``load(into=)`` goes through the walk (the remote copy of a step whose
+    local copy is corrupt, logged)."""
+    records = LogRecords()
+    logging.getLogger("ckptfs").addHandler(records)
+    model, opt, mesh = _model(world)
+    state = _train_state(model, opt, 1)
+    plain1 = _frozen(to_plain(state))
+    assert ckptfs.open(f"{root}/plain").save(1, state).manifest.format_version == 2
+    store = ckptfs.tiered(f"{root}/local", f"{root}/remote")
+    assert not store.sharded
+    assert store.save(1, state).manifest.format_version == 2  # the plain store's answer
+    state2 = _train_state(model, opt, 2)
+    plain2 = _frozen(to_plain(state2))
+    assert store.save_async(2, state2).result(timeout=120).manifest.format_version == 2
+    status = store.wait_replicated(timeout=60)
+    assert status.lag_steps == 0 and sorted(status.steps) == [1, 2], status
+    assert_state_equal(_load_into(store, plain2, mesh), plain2)
+    assert_state_equal(_load_step(store, plain1, mesh, 1), plain1)
+    f = next(Path(f"{root}/local").glob("checkpoints/step-*2/*/rank-00000/data-0.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert_state_equal(_load_into(store, plain2, mesh), plain2)  # the remote copy
+    assert any("using the remote copy of step 2" in m for m in records.messages), \
+        records.messages
+    store.close()
+    return plain1, plain2
+
+
+def test_one_rank_group_saves_dtensors_on_two_tiers(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    plain1, plain2 = run_ranks(job_one_rank, 1, root, timeout=240)[0]
+    remote = ckptfs.open(f"{root}/remote")
+    assert remote.steps() == [1, 2]
+    assert remote.verify(2).ok
+    assert_state_equal(remote.load(1), plain1)
+    assert_state_equal(remote.load(2), plain2)

@@ -53,14 +53,22 @@ def has_dtensor(value: Any) -> bool:
     return find_dtensor(value) is not None
 
 
+def world_size() -> int:
+    """The default process group's size: 1 without one (a world of one)."""
+    if not is_distributed():
+        return 1
+    import torch.distributed as dist
+
+    return int(dist.get_world_size())
+
+
 def wants_sharded_save(state: Any, process_group: Any = None) -> bool:
     """Whether ``store.save`` is collective: a ``process_group`` was given, or
     torch.distributed is initialized and the world has more than one rank (or the state holds
-    DTensors)."""
+    DTensors).  The one answer for every store (a plain one, a two-tier one: a one-rank group
+    saving DTensors is collective on both)."""
     if process_group is not None:
         return True
     if not is_distributed():
         return False
-    import torch.distributed as dist
-
-    return dist.get_world_size() > 1 or has_dtensor(state)
+    return world_size() > 1 or has_dtensor(state)

@@ -51,7 +51,7 @@ from ckptfs.format.incremental import DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step
 from ckptfs.format.sharded import ShardedManifest
 from ckptfs.protocol import async_save
-from ckptfs.protocol.collective import is_distributed, wants_sharded_save
+from ckptfs.protocol.collective import wants_sharded_save, world_size
 from ckptfs.protocol.formats import VerifyReport
 from ckptfs.protocol.listing import list_attempt, problems
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
@@ -90,14 +90,6 @@ def check_tiers(local: CheckpointStore, remote: CheckpointStore) -> None:
     check_tier_roots(local.storage, remote.storage)
 
 
-def _world() -> int:
-    if not is_distributed():
-        return 1
-    import torch.distributed as dist
-
-    return int(dist.get_world_size())
-
-
 class TieredStore(CheckpointStore):
     """A store with a local tier (its own ``storage``) and a remote tier replicated in the
     background (module docstring; docs/tiers.md).  Opened on every rank of a process group
@@ -122,7 +114,7 @@ class TieredStore(CheckpointStore):
         self.delete_unreplicated = delete_unreplicated
         #: Opened on every rank of a process group (each with its own node's local tier):
         #: sharded saves, per-rank replication, loads across tiers (docs/tiers.md "Sharded").
-        self.sharded = _world() > 1 if sharded is None else sharded
+        self.sharded = world_size() > 1 if sharded is None else sharded
         self.node_local = self.sharded
         self._copier: Any = None
         if self.sharded:
@@ -226,10 +218,11 @@ class TieredStore(CheckpointStore):
         """Commit ``step`` on the local tier and return; it is replicated in the background
         (`replication`, `wait_replicated`)."""
         with self.replicator.foreground():  # copying pauses while this save writes
-            if wants_sharded_save(state, process_group):
+            if wants_sharded_save(state, process_group) and self._node_sharded(process_group):
                 info = self._save_sharded(step, state, metadata, process_group)
-            else:
-                info = super().save(step, state, metadata=metadata)
+            else:  # the plain store's save: collective or not, as the group says
+                info = super().save(step, state, metadata=metadata,
+                                    process_group=process_group)
         self.replicator.enqueue(info.step, info.bytes)
         return info
 
@@ -237,7 +230,6 @@ class TieredStore(CheckpointStore):
                       metadata: Mapping[str, Any] | None, process_group: Any) -> CheckpointInfo:
         """Every rank writes its file on its own node's local tier; the coordinator commits
         there (docs/tiers.md "Sharded")."""
-        self._check_sharded(process_group)
         async_save.before_sync_save(self)
         from ckptfs.protocol import sharded
         info = sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
@@ -247,13 +239,26 @@ class TieredStore(CheckpointStore):
         self.after_sharded_commit(info)
         return info
 
-    def _check_sharded(self, process_group: Any) -> None:
-        if not self.sharded or process_group is not None:
+    def _node_sharded(self, process_group: Any) -> bool:
+        """Whether a collective save takes the per-node path (each rank's file on its own
+        node's local tier, replicated per rank): on a store opened sharded (by default: a
+        world of more than one rank).  A world of one saves collectively as a plain store
+        does, onto the local tier, and replicates like any other step.  Refused
+        (`ShardedSaveError`): another ``process_group`` on a sharded store, and a collective
+        save of several ranks on a store opened with ``sharded=False``."""
+        if self.sharded:
+            if process_group is not None:
+                raise ShardedSaveError(
+                    "a sharded tiered store saves on the default process group only: save "
+                    "without process_group=")
+            return True
+        if world_size() > 1:
             raise ShardedSaveError(
-                "a tiered store saves sharded checkpoints when it was opened on every rank "
-                "after torch.distributed was initialized (each rank with its own node's local "
-                "tier), on the default process group: open it so (ckptfs.tiered(local, remote)"
-                " on every rank) and save without process_group=")
+                f"this tiered store was opened with sharded=False in a world of "
+                f"{world_size()} ranks: a collective save needs every rank's replicator (open "
+                "it with ckptfs.tiered(local, remote) on every rank, each with its own node's "
+                "local tier)")
+        return False
 
     def after_sharded_commit(self, info: CheckpointInfo) -> None:
         """Each rank's files of a committed sharded save get their committed path on its own
@@ -270,7 +275,7 @@ class TieredStore(CheckpointStore):
         the collective async save of a plain store (format v2), each rank writing its file on
         its own node, then settled there (`after_sharded_commit`)."""
         if wants_sharded_save(state, None):
-            self._check_sharded(None)
+            self._node_sharded(None)  # refuses what a synchronous save refuses
         self.replicator.hold()  # copying pauses until this save's local write is done
         try:
             future = super().save_async(step, state, metadata=metadata,
@@ -410,13 +415,20 @@ class TieredStore(CheckpointStore):
             raise LoadOptionError(
                 "a tiered store loads a sharded checkpoint with load(into=state) on every rank "
                 "of the default process group (no process_group=, keys or mmap)")
-        if not self.sharded:
+        if not self.sharded:  # a world of one: the one walk, each copy loaded into ``into``
             from ckptfs.protocol import sharded
-            if wants_sharded_save(into, None):  # DTensors in one process: the remote's copy
-                raise LoadOptionError("a tiered store opened in one process loads into= from "
-                                      "one tier: use store.local or store.remote")
-            return sharded.load_into(self.storage, step, into, verify=verify,
-                                     threads=self.threads, allow_rollback=allow_rollback)
+
+            def use(info: CheckpointInfo) -> dict[str, Any]:
+                return sharded.load_into(self._store_of(info).storage, info.step, into,
+                                         verify=verify, threads=self.threads)
+
+            if step is not None:
+                return self.use_step(step, use)[1]
+            found = self.walk(use, allow_rollback=allow_rollback)
+            if found is None:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint to load at {self.url} or {self.remote.url}")
+            return found[1]
         from ckptfs.protocol.tiers_sharded import load_across_tiers
         return load_across_tiers(self.storage, self.remote.storage, step, into, verify=verify,
                                  threads=self.threads, allow_rollback=allow_rollback,
