@@ -160,15 +160,8 @@ REPLICAS: list[str] = [REPLICA_V1.name, REPLICA_V3.name]
 DEFECTS = {
     "cp-v4": "cp of a format v4 step commits a copy whose references still name the source's "
              "attempt: the copy never loads",
-    "async-v4": "save_async of a DTensor state on an incremental store writes format v2 "
-                "(no references; the synchronous sharded save writes v4)",
     "v4x2": "a resumed sharded incremental job writes every byte at its first save (nothing "
             "referenced)",
-    "rollback-into": "load(into=..., allow_rollback=True) raises on a corrupt newest rank "
-                     "file (the full load rolls back)",
-    "manager-v4": "CheckpointManager.restore_latest of a format v4 run into a DTensor model "
-                  "raises a bare RuntimeError (the lifecycle treats only version 2 as "
-                  "sharded)",
 }
 
 
