@@ -168,6 +168,7 @@ def test_local_disk_loss_loads_from_remote(local_backend: Backend,
     assert again.replication().lag_steps == 0
     latest = again.latest()
     assert latest is not None and latest.step == 2 and again.tier_of(latest) == "remote"
+    assert again.steps() == [1, 2] and again.local.steps() == []  # what latest() chose from
     assert_same(again.load(), state(2))
     assert_same(again.load(1), state(1))
     assert again.verify().ok
@@ -175,6 +176,7 @@ def test_local_disk_loss_loads_from_remote(local_backend: Backend,
     again.save(3, state(3))
     again.wait_replicated(timeout=60)
     assert again.tier_steps() == {"local": [3], "remote": [1, 2, 3]}
+    assert again.steps() == [1, 2, 3]
     info = again.latest()
     assert info is not None and again.tier_of(info) == "local"
     again.close()
@@ -221,6 +223,27 @@ def test_corrupt_newest_in_both_tiers_raises(local_backend: Backend,
     with pytest.raises(CorruptCheckpointError, match="step 2, fails in every tier"):
         store.load()
     assert_same(store.load(allow_rollback=True), state(1))  # only when asked
+
+
+def test_replication_status_prints_as_a_table(local_backend: Backend,
+                                              memory_backend: Backend) -> None:
+    memory_backend.open().save(2, {"other": torch.ones(3)})  # step 2 will fail: other content
+    store = open_tiers(local_backend, memory_backend)
+    for s in (1, 2):
+        store.save(s, state(s))
+    with pytest.raises(ReplicationError):
+        store.wait_replicated(timeout=60)
+    status = store.replication()
+    lines = str(status).splitlines()
+    assert lines[0].startswith(f"replication to {store.remote.url}: 1 step(s) behind"), lines
+    assert lines[1].split() == ["step", "state", "copied", "/", "bytes", "attempts", "error"]
+    assert lines[2].split()[:2] == ["1", "replicated"]
+    assert lines[3].split()[:2] == ["2", "failed"] and "CheckpointExistsError" in lines[3]
+    assert len(lines) == 4 and all(len(line) < 200 for line in lines), lines
+    short = repr(status)
+    assert short.startswith("ReplicationStatus(") and "steps=2" in short and "lag_steps=1" in short
+    assert "StepReplication" not in short and len(short) < 200, short
+    store.close()
 
 
 def test_corrupt_local_copy_never_falls_back_to_another_checkpoint(
@@ -270,7 +293,7 @@ def test_retention_keeps_unreplicated_steps(local_backend: Backend,
         assert not result.errors, result.errors
         # retention keeps them on its own (held), it does not try and fail to delete them
         assert result.prune is not None and not result.prune.errors, result.prune
-    assert store.steps() == [1, 2, 3, 4, 5]  # the remote is down: nothing else holds them
+    assert store.local.steps() == [1, 2, 3, 4, 5]  # the remote is down: nothing else holds them
     with pytest.raises(UnreplicatedCheckpointError, match="only copy"):
         store.delete(1)
     faulty.end_outage()
@@ -294,7 +317,7 @@ def test_retention_may_delete_unreplicated_when_allowed(local_backend: Backend,
     with caplog.at_level(logging.WARNING, logger="ckptfs"):
         for s in range(1, 6):
             mgr.save(s, model=model)
-        assert store.steps() == [4, 5]  # the disk-full policy: local retention wins
+        assert store.local.steps() == [4, 5]  # the disk-full policy: local retention wins
         faulty.end_outage()
         store.wait_replicated(timeout=60)
     assert memory_backend.open().steps() == [4, 5]

@@ -21,6 +21,7 @@ from ckptfs.lifecycle.retention import Best, RetentionPolicy
 from ckptfs.lifecycle.rng import seed_all
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.tiers import TieredStore, tiered
+from ckptfs.storage.base import Entry, StorageWrapper
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.faults import FaultyStorage
 from ckptfs.testing.lifecycle import run_reference
@@ -231,7 +232,7 @@ def test_remote_prune_during_outage_and_damaged_newest(local_backend: Backend,
         assert not result.errors, result.errors
     with contextlib.suppress(StorageError):  # a run begun before the outage was noticed
         mgr.wait_remote_prune(timeout=60)
-    assert store.steps() == [3, 4]  # held locally: not replicated
+    assert store.local.steps() == [3, 4]  # held locally: not replicated
     faulty.end_outage()
     store.wait_replicated(timeout=60)
     assert memory_backend.open().steps() == [2, 3, 4]
@@ -273,15 +274,16 @@ def test_remote_prune_reads_the_local_steps_after_listing_the_remote(
         remote.save(s, {"w": model.weight})
     order: list[str] = []
 
-    class Listed(CheckpointStore):
-        def steps(self) -> list[int]:
+    class Listed(StorageWrapper):  # the prune's listing of the remote's committed steps
+        def list_tree(self, path: str) -> list[Entry]:
             order.append("list")
-            return super().steps()
+            return super().list_tree(path)
 
     def local_steps() -> list[int]:
         order.append("hold")
         return [3]
 
-    report = prune(Listed(remote.storage), RetentionPolicy(keep_last=1), hold=local_steps)
+    report = prune(CheckpointStore(Listed(remote.storage)), RetentionPolicy(keep_last=1),
+                   hold=local_steps)
     assert order[:2] == ["list", "hold"]
     assert sorted(report.deleted) == [1, 2, 4] and remote.steps() == [3, 5]

@@ -46,6 +46,7 @@ from ckptfs.format.hashing import ALGORITHMS, digest_bytes
 from ckptfs.format.layout import MAX_STEP, parse_step_dir, step_dir_name
 from ckptfs.lifecycle.records import LIFECYCLE_DIR, CorruptRecordError, parse_json
 from ckptfs.protocol.load_options import MapLocation
+from ckptfs.protocol.resolve import committed_steps
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.sub import SubStorage as SubStorage  # re-exported (Lightning, transformers)
 
@@ -281,7 +282,7 @@ class SideOutputs:
     def _unrecorded_listings(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """(step, side outputs its metadata lists) for committed checkpoints without a record."""
         recorded = self._recorded_steps()
-        for step in self.store.steps():
+        for step in committed_steps(self.store.storage):  # this storage's (two tiers: local)
             if step in recorded:
                 continue
             try:

@@ -512,7 +512,7 @@ class CheckpointManager:
         if self.remote_policy is None or not isinstance(self.store, TieredStore):
             raise ValueError("no remote tier to prune")  # pragma: no cover - checked before
         report = prune(self.store.remote, self.remote_policy, best=best, protected=protected,
-                       dry_run=dry_run, hold=self.store.steps)
+                       dry_run=dry_run, hold=self.store.local.steps)
         if report.deleted:
             log.info("remote retention at %s: deleted steps %s", self.store.remote.url,
                      report.deleted)

@@ -42,6 +42,7 @@ from ckptfs.errors import (
 )
 from ckptfs.format.layout import MAX_STEP
 from ckptfs.lifecycle.records import CorruptRecordError, RecordLog
+from ckptfs.protocol.resolve import committed_steps
 from ckptfs.protocol.store import CheckpointStore
 
 log = logging.getLogger("ckptfs")
@@ -184,7 +185,7 @@ def prune(store: CheckpointStore, policy: RetentionPolicy, *, best: Iterable[int
     tier still holds then is never a candidate)."""
     best, protected = list(best), [*protected, *store.retention_holds()]
     for _ in range(5):
-        steps = store.steps()
+        steps = committed_steps(store.storage)  # the tier it deletes from (two tiers: local)
         held = [*protected, *(hold() if hold is not None else ())]
         plan = plan_retention(steps, policy, best=best, protected=held)
         report = PruneReport(plan, [], dry_run)
@@ -231,7 +232,7 @@ def _gone_or_failed(store: CheckpointStore, step: int, report: PruneReport,
     """A delete that found something missing: success if the step is no longer committed
     (another prune removed it first), else a failure for the report."""
     try:
-        still = step in store.steps()
+        still = step in committed_steps(store.storage)
     except Exception:  # cannot tell: report the original failure
         still = True
     if not still:

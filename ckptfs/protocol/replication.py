@@ -114,6 +114,28 @@ class ReplicationStatus:
     def failed(self) -> list[StepReplication]:
         return [s for s in self.steps.values() if s.state == "failed"]
 
+    def __str__(self) -> str:
+        """A small table: one row per step (state, bytes copied of its size, attempts,
+        error), then the lag and the outage."""
+        head = (f"replication to {self.remote}: "
+                + (f"{self.lag_steps} step(s) behind ({self.lag_bytes} B)" if self.lag_steps
+                   else "up to date")
+                + (f"; outage: {self.outage}" if self.outage else "")
+                + (f"; STOPPED: {self.dead}" if self.dead else ""))
+        rows = [f"{'step':>12}  {'state':<11}  {'copied / bytes':>23}  {'attempts':>8}  error"]
+        for step in sorted(self.steps):
+            r = self.steps[step]
+            error = "" if r.error is None else (r.error if len(r.error) <= 100
+                                                else r.error[:97] + "...")
+            rows.append(f"{step:>12}  {r.state:<11}  {r.copied_bytes:>11} / {r.bytes:<9}  "
+                        f"{r.attempts:>8}  {error}".rstrip())
+        return "\n".join([head, *rows])
+
+    def __repr__(self) -> str:
+        return (f"ReplicationStatus(remote={self.remote!r}, steps={len(self.steps)}, "
+                f"lag_steps={self.lag_steps}, lag_bytes={self.lag_bytes}, "
+                f"outage={self.outage!r}, dead={self.dead!r})")
+
 
 class _Meter:
     """copy's ``progress`` hook: counts bytes and, with a rate, sleeps to keep under it; and

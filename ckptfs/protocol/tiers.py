@@ -12,9 +12,10 @@ Design decisions (argued in docs/tiers.md):
   storage options (credentials and endpoint of the object store, none for local disk), retries
   and durability, which one ``**storage_options`` cannot say; and ``open`` stays the one-tier
   function the layers below use.
-* Retention and listing (``steps``, ``delete``, what `CheckpointManager` prunes)
-  act on the local tier; ``store.remote`` is a plain store of the remote tier for anything done
-  there.  ``latest``/``info``/``load``/``verify`` read across both.
+* Retention and deletes (``delete``, what `CheckpointManager` prunes) act on the local
+  tier; ``store.local``/``store.remote`` are plain stores of each tier for anything done in one.
+  ``steps``/``latest``/``info``/``load``/``verify`` read across both (``steps``: the union of
+  the tiers' committed steps, the steps ``latest`` and ``load`` choose from).
 * A local checkpoint not yet replicated is never deleted (``delete`` raises
   `UnreplicatedCheckpointError`, retention keeps it) unless the store was
   opened with ``delete_unreplicated=True``.
@@ -273,7 +274,7 @@ class TieredStore(CheckpointStore):
         """`CheckpointStore.save_async`; the step is queued for replication once it
         committed locally.  A sharded state (on every rank of a store opened on every rank):
         the collective async save of a plain store (format v2), each rank writing its file on
-        its own node, then settled there (`after_sharded_commit`)."""
+        its own node, then settled there."""
         if wants_sharded_save(state, None):
             self._node_sharded(None)  # refuses what a synchronous save refuses
         self.replicator.hold()  # copying pauses until this save's local write is done
@@ -347,8 +348,28 @@ class TieredStore(CheckpointStore):
     # -- reading across tiers --------------------------------------------------------------------
 
     def tier_steps(self) -> dict[str, list[int]]:
-        """The committed steps of each tier (``steps()`` is the local tier's)."""
+        """The committed steps of each tier (``steps()`` is their union)."""
         return {name: committed_steps(st.storage) for name, st in self._tiers()}
+
+    def steps(self) -> list[int]:
+        """The steps committed in either tier, ascending: the steps `latest` and `load`
+        choose from (one only the remote holds, after the local copy was lost or pruned,
+        included).  A tier that cannot be listed (the remote is down) is left out, logged, as
+        the walk leaves it out; if neither can be, the local tier's error is raised.
+        ``store.local.steps()`` is the local tier's (what local retention prunes);
+        `tier_steps` lists each tier's."""
+        found: set[int] = set()
+        errors: list[StorageError] = []
+        for name, st in self._tiers():
+            try:
+                found.update(committed_steps(st.storage))
+            except StorageError as exc:
+                log.warning("the %s tier %s cannot be listed (%s): steps() lists the other "
+                            "tier only", name, st.url, exc)
+                errors.append(exc)
+        if len(errors) == 2:
+            raise errors[0]
+        return sorted(found)
 
     def read_tiers(self) -> list[ReadTier]:
         """``[("local", local storage), ("remote", remote storage)]``: every read

@@ -499,9 +499,9 @@ def sweep_replication_outage(backend: Backend, *, local: Backend | None = None,
                         sweep.bad(scenario, f"save {s}: the remote came back by itself")
                     prune(t, policy)
                     status = t.replication()
-                    if status.lag_steps != i or t.steps() != steps[:i]:
+                    if status.lag_steps != i or t.local.steps() != steps[:i]:
                         sweep.bad(scenario, f"after save {s}: lag {status.lag_steps}, local "
-                                  f"{t.steps()} (retention must hold every unreplicated step)")
+                                  f"{t.local.steps()} (retention must hold each unreplicated step)")
                     if status.lag_bytes != sum(t.local.info(x).bytes for x in steps[:i]):
                         sweep.bad(scenario, f"after save {s}: lag bytes {status.lag_bytes}")
                     if i == 1 and not wait_until(lambda: t.replication().outage is not None):
@@ -529,9 +529,9 @@ def sweep_replication_outage(backend: Backend, *, local: Backend | None = None,
                                   f"much as the first: {status}")
                     sweep.count("caught_up", len(order))
                     report = prune(t, policy)
-                    if report.deleted != steps[:-2] or t.steps() != steps[-2:]:
+                    if report.deleted != steps[:-2] or t.local.steps() != steps[-2:]:
                         sweep.bad(scenario, f"after recovery prune deleted {report.deleted}, "
-                                  f"local {t.steps()}")
+                                  f"local {t.local.steps()}")
                     for s in steps[1:]:
                         if not check_references(sweep, scenario, b_remote, s):
                             sweep.bad(scenario, f"remote step {s} references nothing")
@@ -555,8 +555,8 @@ def sweep_replication_outage(backend: Backend, *, local: Backend | None = None,
                 for s in steps:
                     t.save(s, V1.state(s))
                     prune(t, policy)
-                if t.steps() != steps[-2:]:
-                    sweep.bad(scenario, f"local {t.steps()}: the disk-full policy must prune")
+                if t.local.steps() != steps[-2:]:
+                    sweep.bad(scenario, f"local {t.local.steps()}: the disk-full policy must prune")
                 fs.end_outage()
                 with scenario_guard(sweep, scenario + ", after the outage"):
                     t.wait_replicated(WAIT_S)
