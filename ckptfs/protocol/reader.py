@@ -325,6 +325,7 @@ def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
         loaded.update({r.path: t for r, t in zip(used_refs, got, strict=True)})
     unselected = torch.empty(0)  # never reached: the pruned tree does not reference it
     tensors: list[torch.Tensor] = [unselected] * len(slots)
+    taken: set[tuple[str, str]] = set()
     for i in wanted:
         slot = slots[i]
         t = loaded[slot.file].get(slot.name)
@@ -332,6 +333,12 @@ def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
             raise CorruptCheckpointError(
                 f"{info.url}/{slot.file}: tensor {slot.name!r} is missing or differs from the "
                 "state document", step=info.step)
+        if (slot.file, slot.name) in taken:
+            # Each slot is its own tensor (one tensor at save: §2.4); another slot naming the
+            # same stored bytes (an incremental save stores equal bytes once, §9.4) gets a
+            # copy, never the same object or memory.
+            t = t.clone()
+        taken.add((slot.file, slot.name))
         tensors[i] = mapper(t) if mapper is not None else t
     state = build_tree(tree, tensors, where=where)
     if not isinstance(state, dict):
