@@ -106,6 +106,22 @@ def test_replicate_reports_a_step_that_cannot_be_replicated(
     assert "other" in remote_store.load(3)  # never overwritten
 
 
+def test_replicate_dry_run_says_a_step_differs(died: tuple[Path, Path],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Another checkpoint of step 3 at the remote: the dry run does not list it as already
+    there; it says it differs and that replicate would fail it (exit 1, as replicate)."""
+    local, remote = died
+    ckptfs.open(str(remote)).save(3, {"other": torch.ones(2)})
+    code, out, _ = run(["replicate", str(local), str(remote), "--dry-run", "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 1, doc
+    assert doc["replicate"] == [2] and doc["already"] == [1] and doc["differs"] == [3], doc
+    code, out, _ = run(["replicate", str(local), str(remote), "--dry-run"], capsys)
+    assert code == 1 and "[3] differ" in out and "failed" in out and "[2]" in out, out
+    assert "already there (same content): [1]" in out, out
+    assert "other" in ckptfs.open(str(remote)).load(3)  # a dry run changes nothing
+
+
 def test_replicate_times_out_during_an_outage(died: tuple[Path, Path], tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     local, _ = died

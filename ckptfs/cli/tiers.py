@@ -8,7 +8,9 @@ the replicator copies it with ``ckptfs cp``'s copy (every byte verified, marker 
 progress in bytes and steps.  Exit 0 when every locally committed step is committed at the
 remote; 1 when a step failed for good (a corrupt local copy, another checkpoint of the step at
 the remote) or ``--timeout`` ran out (an outage: the replicator retries until then); 2 for bad
-usage or a tier that cannot be opened.
+usage or a tier that cannot be opened.  ``--dry-run`` says what would be copied, what is
+already there (the same content) and which steps differ at the remote (another checkpoint of
+that step number: replicate would fail them, exit 1, and so does the dry run).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from ckptfs.cli.core import (
     parse_options,
 )
 from ckptfs.cli.tools import progress_bar
-from ckptfs.errors import ReplicationError, StorageError
+from ckptfs.errors import CkptfsError, ReplicationError, StorageError
+from ckptfs.format.content import same_content
 from ckptfs.protocol.replication import ReplicationStatus
 from ckptfs.protocol.resolve import committed_steps
+from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 from ckptfs.protocol.tiers import TieredStore, check_tiers, tiered
 
@@ -97,20 +101,8 @@ def cmd_replicate(args: argparse.Namespace) -> int:
     local_options = {**shared, **parse_options(args.local_option)}
     remote_options = {**shared, **parse_options(args.remote_option)}
     if args.dry_run:
-        local = open_store(args.local, **local_options)
-        remote = open_store(args.remote, **remote_options)
-        check_tiers(local, remote)
-        at_remote = set(committed_steps(remote.storage))
-        steps = committed_steps(local.storage)
-        todo = [s for s in steps if s not in at_remote]
-        size = sum(local.info(s).bytes for s in todo)
-        emit(args, {"local": local.url, "remote": remote.url, "dry_run": True,
-                    "replicate": todo, "already": sorted(at_remote & set(steps)),
-                    "bytes": size},
-             f"would replicate {len(todo)} checkpoint(s) ({size} B) from {local.url} to "
-             f"{remote.url}: {todo}" if todo else
-             f"nothing to replicate: every checkpoint at {local.url} is at {remote.url}")
-        return EXIT_OK
+        return _dry_run(args, open_store(args.local, **local_options),
+                        open_store(args.remote, **remote_options))
     store = tiered(args.local, args.remote, local_options=local_options,
                    remote_options=remote_options, replicate_threads=args.threads,
                    bytes_per_s=args.bytes_per_s, max_attempts=args.max_attempts)
@@ -118,6 +110,43 @@ def cmd_replicate(args: argparse.Namespace) -> int:
         return _replicate(args, store)
     finally:
         store.close()
+
+
+def _dry_run(args: argparse.Namespace, local: CheckpointStore, remote: CheckpointStore) -> int:
+    """What ``replicate`` would do, decided as it decides: a step committed at the remote is
+    "already there" only if the remote's copy has the local copy's content (the rule of the
+    store's open-time scan and of the copy, `same_content`); one with other content (another
+    run's step of that number) is reported as differing: ``replicate`` would fail it
+    (CheckpointExistsError), never overwrite it, and exit 1, so the dry run exits 1 too."""
+    check_tiers(local, remote)
+    at_remote = set(committed_steps(remote.storage))
+    steps = committed_steps(local.storage)
+    todo = [s for s in steps if s not in at_remote]
+    already: list[int] = []
+    differs: list[int] = []
+    for s in steps:
+        if s in at_remote:
+            try:
+                same = same_content(local.info(s).manifest, remote.info(s).manifest)
+            except CkptfsError:  # a copy that cannot be read: the copy would fail it
+                same = False
+            (already if same else differs).append(s)
+    size = sum(local.info(s).bytes for s in todo)
+    text = (f"would replicate {len(todo)} checkpoint(s) ({size} B) from {local.url} to "
+            f"{remote.url}: {todo}" if todo else
+            f"nothing to copy from {local.url} to {remote.url}")
+    if differs:
+        text += (f"\nstep(s) {differs} differ: {remote.url} holds another checkpoint of that "
+                 "step number (other content, or a copy that cannot be read); replicate would "
+                 "report them failed (never overwriting them) and exit 1")
+    elif not todo:
+        text = f"nothing to replicate: every checkpoint at {local.url} is at {remote.url}"
+    if already and (todo or differs):
+        text += f"\nalready there (same content): {already}"
+    emit(args, {"local": local.url, "remote": remote.url, "dry_run": True,
+                "replicate": todo, "already": already, "differs": differs, "bytes": size},
+         text)
+    return EXIT_FAILED if differs else EXIT_OK
 
 
 def _replicate(args: argparse.Namespace, store: TieredStore) -> int:
@@ -220,7 +249,8 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--max-attempts", type=int_option(1, 1_000_000), default=None,
                    help="give a step up after this many failed attempts (default: retry "
                    "until --timeout)")
-    p.add_argument("--dry-run", action="store_true", help="only say what would be replicated")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be replicated "
+                   "(exit 1 if a step differs at the remote: replicate would fail it)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_replicate)
