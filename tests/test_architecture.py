@@ -15,6 +15,7 @@ allowlist entry that is no longer needed fails its own test, so the lists only s
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -231,7 +232,7 @@ def test_known_cycles_still_exist() -> None:
 
 # -- no friend modules -------------------------------------------------------------------------
 
-#: The compat module for torch's private APIs (issue 16 part 8): importing from it is the way
+#: The compat module for torch's private APIs: importing from it is the way
 #: to use them.
 COMPAT_MODULE = "ckptfs.torch_compat"
 
@@ -268,7 +269,7 @@ def test_no_private_use_across_modules(name: str) -> None:
     """A ``_name`` is the module's own business: another module that uses it is a friend that
     breaks when the owner changes, and hides an API the owner should state.  Make it public
     (and document it) or move the code.  (Torch's private APIs go through the compat module,
-    issue 16 part 8.)"""
+    ckptfs.torch_compat.)"""
     if name in KNOWN_PRIVATE_USES:
         return
     assert private_uses(name) == [], f"{name} uses private names of other modules"
@@ -280,7 +281,7 @@ def test_known_private_uses_still_exist() -> None:
 
 def third_party_private_imports() -> dict[str, list[str]]:
     """Private names of third-party packages imported by ckptfs (DCP, DTensor internals...):
-    out of scope of the rule above, listed for the compat module of issue 16 part 8."""
+    out of scope of the rule above, listed for the compat module (ckptfs.torch_compat)."""
     out: dict[str, list[str]] = {}
     for name in modules():
         for imp in imports_of(name):
@@ -352,7 +353,7 @@ def test_no_storage_probe_outside_storage(name: str) -> None:
     """Every optional storage capability is a declared protocol asked with ``supports()``
     (ckptfs/storage/base.py).  A ``getattr``/``hasattr`` probe, a type test of a concrete
     storage or a reach into the fsspec adapter (``.fs``) is silently false through a wrapper,
-    and the check it guards goes with it (issue 16: a wrapper turned the symlink refusal off);
+    and the check it guards goes with it (a wrapper once turned the symlink refusal off this way);
     ``__getattr__`` forwarding hides a member a wrapper forgot.  Wrappers delegate explicitly
     (``StorageWrapper``).  A module-level ``__getattr__`` (lazy attributes, PEP 562) forwards
     no storage and is allowed."""
@@ -407,7 +408,7 @@ def marker_constructions(name: str) -> list[int]:
 @pytest.mark.parametrize("name", list(modules()))
 def test_markers_are_created_by_the_commit(name: str) -> None:
     """The marker is the commit: only the commit object creates one, after every reader limit
-    was checked and with the ambiguous outcomes handled once (issue 16 part 1).  Another
+    was checked and with the ambiguous outcomes handled once.  Another
     module that builds one is a second commit path."""
     if name in MARKER_OWNERS | MARKER_BUILDERS.keys():
         return
@@ -441,3 +442,22 @@ def test_module_size_smell(name: str) -> None:
 def test_large_modules_are_still_large() -> None:
     for name in LARGE_MODULES:
         assert len(modules()[name].read_text().splitlines()) > MAX_LINES, name
+
+
+#: A tracker reference: the word issue (any case, or issues) then a number, after a space,
+#: a hyphen or "#".
+TRACKER_REFERENCE = re.compile(r"\bissues?[ -]#?\d+", re.IGNORECASE)
+
+
+def test_no_tracker_numbers_in_code_tests_or_docs() -> None:
+    """Docstrings, comments and docs speak to a reader of the project: an internal tracker
+    number tells them nothing (the tracker is not shipped) and goes stale;
+    say what the thing is, or link the page that explains it.  CHANGELOG.md is history and may
+    name them."""
+    root = PKG.parent
+    files = [*PKG.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "docs").glob("*.md")]
+    found = [f"{path.relative_to(root)}:{n}: {line.strip()[:100]}"
+             for path in files if path.name != "CHANGELOG.md"
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if TRACKER_REFERENCE.search(line)]
+    assert found == []

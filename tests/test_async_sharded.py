@@ -1,4 +1,4 @@
-"""Asynchronous saves of sharded states (issue 10 part 5): ``store.save_async`` on every rank of
+"""Asynchronous saves of sharded states (docs/async.md): ``store.save_async`` on every rank of
 a 2-rank gloo job with an FSDP2/DTensor state, through ``dcp.async_save`` on the store's own gloo
 group and ckptfs's ShardedWriter (one commit).
 

@@ -155,8 +155,8 @@ def test_remote_verify_benchmark(tmp_path: Path) -> None:
 
 
 def test_incremental_question(smoke: tuple[Path, Path]) -> None:
-    """Incremental saves side by side with full saves and DCP: the ratios of issue 17 part 6
-    are in the JSON and sane (speed is not checked at these sizes)."""
+    """Incremental saves side by side with full saves and DCP: the ratios docs/benchmarks.md
+    reports are in the JSON and sane (speed is not checked at these sizes)."""
     results, docs = smoke
     inc = json.loads((results / "incremental.json").read_text())
     cases = inc["cases"]

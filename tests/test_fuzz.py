@@ -624,7 +624,7 @@ TABLE_LOOKUPS: dict[str, Callable[[Any], Any]] = {
 @pytest.mark.parametrize("value", [[], ["F32"], {}, {"a": 1}], ids=repr)
 @pytest.mark.parametrize("where", sorted(TABLE_LOOKUPS))
 def test_an_unhashable_code_is_refused(where: str, value: Any) -> None:
-    """Regression (issue 16): a dtype code (or memory format) that is a msgpack array or map
+    """Regression: a dtype code (or memory format) that is a msgpack array or map
     raised a raw ``TypeError: unhashable type`` from the table lookup (value documents, the v1
     state document, ``dcp.msgpack``'s memory_format), not CorruptCheckpointError."""
     _refused(lambda: TABLE_LOOKUPS[where](value))
@@ -632,7 +632,7 @@ def test_an_unhashable_code_is_refused(where: str, value: Any) -> None:
 
 @pytest.mark.parametrize("step", [-1, MAX_STEP + 1, 10**40, True, 1.0])
 def test_steps_a_step_directory_cannot_name_are_refused(step: Any) -> None:
-    """Regression (issue 16): the v1 manifest and the marker accepted a step beyond
+    """Regression: the v1 manifest and the marker accepted a step beyond
     10^12 - 1, which no step directory can name (docs/protocol.md section 1)."""
     _refused(lambda: decode_manifest(json.dumps(
         _with(json.loads(VALID_MANIFEST), "step", step)).encode()))

@@ -1,4 +1,4 @@
-"""Issue 11, lifecycle and CLI: metrics of every real scalar type, non-finite metrics, the
+"""Hardening, lifecycle and CLI: metrics of every real scalar type, non-finite metrics, the
 save's bookkeeping after the commit, rollback in ``restore_latest``, retention that keeps the
 fallbacks of a damaged newest checkpoint, GC that aborts only ckptfs's multipart uploads,
 hostile lifecycle content, concurrent gc/prune, and CLI usage errors (local and memory; S3 on

@@ -3,7 +3,7 @@ marker, as an attacker would: every one gives a typed error (UnsafeCheckpointErr
 links and extension types), no storage access outside the checkpoints, nothing written, nothing
 executed, bounded memory.
 
-Every hostile input goes through every reader (issue 16, part 7): ``load`` (verified or not),
+Every hostile input goes through every reader: ``load`` (verified or not),
 ``ckptfs cp`` (which must refuse it with the same error and commit nothing at the destination)
 and ``ckptfs inspect``; through the sub-storage of artifacts and the Lightning integration; and
 restated for the sharded format (format v2), where it must get the error its v1 counterpart

@@ -1,4 +1,4 @@
-"""Incremental saves (format v3, issue 17) on every single-process path: what is written, what
+"""Incremental saves (format v3, incremental.md) on every single-process path: what is written, what
 is referenced, that every step loads bit-exact and verifies, that reuse is decided by digest
 only (the data_ptr/_version hint never decides), the fence before the marker, tampering with
 referenced bytes, and old readers refusing v3."""

@@ -1,5 +1,5 @@
-"""Incremental saves racing deletes and garbage collection, in separate processes (issue 17,
-part 4): a saver keeps saving a LoRA-like state (a frozen base referenced from the previous
+"""Incremental saves racing deletes and garbage collection, in separate processes:
+a saver keeps saving a LoRA-like state (a frozen base referenced from the previous
 checkpoint, a changing adapter) while a pruner deletes every checkpoint but the newest (the one
 whose bytes the next save references) and a collector runs with a short grace.  Afterwards every
 committed checkpoint loads bit-exact and verifies, and after the last deletes and a final

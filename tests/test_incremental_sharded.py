@@ -1,4 +1,4 @@
-"""Sharded incremental checkpoints (format v4, issue 17 part 5, docs/protocol.md §9.6): every
+"""Sharded incremental checkpoints (format v4, docs/protocol.md §9.6): every
 rank of a collective save references the items of its previous save in this process that did
 not change (an FSDP2 model with a frozen layer), and every reader treats the references as it
 treats the rank files: loads on 2 ranks and in one process (resharded 2 -> 1), verify,

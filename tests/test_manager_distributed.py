@@ -1,4 +1,4 @@
-"""The one CheckpointManager body under a process group (issue 16, part 5): each defect found
+"""The one CheckpointManager body under a process group: each defect found
 in the distributed manager, on 2 gloo ranks with an FSDP2 MLP (uneven Shard(0): 7 and 3 rows).
 
 * metrics given on one rank only are recorded and tracked (they were dropped: the best pool

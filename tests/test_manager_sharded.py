@@ -1,4 +1,4 @@
-"""CheckpointManager on every rank of a distributed job (issue 9, part 4).
+"""CheckpointManager on every rank of a distributed job.
 
 One W=2 gloo job trains an FSDP2 MLP (uneven Shard(0): 7 and 3 rows) with AdamW and a
 scheduler, and saves through ``CheckpointManager`` on every rank (collective, sharded; each

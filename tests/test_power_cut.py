@@ -130,7 +130,7 @@ def _entries_not_made_durable(events: list[tuple[str, str]]) -> list[str]:
 
 
 def test_a_brand_new_run_root_is_durable(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 11: a save into a run root that did not exist (nor its parents) made the entries
+    """Regression: a save into a run root that did not exist (nor its parents) made the entries
     inside the root durable, but not the root's own entry in its parent: a power cut after
     save() returned lost the whole run."""
     from ckptfs.protocol.store import CheckpointStore
@@ -160,7 +160,7 @@ def test_a_record_in_a_new_directory_is_durable(tmp_path: Any,
 @pytest.mark.parametrize("path", paths.params(["v1", "async", "cp", "v2", "cp-v2"]))
 def test_a_returned_save_survives_a_power_cut(local_backend: Backend,
                                               path: paths.WritePath) -> None:
-    """Every writer: once its save returned, a power cut loses nothing (issue 16: a copy of a
+    """Every writer: once its save returned, a power cut loses nothing (a regression: a copy of a
     sharded checkpoint did not make its rank-00000/ directory entries durable, so a power cut
     after ckptfs cp returned lost rank-00000/data-0.safetensors)."""
     fs = FaultyStorage(raw_storage(local_backend), power_model=True)

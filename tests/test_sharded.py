@@ -1,4 +1,4 @@
-"""Sharded checkpoints (format v2, issue 9): collective saves on 2 and 4 gloo ranks, loads into
+"""Sharded checkpoints (format v2, sharded.md): collective saves on 2 and 4 gloo ranks, loads into
 1, 2 and 4 ranks with other placements, corruption caught by the rank that reads it, a failing
 rank failing the save everywhere, and the in-process parts (codecs, full load, v1 refusal).
 

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (format v2, issue 9) on GCS (fake-gcs-server) and Azure (azurite): the
+"""Sharded checkpoints (format v2) on GCS (fake-gcs-server) and Azure (azurite): the
 backends tests/test_sharded.py does not cover (it runs local disk and S3).
 
 One W=2 gloo job serves both backends (spawning ranks is the expensive part).  On each backend

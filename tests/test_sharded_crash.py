@@ -1,4 +1,4 @@
-"""Crash points of a sharded save (issue 9, part 6 and 7).
+"""Crash points of a sharded save.
 
 - The crash sweep of :mod:`ckptfs.testing.reliability.sharded` (2 simulated ranks driving the
   DCP StorageWriter in DCP's call order) on local disk and memory, plus a check that the sweep

@@ -1,4 +1,4 @@
-"""Format v2 read path, hostile input (issue 16): every defect of a sharded checkpoint that the
+"""Format v2 read path, hostile input: every defect of a sharded checkpoint that the
 reader's own checks must catch, with the same typed error through ``store.load(step)``,
 ``store.load(into=...)`` and ``store.verify``, a rollback with ``allow_rollback=True``, and the
 by-hand checker of docs/protocol.md rejecting the same checkpoint.  In one process (DCP without

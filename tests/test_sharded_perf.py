@@ -1,4 +1,4 @@
-"""The fast paths of the sharded (format v2) save and load (issue 16, performance) keep every
+"""The fast paths of the sharded (format v2) save and load keep every
 guarantee: a full load reads chunks straight into its own tensors and still verifies each one
 before returning (on local disk and through a ranged read elsewhere), a load into the caller's
 tensors never lets an unverified byte into them, a durable write flushes large files in the

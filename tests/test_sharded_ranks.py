@@ -1,4 +1,4 @@
-"""Format v2 on 2 gloo ranks, hostile and unusual input (issue 16): what the collective paths
+"""Format v2 on 2 gloo ranks, hostile and unusual input: what the collective paths
 must do that one process cannot show.
 
 * values that differ between ranks are stored as one rank's copy (the lowest rank holding the

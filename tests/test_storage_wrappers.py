@@ -1,4 +1,4 @@
-"""Storage wrappers (issue 16, part 3): every shipped wrapper offers exactly what the storage it
+"""Storage wrappers: every shipped wrapper offers exactly what the storage it
 wraps offers, and each capability works through it (local, memory, S3); a user's wrapper that
 implements exactly the :class:`Storage` protocol keeps the symbolic-link refusals; the
 sub-storage keeps retries, the write-memory budget, ranged reads and mmap."""

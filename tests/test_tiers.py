@@ -1,4 +1,4 @@
-"""Two tiers (issue 18, docs/tiers.md): save commits locally and returns, a background
+"""Two tiers (docs/tiers.md): save commits locally and returns, a background
 replicator copies each checkpoint to the remote tier through ``ckptfs cp``'s copy (verified,
 marker last), loads resolve across both tiers, retention never deletes an unreplicated local
 checkpoint, and a restart resumes what a killed replicator left."""

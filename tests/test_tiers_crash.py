@@ -1,4 +1,4 @@
-"""Two tiers (issue 18, part 6): the replicator killed, or the remote cut off, at every mutating
+"""Two tiers (docs/tiers.md): the replicator killed, or the remote cut off, at every mutating
 call it makes at the remote tier; a remote outage while training saves; the local disk lost.
 The sweeps live in :mod:`ckptfs.testing.reliability.tiers` (the figures command runs them:
 docs/reliability.md, *Two tiers*).  Local disk and memory:// as the remote by default (S3 at a

@@ -1,4 +1,4 @@
-"""CheckpointManager on a two-tier store (issue 18, docs/tiers.md): the restore resumes across
+"""CheckpointManager on a two-tier store (docs/tiers.md): the restore resumes across
 tiers through the store's one walk (local copy first, the remote one when the local is missing
 or fails), bit for bit after the local disk is lost; per-tier retention (``keep_last`` locally,
 ``remote_retention`` remotely, in the background); the best pool survives a lost local disk."""

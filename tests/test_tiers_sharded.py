@@ -1,4 +1,4 @@
-"""Two tiers, sharded (issue 18 parts 2, 3 and 6, docs/tiers.md "Sharded"): 2 gloo ranks, each
+"""Two tiers, sharded (docs/tiers.md "Sharded"): 2 gloo ranks, each
 with its own local tier (its "node's disk": a directory of its own), one remote (a local
 directory shared by both, as an object store would be).
 
@@ -381,7 +381,7 @@ def job_restart(rank: int, world: int, root: str, remote_url: str,
                                                          marks=pytest.mark.slow)])
 def test_lost_rank_no_remote_commit_then_restart(how: str, where: str, tmp_path: Path,
                                                  request: pytest.FixtureRequest) -> None:
-    """Issue 18 part 2 with a real loss: rank 1's process exits (or its upload hangs past
+    """A rank really lost while replicating: rank 1's process exits (or its upload hangs past
     ``replicate_timeout``) as its replication thread starts its upload of step 2.  No remote
     commit for step 2 (step 1 stays the remote's latest); the surviving ranks report the dead
     replicator instead of hanging; a restart of the job replicates step 2 bit-exact, and gc of

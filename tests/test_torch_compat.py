@@ -1,4 +1,4 @@
-"""``ckptfs.torch_compat`` (issue 16, part 8): the private torch APIs ckptfs uses live there and
+"""``ckptfs.torch_compat``: the private torch APIs ckptfs uses live there and
 only there, a torch that lacks one or is older than the tested floor fails with a message
 naming what is missing, and pyproject.toml declares the floor the tests run on."""
 

@@ -1,4 +1,4 @@
-"""A save bounds the bytes its parallel streaming writes hold in part buffers (issue 10).
+"""A save bounds the bytes its parallel streaming writes hold in part buffers.
 
 Counted in bytes, not wall time: a fake object store whose writer buffers like s3fs (one part
 of ``block`` bytes, sent when full, with the part copied out for the request) records the most

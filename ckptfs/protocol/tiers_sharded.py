@@ -1,5 +1,5 @@
 """Loading a sharded checkpoint across the two tiers of a store whose local tier is each node's
-own disk (issue 18 parts 2 and 3, docs/tiers.md "Sharded").
+own disk (docs/tiers.md "Sharded").
 
 Design decision: **every decision is the coordinator's or is computed from gathered facts, so
 every rank loads the same step from the same copy.**  The coordinator lists both tiers and

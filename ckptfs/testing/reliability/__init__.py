@@ -23,7 +23,7 @@ One module per concern, all re-exported here:
 - `.hostile`: hostile checkpoints (valid marker, malicious contents), read through load,
   verify, ``ckptfs cp`` (and any reader the caller adds); `.hostile_v2`: the same
   restated for the sharded format (``hostile_sweep(fmt=2)``).
-- `.tiers`: two tiers (issue 18): the replicator killed or cut off at every mutating call
+- `.tiers`: two tiers (docs/tiers.md): the replicator killed or cut off at every mutating call
   it makes at the remote tier, a remote outage during saves, the local disk lost.
 - `.report`: the figures command (docs/reliability.json and the table in
   docs/reliability.md); ``__main__`` runs it.

@@ -1,4 +1,4 @@
-"""Two tiers (issue 18, docs/tiers.md): the replicator of a `
+"""Two tiers (docs/tiers.md): the replicator of a `
 TieredStore` crashed or cut off at every mutating call it makes at the remote tier, a remote
 outage during which training goes on, and the loss of the local disk.
 
