@@ -354,6 +354,38 @@ def test_other_errors_not_mistaken_for_exists(shape: str) -> None:
     assert not is_precondition_failure(NOT_PRECONDITION_SHAPES[shape]())
 
 
+def _credential_errors() -> dict[str, BaseException]:
+    import azure.identity
+    import botocore.exceptions as boto
+    import google.auth.exceptions as gauth
+
+    return {
+        "botocore NoCredentialsError": boto.NoCredentialsError(),
+        "botocore PartialCredentialsError": boto.PartialCredentialsError(
+            provider="env", cred_var="AWS_SECRET_ACCESS_KEY"),
+        "botocore NoCredentialsError under s3fs's OSError": _wrapped(
+            OSError("Unable to locate credentials"), boto.NoCredentialsError()),
+        "google-auth DefaultCredentialsError": gauth.DefaultCredentialsError("none found"),
+        "google-auth RefreshError": gauth.RefreshError("invalid_grant"),
+        "azure-identity CredentialUnavailableError":
+            azure.identity.CredentialUnavailableError(message="no credential"),
+    }
+
+
+def test_missing_or_refused_credentials_are_access_errors() -> None:
+    """Missing credentials (no key, no profile, no metadata service) are the configuration,
+    not an outage: `StorageAccessError`, which the retry layer and the replicator never
+    retry.  A refresh error its library marks retryable stays a plain storage error."""
+    from google.auth.exceptions import RefreshError
+
+    from ckptfs.storage.retry import is_retryable
+
+    for name, exc in _credential_errors().items():
+        assert classify(exc) is StorageAccessError, name
+        assert not is_retryable(StorageAccessError(str(exc))), name
+    assert classify(RefreshError("503 from the token endpoint", retryable=True)) is StorageError
+
+
 def test_classify_and_describe() -> None:
     assert classify(NOT_PRECONDITION_SHAPES["s3 403 AccessDenied"]()) is StorageAccessError
     assert classify(NOT_PRECONDITION_SHAPES["azure 403 AuthorizationFailure"]()) \

@@ -452,6 +452,58 @@ def test_protocol_aliases_are_one_root(s3_backend: Backend) -> None:
                remote_options=s3_backend.options)
 
 
+def _no_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata lookup
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+
+
+def test_missing_credentials_raise_at_open(local_backend: Backend, s3_backend: Backend,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 (moto) and no credentials anywhere (options, environment, files, metadata): the
+    configuration, not an outage. ``tiered`` raises `StorageAccessError` at open, at once,
+    whether the remote is probed or not; it never opens "during an outage" to retry forever."""
+    _no_aws_credentials(monkeypatch)
+    options = {k: v for k, v in s3_backend.options.items() if k not in ("key", "secret")}
+    for extra in ({}, {"probe": False}):
+        t0 = time.monotonic()
+        with pytest.raises(ckptfs.StorageAccessError, match="credentials"):
+            tiered(local_backend.url, s3_backend.url, remote_options={**options, **extra},
+                   **FAST)
+        assert time.monotonic() - t0 < SCAN_TIMEOUT_S, extra
+
+
+def test_refused_credentials_fail_the_step_not_retried(local_backend: Backend,
+                                                       memory_backend: Backend) -> None:
+    """Credentials that stop working after the open (revoked, expired without refresh): the
+    replicator reports the step ``failed`` with the reason after one attempt instead of
+    retrying until a timeout, and ``wait_replicated`` raises at once."""
+    refused = threading.Event()
+
+    def hook(op: str, path: str) -> None:
+        if refused.is_set() and op in WRITES:
+            raise ckptfs.StorageAccessError(
+                f"write {path}: access denied (NoCredentialsError: Unable to locate "
+                "credentials)")
+
+    remote, _ = remote_store(memory_backend, hook=hook)
+    store = open_tiers(local_backend, remote)
+    store.save(1, state(1))
+    store.wait_replicated(timeout=60)
+    refused.set()
+    store.save(2, state(2))
+    t0 = time.monotonic()
+    with pytest.raises(ReplicationError, match="StorageAccessError"):
+        store.wait_replicated(timeout=30)
+    assert time.monotonic() - t0 < 10
+    status = store.replication()
+    assert status.state(2) == "failed" and status.steps[2].attempts == 1, status
+    assert "credentials" in (status.steps[2].error or "")
+    store.close()
+
+
 def test_copying_pauses_while_a_save_writes(local_backend: Backend,
                                             memory_backend: Backend) -> None:
     """A local save has the disk and the cores to itself: the replication of an earlier step

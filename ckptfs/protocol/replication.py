@@ -24,9 +24,9 @@ Failures: a storage error (an outage, a refused request after the storage's own 
 retried with capped exponential backoff, forever by default (``max_attempts=None``): an outage
 never fails a save, it only grows the queue, and each failure is logged with the lag.  What no
 retry can fix fails the step (``failed``, with the error) and the worker goes on with the next:
-the local copy is corrupt (the copy refuses it), or the remote holds the step committed with
-other content.  A step deleted locally before it was replicated (only if the store allows it)
-is dropped, logged.
+the local copy is corrupt (the copy refuses it), the remote holds the step committed with
+other content, or the remote refuses or lacks the credentials (`StorageAccessError`).  A step
+deleted locally before it was replicated (only if the store allows it) is dropped, logged.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from ckptfs.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ReplicationError,
+    StorageAccessError,
     StorageError,
 )
 from ckptfs.protocol.copy import CopyResult, Progress, copy_step
@@ -347,7 +348,7 @@ class Replicator:
                     return
                 retry = isinstance(exc, (StorageError, OSError)) and not isinstance(
                     exc, (CheckpointExistsError, CheckpointNotFoundError,
-                          CorruptCheckpointError))
+                          CorruptCheckpointError, StorageAccessError))  # credentials: fail
                 if not retry or (self.max_attempts is not None
                                  and rec.attempts >= self.max_attempts):
                     self._fail(rec, exc)

@@ -128,7 +128,11 @@ class TieredStore(CheckpointStore):
                                      threads=replicate_threads, bytes_per_s=bytes_per_s,
                                      retry_base_s=retry_base_s, retry_max_s=retry_max_s,
                                      max_attempts=max_attempts, copier=self._copier)
-        self._scan()
+        try:
+            self._scan()
+        except BaseException:  # refused at open (credentials): stop what was started
+            self.replicator.close()
+            raise
 
     def _tiers(self) -> list[Tier]:
         return [("local", self.local), ("remote", self.remote)]
@@ -139,9 +143,17 @@ class TieredStore(CheckpointStore):
         rank's replicator processes the same steps in the same order."""
         if self._copier is None:
             found = self._scan_tiers()
-        else:
-            coordinator = self._copier.coordinator
-            found = self._copier.broadcast_scan(self._scan_tiers() if coordinator else None)
+        else:  # the coordinator's refusal (credentials) is every rank's, never a rank left waiting
+            scan: Any = None
+            if self._copier.coordinator:
+                try:
+                    scan = self._scan_tiers()
+                except StorageAccessError as exc:
+                    scan = str(exc)
+            scan = self._copier.broadcast_scan(scan)
+            if isinstance(scan, str):
+                raise StorageAccessError(scan)
+            found = scan
         queued = []
         for step, nbytes, replicated in found:
             if replicated:
@@ -168,6 +180,8 @@ class TieredStore(CheckpointStore):
             return []
         try:
             remote = self._remote_steps()
+        except StorageAccessError:
+            raise  # missing or refused credentials: the configuration, not an outage
         except StorageError as exc:
             log.warning("remote tier %s cannot be listed (%s): every local checkpoint is queued "
                         "(one the remote already holds is recognized by the copy)",

@@ -1,5 +1,6 @@
 """What a storage library's exception means, as data: "exists" (a create-only write refused),
-"not found", "access denied", or a *permanent* failure that must not be retried.
+"not found", "access denied" (refused permissions, and credentials refused or missing), or a
+*permanent* failure that must not be retried.
 
 The HTTP statuses and service error codes of every backend are tables below, read from the
 whole exception chain (the libraries wrap each other's exceptions).
@@ -123,10 +124,34 @@ _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", 
                  "InvalidAuthenticationInfo", "Forbidden"}
 
 
+#: The storage libraries' exceptions (class names, matched along each exception's class
+#: hierarchy) that mean the credentials are missing or refused before any request reached the
+#: service: botocore finding no credentials (or half of them, or failing to fetch them from
+#: SSO or a credential process), google-auth finding no default credentials or refusing a
+#: token refresh, azure-identity finding no credential, azure-core's authentication failure.
+#: Waiting cannot fix any of them: they are `StorageAccessError`, never retried, and raised at
+#: open (docs/tiers.md).
+_CREDENTIAL_ERRORS = frozenset({
+    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+    "NoAuthTokenError", "UnauthorizedSSOTokenError", "SSOTokenLoadError",
+    "TokenRetrievalError",                                  # botocore
+    "DefaultCredentialsError", "RefreshError",              # google-auth
+    "CredentialUnavailableError", "ClientAuthenticationError",  # azure-identity, azure-core
+})
+
+
+def is_credential_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of `_CREDENTIAL_ERRORS` (a google-auth refresh error that says
+    it is retryable, e.g. a token endpoint's 503, is not)."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(names & _CREDENTIAL_ERRORS) and not getattr(exc, "retryable", False)
+
+
 def classify(exc: BaseException) -> type[StorageError]:
     """The ckptfs error class for a storage library's exception, from the whole chain: a missing
-    bucket, container or object is `StorageNotFoundError`; refused credentials or
-    permissions `StorageAccessError`; anything else `StorageError`."""
+    bucket, container or object is `StorageNotFoundError`; missing or refused credentials
+    (`is_credential_error`) or permissions `StorageAccessError`; anything else
+    `StorageError`."""
     for cur in error_chain(exc):
         if isinstance(cur, StorageError):
             return type(cur)
@@ -139,7 +164,7 @@ def classify(exc: BaseException) -> type[StorageError]:
             return StorageNotFoundError
         if status in (401, 403) or code in _ACCESS_CODES:
             return StorageAccessError
-        if type(cur).__name__ == "ClientAuthenticationError" or str(cur).startswith("Forbidden"):
+        if is_credential_error(cur) or str(cur).startswith("Forbidden"):
             return StorageAccessError
     return StorageError
 
