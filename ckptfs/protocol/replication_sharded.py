@@ -1,5 +1,5 @@
-"""Replicating a sharded checkpoint whose ranks wrote to their own nodes' disks (issue 18 part 2,
-docs/tiers.md "Sharded").
+"""Replicating a sharded checkpoint whose ranks wrote to their own nodes' disks (docs/tiers.md
+"Sharded").
 
 Under torch.distributed, the local tier of a two-tier store is each node's own disk: the
 coordinator's holds the step's marker, ``MANIFEST.json``, ``dcp.msgpack`` and its rank file;
