@@ -23,9 +23,8 @@ _V4_SWEEP = ("the corruption sweep (ckptfs.testing.reliability.corruption) finds
 KNOWN: dict[str, tuple[str, list[str]]] = {
     "v4": (_V4_SWEEP, [_NO_REFS]),
     "async-v4": (_V4_SWEEP, [_NO_REFS]),  # writes v4 (as the synchronous sharded save)
-    "cp-v4": (paths.DEFECTS["cp-v4"], [_NO_REFS, "which is missing (deleted while this "
-                                       "checkpoint needs it)"]),
-    "v4x2": (paths.DEFECTS["v4x2"], [_NO_REFS]),
+    "cp-v4": (_V4_SWEEP, [_NO_REFS]),
+    "v4x2": (_V4_SWEEP, [_NO_REFS]),  # as v4 (a resumed job's save references)
 }
 
 

@@ -69,6 +69,7 @@ from ckptfs.format.hashing import (
     new_hasher,
     new_store_hasher,
 )
+from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -88,6 +89,7 @@ from ckptfs.format.manifest import (
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, StatePlan, plan_state
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
 from ckptfs.format.versions import check_committable
+from ckptfs.protocol.listing import dangling_references
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, read_marker, storage_url
 from ckptfs.storage.base import ServerChecksums, Storage, retry_call, supports
 
@@ -428,6 +430,8 @@ class Attempt:
                     self.storage.sync_dir(d)
             if fence is not None:
                 fence()
+            if node_files is None:
+                self.refuse_dangling(manifest)
             marker = Marker(self.step, self.name, digest_bytes(MARKER_DIGEST_ALGORITHM, mbytes),
                             len(mbytes), manifest.created, who)
         except BaseException:
@@ -456,6 +460,26 @@ class Attempt:
         log.info("committed step %d at %s (%d files, %d bytes)", self.step, self.storage.url,
                  len(manifest.files), manifest.total_bytes)
         return self.committed
+
+    def refuse_dangling(self, manifest: Manifest) -> None:
+        """Every reference of ``manifest`` (formats with the ``references`` feature) resolves
+        here: its file listed in its attempt, of the declared size, no link, in an attempt
+        whose files may be referenced (`dangling_references`: one listing per referenced
+        attempt); else the typed error of the first finding, and nothing is committed.  Run by
+        `commit` after the manifest is durable and the fence (whose own errors, e.g. a gone
+        protector that makes a save write every byte again, come first), before the marker,
+        for every writer (a copy whose references still named the source's attempts committed a
+        checkpoint that never loads).  Not run for a node-local sharded save
+        (``node_files``): the other nodes' files are not on this node's storage."""
+        refs = references_of(manifest)
+        if not refs:
+            return
+        found = dangling_references(self.storage, refs)
+        if found:
+            raise found[0].error_at(
+                self.storage, self.step,
+                suffix=f" (a reference of step {self.step}, attempt {self.name}: it does not "
+                       f"resolve at {self.storage.url}); nothing was committed")
 
     def _marker_attempt(self) -> str | None:
         try:

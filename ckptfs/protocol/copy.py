@@ -33,7 +33,17 @@ byte it uses itself, or references only the destination's own committed checkpoi
 
 The state document is copied unchanged: its slots name files by ``path`` and tensors by name,
 and both are kept.  A source byte that differs from its digest (own file or referenced chunk)
-fails the copy with `CorruptCheckpointError` before anything commits.
+fails the copy with `CorruptCheckpointError` before anything commits.  A destination chunk is
+referenced only after it was read and checked there (`stored_chunk_intact`, as an incremental
+save checks what it reuses): a rotted one is written again instead.
+
+A sharded incremental checkpoint (format v4) is copied file for file, and each reference is
+remapped to the destination's own committed copy of the step it names (`references_at`: the
+same file, size and chunks, each chunk read and checked there; else the copy is refused, nothing
+written), behind the fence of its protectors (`references_fence`).  ``ckptfs cp``, the
+replicator and the per-rank sharded replica all go through these two functions.  Whatever the
+writer, the commit refuses a reference that does not resolve at the destination, before the
+marker (`Attempt.commit`).
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -53,6 +63,7 @@ from ckptfs.errors import (
     CheckpointNotFoundError,
     CkptfsError,
     CorruptCheckpointError,
+    ReplicationError,
     StorageError,
 )
 from ckptfs.format.content import same_content as same_content  # shared: cp, tiers, walk
@@ -61,18 +72,22 @@ from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
     IncrementalManifest,
     Reference,
+    has_references,
 )
-from ckptfs.format.manifest import FileEntry
+from ckptfs.format.manifest import FileEntry, Manifest
 from ckptfs.format.serialize import HeaderEntry, tensor_memoryview
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
+from ckptfs.format.versions import REFERENCES, SHARDED, features
 from ckptfs.protocol.commit import Attempt, WrittenFile, placeholder_digest
 from ckptfs.protocol.formats import check_checkpoint
 from ckptfs.protocol.incremental import (
     ProtectorGoneError,
     ReuseIndex,
+    ReuseMemory,
     Stored,
     index_of,
     recheck_after_lease,
+    stored_chunk_intact,
 )
 from ckptfs.protocol.reader import CheckedV1, local_header, reference_chunks
 from ckptfs.protocol.remote_verify import compare_stored
@@ -141,13 +156,16 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
     # file's header checked; the tensor bytes are checked against their digests as they are
     # copied.
     checked = check_checkpoint(src, info)
-    if isinstance(manifest, IncrementalManifest):
-        return _copy_v3(src, dst, info, manifest, checked, durable=durable, progress=progress,
-                        check_stored=check_stored)
+    feats = features(manifest)
+    if REFERENCES in feats and SHARDED not in feats:
+        return _copy_v3(src, dst, info, cast(IncrementalManifest, manifest), checked,
+                        durable=durable, progress=progress, check_stored=check_stored)
+    # A sharded checkpoint's references (format v4) name the destination's own copies.
+    there = references_at(dst, manifest)
     try:
         with Attempt.open(dst, step, algorithm=manifest.hash_algorithm,
                           durable=durable) as att:
-            copied = dataclasses.replace(manifest, attempt=att.name)
+            copied = dataclasses.replace(there, attempt=att.name)
             att.check(copied)
             entries = sorted(manifest.files, key=lambda e: -e.size)
             if not any(isinstance(e, ChunkedFileEntry) for e in entries):
@@ -163,7 +181,8 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
             copied = dataclasses.replace(copied, files=tuple(
                 dataclasses.replace(e, store_checksums=sums[e.path]) for e in manifest.files))
             verified = check_stored_checksums(dst, att, written) if check_stored else (0, 0)
-            out = att.commit(copied, copied_from=info.url)
+            out = att.commit(copied, fence=references_fence(dst, copied),
+                             copied_from=info.url)
     except CheckpointExistsError:
         winner = committed_at(dst, step, quiet=True)
         if winner is not None and same_content(winner.manifest, manifest):
@@ -173,6 +192,69 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
     log.info("copied step %d from %s to %s", step, src.url, dst.url)
     return CopyResult(step, "copied", out.attempt, len(manifest.files), manifest.total_bytes,
                       *verified)
+
+
+M = TypeVar("M", bound=Manifest)
+
+
+def references_at(dst: Storage, manifest: M) -> M:
+    """``manifest`` for its copy at ``dst`` (``ckptfs cp``, a replica, each rank's part of a
+    sharded replica): a reference of a sharded checkpoint (format v4) names the attempt of the
+    step it takes bytes from; at ``dst`` that step's copy has another attempt name, and must
+    hold the same file with the same size and the referenced chunks, and each of those chunks
+    must hold its digest's bytes there: read and checked once, as an incremental save checks
+    what it reuses (`stored_chunk_intact`), so rot at the destination is never referenced.
+    Else the step cannot be copied by reference: `ReplicationError` when ``dst`` does not hold
+    the step (copy it first), `CorruptCheckpointError` naming the damaged file; nothing is
+    written.  A manifest without references is returned as it is."""
+    if not has_references(manifest) or not manifest.references:
+        return manifest
+    memory = ReuseMemory()
+    refs: list[Reference] = []
+    for ref in manifest.references:
+        there = committed_at(dst, ref.step)
+        entry = None if there is None else {e.path: e for e in there.manifest.files}.get(
+            ref.source)
+        if (there is None or not isinstance(entry, ChunkedFileEntry) or entry.size != ref.size
+                or not set(ref.chunks) <= set(entry.chunks)):
+            raise ReplicationError(
+                f"step {manifest.step} references bytes of step {ref.step} ({ref.source}), "
+                f"which {dst.url} does not hold as committed (not copied there yet, pruned "
+                "there, or other content): it cannot be copied by reference; copy step "
+                f"{ref.step} there first (ckptfs cp --all copies every step, oldest first)")
+        for chunk in ref.chunks:
+            st = Stored(ref.step, there.attempt, ref.source, ref.size, ref.algorithm,
+                        ref.chunks[0], chunk, f"{ref.path}@{chunk.offset}", "", ())
+            if not stored_chunk_intact(dst, st, memory):
+                raise CorruptCheckpointError(
+                    f"{storage_url(dst, st.path)}: bytes {chunk.offset}.."
+                    f"{chunk.offset + chunk.length}, which step {manifest.step} references "
+                    f"there, are missing or differ from their digest: the destination's copy "
+                    f"of step {ref.step} is damaged; nothing was committed (run 'ckptfs "
+                    f"verify' there, delete the damaged step and copy it again)",
+                    step=ref.step, path=st.path)
+        refs.append(dataclasses.replace(ref, attempt=there.attempt))
+    return cast(M, dataclasses.replace(manifest, references=tuple(refs)))
+
+
+def references_fence(dst: Storage, manifest: Manifest) -> Callable[[], None] | None:
+    """The fence of a copy whose references name ``dst``'s committed steps
+    (`references_at`): before the marker, each referenced step is still committed there
+    with the same attempt, else `CorruptCheckpointError` (nothing committed).  ``None``
+    without references."""
+    protectors = sorted({(r.step, r.attempt) for r in
+                         (manifest.references if has_references(manifest) else ())})
+    if not protectors:
+        return None
+
+    def fence() -> None:
+        for pstep, pattempt in protectors:
+            marker = read_marker(dst, pstep)
+            if marker is None or marker.attempt != pattempt:
+                raise CorruptCheckpointError(
+                    f"step {pstep} at {dst.url}, whose bytes step {manifest.step} references "
+                    "there, was deleted meanwhile; nothing was committed", step=manifest.step)
+    return fence
 
 
 def check_stored_checksums(dst: Storage, att: Attempt, written: list[WrittenFile]
@@ -382,10 +464,14 @@ def _held(index: ReuseIndex) -> dict[tuple[int, str, str], dict[str, Stored]]:
     return out
 
 
-def _reusable(path: str, wanted: dict[str, tuple[HeaderEntry, Chunk]], algorithm: str,
-              held: dict[tuple[int, str, str], dict[str, Stored]]) -> Reference | None:
+def _reusable(dst: Storage, path: str, wanted: dict[str, tuple[HeaderEntry, Chunk]],
+              algorithm: str, held: dict[tuple[int, str, str], dict[str, Stored]],
+              memory: ReuseMemory) -> Reference | None:
     """A reference (named ``path``) to one destination file that holds every ``wanted`` tensor
-    under the same name with the same digest, length, dtype and shape; else ``None``."""
+    under the same name with the same digest, length, dtype and shape, each of those chunks
+    (and the file's header chunk) read and checked at ``dst`` once, as an incremental save
+    checks what it reuses (`stored_chunk_intact`): a rotted chunk is never referenced, the
+    bytes are written again instead.  Else ``None``."""
     if not wanted:
         return None
     for tensors in held.values():
@@ -397,6 +483,9 @@ def _reusable(path: str, wanted: dict[str, tuple[HeaderEntry, Chunk]], algorithm
             got.append(st)
         else:
             first = got[0]
+            if not all(stored_chunk_intact(dst, st, memory) for st in
+                       (dataclasses.replace(first, chunk=first.header), *got)):
+                continue
             chunks = {(st.chunk.offset, st.chunk.length): st.chunk for st in got}
             chunks.pop((first.header.offset, first.header.length), None)
             return Reference(path, first.step, first.attempt, first.source, first.size,
@@ -416,6 +505,7 @@ def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: Increme
         used.setdefault(slot.file, set()).add(slot.name)
     index = _destination_index(dst, algo) if reuse else None
     held = _held(index) if index is not None else {}
+    memory = ReuseMemory()  # what this copy read and checked at the destination
     dst_refs: list[Reference] = []
     copies: list[ChunkedFileEntry] = []
     mats: list[_Materialized] = []
@@ -431,14 +521,14 @@ def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: Increme
                 if chunk is not None:
                     wanted[name] = (e, chunk)
             if len(wanted) == len(used[entry.path]):
-                ref = _reusable(entry.path, wanted, algo, held)
+                ref = _reusable(dst, entry.path, wanted, algo, held, memory)
         if ref is not None:
             dst_refs.append(ref)
         else:
             copies.append(entry)
     for sref in manifest.references:
         located = reference_chunks(src, info, sref, used.get(sref.path, set()))
-        ref = _reusable(sref.path, located, algo, held) if held else None
+        ref = _reusable(dst, sref.path, located, algo, held, memory) if held else None
         if ref is not None:
             dst_refs.append(ref)
         else:

@@ -56,13 +56,19 @@ class Problem:
     text: str  # for a verify report: "<relpath>: <what>"
 
     def error(self, storage: Storage, info: CheckpointInfo) -> CorruptCheckpointError:
+        return self.error_at(storage, info.step)
+
+    def error_at(self, storage: Storage, step: int, *, suffix: str = ""
+                 ) -> CorruptCheckpointError:
+        """The typed error of this finding about ``step`` (``suffix``: appended to its
+        message)."""
         where = storage_url(storage, self.path)
         if self.kind == "link":
             return UnsafeCheckpointError(
                 f"{where} is a symbolic link; a checkpoint may not contain links (they can "
-                "point outside it). Refusing to read it", step=info.step, path=self.path)
+                f"point outside it). Refusing to read it{suffix}", step=step, path=self.path)
         what = self.text.split(": ", 1)[1]
-        return CorruptCheckpointError(f"{where}: {what}", step=info.step, path=self.path)
+        return CorruptCheckpointError(f"{where}: {what}{suffix}", step=step, path=self.path)
 
 
 @dataclass
@@ -125,9 +131,13 @@ def reference_problems(storage: Storage, info: CheckpointInfo,
     referenced file present in its attempt, of the size the reference declares, and neither it
     nor its step or attempt directory a link.  One listing per referenced attempt.  ``refs``:
     these references only (a selective load); default every reference of ``info``."""
-    manifest = info.manifest
-    if refs is None:
-        refs = references_of(manifest)
+    return dangling_references(storage, references_of(info.manifest) if refs is None else refs)
+
+
+def dangling_references(storage: Storage, refs: Iterable[Reference]) -> list[Problem]:
+    """`reference_problems` of the references ``refs`` (of a checkpoint committed or about to
+    be: `ckptfs.protocol.commit.Attempt.commit` refuses, before the marker, a manifest with
+    any finding here, for every writer)."""
     by_dir: dict[str, list[Reference]] = {}
     for ref in refs:
         by_dir.setdefault(ref.attempt_dir, []).append(ref)

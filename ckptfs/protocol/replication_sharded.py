@@ -22,7 +22,8 @@ One step, on every rank (`ShardedCopier`)::
     coordinator   reads its local marker and manifest; the remote already holds the step?
                   (the same content: "identical"; other content: CheckpointExistsError);
                   dcp.msgpack decoded as a load would; a v4 reference remapped to the remote's
-                  copy of the step it names (that copy must hold the same chunks); opens the
+                  copy of the step it names (that copy must hold the same chunks, each read
+                  and checked there: copy.references_at, as ckptfs cp does); opens the
                   remote attempt (Attempt.open) and checks the manifest it will commit
     broadcast     the plan: the local manifest and the remote attempt name (or the outcome)
     every rank    lists its own files on its own node (links, missing, resized: refused), then
@@ -61,11 +62,6 @@ from ckptfs.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from ckptfs.format.incremental import (
-    Reference,
-    ShardedIncrementalManifest,
-    references_of,
-)
 from ckptfs.format.layout import StepPaths
 from ckptfs.format.sharded import ChunkedFileEntry, ShardedManifest
 from ckptfs.protocol.commit import Attempt
@@ -76,6 +72,8 @@ from ckptfs.protocol.copy import (
     committed_at,
     copy_file,
     copy_step,
+    references_at,
+    references_fence,
     same_content,
 )
 from ckptfs.protocol.listing import check_listing
@@ -251,7 +249,7 @@ class ShardedCopier:
                     f"step {step} is already committed at {existing.url} with different "
                     f"content than {info.url}; a committed checkpoint is never overwritten")
             read_document(self.local, info)  # what a load refuses, the copy refuses
-            remote_manifest = _remote_manifest(self.remote, manifest)
+            remote_manifest = references_at(self.remote, manifest)
             att = Attempt.open(self.remote, step, algorithm=manifest.hash_algorithm,
                                durable=self.durable)
             self._att = att
@@ -312,18 +310,7 @@ class ShardedCopier:
                               [(e.path, e.size, e.rank) for e in manifest.files
                                if isinstance(e, ChunkedFileEntry)],
                               step=source.step, who="the coordinator sees at the remote")
-                protectors = {(r.step, r.attempt) for r in references_of(manifest)}
-
-                def fence() -> None:
-                    for pstep, pattempt in sorted(protectors):
-                        marker = read_marker(self.remote, pstep)
-                        if marker is None or marker.attempt != pattempt:
-                            raise CorruptCheckpointError(
-                                f"step {pstep} at {self.remote.url}, whose bytes step "
-                                f"{source.step} references there, was deleted meanwhile; "
-                                "nothing was committed", step=source.step)
-
-                out = att.commit(manifest, fence=fence if protectors else None,
+                out = att.commit(manifest, fence=references_fence(self.remote, manifest),
                                  world_size=manifest.world_size, copied_from=source.url)
         except CheckpointExistsError as exc:
             winner = committed_at(self.remote, source.step)
@@ -338,24 +325,3 @@ class ShardedCopier:
         return "ok", CopyResult(source.step, "copied", out.attempt, len(manifest.files),
                                 source.bytes, *verified)
 
-
-def _remote_manifest(remote: Storage, manifest: ShardedManifest) -> ShardedManifest:
-    """``manifest`` for the remote copy: a v4 reference names the attempt of the step it takes
-    bytes from; at the remote that step's copy has another attempt name, and must hold the same
-    file with the same size and the referenced chunks (checked here), else the step cannot be
-    replicated by reference (`ReplicationError`, not retried)."""
-    if not isinstance(manifest, ShardedIncrementalManifest) or not manifest.references:
-        return manifest
-    refs: list[Reference] = []
-    for ref in manifest.references:
-        there = committed_at(remote, ref.step)
-        entry = None if there is None else {e.path: e for e in there.manifest.files}.get(
-            ref.source)
-        if (there is None or not isinstance(entry, ChunkedFileEntry) or entry.size != ref.size
-                or not set(ref.chunks) <= set(entry.chunks)):
-            raise ReplicationError(
-                f"step {manifest.step} references bytes of step {ref.step} ({ref.source}), "
-                f"which {remote.url} does not hold as committed (not replicated, pruned there, "
-                "or other content): it cannot be replicated by reference")
-        refs.append(dataclasses.replace(ref, attempt=there.attempt))
-    return dataclasses.replace(manifest, references=tuple(refs))

@@ -1,0 +1,205 @@
+"""Copies of checkpoints with references (formats v3, v4): ``ckptfs cp``, ``ckptfs replicate``
+and the replicator commit a copy whose every reference resolves at the destination, to bytes
+read and checked there; and the commit itself refuses, before the marker, a reference that does
+not resolve at its storage, whoever writes it."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_golden import GOLDEN, assert_bit_exact
+from test_incremental_cp import populate, state
+
+import ckptfs
+from ckptfs.cli.core import main
+from ckptfs.errors import CorruptCheckpointError, ReplicationError
+from ckptfs.format.incremental import (
+    IncrementalManifest,
+    Reference,
+    ShardedIncrementalManifest,
+)
+from ckptfs.format.layout import StepPaths
+from ckptfs.protocol.commit import Attempt
+from ckptfs.protocol.copy import copy_step
+from ckptfs.protocol.replication import Replicator
+from ckptfs.storage.fsspec import FsspecStorage
+from ckptfs.testing.backend import Backend
+
+
+def _recipe() -> dict[int, Any]:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN / "make_golden.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    recipe: dict[int, Any] = mod.golden_v4()
+    return recipe
+
+
+def _golden_v4(tmp_path: Path) -> Path:
+    dst = tmp_path / "src"
+    shutil.copytree(GOLDEN / "v4" / "run", dst)
+    return dst
+
+
+def _attempts(storage: FsspecStorage, step: int) -> set[str]:
+    m = ckptfs.CheckpointStore(storage).info(step).manifest
+    assert isinstance(m, ShardedIncrementalManifest) and m.references
+    return {r.attempt for r in m.references}
+
+
+# -- part 1: a v4 copy's references name the destination's own copies ---------------------------
+
+
+def test_cp_of_v4_loads_bit_exact_at_the_destination(tmp_path: Path) -> None:
+    src, dst = _golden_v4(tmp_path), tmp_path / "dst"
+    assert main(["cp", str(src), str(dst), "--all"]) == 0
+    recipe = _recipe()
+    store = ckptfs.open(str(dst))
+    for step in (1, 2):
+        assert_bit_exact(store.load(step), recipe[step][0])
+        assert store.verify(step).ok
+    # step 2 references step 1's copy AT the destination, never the source's attempt
+    assert _attempts(store.storage, 2) == {store.info(1).attempt}  # type: ignore[arg-type]
+    assert store.info(1).attempt != ckptfs.open(str(src)).info(1).attempt
+
+
+def test_replicator_of_v4_loads_bit_exact_at_the_remote(tmp_path: Path) -> None:
+    """The single-process replicator (and ``ckptfs replicate``) copies through `copy_step`."""
+    src, dst = _golden_v4(tmp_path), tmp_path / "remote"
+    local, remote = FsspecStorage(str(src)), FsspecStorage(str(dst))
+    rep = Replicator(local, remote)
+    try:
+        rep.enqueue(1, 0)
+        rep.enqueue(2, 0)
+        rep.wait()
+        status = rep.status()
+    finally:
+        rep.close()
+    assert {s: r.state for s, r in status.steps.items()} == {1: "replicated", 2: "replicated"}
+    recipe = _recipe()
+    store = ckptfs.open(str(dst))
+    for step in (1, 2):
+        assert_bit_exact(store.load(step), recipe[step][0])
+
+
+def test_cp_of_a_v4_step_whose_referenced_step_is_not_there_commits_nothing(
+        tmp_path: Path) -> None:
+    src, dst = _golden_v4(tmp_path), tmp_path / "dst"
+    with pytest.raises(ReplicationError, match="copy step 1 there first"):
+        copy_step(FsspecStorage(str(src)), FsspecStorage(str(dst)), 2)
+    assert not (dst / StepPaths(2).marker).exists()
+
+
+def test_cp_of_v4_refuses_rotted_destination_bytes(tmp_path: Path) -> None:
+    """Step 1 copied, a byte of its rank file rotted at the destination, step 2 (which
+    references it) copied: refused, naming the file; nothing committed."""
+    src, dst = _golden_v4(tmp_path), tmp_path / "dst"
+    s, d = FsspecStorage(str(src)), FsspecStorage(str(dst))
+    copy_step(s, d, 1)
+    info = ckptfs.CheckpointStore(d).info(1)
+    m2 = ckptfs.CheckpointStore(s).info(2).manifest
+    assert isinstance(m2, ShardedIncrementalManifest)
+    ref = m2.references[0]
+    target = dst / info.path / ref.source
+    data = bytearray(target.read_bytes())
+    data[ref.chunks[-1].offset] ^= 0x01
+    target.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=ref.source.replace("/", ".")):
+        copy_step(s, d, 2)
+    assert not (dst / StepPaths(2).marker).exists()
+
+
+# -- part 2: v3: a rotted destination chunk is written again, never referenced -----------------
+
+
+def test_cp_of_v3_writes_rotted_destination_bytes_again(local_backend: Backend, tmp_path: Path
+                                                         ) -> None:
+    src = populate(local_backend)
+    dst = ckptfs.open(str(tmp_path / "dst"))
+    copy_step(src.storage, dst.storage, 1)
+    info = dst.info(1)
+    m1 = info.manifest
+    assert isinstance(m1, IncrementalManifest)
+    rotted = next(e for e in m1.files if e.path != "state.msgpack")
+    path = tmp_path / "dst" / info.path / rotted.path
+    data = bytearray(path.read_bytes())
+    data[rotted.chunks[1].offset] ^= 0x01  # the first tensor's first byte
+    path.write_bytes(bytes(data))
+    copy_step(src.storage, dst.storage, 2)
+    m2 = dst.info(2).manifest
+    assert isinstance(m2, IncrementalManifest)
+    assert all(not (r.step == 1 and r.source == rotted.path) for r in m2.references), \
+        "the copy referenced the rotted file"
+    assert dst.verify(2).ok
+    assert_bit_exact(dst.load(2), state(2))
+
+
+def test_replicator_does_not_report_rotted_references_replicated(local_backend: Backend,
+                                                                 tmp_path: Path) -> None:
+    src = populate(local_backend)
+    remote = FsspecStorage(str(tmp_path / "remote"))
+    copy_step(src.storage, remote, 1)
+    info = ckptfs.CheckpointStore(remote).info(1)
+    m1 = info.manifest
+    assert isinstance(m1, IncrementalManifest)
+    for e in m1.files:
+        if e.path != "state.msgpack":
+            path = tmp_path / "remote" / info.path / e.path
+            data = bytearray(path.read_bytes())
+            data[e.chunks[1].offset] ^= 0x01
+            path.write_bytes(bytes(data))
+    rep = Replicator(src.storage, remote)
+    try:
+        rep.enqueue(2, 0)
+        rep.wait()
+        status = rep.status()
+    finally:
+        rep.close()
+    assert status.steps[2].state == "replicated"
+    store = ckptfs.CheckpointStore(remote)
+    assert store.verify(2).ok  # replicated: every byte it uses is good
+    assert_bit_exact(store.load(2), state(2))
+
+
+# -- the commit refuses a dangling reference, for every writer -------------------------------
+
+
+def test_commit_refuses_a_dangling_reference(local_backend: Backend) -> None:
+    store = populate(local_backend, steps=(1,))
+    info = store.info(1)
+    m1 = info.manifest
+    assert isinstance(m1, IncrementalManifest)
+    entry = next(e for e in m1.files if e.path != "state.msgpack")
+    good = Reference("ref-00000.safetensors", 1, info.attempt, entry.path, entry.size,
+                     entry.algorithm, (entry.chunks[0],))
+    for bad, what in ((dataclasses.replace(good, attempt="a-20000101T000000Z-0000000000000000"),
+                       "which is missing"),
+                      (dataclasses.replace(good, size=entry.size + 1), "size differs")):
+        att = Attempt.open(store.storage, 5, algorithm=m1.hash_algorithm)
+        w = att.write_file("state.msgpack", 1, lambda: iter([memoryview(b"\x80")]), pieces=[1])
+        manifest = IncrementalManifest(5, att.name, (w.chunked_entry(m1.hash_algorithm, [1]),),
+                                       m1.created, m1.hash_algorithm, {}, references=(bad,))
+        with pytest.raises(CorruptCheckpointError, match=f"{what}.*nothing was committed"):
+            att.commit(manifest)
+        assert not store.storage.exists(StepPaths(5).marker)
+        assert not store.storage.exists(StepPaths(5).attempt_dir(att.name))
+    assert store.steps() == [1]
+
+
+def test_v4_manifest_naming_the_sources_attempts_is_refused_by_the_commit(tmp_path: Path
+                                                                        ) -> None:
+    """What the copy of a v4 step used to commit: its manifest with only ``attempt`` changed."""
+    src, dst = _golden_v4(tmp_path), tmp_path / "dst"
+    s, d = FsspecStorage(str(src)), FsspecStorage(str(dst))
+    copy_step(s, d, 1)
+    m2 = ckptfs.CheckpointStore(s).info(2).manifest
+    assert isinstance(m2, ShardedIncrementalManifest) and m2.references
+    att = Attempt.open(d, 2, algorithm=m2.hash_algorithm, durable=False)
+    with pytest.raises(CorruptCheckpointError, match=r"which is missing.*nothing was committed"):
+        att.commit(dataclasses.replace(m2, attempt=att.name))
+    assert not (dst / StepPaths(2).marker).exists()
