@@ -331,3 +331,24 @@ def _cli_opts(backend: Backend) -> list[str]:
 
 def test_exit_codes_are_distinct() -> None:
     assert len({EXIT_OK, EXIT_FAILED, EXIT_INCOMPLETE}) == 3
+
+
+@pytest.mark.parametrize("name", ["memory", "s3"])
+def test_remote_verify_reports_a_stray_object_as_full_verify_does(
+        name: str, request: pytest.FixtureRequest) -> None:
+    """An object in the attempt the manifest does not list: a full verify reports it, and so
+    does ``verify --remote`` (the same listing checks), as a mismatch; the CLI exits 1."""
+    backend: Backend = request.getfixturevalue(f"{name}_backend")
+    store = _open(backend)
+    info = store.save(1, _state())
+    assert store.verify(1, remote=True).ok
+    store.storage.write_bytes(f"{info.path}/notes.txt", b"hello")
+    with pytest.raises(ckptfs.CorruptCheckpointError, match=r"notes\.txt: not in the manifest"):
+        store.verify(1)
+    with pytest.raises(ckptfs.RemoteChecksumMismatchError,
+                       match=r"notes\.txt: not in the manifest \(stray file\)") as ei:
+        store.verify(1, remote=True)
+    report = ei.value.report  # type: ignore[attr-defined]
+    assert [f.path for f in report.files if f.status == "mismatch"] == ["notes.txt"]
+    if not backend.options:  # the CLI opens the URL alone
+        assert main(["verify", backend.url, "--remote", "--step", "1"]) == EXIT_FAILED

@@ -3,11 +3,14 @@
 A writer records, per file, the whole-object checksum the store itself keeps
 (``files[].store_checksums``, docs/protocol.md section 2.1), computed in the same pass as the
 content digest.  `verify_remote` reads the checkpoint's marker and manifest (as every
-reader does), lists the attempt once (missing, resized and stray files) and asks the store for
+reader does), lists the attempt once with the listing checks every verify runs
+(`ckptfs.protocol.listing`: missing, resized and stray files, links) and asks the store for
 each file's stored checksum (one metadata request per file: ``HeadObject`` on S3, the object's
 metadata on GCS), reading none of the data.  Each file is reported as ``match``, ``mismatch``
 or ``not available`` (the store keeps no comparable checksum for it, or the manifest recorded
-none): never counted as a pass.  See docs/remote-verify.md.
+none): never counted as a pass.  A listing finding (a missing or resized file, a file the
+manifest does not list, a link) is a ``mismatch``, as a full verify reports it.  See
+docs/remote-verify.md.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckptfs.errors import RemoteChecksumMismatchError
+from ckptfs.protocol.listing import list_attempt, problems
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.storage.base import ServerChecksums, Storage, StoredChecksum, supports
 
@@ -71,21 +75,26 @@ def verify_remote(storage: Storage, info: CheckpointInfo) -> RemoteVerifyReport:
     available``)."""
     report = RemoteVerifyReport(info.step, info.attempt, info.url)
     base = info.path
-    listed = {e.name: e for e in storage.list_tree(base)}
+    listing = list_attempt(storage, info)  # the listing checks of every verify
     report.requests += 1
     for entry in info.manifest.files:
         full = f"{base}/{entry.path}"
-        got = listed.get(full)
-        if got is None:
+        size = listing.sizes.get(entry.path)
+        if size is None:
             report.files.append(RemoteFileResult(entry.path, "mismatch", "missing"))
             continue
-        if got.size != entry.size:
+        if size != entry.size:
             report.files.append(RemoteFileResult(
-                entry.path, "mismatch", f"{got.size} bytes stored, {entry.size} in the manifest"))
+                entry.path, "mismatch", f"{size} bytes stored, {entry.size} in the manifest"))
             continue
         result, asked = compare_stored(storage, full, entry.path, entry.store_checksums)
         report.requests += asked
         report.files.append(result)
+    # What else the listing shows (a stray file, a link), as a full verify reports it.
+    for p in problems(info, listing):
+        if p.kind in ("stray", "link"):
+            path, what = p.text.split(": ", 1)
+            report.files.append(RemoteFileResult(path, "mismatch", what))
     bad = [f for f in report.files if f.status == "mismatch"]
     if bad:
         raise RemoteChecksumMismatchError(
