@@ -218,17 +218,17 @@ def test_async_sharded_incremental_hashes_only_unchanged_tensors(
     every staged copy looked unchanged, and every tensor was hashed twice)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from ckptfs.protocol import sharded_io
+    from ckptfs.protocol import incremental
     from ckptfs.testing.reliability.paths import world_of_one
 
     hashed: list[int] = []
-    real = sharded_io.tensor_digest
+    real = incremental.tensor_digest
 
     def counting(t: torch.Tensor, algorithm: str) -> str:
         hashed.append(t.numel())
         return real(t, algorithm)
 
-    monkeypatch.setattr(sharded_io, "tensor_digest", counting)
+    monkeypatch.setattr(incremental, "tensor_digest", counting)  # the one reuse decision's
     counts: dict[str, list[list[int]]] = {}
     with world_of_one() as mesh:
         for how in ("sync", "async"):

@@ -123,15 +123,7 @@ def _check_loaded(got: dict[str, Any], *, ties: bool) -> None:
 CELLS = ["v3", "async", "cp-v3", "replica-v3", "v4", "cp-v4"]
 
 
-def _cells() -> list[Any]:
-    """The cells, a known defect of a cell (another part of the write side) marked not strict:
-    this test is about the reader, and passes there once that defect is fixed."""
-    return [pytest.param(paths.PATHS[n], id=n, marks=[pytest.mark.xfail(
-        strict=False, reason=f"known defect: {paths.DEFECTS[n]}")] if n in paths.DEFECTS
-        else []) for n in CELLS]
-
-
-@pytest.mark.parametrize("path", _cells())
+@pytest.mark.parametrize("path", paths.params(CELLS))
 def test_equal_bytes_at_distinct_places_load_as_distinct_tensors(
         memory_backend: Backend, path: paths.WritePath) -> None:
     store = memory_backend.open(incremental=True)

@@ -208,3 +208,88 @@ def test_in_process_reuse_and_fence(tmp_path: Path) -> None:
     assert_state_equal(store.load(5), fourth_state)
     assert store.verify(5).ok
     assert not (tmp_path / StepPaths(4).marker).exists()
+
+
+# -- a resumed job: the first save of a new process reuses what the run stores ----------------
+
+
+def job_one_save(rank: int, world: int, url: str, step: int) -> Any:
+    """A job that saves once: FSDP2 on ``world`` ranks, a frozen first layer (the same
+    seeded values in every job) and a trained second layer whose values depend on ``step``; a
+    fresh process, so its store has no reuse memory."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = torch.nn.Sequential(torch.nn.Linear(128, 65), torch.nn.ReLU(),
+                                torch.nn.Linear(65, 3))
+    with torch.no_grad():
+        model[2].weight.add_(float(step))  # the trained part changed since the last job
+    model[0].requires_grad_(False)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    store = ckptfs.open(url, incremental=True)
+    info = store.save(step, {"model": model.state_dict(), "trainer": {"step": step}})
+    return info.step, info.attempt, info.bytes_written, info.bytes
+
+
+def test_a_resumed_two_rank_job_writes_only_what_changed(tmp_path: Path) -> None:
+    """Step 1 by one job, step 2 by a new job (new processes, nothing in memory): step 2 reads
+    the run's newest checkpoint to decide what it reuses, as a single-process save does, and
+    writes only what changed (before: every byte, the first save of a process wrote
+    everything)."""
+    run = tmp_path / "run"
+    first = run_ranks(job_one_save, 2, str(run), 1, timeout=300)
+    second = run_ranks(job_one_save, 2, str(run), 2, timeout=300)
+    assert first[0] == first[1] and second[0] == second[1]
+    _, _, written1, logical1 = first[0]
+    _, _, written2, logical2 = second[0]
+    assert written1 == logical1
+    assert logical2 - written2 >= FROZEN_BYTES, (written2, logical2)  # the frozen layer
+    assert written2 < logical2 / 2
+    store = ckptfs.open(str(run))
+    m = store.info(2).manifest
+    assert {r.step for r in references_of(m)} == {1}
+    assert store.verify(2).ok
+    got, one = store.load(2), store.load(1)
+    assert torch.equal(got["model"]["0.weight"], one["model"]["0.weight"])
+    assert torch.allclose(got["model"]["2.weight"], one["model"]["2.weight"] + 1.0)
+
+
+def test_a_new_process_reuses_after_checking_each_stored_chunk(tmp_path: Path) -> None:
+    """One rank, a new reuse memory per save (a new job each time): the save reuses the newest
+    checkpoint's unchanged items by digest, after reading each stored chunk and its file's
+    header chunk once; a rotted item chunk or header chunk is never reused (the item is
+    written again, and the checkpoint loads), and a non-matching digest is written."""
+    store = ckptfs.open(str(tmp_path), incremental=True)
+    frozen, other, w = torch.randn(64, 64), torch.randn(32, 32), torch.randn(8)
+    first = save_sharded(store.storage, 1, {"frozen": frozen, "other": other, "w": w},
+                         memory=ReuseMemory())
+    assert first.bytes_written == first.bytes
+    # New objects with the same bytes (a job that loaded them): the digest decides.
+    state2 = {"frozen": frozen.clone(), "other": other.clone(), "w": w + 1}
+    second = save_sharded(store.storage, 2, state2, memory=ReuseMemory())
+    assert second.bytes_written < second.bytes - (64 * 64 + 32 * 32) * 4 + 1
+    assert {r.step for r in references_of(second.manifest)} == {1}
+    assert_state_equal(store.load(2), state2)
+    # Rot in the stored chunk of `other` (step 1's rank file): a new job writes it again.
+    ref = references_of(second.manifest)[0]
+    rank_file = tmp_path / ref.location
+    sizes = sorted(c.length for c in ref.chunks[1:])
+    other_chunk = next(c for c in ref.chunks[1:] if c.length == 32 * 32 * 4)
+    assert sizes == [32 * 32 * 4, 64 * 64 * 4]
+    _flip(rank_file, other_chunk.offset + 7)
+    third = save_sharded(store.storage, 3, dict(state2), memory=ReuseMemory())
+    used = {c.length for r in references_of(third.manifest) for c in r.chunks[1:]}
+    assert 32 * 32 * 4 not in used and 64 * 64 * 4 in used
+    assert_state_equal(store.load(3), state2)
+    assert store.verify(3).ok
+    # Rot in the header chunk of the file step 3 still references: nothing of it is reused.
+    ref3 = next(r for r in references_of(third.manifest) if r.step == 1)
+    _flip(tmp_path / ref3.location, 20)
+    fourth = save_sharded(store.storage, 4, dict(state2), memory=ReuseMemory())
+    assert all(r.step != 1 for r in references_of(fourth.manifest))
+    assert_state_equal(store.load(4), state2)
+    assert store.verify(4).ok

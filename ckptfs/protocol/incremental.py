@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +134,10 @@ class ReuseMemory:
     #: ``fqn@offsets``) and their tensors' ``(data_ptr, _version)`` then.
     rank_index: ReuseIndex | None = None
     rank_versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: With no ``rank_index``: whether the next sharded save indexes the run's newest committed
+    #: checkpoint (`latest_index`: the first save of a new job) or writes every byte (the
+    #: retry after its protector went away).
+    rank_resume: bool = True
     #: Stored chunks this process knows hold their digest's bytes (it wrote them, or read and
     #: checked them once): ``(file path from the run root, offset, length)``.  A chunk it has
     #: not seen is read and checked before its first reuse, so rot in an old file is never
@@ -178,62 +182,99 @@ def tensor_digest(t: Any, algorithm: str) -> str:
     return h.hexdigest()
 
 
-def _latest_index(storage: Storage) -> ReuseIndex | None:
+#: How a format builds the reuse index of a committed checkpoint (`index_of` for format v3;
+#: the sharded save's for format v4); ``None`` for a checkpoint it cannot reuse from.
+Indexer = Callable[[Storage, CheckpointInfo], "ReuseIndex | None"]
+
+
+def latest_index(storage: Storage, indexer: Indexer = index_of) -> ReuseIndex | None:
+    """The reuse index of the run's newest committed checkpoint (``indexer``): what the first
+    incremental save in a process (a new job resuming a run, single-process or sharded) reuses
+    from, after one check of each stored chunk before its first reuse
+    (`stored_chunk_intact`).  A newest checkpoint that cannot be indexed: nothing is reused,
+    everything is written (logged)."""
     try:
         info = resolve_latest(storage)
-        return None if info is None else index_of(storage, info)
+        return None if info is None else indexer(storage, info)
     except CkptfsError as exc:  # a corrupt newest checkpoint: reuse nothing, write everything
         log.warning("%s: incremental save reuses nothing: the newest checkpoint cannot be "
                     "indexed (%s)", storage.url, exc)
         return None
 
 
-def stored_chunk_intact(storage: Storage, st: Stored, memory: ReuseMemory) -> bool:
-    """Whether the stored chunk holds the bytes its digest names: known in this process, or
-    read and checked now (once).  A chunk that is missing or differs is never reused (logged:
-    the file it is in is damaged)."""
-    if st.chunk_id in memory.checked:
+def _chunk_intact(storage: Storage, path: str, chunk: Chunk, algorithm: str,
+                  memory: ReuseMemory) -> bool:
+    chunk_id = (path, chunk.offset, chunk.length)
+    if chunk_id in memory.checked:
         return True
     try:
-        data = read_range(storage, st.path, st.chunk.offset, st.chunk.length)
-        good = len(data) == st.chunk.length and \
-            digest_bytes(st.algorithm, data).split(":", 1)[1] == st.chunk.digest
+        data = read_range(storage, path, chunk.offset, chunk.length)
+        good = len(data) == chunk.length and \
+            digest_bytes(algorithm, data).split(":", 1)[1] == chunk.digest
     except (FileNotFoundError, CkptfsError):
         good = False
     if good:
         with memory.lock:
-            memory.checked.add(st.chunk_id)
-    else:
-        log.warning("%s: bytes %d..%d of %s differ from their digest or are missing: tensor "
-                    "%r is written again instead of referenced (run 'ckptfs verify' on the "
-                    "checkpoints that use that file)", storage.url, st.chunk.offset,
-                    st.chunk.offset + st.chunk.length, st.path, st.name)
+            memory.checked.add(chunk_id)
     return good
 
 
-def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorithm: str,
-               threads: int, storage: Storage | None = None) -> dict[int, Stored]:
-    """The plan's tensors to reference (index -> stored copy): candidates by the hint, each
-    confirmed by its digest, and (``storage``) the stored chunk checked once per process
-    (`stored_chunk_intact`)."""
-    candidates = []
-    for i, t in enumerate(plan.tensors):
-        name = plan.names[i]
+def stored_chunk_intact(storage: Storage, st: Stored, memory: ReuseMemory, *,
+                        header: bool = False) -> bool:
+    """Whether the stored chunk holds the bytes its digest names: known in this process, or
+    read and checked now (once).  ``header``: its file's header chunk too (a sharded save's
+    index is built from ``dcp.msgpack`` without reading the rank files' headers).  A chunk
+    that is missing or differs is never reused (logged: the file it is in is damaged)."""
+    if (not header or _chunk_intact(storage, st.path, st.header, st.algorithm, memory)) \
+            and _chunk_intact(storage, st.path, st.chunk, st.algorithm, memory):
+        return True
+    log.warning("%s: bytes %d..%d of %s (or its header) differ from their digest or are "
+                "missing: tensor %r is written again instead of referenced (run 'ckptfs "
+                "verify' on the checkpoints that use that file)", storage.url, st.chunk.offset,
+                st.chunk.offset + st.chunk.length, st.path, st.name)
+    return False
+
+
+#: One tensor an incremental save may reuse: its name (the key path of a v3 save, the item
+#: name ``fqn@offsets`` of a sharded one), the tensor, and its reuse hint now (``(data_ptr,
+#: _version)``; ``None``: no hint).
+Item = tuple[str, Any, "tuple[int, int] | None"]
+
+
+def decide_reuse(items: Sequence[Item], index: ReuseIndex, memory: ReuseMemory,
+                 before: Mapping[str, tuple[int, int]], *, algorithm: str, threads: int,
+                 storage: Storage | None, by_content: bool) -> dict[int, Stored]:
+    """The one reuse decision of every incremental save (formats v3 and v4, in a process
+    that saved before or in a new one): which of ``items`` to reference (position -> the
+    stored copy).
+
+    1. A candidate: the index holds the name with the same dtype, shape and length, and the
+       tensor was not written to in place since the previous save in this process (``before``:
+       the hints then; the same ``data_ptr`` with a new ``_version``: not a candidate).  No
+       hint, the same version, or another tensor (a copy, a ``.cpu()`` of a GPU tensor): its
+       digest decides.
+    2. The candidate's digest with the store's (cryptographic) ``algorithm`` must equal a
+       stored chunk's: any tensor of the index with the same content (``by_content``, format
+       v3: a file's tensor is read by its slot), or the stored chunk of the same name (format
+       v4: an item is placed in a rank file under its own name).
+    3. ``storage``: the stored chunk (and, for v4, its file's header chunk) is read and
+       checked before this process first reuses it (`stored_chunk_intact`)."""
+    candidates: list[int] = []
+    for i, (name, t, hint) in enumerate(items):
         st = index.by_name.get(name)
-        if st is None or st.dtype != dtype_code(t.dtype) or st.shape != tuple(t.shape):
+        if st is None or st.dtype != dtype_code(t.dtype) or st.shape != tuple(t.shape) \
+                or st.chunk.length != t.numel() * t.element_size() \
+                or (not by_content and st.algorithm != algorithm):
             continue
-        before = memory.versions.get(name)
-        if before is not None and plan.versions and before[0] == plan.versions[i][0] \
-                and before[1] != plan.versions[i][1]:
+        prev = before.get(name)
+        if prev is not None and hint is not None and prev[0] == hint[0] and prev[1] != hint[1]:
             continue  # written to in place since the last save: it goes into a new file
-        # Else (no hint, the same version, or another tensor: a copy, a .cpu() of a GPU
-        # tensor) its digest decides.
         candidates.append(i)
     if not candidates:
         return {}
 
     def digest(i: int) -> str:
-        return tensor_digest(plan.tensors[i], algorithm)
+        return tensor_digest(items[i][1], algorithm)
 
     n = max(1, min(threads, len(candidates)))
     if n == 1:
@@ -243,13 +284,27 @@ def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorith
             digests = list(pool.map(digest, candidates))
     out: dict[int, Stored] = {}
     for i, hexd in zip(candidates, digests, strict=True):
-        t = plan.tensors[i]
-        key = (algorithm, hexd, t.numel() * t.element_size(), dtype_code(t.dtype),
-               tuple(t.shape))
-        st = index.by_key.get(key)
-        if st is not None and (storage is None or stored_chunk_intact(storage, st, memory)):
-            out[i] = st
+        name, t = items[i][0], items[i][1]
+        if by_content:
+            found = index.by_key.get((algorithm, hexd, t.numel() * t.element_size(),
+                                      dtype_code(t.dtype), tuple(t.shape)))
+        else:
+            own = index.by_name[name]
+            found = own if own.chunk.digest == hexd else None
+        if found is not None and (storage is None or stored_chunk_intact(
+                storage, found, memory, header=not by_content)):
+            out[i] = found
     return out
+
+
+def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorithm: str,
+               threads: int, storage: Storage | None = None) -> dict[int, Stored]:
+    """The plan's tensors to reference (index -> stored copy): `decide_reuse` by content, the
+    hints those the plan took of the caller's tensors."""
+    items = [(plan.names[i], t, plan.versions[i] if plan.versions else None)
+             for i, t in enumerate(plan.tensors)]
+    return decide_reuse(items, index, memory, memory.versions, algorithm=algorithm,
+                        threads=threads, storage=storage, by_content=True)
 
 
 def references_for(reused: Mapping[int, Stored]) -> tuple[list[Reference], dict[int, TensorSlot]]:
@@ -289,7 +344,7 @@ def save_incremental(storage: Storage, step: int, plan: StatePlan, meta: Mapping
             memory.warned = True
         index = None
     elif index is None:
-        index = _latest_index(storage)
+        index = latest_index(storage)
     try:
         return _save(storage, step, plan, meta, memory, index, algorithm=algorithm,
                      durable=durable, threads=threads, lease_s=lease_s)
@@ -424,5 +479,6 @@ def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
             memory.versions = dict(zip(plan.names, plan.versions, strict=True))
 
 
-__all__ = ["ProtectorGoneError", "ReuseIndex", "ReuseMemory", "find_reuse", "index_of",
-           "recheck_after_lease", "save_incremental", "write_plan"]
+__all__ = ["Indexer", "Item", "ProtectorGoneError", "ReuseIndex", "ReuseMemory", "decide_reuse",
+           "find_reuse", "index_of", "latest_index", "recheck_after_lease", "save_incremental",
+           "write_plan"]

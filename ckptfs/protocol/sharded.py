@@ -81,7 +81,7 @@ from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url, walk_latest
-from ckptfs.protocol.sharded_io import MAX_RANGE, ShardedWriter
+from ckptfs.protocol.sharded_io import ShardedWriter
 from ckptfs.protocol.sharded_plan import (
     FullLoadPlanner,
     LoadPlanner,
@@ -90,6 +90,7 @@ from ckptfs.protocol.sharded_plan import (
     values_from_lowest_rank,
 )
 from ckptfs.protocol.sharded_read import (
+    MAX_RANGE,
     ShardedReader,
     entry_location,
     read_chunks,

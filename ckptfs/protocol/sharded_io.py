@@ -65,6 +65,7 @@ from ckptfs.format.incremental import (
     Reference,
     ShardedIncrementalManifest,
     reference_name,
+    references_of,
 )
 from ckptfs.format.layout import CHECKPOINTS_DIR, StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import cpu_contiguous, tensor_memoryview, version_of
@@ -83,27 +84,27 @@ from ckptfs.format.sharded import (
     tensor_code,
 )
 from ckptfs.format.sharded_metadata import DcpDocument, ItemLocation, encode_metadata
+from ckptfs.format.versions import REFERENCES, SHARDED, features
 from ckptfs.protocol.commit import Attempt, default_threads, now_text, placeholder_digest
 from ckptfs.protocol.incremental import (
+    Item,
     ProtectorGoneError,
     ReuseIndex,
     ReuseMemory,
     Stored,
+    decide_reuse,
+    latest_index,
     recheck_after_lease,
-    tensor_digest,
 )
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
     read_marker,
     storage_url,
 )
+from ckptfs.protocol.sharded_read import check_checkpoint_id, read_document, sharded_manifest
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
-
-#: Largest ranged read: adjacent chunks a rank needs are fetched together up to this size.
-MAX_RANGE = 64 * 1024 * 1024
-
 
 @dataclass(frozen=True)
 class AttemptPlan:
@@ -175,7 +176,8 @@ class ShardedWriter(StorageWriter):
         #: docs/tiers.md): the coordinator checks only its own files, each rank its own.
         self.node_local = node_local
         self._opened = 0.0
-        self._pending: tuple[ReuseIndex, dict[str, tuple[int, int]]] | None = None
+        self._pending: tuple[ReuseIndex, dict[str, tuple[int, int]],
+                             set[tuple[str, int, int]]] | None = None
         #: The reuse hint of a resolved tensor (``version_of``); an async save, whose tensors
         #: are staged copies, gives the caller's tensors' hints taken at its snapshot.
         self.hint: Callable[[torch.Tensor], tuple[int, int]] = version_of
@@ -286,7 +288,8 @@ class ShardedWriter(StorageWriter):
                 planned.append((item, _planned(item, 0)))
                 if self.memory is not None:  # resolved once, for the reuse hint and write
                     tensors[id(item)] = self._resolve(item, planner)
-        reused = self._find_reuse(planned, tensors) if self.memory is not None else {}
+        reused, protector = self._find_reuse(planned, tensors) if self.memory is not None \
+            else ({}, None)
         own = [p for p in planned if id(p[0]) not in reused]
         # Largest elements first: every tensor's offset is aligned to its element size.
         own.sort(key=lambda p: -element_size(p[1].dtype))
@@ -294,16 +297,18 @@ class ShardedWriter(StorageWriter):
         written: dict[str, Stored] = {}
         if own:
             results, written = self._write_file(ap, own, values, tensors, planner)
-        index = self.memory.rank_index if self.memory is not None else None
+        # The chunks this rank wrote (and their files' header chunks): known good from now on.
+        fresh = {c for st in written.values() for c in (
+            st.chunk_id, (st.path, st.header.offset, st.header.length))}
         for item, pi in planned:
             st = reused.get(id(item))
             if st is None:
                 continue
-            assert index is not None
+            assert protector is not None
             report = ItemReport(f"{CHECKPOINTS_DIR}/{step_dir_name(st.step)}/{st.attempt}/"
                                 f"{st.source}", st.chunk.offset, st.chunk.length,
                                 st.chunk.digest, ap.rank, st.size, st.header,
-                                (st.step, st.attempt, st.source), index.protector)
+                                (st.step, st.attempt, st.source), protector)
             results.append(WriteResult(item.index, pi.nbytes, report))
             written[pi.name] = st
         if self.memory is not None:
@@ -311,7 +316,7 @@ class ShardedWriter(StorageWriter):
             for name, st in written.items():
                 new_index.add(name, st)
             self._pending = (new_index, {p.name: self.hint(tensors[id(i)])
-                                         for i, p in planned if id(i) in tensors})
+                                         for i, p in planned if id(i) in tensors}, fresh)
         return results
 
     def _resolve(self, item: WriteItem, planner: SavePlanner) -> torch.Tensor:
@@ -322,37 +327,41 @@ class ShardedWriter(StorageWriter):
         return t
 
     def _find_reuse(self, planned: list[tuple[WriteItem, PlannedItem]],
-                    tensors: dict[int, torch.Tensor]) -> dict[int, Stored]:
-        """The items of this rank to reference (``id(item)`` -> where their bytes are): those
-        its previous save in this process stored under the same name, dtype and shape, whose
-        tensor was not written to since (``data_ptr``, ``_version``: the hint), and whose
-        digest equals the stored chunk's (the decision)."""
+                    tensors: dict[int, torch.Tensor]
+                    ) -> tuple[dict[int, Stored], tuple[int, str] | None]:
+        """The items of this rank to reference (``id(item)`` -> where their bytes are) and
+        the checkpoint they are taken from (the protector): the
+        one reuse decision of every incremental save (`decide_reuse`), by name, over the index
+        of this rank's previous save in this process or, at the first save of a new job, of
+        the run's newest committed checkpoint (`sharded_index_of`, every stored chunk read
+        and checked before its first reuse)."""
         memory = self.memory
         if memory is None:
-            return {}
+            return {}, None
         if not ALGORITHMS[self.algorithm].cryptographic:
             if not memory.warned:
                 log.warning("%s: incremental saves reuse stored bytes only under a "
                             "cryptographic digest; with %r every byte is written",
                             self.storage.url, self.algorithm)
                 memory.warned = True
-            return {}
+            return {}, None
         with memory.lock:
-            index, before = memory.rank_index, memory.rank_versions
+            index, before, resume = memory.rank_index, memory.rank_versions, memory.rank_resume
+        if index is None and resume:
+            index = latest_index(self.storage, sharded_index_of)
         if index is None:
-            return {}
-        out: dict[int, Stored] = {}
+            return {}, None
+        ids: list[int] = []
+        items: list[Item] = []
         for item, pi in planned:
             t = tensors.get(id(item))
-            st = index.by_name.get(pi.name)
-            if (t is None or st is None or pi.nbytes == 0 or st.dtype != pi.dtype
-                    or st.shape != pi.shape or st.algorithm != self.algorithm
-                    or st.chunk.length != pi.nbytes
-                    or before.get(pi.name) != self.hint(t)):
+            if t is None or pi.nbytes == 0 or tuple(t.shape) != pi.shape:
                 continue
-            if tensor_digest(t, self.algorithm) == st.chunk.digest:
-                out[id(item)] = st
-        return out
+            ids.append(id(item))
+            items.append((pi.name, t, self.hint(t)))
+        chosen = decide_reuse(items, index, memory, before, algorithm=self.algorithm,
+                              threads=self.threads, storage=self.storage, by_content=False)
+        return {ids[i]: st for i, st in chosen.items()}, index.protector
 
     def _write_file(self, ap: AttemptPlan, planned: list[tuple[WriteItem, PlannedItem]],
                     values: dict[int, bytes], tensors: dict[int, torch.Tensor],
@@ -414,14 +423,17 @@ class ShardedWriter(StorageWriter):
                                                                                 info.attempt):
             return
         with self.memory.lock:
-            self.memory.rank_index, self.memory.rank_versions = pending
+            self.memory.rank_index, self.memory.rank_versions = pending[0], pending[1]
+            self.memory.checked.update(pending[2])
 
     def forget(self) -> None:
-        """Reuse nothing at the next save (the previous one's references are no longer safe)."""
+        """Reuse nothing at the next save (the previous one's references are no longer safe):
+        the retry after the protector went away writes every byte, reading no index."""
         self._pending = None
         if self.memory is not None:
             with self.memory.lock:
                 self.memory.rank_index, self.memory.rank_versions = None, {}
+                self.memory.rank_resume = False
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         att = self._attempt
@@ -539,6 +551,35 @@ def check_written(storage: Storage, write_dir: str, files: list[tuple[str, int, 
                 f"{found.get(path, 'no file')}{hint}", step=step)
 
 
+def sharded_index_of(storage: Storage, info: CheckpointInfo) -> ReuseIndex | None:
+    """The reuse index of a committed sharded incremental checkpoint (format v4; others hold
+    no item a v4 save may reference): every stored tensor item of its ``dcp.msgpack`` (read and
+    checked as a load reads it) by item name, at the file that physically holds its bytes (a
+    rank file of the checkpoint, or the source of one of its references), with that file's
+    header chunk.  No rank file is read here: a save checks each chunk (and its file's header
+    chunk) before it first reuses it (`stored_chunk_intact`)."""
+    m = info.manifest
+    if not {SHARDED, REFERENCES} <= features(m):
+        return None
+    manifest = sharded_manifest(info)
+    refs = {r.path: r for r in references_of(m)}
+    doc = read_document(storage, info)
+    index = ReuseIndex((info.step, info.attempt))
+    for item in doc.items:
+        if item.offsets is None:
+            continue  # a value document: never reused
+        entry = manifest.chunked(item.path)
+        chunk = entry.chunk_at(item.offset, item.length)
+        if chunk is None or not entry.chunks:  # pragma: no cover - check_locations
+            continue
+        ref = refs.get(item.path)
+        step, attempt, source = (info.step, info.attempt, item.path) if ref is None \
+            else (ref.step, ref.attempt, ref.source)
+        index.add(item.name, Stored(step, attempt, source, entry.size, entry.algorithm,
+                                    entry.chunks[0], chunk, item.name, item.code, item.shape))
+    return index
+
+
 def _references(reused: list[tuple[MetadataIndex, ItemReport]],
                 storage_data: dict[MetadataIndex, ItemLocation], algorithm: str
                 ) -> tuple[list[Reference], set[tuple[int, str]]]:
@@ -582,11 +623,3 @@ def _planned(item: WriteItem, value_bytes: int) -> PlannedItem:
         n *= s
     return PlannedItem(item_name(item.index.fqn, td.chunk.offsets), code, shape,
                        n * element_size(code))
-
-
-def check_checkpoint_id(expected: str, checkpoint_id: str | os.PathLike[str] | None) -> None:
-    """DCP passes ``checkpoint_id`` to ``reset``; ckptfs names checkpoints by URL and step."""
-    if checkpoint_id is not None and str(checkpoint_id) != expected:
-        raise InvalidStepError(
-            f"checkpoint_id {str(checkpoint_id)!r} is not used by ckptfs: the run URL and the "
-            "step are given to ckptfs.dcp.Writer(url, step) / Reader(url, step)")

@@ -32,6 +32,7 @@ from ckptfs.errors import (
     CheckpointNotFoundError,
     CkptfsError,
     CorruptCheckpointError,
+    InvalidStepError,
     LoadOptionError,
     StorageError,
     UnsafeCheckpointError,
@@ -60,11 +61,13 @@ from ckptfs.format.sharded_metadata import (
 from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
-from ckptfs.protocol.sharded_io import MAX_RANGE, check_checkpoint_id
 from ckptfs.storage.base import LocalFiles, Storage, read_range, supports
 from ckptfs.torch_compat import narrow_tensor_by_index
 
 Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
+
+#: Largest ranged read: adjacent chunks a rank needs are fetched together up to this size.
+MAX_RANGE = 64 * 1024 * 1024
 
 
 def _rank() -> int:
@@ -532,3 +535,11 @@ def dtype_mismatch(fqn: str, stored: torch.dtype, wanted: torch.dtype, url: str
         f"{where}key {fqn!r} is stored as {stored}, the tensor given to load it into is "
         f"{wanted}; ckptfs never converts dtypes on load: give a {stored} tensor (and convert "
         "after loading)")
+
+
+def check_checkpoint_id(expected: str, checkpoint_id: str | os.PathLike[str] | None) -> None:
+    """DCP passes ``checkpoint_id`` to ``reset``; ckptfs names checkpoints by URL and step."""
+    if checkpoint_id is not None and str(checkpoint_id) != expected:
+        raise InvalidStepError(
+            f"checkpoint_id {str(checkpoint_id)!r} is not used by ckptfs: the run URL and the "
+            "step are given to ckptfs.dcp.Writer(url, step) / Reader(url, step)")
