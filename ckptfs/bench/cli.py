@@ -76,7 +76,8 @@ def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
         from ckptfs.bench.remote_verify import table as remote_verify_table
 
         out = bench_remote_verify(parse_size(args.rv_size),
-                                  [b for b in args.rv_backends.split(",") if b])
+                                  [b for b in args.rv_backends.split(",") if b],
+                                  tensors=args.rv_tensors)
         print(remote_verify_table(out))
         return out
     if q == "tiers":
@@ -85,7 +86,7 @@ def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
         return bench_tiers(full=args.tiers_full,
                            size=parse_size(args.tiers_size) if args.tiers_size else None,
                            rounds=args.tiers_rounds, loop_steps=args.loop_steps,
-                           every=args.loop_every)
+                           every=args.loop_every, loop_params=args.loop_params or None)
     raise ValueError(q)
 
 
@@ -188,6 +189,11 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                            "of each loop variant")),
     "loop_every": (("--loop-every",), dict(type=int, default=20, help="tiers: save every N "
                                            "steps in the loop")),
+    "loop_params": (("--loop-params",), dict(type=int, default=0, help="tiers: parameters "
+                                             "of the loop's model (default: 4M; --full: 8M)")),
+    "rv_tensors": (("--tensors",), dict(type=int, default=8, help="remote-verify: tensors, "
+                                        "one file each (a file above 8 MiB is a multi-part "
+                                        "upload)")),
     "rv_size": (("--size",), dict(default="1GiB", help="remote-verify: checkpoint size")),
     "rv_backends": (("--backends",), dict(default="s3,gcs", help="remote-verify: "
                                           "comma-separated, of s3 (moto) and gcs (fake-gcs)")),
@@ -222,8 +228,8 @@ _OWN: dict[str, tuple[str, ...]] = {
                     "retention_without_gc", "incr_s3_base", "incr_s3_rounds", "incr_fresh_rounds",
                     *_COMMON),
     "tiers": ("tiers_full", "tiers_size", "tiers_rounds", "loop_steps", "loop_every",
-              *_COMMON),
-    "remote-verify": ("rv_size", "rv_backends", *_COMMON),
+              "loop_params", *_COMMON),
+    "remote-verify": ("rv_size", "rv_backends", "rv_tensors", *_COMMON),
     "all": tuple(d for d in _OPTIONS if not d.startswith(("tiers_", "rv_"))),
     "report": ("out", "results", "docs", "only"),
 }

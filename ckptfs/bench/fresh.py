@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,8 +97,37 @@ print("RESULT " + json.dumps(out))
 
 
 def _prepare_load(lib: str, d: str, size: int, tensors: int, env: dict[str, str]) -> None:
-    """Write the checkpoint a load variant reads (step 1), in a process of its own."""
-    _child(lib, "save", d, size, tensors, 0, env)
+    """Write the checkpoint a load variant reads (step 1), as the child's ``save(1)`` writes it,
+    just before that variant runs.  In this process (this tree's ckptfs, DCP and torch: a
+    process of its own would cost one more torch import per round and library, for no
+    difference in what the load reads), except ``baseline``: another checkout's ckptfs writes
+    its own checkpoint, in a process of its own."""
+    if lib == "baseline":
+        _child(lib, "save", d, size, tensors, 0, env)
+        return
+    import torch
+
+    torch.manual_seed(0)
+    per = size // tensors // 4
+    state = {"model": {f"layer{i}.weight": torch.empty(per).uniform_() for i in range(tensors)},
+             "trainer": {"step": 1, "lr": 1e-4}}
+    if lib == "ckptfs":
+        import ckptfs
+
+        ckptfs.open(d).save(1, state)
+    elif lib == "dcp":
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            save(state, storage_writer=FileSystemWriter(f"{d}/dcp-1", sync_files=True))
+    else:
+        os.makedirs(d, exist_ok=True)
+        with open(f"{d}/torch-1.pt", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _child(lib: str, op: str, d: str, size: int, tensors: int, steady: int,

@@ -68,11 +68,11 @@ def _count_gcs(fs: Any) -> Iterator[dict[str, int]]:
         del fs._request  # the class's method again
 
 
-def _state(size: int) -> dict[str, Any]:
+def _state(size: int, tensors: int = TENSORS) -> dict[str, Any]:
     np = need("numpy", "ckptfs bench remote-verify")
     rng = np.random.default_rng(0)
-    n = max(1, size // TENSORS // 4)
-    return {f"layer{i}": rng.random(n, dtype=np.float32) for i in range(TENSORS)}
+    n = max(1, size // tensors // 4)
+    return {f"layer{i}": rng.random(n, dtype=np.float32) for i in range(tensors)}
 
 
 def _measure(name: str, fn: Callable[[], Any], counter: Any) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def _measure(name: str, fn: Callable[[], Any], counter: Any) -> dict[str, Any]:
             "report": report.as_dict() if hasattr(report, "as_dict") else None}
 
 
-def bench_backend(backend: str, size: int) -> dict[str, Any]:
+def bench_backend(backend: str, size: int, tensors: int = TENSORS) -> dict[str, Any]:
     """Save a ``size``-byte checkpoint to a fresh server of ``backend`` (``s3``: moto, ``gcs``:
     fake-gcs-server), then a full verify and a remote verify of it, each counted."""
     from ckptfs.protocol.store import CheckpointStore
@@ -98,7 +98,7 @@ def bench_backend(backend: str, size: int) -> dict[str, Any]:
         storage = FsspecStorage(info.url("rv-bench"), **info.storage_options)
         store = CheckpointStore(storage)
         t0 = time.perf_counter()
-        saved = store.save(STEP, _state(size))
+        saved = store.save(STEP, _state(size, tensors))
         save_s = time.perf_counter() - t0
         gc.collect()
         counter = _count_s3 if backend == "s3" else _count_gcs
@@ -111,9 +111,11 @@ def bench_backend(backend: str, size: int) -> dict[str, Any]:
             "variants": [full, remote]}
 
 
-def bench_remote_verify(size: int, backends: Sequence[str] = ("s3", "gcs")) -> dict[str, Any]:
-    return {"question": "remote_verify", "size": size, "machine": machine_info(),
-            "runs": [bench_backend(b, size) for b in backends]}
+def bench_remote_verify(size: int, backends: Sequence[str] = ("s3", "gcs"), *,
+                        tensors: int = TENSORS) -> dict[str, Any]:
+    return {"question": "remote_verify", "size": size, "tensors": tensors,
+            "machine": machine_info(),
+            "runs": [bench_backend(b, size, tensors) for b in backends]}
 
 
 def table(result: dict[str, Any]) -> str:
