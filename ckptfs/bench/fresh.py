@@ -107,10 +107,12 @@ def _prepare_load(lib: str, d: str, size: int, tensors: int, env: dict[str, str]
         return
     import torch
 
-    torch.manual_seed(0)
     per = size // tensors // 4
-    state = {"model": {f"layer{i}.weight": torch.empty(per).uniform_() for i in range(tensors)},
-             "trainer": {"step": 1, "lr": 1e-4}}
+    with torch.random.fork_rng(devices=[]):  # this process's random state left as it was
+        torch.manual_seed(0)
+        state = {"model": {f"layer{i}.weight": torch.empty(per).uniform_()
+                           for i in range(tensors)},
+                 "trainer": {"step": 1, "lr": 1e-4}}
     if lib == "ckptfs":
         import ckptfs
 
