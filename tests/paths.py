@@ -158,8 +158,6 @@ REPLICAS: list[str] = [REPLICA_V1.name, REPLICA_V3.name]
 
 #: The defects a cell shows in the hardening tests (known; the strict xfail marks name them).
 DEFECTS = {
-    "cp-v4": "cp of a format v4 step that references a step the destination does not hold "
-             "is refused (ReplicationError): its references cannot be materialized yet",
 }
 
 

@@ -87,12 +87,52 @@ def test_replicator_of_v4_loads_bit_exact_at_the_remote(tmp_path: Path) -> None:
         assert_bit_exact(store.load(step), recipe[step][0])
 
 
-def test_cp_of_a_v4_step_whose_referenced_step_is_not_there_commits_nothing(
+def test_cp_of_a_lone_v4_step_copies_what_it_references_into_a_retired_attempt(
         tmp_path: Path) -> None:
+    """Step 2 alone into a fresh root: the files it references (step 1's) are copied into a
+    retired attempt of step 1 there (no marker, as a prune leaves one); step 2 loads
+    bit-exact and verifies; step 1 is not a committed step there."""
     src, dst = _golden_v4(tmp_path), tmp_path / "dst"
-    with pytest.raises(ReplicationError, match="copy step 1 there first"):
+    result = copy_step(FsspecStorage(str(src)), FsspecStorage(str(dst)), 2)
+    assert result.status == "copied"
+    store = ckptfs.open(str(dst))
+    assert store.steps() == [2]
+    assert not (dst / StepPaths(1).marker).exists()
+    (retired,) = _attempts(store.storage, 2)  # type: ignore[arg-type]
+    assert (dst / StepPaths(1).attempt_dir(retired) / "MANIFEST.json").exists()
+    assert retired != ckptfs.open(str(src)).info(1).attempt
+    assert_bit_exact(store.load(2), _recipe()[2][0])
+    assert store.verify(2).ok
+    # a later copy of step 1 commits it beside the retired attempt; both steps load
+    copy_step(FsspecStorage(str(src)), FsspecStorage(str(dst)), 1)
+    assert_bit_exact(store.load(1), _recipe()[1][0])
+    assert_bit_exact(store.load(2), _recipe()[2][0])
+
+
+def test_a_failed_lone_v4_copy_leaves_no_retired_attempt(tmp_path: Path) -> None:
+    src, dst = _golden_v4(tmp_path), tmp_path / "dst"
+    info = ckptfs.open(str(src)).info(2)
+    m2 = info.manifest
+    assert isinstance(m2, ShardedIncrementalManifest)
+    own = next(e for e in m2.files if e.path.startswith("rank-"))
+    target = src / info.path / own.path
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0x01  # step 2's own rank file: found while it is copied, after step 1's
+    target.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError):
         copy_step(FsspecStorage(str(src)), FsspecStorage(str(dst)), 2)
-    assert not (dst / StepPaths(2).marker).exists()
+    left = [p for p in dst.rglob("*") if p.is_file()] if dst.exists() else []
+    assert left == []
+
+
+def test_sharded_replica_of_a_step_not_at_the_remote_is_refused(tmp_path: Path) -> None:
+    """Without the source run root (the sharded replicator: files on several nodes) a step
+    the remote does not hold cannot be referenced: refused, nothing written."""
+    from ckptfs.protocol.copy import references_at
+    src = _golden_v4(tmp_path)
+    m2 = ckptfs.open(str(src)).info(2).manifest
+    with pytest.raises(ReplicationError, match="cannot be copied by reference"):
+        references_at(FsspecStorage(str(tmp_path / "remote")), m2)
 
 
 def test_cp_of_v4_refuses_rotted_destination_bytes(tmp_path: Path) -> None:

@@ -21,7 +21,6 @@ from ckptfs.errors import (
     CheckpointDeletedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    ReplicationError,
     StorageAccessError,
     StorageError,
     UnsafeCheckpointError,
@@ -418,26 +417,7 @@ def test_every_reader_refuses_a_symlink(where: str, path: paths.WritePath,
             paths.read(how, store, 1)
 
 
-def _stray_paths() -> list[Any]:
-    """`_every_path`; a format v4 checkpoint whose step references an earlier one cannot be
-    copied alone into a fresh root yet (the ``cp`` read) on every cell that writes v4."""
-    cp_v4 = paths.DEFECTS["cp-v4"]
-    return _every_path(xfail={"v4": cp_v4, "cp-v4": cp_v4, "async-v4": cp_v4, "v4x2": cp_v4})
-
-
-def _copy_or_known_defect(store: CheckpointStore, step: int) -> CheckpointStore:
-    """``paths.read("cp", ...)``; the cp-v4 defect's refusal raises
-    :class:`paths.KnownDefect`."""
-    try:
-        copy: CheckpointStore = paths.read("cp", store, step)
-    except ReplicationError as exc:
-        if "cannot be copied by reference" in str(exc):
-            raise paths.KnownDefect(str(exc)) from exc
-        raise
-    return copy
-
-
-@pytest.mark.parametrize(("where", "path"), _stray_paths())
+@pytest.mark.parametrize(("where", "path"), _every_path())
 def test_stray_file_is_ignored_by_load_and_reported_by_verify(
         where: str, path: paths.WritePath, request: pytest.FixtureRequest,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -452,7 +432,7 @@ def test_stray_file_is_ignored_by_load_and_reported_by_verify(
     assert any("notes.txt" in r.getMessage() for r in caplog.records)
     with pytest.raises(CorruptCheckpointError, match=r"notes\.txt: not in the manifest"):
         store.verify(1, quick=True)
-    copy = _copy_or_known_defect(store, 1)
+    copy: CheckpointStore = paths.read("cp", store, 1)
     assert copy.verify(1, quick=True).ok and _same(copy.load(1), path.state(1))
     assert paths.read("inspect", store, 1)["step"] == 1
 

@@ -413,21 +413,8 @@ class Attempt:
         who = writer_identity(**writer)
         try:
             mbytes = check_manifest(manifest, who)
-            self.storage.write_bytes(f"{self.write_dir}/{MANIFEST_NAME}", mbytes)
-            if self.write_dir != self.final_dir:
-                self.storage.rename_dir(self.write_dir, self.final_dir)
-            if self.sync:
-                # Every entry leading to this attempt's files, durable before the marker: its
-                # files in its directory, the directory (renamed) in the step's, the step's in
-                # checkpoints/, checkpoints/ in the run root (it may have just been created).
-                # Done here, once each, after the data: on a journaling filesystem the first
-                # fsync commits every entry made so far and the others find nothing left.
-                # A rank's ``rank-00003/`` first (deepest first), whoever wrote its files.
-                for sub in subdirectories(f.path for f in manifest.files) if node_files is None \
-                        else subdirectories(node_files):
-                    self.storage.sync_dir(f"{self.final_dir}/{sub}")
-                for d in (self.final_dir, self.paths.dir, CHECKPOINTS_DIR, ""):
-                    self.storage.sync_dir(d)
+            self._place(mbytes, [f.path for f in manifest.files] if node_files is None
+                        else node_files)
             if fence is not None:
                 fence()
             if node_files is None:
@@ -460,6 +447,41 @@ class Attempt:
         log.info("committed step %d at %s (%d files, %d bytes)", self.step, self.storage.url,
                  len(manifest.files), manifest.total_bytes)
         return self.committed
+
+    def _place(self, mbytes: bytes, relpaths: Iterable[str]) -> None:
+        """``MANIFEST.json`` written, the attempt renamed into place (local disk), and every
+        directory entry leading to its files ``relpaths`` (those on this node) durable."""
+        self.storage.write_bytes(f"{self.write_dir}/{MANIFEST_NAME}", mbytes)
+        if self.write_dir != self.final_dir:
+            self.storage.rename_dir(self.write_dir, self.final_dir)
+        if self.sync:
+            # Every entry leading to this attempt's files, durable before the marker: its
+            # files in its directory, the directory (renamed) in the step's, the step's in
+            # checkpoints/, checkpoints/ in the run root (it may have just been created).
+            # Done here, once each, after the data: on a journaling filesystem the first
+            # fsync commits every entry made so far and the others find nothing left.
+            # A rank's ``rank-00003/`` first (deepest first), whoever wrote its files.
+            for sub in subdirectories(relpaths):
+                self.storage.sync_dir(f"{self.final_dir}/{sub}")
+            for d in (self.final_dir, self.paths.dir, CHECKPOINTS_DIR, ""):
+                self.storage.sync_dir(d)
+
+    def retire(self, manifest: Manifest, written: Iterable[str]) -> None:
+        """Place ``manifest`` (a format with references) and the files ``written`` of this
+        attempt as a *retired* attempt: durable, under its final name, with no marker, as a
+        prune leaves an attempt whose files committed checkpoints reference
+        (docs/protocol.md §9.5).  A copy of a format v4 step whose referenced step the
+        destination does not hold writes the referenced files so (`ckptfs.protocol.copy`);
+        the copy's own commit, which references them, follows.  On any failure the attempt
+        is discarded."""
+        if manifest.step != self.step or manifest.attempt != self.name:
+            raise AssertionError("the manifest is not this attempt's")  # pragma: no cover
+        try:
+            mbytes = check_manifest(manifest, writer_identity())
+            self._place(mbytes, written)
+        except BaseException:
+            self.discard()
+            raise
 
     def refuse_dangling(self, manifest: Manifest) -> None:
         """Every reference of ``manifest`` (formats with the ``references`` feature) resolves

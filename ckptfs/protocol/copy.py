@@ -39,8 +39,11 @@ save checks what it reuses): a rotted one is written again instead.
 
 A sharded incremental checkpoint (format v4) is copied file for file, and each reference is
 remapped to the destination's own committed copy of the step it names (`references_at`: the
-same file, size and chunks, each chunk read and checked there; else the copy is refused, nothing
-written), behind the fence of its protectors (`references_fence`).  ``ckptfs cp``, the
+same file, size and chunks, each chunk read and checked there: rot there refuses the copy),
+behind the fence of its protectors (`references_fence`).  Where the destination holds no
+committed copy of that step, the referenced files are copied from the source into a *retired*
+attempt of that step there (`Attempt.retire`: files and manifest, no marker, as a prune leaves
+one), which the references name; a failed copy removes it.  ``ckptfs cp``, the
 replicator and the per-rank sharded replica all go through these two functions.  Whatever the
 writer, the commit refuses a reference that does not resolve at the destination, before the
 marker (`Attempt.commit`).
@@ -53,7 +56,7 @@ import json
 import logging
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar, cast
 
 import torch
@@ -90,6 +93,7 @@ from ckptfs.protocol.incremental import (
     stored_chunk_intact,
 )
 from ckptfs.protocol.reader import CheckedV1, local_header, reference_chunks
+from ckptfs.protocol.references import attempt_sharing
 from ckptfs.protocol.remote_verify import compare_stored
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
@@ -161,7 +165,7 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
         return _copy_v3(src, dst, info, cast(IncrementalManifest, manifest), checked,
                         durable=durable, progress=progress, check_stored=check_stored)
     # A sharded checkpoint's references (format v4) name the destination's own copies.
-    there = references_at(dst, manifest)
+    there, retired = references_at(dst, manifest, src=src, durable=durable)
     try:
         with Attempt.open(dst, step, algorithm=manifest.hash_algorithm,
                           durable=durable) as att:
@@ -181,9 +185,12 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
             copied = dataclasses.replace(copied, files=tuple(
                 dataclasses.replace(e, store_checksums=sums[e.path]) for e in manifest.files))
             verified = check_stored_checksums(dst, att, written) if check_stored else (0, 0)
-            out = att.commit(copied, fence=references_fence(dst, copied),
+            out = att.commit(copied, fence=references_fence(dst, copied, retired),
                              copied_from=info.url)
-    except CheckpointExistsError:
+    except BaseException as exc:
+        _discard_unreferenced(dst, step, retired)
+        if not isinstance(exc, CheckpointExistsError):
+            raise
         winner = committed_at(dst, step, quiet=True)
         if winner is not None and same_content(winner.manifest, manifest):
             return CopyResult(step, "identical", winner.attempt, len(manifest.files),
@@ -197,53 +204,144 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
 M = TypeVar("M", bound=Manifest)
 
 
-def references_at(dst: Storage, manifest: M) -> M:
+def references_at(dst: Storage, manifest: M, *, src: Storage | None = None,
+                  durable: bool = True) -> tuple[M, list[Attempt]]:
     """``manifest`` for its copy at ``dst`` (``ckptfs cp``, a replica, each rank's part of a
     sharded replica): a reference of a sharded checkpoint (format v4) names the attempt of the
     step it takes bytes from; at ``dst`` that step's copy has another attempt name, and must
     hold the same file with the same size and the referenced chunks, and each of those chunks
     must hold its digest's bytes there: read and checked once, as an incremental save checks
-    what it reuses (`stored_chunk_intact`), so rot at the destination is never referenced.
-    Else the step cannot be copied by reference: `ReplicationError` when ``dst`` does not hold
-    the step (copy it first), `CorruptCheckpointError` naming the damaged file; nothing is
-    written.  A manifest without references is returned as it is."""
+    what it reuses (`stored_chunk_intact`), so rot at the destination is never referenced
+    (`CorruptCheckpointError` naming the damaged file, nothing written).
+
+    Where ``dst`` holds no committed copy of that step and ``src`` is given (the source run
+    root), the referenced files are copied from ``src`` (every chunk checked against the
+    source attempt's manifest) into a fresh *retired* attempt of that step at ``dst``
+    (`Attempt.retire`: its files and manifest, no marker, as a prune leaves one), which the
+    references then name; those attempts are returned, for the caller to discard if its own
+    commit fails.  Without ``src`` (a sharded replica: the files lie on several nodes), such a
+    step cannot be copied by reference: `ReplicationError`.  A manifest without references
+    is returned as it is."""
     if not has_references(manifest) or not manifest.references:
-        return manifest
+        return manifest, []
     memory = ReuseMemory()
     refs: list[Reference] = []
-    for ref in manifest.references:
-        there = committed_at(dst, ref.step)
-        entry = None if there is None else {e.path: e for e in there.manifest.files}.get(
-            ref.source)
-        if (there is None or not isinstance(entry, ChunkedFileEntry) or entry.size != ref.size
-                or not set(ref.chunks) <= set(entry.chunks)):
-            raise ReplicationError(
-                f"step {manifest.step} references bytes of step {ref.step} ({ref.source}), "
-                f"which {dst.url} does not hold as committed (not copied there yet, pruned "
-                "there, or other content): it cannot be copied by reference; copy step "
-                f"{ref.step} there first (ckptfs cp --all copies every step, oldest first)")
-        for chunk in ref.chunks:
-            st = Stored(ref.step, there.attempt, ref.source, ref.size, ref.algorithm,
-                        ref.chunks[0], chunk, f"{ref.path}@{chunk.offset}", "", ())
-            if not stored_chunk_intact(dst, st, memory):
-                raise CorruptCheckpointError(
-                    f"{storage_url(dst, st.path)}: bytes {chunk.offset}.."
-                    f"{chunk.offset + chunk.length}, which step {manifest.step} references "
-                    f"there, are missing or differ from their digest: the destination's copy "
-                    f"of step {ref.step} is damaged; nothing was committed (run 'ckptfs "
-                    f"verify' there, delete the damaged step and copy it again)",
-                    step=ref.step, path=st.path)
-        refs.append(dataclasses.replace(ref, attempt=there.attempt))
-    return cast(M, dataclasses.replace(manifest, references=tuple(refs)))
+    retired: dict[str, tuple[Attempt, Manifest]] = {}  # source attempt dir -> its copy
+    try:
+        for ref in manifest.references:
+            there_attempt = _committed_reference(dst, manifest.step, ref, memory,
+                                                 none_ok=src is not None)
+            if there_attempt is None:
+                assert src is not None
+                if ref.attempt_dir not in retired:
+                    retired[ref.attempt_dir] = _retired_copy(src, dst, manifest.step,
+                                                             ref, durable)
+                there_attempt = retired[ref.attempt_dir][0].name
+            refs.append(dataclasses.replace(ref, attempt=there_attempt))
+        for adir, (att, m) in retired.items():
+            needed = sorted({r.source for r in manifest.references if r.attempt_dir == adir})
+            for path in needed:
+                ref = next(r for r in manifest.references
+                           if r.attempt_dir == adir and r.source == path)
+                assert src is not None
+                copy_file(src, adir, att, _source_entry(src, m, ref))
+            att.retire(dataclasses.replace(m, attempt=att.name), needed)
+    except BaseException:
+        for att, _ in retired.values():
+            att.discard()
+        raise
+    return (cast(M, dataclasses.replace(manifest, references=tuple(refs))),
+            [att for att, _ in retired.values()])
 
 
-def references_fence(dst: Storage, manifest: Manifest) -> Callable[[], None] | None:
+def _source_entry(src: Storage, m: Manifest, ref: Reference) -> ChunkedFileEntry:
+    """The entry of the source attempt's manifest ``m`` for the file ``ref`` takes bytes
+    from, which must hold the referenced chunks."""
+    entry = {e.path: e for e in m.files}.get(ref.source)
+    if (not isinstance(entry, ChunkedFileEntry) or entry.size != ref.size
+            or not set(ref.chunks) <= set(entry.chunks)):
+        raise CorruptCheckpointError(
+            f"{storage_url(src, ref.location)}: referenced as {ref.path}, but its attempt's "
+            "manifest does not list it with that size and those chunks; nothing was committed",
+            step=ref.step, path=ref.location)
+    return entry
+
+
+def _retired_copy(src: Storage, dst: Storage, step: int, ref: Reference, durable: bool
+                  ) -> tuple[Attempt, Manifest]:
+    """A fresh attempt of ``ref.step`` at ``dst`` for the referenced files of the source
+    attempt ``ref`` names, and that attempt's manifest (read at ``src``: it must be one
+    whose files may be referenced)."""
+    sharing = attempt_sharing(src, ref.attempt_dir)
+    if not sharing.shares or sharing.manifest is None:
+        raise CorruptCheckpointError(
+            f"{storage_url(src, ref.location)}: step {step} references it, in an attempt "
+            f"whose files may not be referenced ({sharing.why}); nothing was committed",
+            step=step, path=ref.location)
+    m = sharing.manifest
+    log.info("%s: step %d references step %d, which is not committed there: its referenced "
+             "files are copied into a retired attempt of step %d", dst.url, step, ref.step,
+             ref.step)
+    return Attempt.open(dst, ref.step, algorithm=m.hash_algorithm, durable=durable), m
+
+
+def _committed_reference(dst: Storage, step: int, ref: Reference, memory: ReuseMemory, *,
+                         none_ok: bool) -> str | None:
+    """The attempt of ``dst``'s committed copy of ``ref.step`` that holds ``ref``'s file
+    and chunks, each chunk read and checked there; ``None`` when ``dst`` has no committed
+    copy of that step and ``none_ok``."""
+    there = committed_at(dst, ref.step)
+    if there is None and none_ok:
+        return None
+    entry = None if there is None else {e.path: e for e in there.manifest.files}.get(
+        ref.source)
+    if (there is None or not isinstance(entry, ChunkedFileEntry) or entry.size != ref.size
+            or not set(ref.chunks) <= set(entry.chunks)):
+        raise ReplicationError(
+            f"step {step} references bytes of step {ref.step} ({ref.source}), "
+            f"which {dst.url} does not hold as committed (not copied there yet, pruned "
+            "there, or other content): it cannot be copied by reference; copy step "
+            f"{ref.step} there first (ckptfs cp --all copies every step, oldest first)")
+    for chunk in ref.chunks:
+        st = Stored(ref.step, there.attempt, ref.source, ref.size, ref.algorithm,
+                    ref.chunks[0], chunk, f"{ref.path}@{chunk.offset}", "", ())
+        if not stored_chunk_intact(dst, st, memory):
+            raise CorruptCheckpointError(
+                f"{storage_url(dst, st.path)}: bytes {chunk.offset}.."
+                f"{chunk.offset + chunk.length}, which step {step} references "
+                f"there, are missing or differ from their digest: the destination's copy "
+                f"of step {ref.step} is damaged; nothing was committed (run 'ckptfs "
+                f"verify' there, delete the damaged step and copy it again)",
+                step=ref.step, path=st.path)
+    return there.attempt
+
+
+def _discard_unreferenced(dst: Storage, step: int, retired: list[Attempt]) -> None:
+    """After a failed copy of ``step``: remove the retired attempts it wrote, unless a marker
+    of ``step`` may still name its attempt (an unknown outcome: then they are kept, and gc
+    frees them once nothing references them)."""
+    if not retired:
+        return
+    try:
+        marker = read_marker(dst, step)
+    except Exception:
+        return
+    if marker is None:
+        for r in retired:
+            r.discard()
+
+
+def references_fence(dst: Storage, manifest: Manifest, retired: Iterable[Attempt] = ()
+                     ) -> Callable[[], None] | None:
     """The fence of a copy whose references name ``dst``'s committed steps
     (`references_at`): before the marker, each referenced step is still committed there
-    with the same attempt, else `CorruptCheckpointError` (nothing committed).  ``None``
-    without references."""
+    with the same attempt, else `CorruptCheckpointError` (nothing committed); the
+    ``retired`` attempts the copy wrote itself have no marker to check.  ``None`` without
+    such references."""
+    own = {a.name for a in retired}
     protectors = sorted({(r.step, r.attempt) for r in
-                         (manifest.references if has_references(manifest) else ())})
+                         (manifest.references if has_references(manifest) else ())
+                         if r.attempt not in own})
     if not protectors:
         return None
 

@@ -16,8 +16,9 @@ hashed first, and again while written if it changed.
 
 The checkpoint a save takes references from is its *protector*.  Before the marker, the commit
 object calls this module's fence: the protector must still be committed (same attempt) and the
-save must be within its lease; after the marker, a save that outlived its lease checks that every
-file it references is still there, and uncommits itself if not.  Why that is enough against a
+save must be within its lease; after the marker, a save that outlived its lease lists every file
+of its checkpoint again, its own and those it references (``Attempt.commit(lease_expired=)``),
+and uncommits itself if one is gone.  Why that is enough against a
 concurrent delete or garbage collection: docs/protocol.md §9.5.
 """
 
@@ -31,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfs.errors import CkptfsError, CorruptCheckpointError
+from ckptfs.errors import CkptfsError
 from ckptfs.format.hashing import ALGORITHMS, digest_bytes, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
@@ -51,15 +52,15 @@ from ckptfs.format.serialize import (
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
 from ckptfs.protocol.commit import (
     Attempt,
+    confirm_after_lease,
     default_threads,
     now_text,
     placeholder_digest,
     save_plan,
     write_streams,
 )
-from ckptfs.protocol.listing import check_references
 from ckptfs.protocol.reader import local_header, reference_chunks
-from ckptfs.protocol.resolve import CheckpointInfo, read_marker, resolve_latest, storage_url
+from ckptfs.protocol.resolve import CheckpointInfo, read_marker, resolve_latest
 from ckptfs.storage.base import Storage, read_range
 
 log = logging.getLogger("ckptfs")
@@ -420,9 +421,8 @@ def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
                     f"step {pstep}, whose stored bytes this save references, was deleted "
                     "while it was being written")
 
-        info = att.commit(final, fence=fence)
-        if refs and time.monotonic() - opened > lease_s:
-            recheck_after_lease(storage, info)
+        info = att.commit(final, fence=fence, lease_expired=(
+            lambda: time.monotonic() - opened > lease_s) if refs else None)
     _remember(memory, plan, info, reused)
     if refs:
         log.info("step %d at %s: %d of %d bytes written, the rest referenced from %d files",
@@ -440,19 +440,12 @@ def _placeholder_chunks(pieces: list[int], algorithm: str) -> list[Chunk]:
 
 
 def recheck_after_lease(storage: Storage, info: CheckpointInfo) -> None:
-    """The marker of an incremental save (single-process or sharded) or of a referencing copy
-    (``ckptfs cp``, a replica) landed after its lease: a collector may have judged the writer
-    abandoned and removed what it references.  If anything referenced is gone, uncommit
-    (delete the marker) and raise; else it is as safe as any committed checkpoint from now
-    on."""
-    try:
-        check_references(storage, info)
-    except CorruptCheckpointError as exc:
-        storage.delete(info.paths.marker)
-        raise CorruptCheckpointError(
-            f"{storage_url(storage, info.path)}: the writer outlived its lease and bytes it "
-            f"references were removed meanwhile ({exc}); it was uncommitted: write it again",
-            step=info.step) from None
+    """The marker of a referencing copy (``ckptfs cp``, a replica) landed after its lease:
+    `ckptfs.protocol.commit.confirm_after_lease`, the check every incremental save's commit
+    runs then (``Attempt.commit(lease_expired=)``): every file of the checkpoint, its own
+    and those it references, listed again; if one is gone, uncommitted and
+    `CorruptCheckpointError`."""
+    confirm_after_lease(storage, info)
 
 
 def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,

@@ -249,7 +249,7 @@ class ShardedCopier:
                     f"step {step} is already committed at {existing.url} with different "
                     f"content than {info.url}; a committed checkpoint is never overwritten")
             read_document(self.local, info)  # what a load refuses, the copy refuses
-            remote_manifest = references_at(self.remote, manifest)
+            remote_manifest, _ = references_at(self.remote, manifest)
             att = Attempt.open(self.remote, step, algorithm=manifest.hash_algorithm,
                                durable=self.durable)
             self._att = att

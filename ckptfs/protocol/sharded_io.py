@@ -94,7 +94,6 @@ from ckptfs.protocol.incremental import (
     Stored,
     decide_reuse,
     latest_index,
-    recheck_after_lease,
 )
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
@@ -509,9 +508,9 @@ class ShardedWriter(StorageWriter):
                         "while it was being written")
 
         info = att.commit(manifest, fence=fence, world_size=world, node_files=[
-            e.path for e in entries if e.rank in (None, self.rank)] if self.node_local else None)
-        if refs and time.monotonic() - self._opened > self.lease_s:
-            recheck_after_lease(self.storage, info)
+            e.path for e in entries if e.rank in (None, self.rank)] if self.node_local else None,
+            lease_expired=(lambda: time.monotonic() - self._opened > self.lease_s)
+            if refs else None)
         if refs:
             log.info("committed sharded step %d at %s (%d ranks, %d files): %d of %d bytes "
                      "written, the rest referenced from %d files", self.step, self.storage.url,
