@@ -89,7 +89,7 @@ from ckptfs.format.manifest import (
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, StatePlan, plan_state
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
 from ckptfs.format.versions import check_committable
-from ckptfs.protocol.listing import dangling_references
+from ckptfs.protocol.listing import dangling_references, list_attempt, problems
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, read_marker, storage_url
 from ckptfs.storage.base import ServerChecksums, Storage, retry_call, supports
 
@@ -399,7 +399,9 @@ class Attempt:
     # -- committing ----------------------------------------------------------------------------
 
     def commit(self, manifest: Manifest, *, fence: Callable[[], None] | None = None,
-               node_files: Iterable[str] | None = None, **writer: Any) -> CheckpointInfo:
+               node_files: Iterable[str] | None = None,
+               lease_expired: Callable[[], bool] | None = None,
+               **writer: Any) -> CheckpointInfo:
         """Write ``manifest`` and create the marker exclusively: the checkpoint is committed
         when this returns.  ``writer``: extra facts the marker records (``world_size``,
         ``copied_from``).  ``fence``: called after the manifest is written (and durable) and
@@ -407,7 +409,10 @@ class Attempt:
         save checks there that what it references is still committed, docs/protocol.md §9.4).
         ``node_files``: the files on this node's storage, when each rank of a sharded save
         wrote to its own node's disk (docs/tiers.md): only their directories are made durable
-        here, each rank did its own.  See the module docstring for the outcomes."""
+        here, each rank did its own.  ``lease_expired``: the writer's lease (a save or copy
+        that references stored bytes, docs/protocol.md §9.4), asked once the marker is ours:
+        if it ran out, the marker stays only if every file of the checkpoint is still listed
+        (`confirm_after_lease`).  See the module docstring for the outcomes."""
         if manifest.step != self.step or manifest.attempt != self.name:
             raise AssertionError("the manifest is not this attempt's")  # pragma: no cover
         who = writer_identity(**writer)
@@ -446,6 +451,8 @@ class Attempt:
                                         marker)
         log.info("committed step %d at %s (%d files, %d bytes)", self.step, self.storage.url,
                  len(manifest.files), manifest.total_bytes)
+        if lease_expired is not None and lease_expired():
+            confirm_after_lease(self.storage, self.committed, node_files)
         return self.committed
 
     def _place(self, mbytes: bytes, relpaths: Iterable[str]) -> None:
@@ -522,6 +529,30 @@ class Attempt:
     def reread(self) -> CheckpointInfo:
         """The committed checkpoint as a reader sees it (after `commit`)."""
         return read_committed(self.storage, self.step)
+
+
+def confirm_after_lease(storage: Storage, info: CheckpointInfo,
+                        node_files: Iterable[str] | None = None) -> None:
+    """The marker of ``info`` landed after its writer's lease ran out (docs/protocol.md §9.4):
+    a collector may have judged the writer abandoned and removed its attempt's files or files
+    it references.  Every file of the checkpoint is listed again, its own (only ``node_files``
+    when each rank wrote to its own node's storage) and every referenced one: if one is
+    missing, of another size or a link, the marker is deleted (the checkpoint is not
+    committed) and `CorruptCheckpointError` raised; else the checkpoint is as safe as any
+    committed one from now on (a collector that reads its marker leaves it alone)."""
+    wanted = None if node_files is None else set(node_files)
+    own = [e for e in info.manifest.files if wanted is None or e.path in wanted]
+    found = [p for p in problems(info, list_attempt(storage, info), own) if p.kind != "stray"]
+    found += dangling_references(storage, references_of(info.manifest))
+    if not found:
+        return
+    storage.delete(info.paths.marker)
+    log.warning("%s: step %d uncommitted: its marker landed after the writer's lease and %s",
+                storage.url, info.step, found[0].text)
+    raise CorruptCheckpointError(
+        f"{storage_url(storage, info.path)}: the writer outlived its lease and files of the "
+        f"checkpoint were removed meanwhile ({found[0].text}); it was uncommitted: write it "
+        "again", step=info.step, path=found[0].path)
 
 
 def store_checksums_of(algorithms: Iterable[str], data: bytes | memoryview
