@@ -9,6 +9,8 @@ allowlist entry that is no longer needed fails its own test, so the lists only s
 - no private (``_name``) import across modules inside ``ckptfs/`` (no friend modules);
 - no storage probe outside ``ckptfs/storage/`` (the storage interface is declared);
 - one place creates commit markers;
+- messages between ranks are JSON through ``protocol/group.py``, never pickle, and ckptfs's own
+  process groups come from its one factory;
 - module size as a smell only, far above today's largest, with a named allowlist.
 """
 
@@ -418,6 +420,54 @@ def test_markers_are_created_by_the_commit(name: str) -> None:
 def test_marker_builders_still_need_it() -> None:
     for name in MARKER_BUILDERS:
         assert marker_constructions(name), f"{name} no longer builds markers: drop its entry"
+
+
+# -- messages between ranks: JSON through the group, never pickle ------------------------------
+
+#: torch.distributed's object collectives: each pickles on the sender and unpickles on every
+#: receiver.
+OBJECT_COLLECTIVES = frozenset({"broadcast_object_list", "all_gather_object", "gather_object",
+                                "scatter_object_list", "broadcast_object", "send_object_list",
+                                "recv_object_list"})
+GROUP_MODULE = "ckptfs.protocol.group"
+
+
+def uses_of(name: str, members: frozenset[str]) -> list[str]:
+    """``line: member`` for each use of one of ``members`` in module ``name``: an attribute
+    (``dist.new_group``), a name, or an import of it (``from torch.distributed import ...``)."""
+    found = []
+    for node in ast.walk(tree_of(name)):
+        if isinstance(node, ast.Attribute) and node.attr in members:
+            found.append(f"{node.lineno}: {node.attr}")
+        elif isinstance(node, ast.Name) and node.id in members:
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.ImportFrom):
+            found += [f"{node.lineno}: {a.name}" for a in node.names if a.name in members]
+    return found
+
+
+@pytest.mark.parametrize("name", list(modules()))
+def test_no_pickle_between_ranks(name: str) -> None:
+    """Messages between ranks are JSON documents through ``ckptfs.protocol.group``, never
+    pickle: loading a checkpoint never unpickles, and neither does a rank what another rank
+    sent (a pickle runs code on the receiver, and an object collective also hides what
+    crosses: a dataclass sent as a pickle has no schema).  A payload with structure is sent as
+    its ``to_doc()``."""
+    assert uses_of(name, OBJECT_COLLECTIVES) == [], (
+        f"{name} uses a pickling object collective: send a JSON document with "
+        "ckptfs.protocol.group (Group.broadcast / all_gather)")
+
+
+@pytest.mark.parametrize("name", list(modules()))
+def test_dedicated_groups_come_from_the_group_factory(name: str) -> None:
+    """ckptfs's own process groups are created in one place, ``group.gloo_group``: every one
+    is gloo, bounded by its timeout (its creation included), and a rank that never joins is
+    named from the liveness keys, instead of each caller doing a part of that."""
+    if name == GROUP_MODULE:
+        assert uses_of(name, frozenset({"new_group"})), "the factory no longer creates groups"
+        return
+    assert uses_of(name, frozenset({"new_group"})) == [], (
+        f"{name} creates a process group: use ckptfs.protocol.group.gloo_group")
 
 
 # -- module size, as a smell -------------------------------------------------------------------

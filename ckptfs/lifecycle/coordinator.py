@@ -55,28 +55,22 @@ function, agree_gather returns this process's result, drive runs the walk here. 
 rank of a job without torch.distributed (``rank``/``world_size`` given) stops a save after 1):
 it writes nothing, and its metrics are not recorded (logged).
 
-The messages of `ProcessGroup` are JSON in uint8 tensors (no pickle, a few hundred
-bytes per rank) on ckptfs's dedicated gloo group (``ckptfs.protocol.sharded.collective_group``,
-its timeout ``COLLECTIVE_TIMEOUT``); ``ckptfs.protocol.sharded`` (and so DCP, seconds to
-import) is imported only when a process group coordinates.
+The messages of `ProcessGroup` are the group's (``ckptfs.protocol.group``: JSON in uint8
+tensors, no pickle, a few hundred bytes per rank; an error crosses ranks as
+``group.describe``/``group.rebuild``) on ckptfs's dedicated gloo group
+(``ckptfs.protocol.sharded.collective_group``, its timeout ``COLLECTIVE_TIMEOUT``);
+``ckptfs.protocol.sharded`` (and so DCP, seconds to import) is imported only when a process
+group coordinates.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-import torch
-
-from ckptfs.errors import (
-    CheckpointDeletedError,
-    CorruptCheckpointError,
-    ProvenanceMismatchError,
-    ShardedCheckpointError,
-)
+from ckptfs.errors import CheckpointDeletedError, ShardedCheckpointError
+from ckptfs.protocol.group import RankGroup, describe, rebuild
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed
 from ckptfs.storage.base import Storage
 
@@ -232,47 +226,7 @@ def _chosen(last: list[tuple[Candidate, T]], chosen: Candidate, what: str,
 
 
 # ----------------------------------------------------------------------------------------------
-# ProcessGroup: pickle-free messages, and one error class on every rank
-
-
-def describe(exc: BaseException) -> dict[str, Any]:
-    """An exception as JSON: its class, message and the attributes ckptfs's errors carry."""
-    doc: dict[str, Any] = {"module": type(exc).__module__, "name": type(exc).__qualname__,
-                           "message": str(exc)}
-    for attr in ("step", "path", "diagnostic"):
-        value = getattr(exc, attr, None)
-        if isinstance(value, (int, str)):
-            doc[attr] = value
-    if isinstance(exc, ProvenanceMismatchError):
-        doc["differences"] = [[str(k), repr(a), repr(b)] for k, a, b in exc.differences]
-    if isinstance(exc, ShardedCheckpointError):
-        doc["failures"] = {str(r): str(v) for r, v in exc.failures.items()}
-    return doc
-
-
-def rebuild(doc: Mapping[str, Any], message: str) -> BaseException | None:
-    """An exception of the class ``doc`` names (ckptfs's or a builtin), or None."""
-    module, name = str(doc.get("module")), str(doc.get("name"))
-    if not (module == "builtins" or module == "ckptfs" or module.startswith("ckptfs.")):
-        return None
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        return None
-    try:
-        if issubclass(cls, ProvenanceMismatchError):
-            return cls(message, differences=[tuple(d) for d in doc.get("differences", [])],
-                       diagnostic=doc.get("diagnostic"))
-        if issubclass(cls, CorruptCheckpointError):
-            return cls(message, step=doc.get("step"), path=doc.get("path"))
-        if issubclass(cls, ShardedCheckpointError):
-            return cls(message, failures={int(r): v for r, v in
-                                          (doc.get("failures") or {}).items()})
-        return cls(message)
-    except Exception:  # a class with other required arguments
-        return None
+# ProcessGroup: pickle-free messages (ckptfs.protocol.group), and one error class on every rank
 
 
 class ProcessGroup:
@@ -286,11 +240,11 @@ class ProcessGroup:
         import torch.distributed as dist
 
         from ckptfs.protocol import sharded  # lazily: DCP takes seconds to import
-        self._dist = dist
         self.group = sharded.collective_group(None)
+        self._messages = RankGroup(self.group)
         self._rank = int(dist.get_rank())
         self._world_size = int(dist.get_world_size())
-        self.ranks = [int(r) for r in dist.get_process_group_ranks(self.group)]
+        self.ranks = self._messages.ranks
 
     @property
     def rank(self) -> int:
@@ -311,37 +265,17 @@ class ProcessGroup:
                         "broke", failures={}) from exc
 
     def gather(self, doc: Any, what: str, error: ErrorClass) -> list[Any]:
-        """Every rank's ``doc`` (JSON), in rank order."""
-        dist, data = self._dist, json.dumps(doc, default=str).encode()
-
-        def run() -> list[Any]:
-            size = torch.tensor([len(data)], dtype=torch.int64)
-            sizes = [torch.zeros_like(size) for _ in self.ranks]
-            dist.all_gather(sizes, size, group=self.group)
-            buf = torch.zeros(max(1, max(int(s.item()) for s in sizes)), dtype=torch.uint8)
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            bufs = [torch.zeros_like(buf) for _ in self.ranks]
-            dist.all_gather(bufs, buf, group=self.group)
-            return [json.loads(bytes(b[:int(n.item())].numpy().tobytes()))
-                    for b, n in zip(bufs, sizes, strict=True)]
-
-        return self._collective(run, what, error)
+        """Every rank's ``doc`` (JSON; a value JSON cannot hold is sent as its ``str``), in
+        rank order."""
+        return self._collective(lambda: self._messages.all_gather(doc, default=str), what,
+                                error)
 
     def broadcast(self, doc: Any, what: str, error: ErrorClass) -> Any:
-        """The writer's ``doc`` (JSON) on every rank (``doc`` is ignored on the others)."""
-        dist, root = self._dist, self.writer
-        data = json.dumps(doc, default=str).encode() if self._rank == root else b""
-
-        def run() -> Any:
-            size = torch.tensor([len(data)], dtype=torch.int64)
-            dist.broadcast(size, src=root, group=self.group)
-            buf = torch.zeros(max(1, int(size.item())), dtype=torch.uint8)
-            if self._rank == root:
-                buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            dist.broadcast(buf, src=root, group=self.group)
-            return json.loads(bytes(buf[:int(size.item())].numpy().tobytes()))
-
-        return self._collective(run, what, error)
+        """The writer's ``doc`` (JSON, as in `gather`) on every rank (``doc`` is ignored on
+        the others)."""
+        return self._collective(
+            lambda: self._messages.broadcast(doc, self.ranks.index(self.writer), default=str),
+            what, error)
 
     # -- the coordinator ---------------------------------------------------------------------
 
@@ -465,5 +399,4 @@ class ProcessGroup:
                                    for r, d in failures.items()}) from own
 
 
-__all__ = ["Candidate", "Coordinator", "ProcessGroup", "Solo", "check_ranks", "describe",
-           "rebuild"]
+__all__ = ["Candidate", "Coordinator", "ProcessGroup", "Solo", "check_ranks"]

@@ -53,6 +53,7 @@ from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import tensor_identity, version_of
 from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.protocol import sharded as sh
+from ckptfs.protocol.group import Liveness, gloo_group
 from ckptfs.protocol.incremental import ProtectorGoneError
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.staging import stage
@@ -202,7 +203,7 @@ def _staged_hint(staged: list[torch.Tensor], hints: list[tuple[int, int]]
     return hint
 
 
-def _group(coll: _Collective, live: sh.Liveness, what: str) -> Any:
+def _group(coll: _Collective, live: Liveness, what: str) -> Any:
     """This store's dedicated gloo group for async saves, created once (collectively: every
     rank creates its stores' groups in the same order), so that a background save's
     collectives never share a group with the training loop's or a synchronous save's.  Its
@@ -210,14 +211,8 @@ def _group(coll: _Collective, live: sh.Liveness, what: str) -> Any:
     the others with `ShardedSaveError` naming that rank (``live``)."""
     world = id(dist.group.WORLD)
     if coll.group is None or coll.group[0] != world:
-        try:
-            group = dist.new_group(backend="gloo", timeout=sh.COLLECTIVE_TIMEOUT)
-        except Exception as exc:  # a rank did not join within the timeout
-            err = sh.failure(exc, f"{what}: creating the store's gloo group for async saves",
-                             ShardedSaveError, live)
-            if err is exc:
-                raise
-            raise err from exc
+        group = gloo_group(sh.COLLECTIVE_TIMEOUT, what=f"{what}: creating the store's gloo "
+                           "group for async saves", default=ShardedSaveError, live=live)
         coll.group = (world, group)
     return coll.group[1]
 

@@ -8,14 +8,16 @@ process can copy the step: **each rank uploads its own files, and the coordinato
 remote copy once every rank has** (the same single exclusive commit as a sharded save).
 
 Design decision: **a dedicated gloo process group, collectives from each rank's replication
-thread**, rather than receipts written to storage.  Receipts would have to live somewhere on
-the remote (new files in the step's layout: a protocol change, and listings that see them as
-stray), and a rank waiting for receipts polls storage with its own timeout; the group gives
-agreement, one timeout (``timeout``: a dead rank fails the collective on every survivor instead
-of hanging it) and no new file.  It is created when the store is opened (collectively, on the
-calling thread), used only by the replication threads, and every rank processes the same steps
-in the same order: the coordinator's open-time scan is broadcast, every rank enqueues each
-step its collective save returns, and each worker takes the oldest pending step.
+thread** (the group's JSON messages, ``ckptfs.protocol.group``: plans, reports and errors are
+documents, never pickles), rather than receipts written to storage.  Receipts would have to
+live somewhere on the remote (new files in the step's layout: a protocol change, and listings
+that see them as stray), and a rank waiting for receipts polls storage with its own timeout;
+the group gives agreement, one timeout (``timeout``: a dead rank fails the collective on every
+survivor instead of hanging it) and no new file.  It is created when the store is opened
+(collectively, on the calling thread), used only by the replication threads, and every rank
+processes the same steps in the same order: the coordinator's open-time scan is broadcast,
+every rank enqueues each step its collective save returns, and each worker takes the oldest
+pending step.
 
 One step, on every rank (`ShardedCopier`)::
 
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, cast
 
@@ -57,13 +60,13 @@ import torch.distributed as dist
 from ckptfs.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
     ReplicationError,
     StorageError,
-    UnsafeCheckpointError,
 )
 from ckptfs.format.layout import StepPaths
+from ckptfs.format.manifest import Marker
 from ckptfs.format.sharded import ChunkedFileEntry, ShardedManifest
+from ckptfs.format.versions import decode_manifest
 from ckptfs.protocol.commit import Attempt
 from ckptfs.protocol.copy import (
     CopyResult,
@@ -76,6 +79,7 @@ from ckptfs.protocol.copy import (
     references_fence,
     same_content,
 )
+from ckptfs.protocol.group import RankGroup, describe, gloo_group, rebuild
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.replication import ReplicationStopped, StepGone
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, read_marker
@@ -89,17 +93,11 @@ log = logging.getLogger("ckptfs")
 #: on the slowest rank included) before it gives up: the replication stops in this process.
 REPLICATE_TIMEOUT = timedelta(minutes=30)
 
-#: Errors rebuilt by class on every rank (the class decides retry or fail); others become
-#: `ReplicationError` (not retried).
-_KINDS: dict[str, type[Exception]] = {
-    c.__name__: c for c in (StorageError, CorruptCheckpointError, UnsafeCheckpointError,
-                            CheckpointExistsError, CheckpointNotFoundError, ReplicationError)}
-
 
 def replication_group(timeout: timedelta = REPLICATE_TIMEOUT) -> Any:
     """The dedicated gloo group of a sharded store's replication threads (every rank calls it,
     on its main thread, when the store is opened)."""
-    return dist.new_group(backend="gloo", timeout=timeout)
+    return gloo_group(timeout, what="creating the sharded replication's gloo group")
 
 
 def settle_node_attempt(storage: Storage, step: int, attempt: str, *, durable: bool) -> None:
@@ -125,33 +123,82 @@ def own_files(manifest: ShardedManifest, rank: int, coordinator: bool
             and (e.rank == rank or (e.rank is None and coordinator))]
 
 
+def info_doc(info: CheckpointInfo) -> dict[str, Any]:
+    """A committed checkpoint as a message between ranks (`info_of` reads it): its manifest
+    and marker as the bytes they are stored as."""
+    return {"step": info.step, "attempt": info.attempt, "url": info.url,
+            "dir_name": info.dir_name, "manifest": info.manifest.to_bytes().decode(),
+            "marker": info.marker.to_bytes().decode()}
+
+
+def info_of(doc: Mapping[str, Any]) -> CheckpointInfo:
+    """The `CheckpointInfo` of `info_doc`, its manifest and marker read by the reader's own
+    decoders."""
+    return CheckpointInfo(
+        int(doc["step"]), str(doc["attempt"]), str(doc["url"]),
+        decode_manifest(str(doc["manifest"]).encode(), where=f"{doc['url']} (as sent)"),
+        Marker.from_bytes(str(doc["marker"]).encode(), where=f"{doc['url']} (as sent)"),
+        str(doc["dir_name"]))
+
+
 @dataclasses.dataclass
 class _Plan:
     status: str  # "copy" | "done" | "gone" | "error"
     source: CheckpointInfo | None = None
     manifest: ShardedManifest | None = None  # the one the remote attempt will commit
     result: CopyResult | None = None
-    error: tuple[str, str] | None = None
+    error: dict[str, Any] | None = None  # `describe`
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"status": self.status,
+                "source": None if self.source is None else info_doc(self.source),
+                "manifest": None if self.manifest is None else self.manifest.to_bytes().decode(),
+                "result": None if self.result is None else self.result.as_dict(),
+                "error": self.error}
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> _Plan:
+        manifest = None
+        if doc["manifest"] is not None:
+            manifest = cast(ShardedManifest, decode_manifest(
+                str(doc["manifest"]).encode(), where="the remote manifest (as sent)"))
+        return cls(str(doc["status"]),
+                   None if doc["source"] is None else info_of(doc["source"]), manifest,
+                   None if doc["result"] is None else CopyResult(**doc["result"]),
+                   doc["error"])
 
 
 @dataclasses.dataclass(frozen=True)
 class _Upload:
     """One rank's report after uploading its files of a step."""
 
-    error: tuple[str, str] | None = None
+    error: dict[str, Any] | None = None  # `describe`
     #: path -> the remote store's checksums of the file, computed while sending it.
     sums: dict[str, tuple[tuple[str, str], ...]] = dataclasses.field(default_factory=dict)
     #: (objects whose stored checksum matched, objects the store cannot vouch for).
     verified: tuple[int, int] = (0, 0)
 
+    def to_doc(self) -> dict[str, Any]:
+        return {"error": self.error, "sums": {p: [list(c) for c in cs]
+                                              for p, cs in self.sums.items()},
+                "verified": list(self.verified)}
 
-def _error(exc: BaseException) -> tuple[str, str]:
-    return type(exc).__name__, str(exc)
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> _Upload:
+        sums = {str(p): tuple((str(a), str(v)) for a, v in cs)
+                for p, cs in doc["sums"].items()}
+        ok, unvouched = doc["verified"]
+        return cls(doc["error"], sums, (int(ok), int(unvouched)))
 
 
-def rebuild_error(error: tuple[str, str]) -> Exception:
-    """The error ``(class name, message)`` reported by a rank, as the same class here."""
-    return _KINDS.get(error[0], ReplicationError)(error[1])
+def rebuild_error(doc: Mapping[str, Any]) -> Exception:
+    """The error a rank reported (`describe`), as the same class here, so every rank's
+    replicator decides alike (retry or fail, as for a copy in one process); a class that
+    cannot be rebuilt becomes `ReplicationError` (not retried)."""
+    err = rebuild(doc)
+    if isinstance(err, Exception):
+        return err
+    return ReplicationError(f"{doc.get('name')}: {doc.get('message')}")
 
 
 class ShardedCopier:
@@ -166,26 +213,27 @@ class ShardedCopier:
         self.durable = durable
         self.threads = threads
         self.rank = dist.get_rank()
-        self.coordinator = dist.get_rank(group) == 0
+        self.messages = RankGroup(group)
+        self.coordinator = self.messages.coordinator
         self._att: Attempt | None = None
 
     # -- collectives (any failure: the group is unusable, replication stops here) ------------
 
-    def _bcast(self, obj: Any) -> Any:
-        box = [obj]
+    def _bcast(self, doc: Any) -> Any:
         try:
-            dist.broadcast_object_list(box, group=self.group, group_src=0)
+            return self.messages.broadcast(doc)
+        except TypeError:
+            raise  # a payload that is not JSON: a ckptfs bug, raised on the sender
         except Exception as exc:
             raise self._stopped(exc) from exc
-        return box[0]
 
-    def _gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size(self.group)
+    def _gather(self, doc: Any) -> list[Any]:
         try:
-            dist.all_gather_object(out, obj, group=self.group)
+            return self.messages.all_gather(doc)
+        except TypeError:
+            raise
         except Exception as exc:
             raise self._stopped(exc) from exc
-        return out
 
     def _stopped(self, exc: BaseException) -> ReplicationStopped:
         if self._att is not None:
@@ -197,13 +245,16 @@ class ShardedCopier:
             "more is replicated by this process (open the store again to resume)")
 
     def broadcast_scan(self, scan: Any) -> Any:
-        """The coordinator's open-time scan, to every rank (on the calling thread)."""
+        """The coordinator's open-time scan (JSON: lists, or the refusal's message), to every
+        rank (on the calling thread)."""
         return self._bcast(scan)
 
     # -- one step --------------------------------------------------------------------------------
 
     def __call__(self, step: int, progress: Progress) -> CopyResult:
-        plan: _Plan = self._bcast(self._plan(step) if self.coordinator else None)
+        own = self._plan(step) if self.coordinator else None
+        sent = self._bcast(None if own is None else own.to_doc())
+        plan = own if own is not None else _Plan.from_doc(sent)
         if plan.status == "gone":
             raise StepGone(f"step {step} is not committed on the coordinator's local tier")
         if plan.status == "error" and plan.error is not None:
@@ -217,14 +268,15 @@ class ShardedCopier:
         except Exception as exc:
             log.error("rank %d: uploading its files of step %d to %s failed: %s: %s",
                       self.rank, step, self.remote.url, type(exc).__name__, exc)
-            mine = _Upload(error=_error(exc))
-        reports: list[_Upload] = self._gather(mine)
+            mine = _Upload(error=describe(exc))
+        reports = [_Upload.from_doc(d) for d in self._gather(mine.to_doc())]
         outcome = self._finish(plan, reports) if self.coordinator else None
-        outcome = self._bcast(outcome)
-        if outcome[0] == "error":
-            raise rebuild_error(outcome[1])
-        result: CopyResult = outcome[1]
-        return result
+        kind, payload = self._bcast(None if outcome is None else
+                                    [outcome[0], outcome[1] if outcome[0] == "error"
+                                     else outcome[1].as_dict()])
+        if kind == "error":
+            raise rebuild_error(payload)
+        return CopyResult(**payload)
 
     def _plan(self, step: int) -> _Plan:
         """The coordinator's part before any upload (module docstring)."""
@@ -260,7 +312,7 @@ class ShardedCopier:
             if self._att is not None:
                 self._att.discard()
                 self._att = None
-            return _Plan("error", error=_error(exc))
+            return _Plan("error", error=describe(exc))
 
     def _upload(self, plan: _Plan, progress: Progress) -> _Upload:
         """This rank's files, from its own node to the remote attempt; each object's checksum
@@ -299,11 +351,13 @@ class ShardedCopier:
         if failed:
             att.discard()
             permanent = [e for e in failed.values()
-                         if not issubclass(_KINDS.get(e[0], ReplicationError), StorageError)]
-            kind = (permanent or list(failed.values()))[0][0]
-            return "error", (kind, f"no remote commit of step {source.step}: rank(s) "
-                             f"{sorted(failed)} could not upload their files: " + "; ".join(
-                                 f"rank {r}: {k}: {m}" for r, (k, m) in sorted(failed.items())))
+                         if not isinstance(rebuild_error(e), StorageError)]
+            chosen = (permanent or list(failed.values()))[0]
+            return "error", {**chosen, "message": (
+                f"no remote commit of step {source.step}: rank(s) {sorted(failed)} could not "
+                "upload their files: " + "; ".join(f"rank {r}: {e.get('name')}: "
+                                                    f"{e.get('message')}"
+                                                    for r, e in sorted(failed.items())))}
         try:
             with att:
                 check_written(self.remote, att.write_dir,
@@ -317,9 +371,9 @@ class ShardedCopier:
             if winner is not None and same_content(winner.manifest, source.manifest):
                 return "ok", CopyResult(source.step, "identical", winner.attempt,
                                         len(manifest.files), source.bytes)
-            return "error", _error(exc)
+            return "error", describe(exc)
         except Exception as exc:
-            return "error", _error(exc)
+            return "error", describe(exc)
         log.info("replicated sharded step %d to %s (%d ranks uploaded their files)",
                  source.step, self.remote.url, len(reports))
         return "ok", CopyResult(source.step, "copied", out.attempt, len(manifest.files),

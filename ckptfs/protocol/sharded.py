@@ -15,8 +15,9 @@ Every rank enters the collective even when its own input is bad: an error found 
 all ranks fail together instead of leaving the others waiting.  DCP reports failures as
 ``CheckpointException`` (a ``BaseException``); `map_failure` turns it into a ckptfs error
 naming the failing ranks, raised on every rank.  The collectives run on a dedicated gloo group
-whose timeout (`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead, hung or
-absent peer, the group's own creation included; `Liveness` names that peer.
+(made by `ckptfs.protocol.group.gloo_group`) whose timeout (`COLLECTIVE_TIMEOUT`) bounds how
+long a rank waits for a dead, hung or absent peer, the group's own creation included;
+`Liveness` (``ckptfs.protocol.group``) names that peer.
 
 A collective save, step by step (every rank calls `save_sharded`)::
 
@@ -38,8 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +75,7 @@ from ckptfs.format.sharded_metadata import DcpDocument, check_rank_header, items
 from ckptfs.format.sharded_tree import dcp_view, restore, write_back
 from ckptfs.format.versions import SHARDED, features
 from ckptfs.protocol.collective import is_distributed
+from ckptfs.protocol.group import LIVENESS_WAIT, Liveness, collective_failure, gloo_group
 from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
@@ -98,7 +98,7 @@ from ckptfs.protocol.sharded_read import (
     sharded_manifest,
 )
 from ckptfs.storage.base import Storage
-from ckptfs.torch_compat import default_store, group_timeout, load_state_dict
+from ckptfs.torch_compat import group_timeout, load_state_dict
 
 __all__ = ["COLLECTIVE_TIMEOUT", "LIVENESS_WAIT", "FullLoadPlanner", "Liveness", "LoadPlanner",
            "SavePlanner", "SavePrep", "collective_group", "failure", "liveness", "load_full",
@@ -113,13 +113,8 @@ log = logging.getLogger("ckptfs")
 #: ``process_group=`` to use a group (and timeout) of your own.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
-#: How long, at most, survivors of a failed collective look for the peers' keys before they
-#: name the ranks whose keys are missing (best effort; see `Liveness`); never past the
-#: collective timeout.
-LIVENESS_WAIT = timedelta(seconds=3)
-
+#: ckptfs's dedicated gloo group of each world (`collective_group`).
 _GROUPS: dict[int, Any] = {}
-_SEQ: dict[Any, int] = {}
 
 
 def _select(tree: Any, keys: set[str], prefix: str = "") -> Any:
@@ -140,7 +135,6 @@ def _select(tree: Any, keys: set[str], prefix: str = "") -> Any:
     return ["d", items] if items or not prefix else None
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Collectives
 
@@ -157,17 +151,9 @@ def collective_group(process_group: Any = None, *, what: str = "a checkpoint col
     key = id(dist.group.WORLD)
     group = _GROUPS.get(key)
     if group is None:
-        if not dist.is_gloo_available():  # pragma: no cover - every torch build has gloo
-            log.warning("ckptfs: this torch has no gloo backend; checkpoint collectives run on "
-                        "the default process group, with its timeout, not COLLECTIVE_TIMEOUT")
-            group = dist.group.WORLD
-        else:
-            try:
-                group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-            except Exception as exc:  # a rank did not join within the timeout
-                raise failure(exc, f"{what}: creating ckptfs's gloo group", default,
-                              live) from exc
-        _GROUPS[key] = group
+        group = _GROUPS[key] = gloo_group(
+            COLLECTIVE_TIMEOUT, what=f"{what}: creating ckptfs's gloo group", default=default,
+            live=live)
     return group
 
 
@@ -217,125 +203,6 @@ def _timeout_of(process_group: Any) -> timedelta | None:
     return group_timeout(process_group)
 
 
-class Liveness:
-    """Best effort: which ranks never came, died or hung in a collective save or load.
-
-    Each rank sets its key in the default c10d store when it enters (``in``), before the first
-    collective (the creation of ckptfs's group included), and again once its own I/O is done
-    (``done``, right before DCP's final collective).  When a collective fails (gloo only says
-    "Connection reset by peer" or "Timed out"), a survivor reads the others' keys and names the
-    ranks that never entered or, if it finished its own part, those that did not finish theirs;
-    never itself.  It looks again for up to `LIVENESS_WAIT` while the collective timeout
-    has time left (a live peer may be about to set its key), so the whole wait stays within the
-    timeout given.  Keys are named by a per-group counter of collective saves and loads (every
-    rank runs the same sequence) and removed once the operation succeeded."""
-
-    def __init__(self, group: Any, kind: str, step: int | None, *,
-                 timeout: timedelta | None = None) -> None:
-        self.ranks: list[int] = []
-        self.store: Any = None
-        self.prefix = ""
-        self.key = ""
-        self.kind = kind
-        self.me = -1
-        self.finished = False
-        self.started = time.monotonic()
-        self.timeout = timeout if timeout is not None or group is None else group_timeout(group)
-        if group is None:
-            return
-        try:
-            self.ranks = [int(r) for r in dist.get_process_group_ranks(group)]
-            self.me = int(dist.get_rank())
-            self.store = default_store()
-        except Exception:  # no default store (a custom backend): nothing to report
-            self.store = None
-            return
-        seq = _SEQ[id(group)] = _SEQ.get(id(group), 0) + 1
-        self.prefix = f"ckptfs/live/{kind}/{seq}/{'latest' if step is None else step}/"
-        self.key = f"{self.prefix}{self.me}"
-        self._set(b"in")
-
-    def wrap(self, obj: Any, method: str) -> None:
-        """Mark this rank done once ``obj.method``'s future (its writes or reads) is done."""
-        if self.store is None:
-            return
-        inner = getattr(obj, method)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            fut = inner(*args, **kwargs)
-            fut.wait()
-            self.finished = True
-            self._set(b"done")
-            return fut
-
-        setattr(obj, method, wrapped)
-
-    def _set(self, value: bytes) -> None:
-        try:
-            self.store.set(self.key, value)
-        except Exception as exc:  # best effort
-            log.debug("ckptfs: liveness key %s not set: %s", self.key, exc)
-
-    def done(self) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.delete_key(self.key)
-        except Exception as exc:  # best effort (a store without delete)
-            log.debug("ckptfs: liveness key %s not removed: %s", self.key, exc)
-
-    def _state(self, rank: int) -> bytes | None:
-        key = f"{self.prefix}{rank}"
-        if not self.store.check([key]):
-            return None
-        value: bytes = self.store.get(key)
-        return value
-
-    def wait_seconds(self) -> float:
-        """How long a survivor still looks for keys: `LIVENESS_WAIT`, cut to what is left
-        of the collective timeout (nothing when the collective itself timed out)."""
-        limit = LIVENESS_WAIT.total_seconds()
-        if self.timeout is not None:
-            left = self.timeout.total_seconds() - (time.monotonic() - self.started)
-            limit = max(0.0, min(limit, left))
-        return limit
-
-    def report(self) -> tuple[list[int] | None, list[int] | None, str]:
-        """(ranks that never entered, ranks that entered but did not finish (None when this
-        rank did not finish its own part either: then nobody's keys say who is to blame), a
-        reason when the store could not be asked)."""
-        if self.store is None:
-            return None, None, "no c10d store to ask"
-        found: dict[str, Any] = {}
-        limit = self.wait_seconds()
-
-        def look() -> None:
-            try:
-                deadline = time.monotonic() + limit
-                while True:
-                    states = {r: self._state(r) for r in self.ranks if r != self.me}
-                    absent = [r for r, s in states.items() if s is None]
-                    unfinished = [r for r, s in states.items() if s != b"done"]
-                    if (not absent and (not self.finished or not unfinished)) or \
-                            time.monotonic() >= deadline:
-                        found["states"] = absent, unfinished
-                        return
-                    time.sleep(0.1)
-            except Exception as exc:
-                found["error"] = exc
-
-        t = threading.Thread(target=look, daemon=True, name="ckptfs-liveness")
-        t.start()
-        t.join(limit + 5)
-        if "states" in found:
-            absent, unfinished = found["states"]
-            return absent, (unfinished if self.finished else None), ""
-        why = found.get("error")
-        return None, None, (f"the coordinator's store is unreachable ({type(why).__name__}: "
-                            f"{why})" if why is not None else "the coordinator's store did not "
-                            "answer")
-
-
 def failure(exc: BaseException, what: str, default: type[ShardedCheckpointError],
             live: Liveness | None = None) -> BaseException:
     """The error to raise for ``exc`` raised by a DCP collective (``exc`` itself when it is a
@@ -344,37 +211,7 @@ def failure(exc: BaseException, what: str, default: type[ShardedCheckpointError]
         return map_failure(exc, what, default)
     if isinstance(exc, CkptfsError) or not isinstance(exc, Exception):
         return exc
-    # a collective itself failed: a peer died, timed out, never came, or left
-    failures: dict[int, str] = {}
-    named = ""
-    timeout = live.timeout if live is not None and live.timeout is not None else None
-    if live is not None:
-        waited = live.wait_seconds()
-        absent, unfinished, why = live.report()
-        if absent:
-            failures = {r: f"did not enter this {live.kind} (not called there, or died or hung "
-                        "before it)" for r in absent}
-            named = (f"rank(s) {absent} did not enter this {live.kind} (not called there, or "
-                     "died or hung before it); ")
-        elif unfinished:
-            failures = {r: "did not finish its part (died or hung)" for r in unfinished}
-            named = (f"rank(s) {unfinished} did not finish their part within {waited:.3g} s "
-                     "(died or hung); ")
-        elif unfinished == [] and live.ranks:
-            named = (f"every rank finished its part, so the coordinator (rank "
-                     f"{live.ranks[0]}) most likely failed after it; ")
-        elif why:
-            named = f"rank(s) unknown: {why}; "
-        else:
-            named = ("rank(s) unknown: every rank entered, and the collective failed before this "
-                     "rank finished its own part; ")
-    outcome = ("Nothing was committed by this save" if default is not ShardedLoadError
-               else "The state given to load is not fully loaded")
-    limit = timeout if timeout is not None else "the process group's"
-    return default(
-        f"{what}: a checkpoint collective failed ({type(exc).__name__}: {exc}); {named}a "
-        f"rank died, hung past the timeout ({limit}), or the process group broke. {outcome}",
-        failures=failures)
+    return collective_failure(exc, what, default, live)
 
 
 def _run(fn: Any, what: str, default: type[ShardedCheckpointError],

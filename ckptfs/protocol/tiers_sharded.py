@@ -57,7 +57,10 @@ from ckptfs.format.content import same_content
 from ckptfs.format.incremental import references_of
 from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, ShardedManifest
 from ckptfs.protocol.copy import committed_at
+from ckptfs.protocol.group import RankGroup, decode_bytes, describe, encode_bytes
 from ckptfs.protocol.replication_sharded import (
+    info_doc,
+    info_of,
     rebuild_error,
     settle_node_attempt,
 )
@@ -76,30 +79,14 @@ class LocalCopyUnavailable(CheckpointNotFoundError):
     node (a lost node's) and the remote tier holds no copy of the step."""
 
 
-def _bcast(obj: Any, group: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    return box[0]
+def _bcast(doc: Any, group: Any) -> Any:
+    """Group rank 0's ``doc`` on every rank (the group's JSON messages)."""
+    return RankGroup(group).broadcast(doc)
 
 
-def _gather(obj: Any, group: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _error(exc: BaseException) -> tuple[str, str]:
-    return type(exc).__name__, str(exc)
-
-
-def _rebuild(error: tuple[str, str]) -> Exception:
-    if error[0] == LocalCopyUnavailable.__name__:
-        return LocalCopyUnavailable(error[1])
-    if error[0] == FormatVersionError.__name__:
-        return FormatVersionError(error[1])
-    if error[0] == TierMismatchError.__name__:
-        return TierMismatchError(error[1])
-    return rebuild_error(error)
+def _gather(doc: Any, group: Any) -> list[Any]:
+    """Every rank's ``doc``, in group-rank order (the group's JSON messages)."""
+    return RankGroup(group).all_gather(doc)
 
 
 def _locations(info: CheckpointInfo) -> dict[str, int]:
@@ -196,13 +183,14 @@ class NodeReader(ShardedReader):
         # Every rank reaches both gathers (an error is carried, raised after them), so a rank
         # failing here never leaves the others waiting.
         info = self.resolve()
-        error: tuple[str, str] | None = None
+        error: dict[str, Any] | None = None
         needs: list[Key] = []
         try:
             needs = self._needed(plan)
         except Exception as exc:
-            error = _error(exc)
-        wanted = _gather((needs, error), self.group)
+            error = describe(exc)
+        wanted = [([_key(k) for k in keys], e) for keys, e in
+                  _gather([[list(k) for k in needs], error], self.group)]
         missing: list[str] = []
         serve: list[tuple[int, Key]] = []
         for r, (keys, _) in enumerate(wanted):
@@ -215,7 +203,7 @@ class NodeReader(ShardedReader):
                 elif holder == self.me:
                     serve.append((r, key))
         sent: dict[tuple[int, Key], bytes] = {}
-        mine: tuple[str, str] | None = None
+        mine: dict[str, Any] | None = None
         if not missing and not any(e for _, e in wanted):
             try:
                 manifest = cast(ShardedManifest, info.manifest)
@@ -224,11 +212,14 @@ class NodeReader(ShardedReader):
                                                        manifest.chunked(key[0]), key[1], key[2],
                                                        verify=self.verify))
             except Exception as exc:
-                mine, sent = _error(exc), {}
-        served = _gather((sent, mine), self.group)
+                mine, sent = describe(exc), {}
+        served = [({(int(r), _key(k)): decode_bytes(data) for r, k, data in got}, e)
+                  for got, e in _gather([[[r, list(k), encode_bytes(data)]
+                                          for (r, k), data in sent.items()], mine],
+                                         self.group)]
         for _, e in wanted:
             if e is not None:
-                raise _rebuild(e)
+                raise rebuild_error(e)
         if missing:
             raise LocalCopyUnavailable(
                 f"the local copy of step {info.step} cannot serve this load: no node holds "
@@ -236,7 +227,7 @@ class NodeReader(ShardedReader):
                 f"{self.remote.url} holds no copy of the step")
         for _, e in served:
             if e is not None:
-                raise _rebuild(e)
+                raise rebuild_error(e)
         for got, _ in served:
             for (r, (path, off, _length)), data in got.items():
                 if r == self.me:
@@ -265,6 +256,11 @@ def _candidates(local: Storage, remote: Storage, step: int | None
     return [(s, [n for n in ("local", "remote") if s in listed.get(n, set())]) for s in steps]
 
 
+def _key(doc: Any) -> Key:
+    path, offset, length = doc
+    return str(path), int(offset), int(length)
+
+
 def _local_facts(local: Storage, remote: Storage, step: int, verify: bool) -> Any:
     """The coordinator's part of loading the local copy of ``step``: its info, the verified
     ``dcp.msgpack`` bytes, the remote's copy of the step when it holds the same content; on a
@@ -286,9 +282,10 @@ def _local_facts(local: Storage, remote: Storage, step: int, verify: bool) -> An
                         "nodes only", step, exc)
         if there is not None and not same_content(there.manifest, manifest):
             there = None
-        return "ok", info, doc, there
+        return ["ok", info_doc(info), encode_bytes(doc),
+                None if there is None else info_doc(there)]
     except Exception as exc:
-        return "error", _error(exc), info
+        return ["error", describe(exc), None if info is None else info_doc(info)]
 
 
 def load_across_tiers(local: Storage, remote: Storage, step: int | None, into: dict[str, Any],
@@ -356,7 +353,7 @@ def _check_stand_in(local: Storage, remote: Storage, step: int, failed: Checkpoi
     local copy (``failed``: its info, None if its manifest could not be read): the one rule of
     every two-tier read (`stand_in`); every rank raises the same `TierMismatchError`
     if not.  A remote copy that cannot be read here is left to the load, which reports it."""
-    verdict: tuple[str, str] | None = None
+    verdict: dict[str, Any] | None = None
     if coordinator:
         try:
             there = read_committed(remote, step)
@@ -366,10 +363,10 @@ def _check_stand_in(local: Storage, remote: Storage, step: int, failed: Checkpoi
             try:
                 stand_in(step, ("remote", remote), there, [(("local", local), failed)])
             except TierMismatchError as exc:
-                verdict = _error(exc)
+                verdict = describe(exc)
     verdict = _bcast(verdict, group)
     if verdict is not None:
-        raise _rebuild(verdict)
+        raise rebuild_error(verdict)
 
 
 def _raise_for(step: int, problems: list[tuple[str, Exception]], *, newest: bool) -> None:
@@ -396,11 +393,12 @@ def _load_local(local: Storage, remote: Storage, step: int, into: dict[str, Any]
     stand in for it (`_check_stand_in`)."""
     facts = _bcast(_local_facts(local, remote, step, verify) if coordinator else None, group)
     if facts[0] == "error":
-        exc = _rebuild(facts[1])
+        exc = rebuild_error(facts[1])
         if facts[2] is not None or isinstance(exc, CorruptCheckpointError):
-            failed.append(facts[2])  # None: there, but its manifest unreadable
+            failed.append(None if facts[2] is None else info_of(facts[2]))  # None: unreadable
         raise exc
-    _, info, doc, there = facts
+    info, doc = info_of(facts[1]), decode_bytes(facts[2])
+    there = None if facts[3] is None else info_of(facts[3])
     try:
         _load_node_copy(local, remote, info, doc, there, into, group, verify=verify,
                         threads=threads, durable=durable)
@@ -413,17 +411,17 @@ def _load_node_copy(local: Storage, remote: Storage, info: CheckpointInfo, doc: 
                     there: CheckpointInfo | None, into: dict[str, Any], group: Any, *,
                     verify: bool, threads: int | None, durable: bool) -> None:
     step = info.step
-    error: tuple[str, str] | None = None
+    error: dict[str, Any] | None = None
     held: set[str] = set()
     try:
         settle_node_attempt(local, step, info.attempt, durable=durable)
         held = node_holdings(local, info)
     except Exception as exc:
-        error = _error(exc)
-    gathered = _gather((held, error), group)
+        error = describe(exc)
+    gathered = _gather([sorted(held), error], group)
     for _, e in gathered:
         if e is not None:
-            raise _rebuild(e)
-    reader = NodeReader(local, info, doc, [h for h, _ in gathered], remote, there, group,
+            raise rebuild_error(e)
+    reader = NodeReader(local, info, doc, [set(h) for h, _ in gathered], remote, there, group,
                         verify=verify, threads=threads)
     load_into(local, step, into, verify=verify, threads=threads, reader=reader)

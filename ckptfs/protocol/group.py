@@ -1,0 +1,421 @@
+"""Messages between the ranks of a job: the group.
+
+Design decision: **the world size is a value.**  Code that runs on every rank is written once,
+over a `Group`; a single process is `WorldOfOne` (rank 0 of 1: a broadcast returns the
+document, a gather the one-element list, nothing is sent and DCP is never imported), and a
+torch.distributed job is `RankGroup` over a process group.  Both return the same values for
+the same documents, so a path is tested once whatever the world size.
+
+Messages are JSON documents carried in uint8 tensors, never pickle: no rank ever unpickles
+what another sent (as no load ever unpickles what a save wrote).  A payload JSON cannot hold
+raises `TypeError` on the sender, before anything is sent; types with structure travel as
+documents of their own (``to_doc``/``from_doc``), bytes as base64 (`encode_bytes`).
+
+A typed error crosses ranks one way: `describe` (on the rank that raised it: its class, its
+message and the attributes ckptfs's errors carry) and `rebuild` / `carried` (on every other
+rank: the same class with the same message; only ckptfs's own and builtin classes are
+rebuilt, anything else becomes the caller's default class).
+
+ckptfs's own dedicated gloo groups (one per purpose: collective saves and loads, async saves,
+replication) are created by one factory, `gloo_group`, whose timeout bounds the creation too;
+a rank that never joins fails the creation on the others with a typed error that names it,
+from the `Liveness` keys each rank set before the first collective.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptfs.errors import (
+    CorruptCheckpointError,
+    ProvenanceMismatchError,
+    ShardedCheckpointError,
+    ShardedLoadError,
+)
+from ckptfs.protocol.collective import is_distributed
+
+__all__ = ["LIVENESS_WAIT", "Group", "Liveness", "RankGroup", "WorldOfOne", "carried",
+           "collective_failure", "decode", "decode_bytes", "describe", "encode",
+           "encode_bytes", "gloo_group", "group_of", "rebuild"]
+
+log = logging.getLogger("ckptfs")
+
+#: How long, at most, survivors of a failed collective look for the peers' keys before they
+#: name the ranks whose keys are missing (best effort; see `Liveness`); never past the
+#: collective timeout.
+LIVENESS_WAIT = timedelta(seconds=3)
+
+_SEQ: dict[Any, int] = {}
+
+#: How a value JSON cannot hold is written (``json.dumps``'s ``default``); None: `TypeError`.
+Default = Callable[[Any], Any] | None
+
+
+# ----------------------------------------------------------------------------------------------
+# Documents
+
+
+def encode(doc: Any, *, default: Default = None) -> bytes:
+    """``doc`` as the JSON bytes of a message; `TypeError` naming the value JSON cannot hold
+    (unless ``default`` writes it), raised before anything is sent."""
+    try:
+        return json.dumps(doc, default=default).encode()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"a message between ranks must be a JSON document (dicts with str "
+                        f"keys, lists, str, int, float, bool, None), never pickled: {exc}; "
+                        "send a dataclass as its to_doc(), bytes with encode_bytes") from exc
+
+
+def decode(data: bytes) -> Any:
+    """A message's document."""
+    return json.loads(data)
+
+
+def encode_bytes(data: bytes | bytearray | memoryview) -> str:
+    """Bytes as a JSON string (base64), for a message."""
+    return base64.b64encode(bytes(data)).decode("ascii")
+
+
+def decode_bytes(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The group
+
+
+class Group:
+    """The ranks taking part, and the messages between them (module docstring).  ``rank`` is
+    this process's rank in the group; rank 0 of the group is its coordinator."""
+
+    rank: int = 0
+    world_size: int = 1
+    #: Global ranks of the members, in group-rank order.
+    ranks: list[int]
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, doc: Any, src: int = 0, *, default: Default = None) -> Any:
+        """Group rank ``src``'s ``doc`` on every rank (``doc`` is ignored on the others)."""
+        raise NotImplementedError
+
+    def all_gather(self, doc: Any, *, default: Default = None) -> list[Any]:
+        """Every rank's ``doc``, in group-rank order, on every rank."""
+        raise NotImplementedError
+
+    def gather(self, doc: Any, *, default: Default = None) -> list[Any]:
+        """Every rank's ``doc``, in group-rank order (every rank gets them: `all_gather`)."""
+        return self.all_gather(doc, default=default)
+
+
+class WorldOfOne(Group):
+    """This process alone: every collective is the identity (the document as a process group
+    would deliver it: JSON in, JSON out, so tuples come back as lists here too)."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.ranks = 0, 1, [0]
+
+    def broadcast(self, doc: Any, src: int = 0, *, default: Default = None) -> Any:
+        if src != 0:
+            raise ValueError(f"src={src}: a world of one has only rank 0")
+        return decode(encode(doc, default=default))
+
+    def all_gather(self, doc: Any, *, default: Default = None) -> list[Any]:
+        return [decode(encode(doc, default=default))]
+
+
+class RankGroup(Group):
+    """The ranks of a torch.distributed process group (``None``: the default group).  A
+    collective that fails (a peer died, the timeout passed) raises the process group's own
+    error: the caller says what it means for its operation."""
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
+        self.rank = int(dist.get_rank(process_group))
+        self.world_size = int(dist.get_world_size(process_group))
+        self.ranks = [int(r) for r in dist.get_process_group_ranks(
+            process_group if process_group is not None else dist.group.WORLD)]
+
+    def broadcast(self, doc: Any, src: int = 0, *, default: Default = None) -> Any:
+        group = self.process_group
+        data = encode(doc, default=default) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, group=group, group_src=src)
+        buf = torch.zeros(max(1, int(size.item())), dtype=torch.uint8)
+        if self.rank == src and data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(buf, group=group, group_src=src)
+        return decode(buf[:int(size.item())].numpy().tobytes())
+
+    def all_gather(self, doc: Any, *, default: Default = None) -> list[Any]:
+        group, data = self.process_group, encode(doc, default=default)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=group)
+        buf = torch.zeros(max(1, max(int(s.item()) for s in sizes)), dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.zeros_like(buf) for _ in range(self.world_size)]
+        dist.all_gather(bufs, buf, group=group)
+        return [decode(b[:int(n.item())].numpy().tobytes())
+                for b, n in zip(bufs, sizes, strict=True)]
+
+
+def group_of(process_group: Any = None) -> Group:
+    """The group of ``process_group`` (None: the default group), or `WorldOfOne` when
+    torch.distributed is not initialized."""
+    if process_group is None and not is_distributed():
+        return WorldOfOne()
+    return RankGroup(process_group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Typed errors between ranks
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """An exception as JSON: its class, message and the attributes ckptfs's errors carry."""
+    doc: dict[str, Any] = {"module": type(exc).__module__, "name": type(exc).__qualname__,
+                           "message": str(exc)}
+    for attr in ("step", "path", "diagnostic"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, (int, str)):
+            doc[attr] = value
+    if isinstance(exc, ProvenanceMismatchError):
+        doc["differences"] = [[str(k), repr(a), repr(b)] for k, a, b in exc.differences]
+    if isinstance(exc, ShardedCheckpointError):
+        doc["failures"] = {str(r): str(v) for r, v in exc.failures.items()}
+    return doc
+
+
+def rebuild(doc: Mapping[str, Any], message: str | None = None) -> BaseException | None:
+    """An exception of the class ``doc`` names (ckptfs's or a builtin) with ``message``
+    (default: its own), or None."""
+    module, name = str(doc.get("module")), str(doc.get("name"))
+    if message is None:
+        message = str(doc.get("message"))
+    if not (module == "builtins" or module == "ckptfs" or module.startswith("ckptfs.")):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return None
+    try:
+        if issubclass(cls, ProvenanceMismatchError):
+            return cls(message, differences=[tuple(d) for d in doc.get("differences", [])],
+                       diagnostic=doc.get("diagnostic"))
+        if issubclass(cls, CorruptCheckpointError):
+            return cls(message, step=doc.get("step"), path=doc.get("path"))
+        if issubclass(cls, ShardedCheckpointError):
+            return cls(message, failures={int(r): v for r, v in
+                                          (doc.get("failures") or {}).items()})
+        return cls(message)
+    except Exception:  # a class with other required arguments
+        return None
+
+
+def carried(doc: Mapping[str, Any], default: Callable[[str], BaseException]) -> BaseException:
+    """The error another rank described (`describe`), as the same class here, or
+    ``default(its message)`` when that class cannot be rebuilt."""
+    err = rebuild(doc)
+    return err if err is not None else default(
+        f"{doc.get('name')}: {doc.get('message')}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Liveness, and the dedicated gloo groups
+
+
+class Liveness:
+    """Best effort: which ranks never came, died or hung in a collective save or load.
+
+    Each rank sets its key in the default c10d store when it enters (``in``), before the first
+    collective (the creation of ckptfs's group included), and again once its own I/O is done
+    (``done``, right before DCP's final collective).  When a collective fails (gloo only says
+    "Connection reset by peer" or "Timed out"), a survivor reads the others' keys and names the
+    ranks that never entered or, if it finished its own part, those that did not finish theirs;
+    never itself.  It looks again for up to `LIVENESS_WAIT` while the collective timeout
+    has time left (a live peer may be about to set its key), so the whole wait stays within the
+    timeout given.  Keys are named by a per-group counter of collective saves and loads (every
+    rank runs the same sequence) and removed once the operation succeeded."""
+
+    def __init__(self, group: Any, kind: str, step: int | None, *,
+                 timeout: timedelta | None = None) -> None:
+        self.ranks: list[int] = []
+        self.store: Any = None
+        self.prefix = ""
+        self.key = ""
+        self.kind = kind
+        self.me = -1
+        self.finished = False
+        self.started = time.monotonic()
+        self.timeout = timeout
+        if group is None:
+            return
+        from ckptfs.torch_compat import default_store, group_timeout  # imports DCP
+        if self.timeout is None:
+            self.timeout = group_timeout(group)
+        try:
+            self.ranks = [int(r) for r in dist.get_process_group_ranks(group)]
+            self.me = int(dist.get_rank())
+            self.store = default_store()
+        except Exception:  # no default store (a custom backend): nothing to report
+            self.store = None
+            return
+        seq = _SEQ[id(group)] = _SEQ.get(id(group), 0) + 1
+        self.prefix = f"ckptfs/live/{kind}/{seq}/{'latest' if step is None else step}/"
+        self.key = f"{self.prefix}{self.me}"
+        self._set(b"in")
+
+    def wrap(self, obj: Any, method: str) -> None:
+        """Mark this rank done once ``obj.method``'s future (its writes or reads) is done."""
+        if self.store is None:
+            return
+        inner = getattr(obj, method)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            fut = inner(*args, **kwargs)
+            fut.wait()
+            self.finished = True
+            self._set(b"done")
+            return fut
+
+        setattr(obj, method, wrapped)
+
+    def _set(self, value: bytes) -> None:
+        try:
+            self.store.set(self.key, value)
+        except Exception as exc:  # best effort
+            log.debug("ckptfs: liveness key %s not set: %s", self.key, exc)
+
+    def done(self) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.delete_key(self.key)
+        except Exception as exc:  # best effort (a store without delete)
+            log.debug("ckptfs: liveness key %s not removed: %s", self.key, exc)
+
+    def _state(self, rank: int) -> bytes | None:
+        key = f"{self.prefix}{rank}"
+        if not self.store.check([key]):
+            return None
+        value: bytes = self.store.get(key)
+        return value
+
+    def wait_seconds(self) -> float:
+        """How long a survivor still looks for keys: `LIVENESS_WAIT`, cut to what is left
+        of the collective timeout (nothing when the collective itself timed out)."""
+        limit = LIVENESS_WAIT.total_seconds()
+        if self.timeout is not None:
+            left = self.timeout.total_seconds() - (time.monotonic() - self.started)
+            limit = max(0.0, min(limit, left))
+        return limit
+
+    def report(self) -> tuple[list[int] | None, list[int] | None, str]:
+        """(ranks that never entered, ranks that entered but did not finish (None when this
+        rank did not finish its own part either: then nobody's keys say who is to blame), a
+        reason when the store could not be asked)."""
+        if self.store is None:
+            return None, None, "no c10d store to ask"
+        found: dict[str, Any] = {}
+        limit = self.wait_seconds()
+
+        def look() -> None:
+            try:
+                deadline = time.monotonic() + limit
+                while True:
+                    states = {r: self._state(r) for r in self.ranks if r != self.me}
+                    absent = [r for r, s in states.items() if s is None]
+                    unfinished = [r for r, s in states.items() if s != b"done"]
+                    if (not absent and (not self.finished or not unfinished)) or \
+                            time.monotonic() >= deadline:
+                        found["states"] = absent, unfinished
+                        return
+                    time.sleep(0.1)
+            except Exception as exc:
+                found["error"] = exc
+
+        t = threading.Thread(target=look, daemon=True, name="ckptfs-liveness")
+        t.start()
+        t.join(limit + 5)
+        if "states" in found:
+            absent, unfinished = found["states"]
+            return absent, (unfinished if self.finished else None), ""
+        why = found.get("error")
+        return None, None, (f"the coordinator's store is unreachable ({type(why).__name__}: "
+                            f"{why})" if why is not None else "the coordinator's store did not "
+                            "answer")
+
+
+def collective_failure(exc: BaseException, what: str, default: type[ShardedCheckpointError],
+                       live: Liveness | None = None) -> ShardedCheckpointError:
+    """``default`` for a collective that itself failed (a peer died, timed out, never came, or
+    left), naming the ranks to blame from ``live``'s keys where they say."""
+    failures: dict[int, str] = {}
+    named = ""
+    timeout = live.timeout if live is not None and live.timeout is not None else None
+    if live is not None:
+        waited = live.wait_seconds()
+        absent, unfinished, why = live.report()
+        if absent:
+            failures = {r: f"did not enter this {live.kind} (not called there, or died or hung "
+                        "before it)" for r in absent}
+            named = (f"rank(s) {absent} did not enter this {live.kind} (not called there, or "
+                     "died or hung before it); ")
+        elif unfinished:
+            failures = {r: "did not finish its part (died or hung)" for r in unfinished}
+            named = (f"rank(s) {unfinished} did not finish their part within {waited:.3g} s "
+                     "(died or hung); ")
+        elif unfinished == [] and live.ranks:
+            named = (f"every rank finished its part, so the coordinator (rank "
+                     f"{live.ranks[0]}) most likely failed after it; ")
+        elif why:
+            named = f"rank(s) unknown: {why}; "
+        else:
+            named = ("rank(s) unknown: every rank entered, and the collective failed before this "
+                     "rank finished its own part; ")
+    outcome = ("Nothing was committed by this save" if default is not ShardedLoadError
+               else "The state given to load is not fully loaded")
+    limit = timeout if timeout is not None else "the process group's"
+    return default(
+        f"{what}: a checkpoint collective failed ({type(exc).__name__}: {exc}); {named}a "
+        f"rank died, hung past the timeout ({limit}), or the process group broke. {outcome}",
+        failures=failures)
+
+
+def gloo_group(timeout: timedelta, *, what: str = "creating ckptfs's gloo group",
+               default: type[ShardedCheckpointError] | None = None,
+               live: Liveness | None = None) -> Any:
+    """A new dedicated gloo group of every rank of the world (every rank calls it, in the same
+    order: it is collective), bounded by ``timeout``, its creation included.  A rank that
+    never joins fails the creation on the others: with ``default`` (its message begins with
+    ``what``) naming that rank (``live``), or the process group's own error when ``default``
+    is None.  Without gloo (no torch build
+    lacks it), the default group, with its timeout (logged)."""
+    if not dist.is_gloo_available():  # pragma: no cover - every torch build has gloo
+        log.warning("ckptfs: this torch has no gloo backend; %s runs on the default process "
+                    "group, with its timeout, not %s", what, timeout)
+        return dist.group.WORLD
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    except Exception as exc:  # a rank did not join within the timeout
+        if default is None:
+            raise
+        raise collective_failure(exc, what, default, live) from exc
+
