@@ -20,6 +20,8 @@ Version 4 (sharded incremental) is version 2 with version 3's ``references``.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 from ckptfs.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 from ckptfs.format.incremental import (
     INCREMENTAL_FORMAT_VERSION,
@@ -66,6 +68,13 @@ def features(manifest: Manifest) -> frozenset[str]:
     """The features of ``manifest``'s format (`FEATURES`): ``"sharded" in
     features(m)`` is the test for a collectively written checkpoint, whatever its version."""
     return FEATURES.get(manifest.format_version, frozenset())
+
+
+def is_sharded(manifest: Manifest) -> TypeGuard[ShardedManifest]:
+    """Whether ``manifest`` is of a collectively written format (``"sharded"`` in its
+    `features`: v2, v4): the test code above the format uses before it reads a sharded
+    manifest's chunk lists."""
+    return SHARDED in features(manifest) and isinstance(manifest, ShardedManifest)
 
 
 def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:

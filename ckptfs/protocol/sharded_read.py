@@ -58,6 +58,7 @@ from ckptfs.format.sharded_metadata import (
     decode_metadata,
     items_by_file,
 )
+from ckptfs.format.versions import is_sharded
 from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
@@ -76,7 +77,7 @@ def _rank() -> int:
 
 def sharded_manifest(info: CheckpointInfo) -> ShardedManifest:
     """``info``'s manifest if it is format v2, else `CheckpointNotFoundError`."""
-    if not isinstance(info.manifest, ShardedManifest):
+    if not is_sharded(info.manifest):
         raise CheckpointNotFoundError(
             f"step {info.step} at {info.url} is a single-process (format "
             f"v{info.manifest.format_version}) checkpoint, not a "

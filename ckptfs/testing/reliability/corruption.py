@@ -9,8 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfs.errors import CkptfsError, CorruptCheckpointError
-from ckptfs.format.incremental import IncrementalManifest
+from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
+from ckptfs.format.versions import SHARDED, features
 from ckptfs.protocol.resolve import read_committed
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability.common import (
@@ -95,8 +96,8 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
         add(f"replace {relpath} with step {o_step}'s", rel, put(rel, other),
             len(other) != len(data))
     tensor_file = next(e.path for e in info1.manifest.files if e.path.endswith(".safetensors"))
-    stray_tensors = ("tensors-99999.safetensors" if path.format_version != 2
-                     else "rank-00099/data-0.safetensors")
+    stray_tensors = ("rank-00099/data-0.safetensors" if SHARDED in features(info1.manifest)
+                     else "tensors-99999.safetensors")
     add("stray file in the attempt", f"{info1.path}/stray.bin",
         lambda: backend.raw_write(f"{info1.path}/stray.bin", b"junk"), True)
     add("stray safetensors in the attempt", f"{info1.path}/{stray_tensors}",
@@ -122,8 +123,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
     add("marker extended", marker_rel, lambda: backend.raw_write(marker_rel, mdata + b"x"), False)
     add("marker emptied", marker_rel, lambda: backend.raw_write(marker_rel, b""), False)
 
-    refs = (info1.manifest.references if isinstance(info1.manifest, IncrementalManifest)
-            else ())
+    refs = references_of(info1.manifest)
     if path.references and not refs:
         sweep.bad("setup", f"step {t_step} references nothing: the v3 cases cannot run")
     for ref in refs:  # the older checkpoint's file the damaged one reads its model from

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError
-from ckptfs.format.incremental import IncrementalManifest
+from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
 from ckptfs.protocol.resolve import read_committed
 from ckptfs.protocol.store import CheckpointStore
@@ -117,12 +117,10 @@ def sweep_save_crashes(backend: Backend, *, tear: bool | None = None, threads: i
     reader = check_store(sweep, "end of sweep", backend, committed, max(committed),
                          full_all=True, state=state)
     if path.references:
-        from ckptfs.format.incremental import IncrementalManifest
-
         with scenario_guard(sweep, "end of sweep"):
             for s in sorted(committed):
                 m = reader.info(s).manifest
-                if isinstance(m, IncrementalManifest) and m.references:
+                if references_of(m):
                     sweep.count("with_references")
     return sweep
 
@@ -226,8 +224,7 @@ def _sweep_shared_delete_crashes(sweep: Sweep, backend: Backend, base: Checkpoin
         with scenario_guard(sweep, scenario + ", then deleting again"):
             reader.delete(0)
             left = set(b.raw_files(StepPaths(0).dir))
-            refs = {r.location for r in shared.references} \
-                if isinstance(shared, IncrementalManifest) else set()
+            refs = {r.location for r in references_of(shared)}
             want = refs | {f"{r.rsplit('/', 1)[0]}/MANIFEST.json" for r in refs}
             if not refs:
                 sweep.bad(scenario, "step 1 references nothing: the sweep proves nothing")
@@ -347,8 +344,7 @@ def sweep_shared_gc_crashes(backend: Backend) -> Sweep:
             if left:
                 sweep.bad(scenario, f"garbage left after two clean runs: {left}")
             m = reader.info(3).manifest
-            refs = {r.location for r in m.references} \
-                if isinstance(m, IncrementalManifest) else set()
+            refs = {r.location for r in references_of(m)}
             kept = set(b.raw_files(StepPaths(0).dir))
             want = refs | {f"{r.rsplit('/', 1)[0]}/MANIFEST.json" for r in refs}
             if not refs or kept != want:

@@ -54,7 +54,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ckptfs.errors import CkptfsError, ReplicationError, UnreplicatedCheckpointError
-from ckptfs.format.incremental import IncrementalManifest
+from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
 from ckptfs.protocol.copy import same_content
 from ckptfs.protocol.resolve import committed_steps, read_committed, read_marker
@@ -194,14 +194,13 @@ def check_references(sweep: Sweep, scenario: str, remote: Backend, step: int) ->
     with scenario_guard(sweep, scenario):
         storage = client(remote)
         m = read_committed(storage, step).manifest
-        if not isinstance(m, IncrementalManifest):
-            return 0
-        for r in m.references:
+        refs = references_of(m)
+        for r in refs:
             marker = read_marker(storage, r.step)
             if marker is None or marker.attempt != r.attempt:
                 sweep.bad(scenario, f"remote step {step} references {r.location}, not a "
                           "committed attempt of the remote")
-        return len(m.references)
+        return len(refs)
     return 0
 
 
