@@ -38,7 +38,7 @@ from ckptfs.errors import (
 from ckptfs.format import extensions
 from ckptfs.format.serialize import plan_state, supported_dtypes
 from ckptfs.lifecycle.manager import CheckpointManager
-from ckptfs.protocol import async_save, collective, staging
+from ckptfs.protocol import async_save, collective, snapshot, staging
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.base import Storage
 from ckptfs.testing.backend import Backend
@@ -412,13 +412,13 @@ def test_only_the_plans_tensors_are_staged(memory_backend: Backend,
     """One identity function: the tensors staged are exactly the serializer's plan tensors
     (numpy data included), one buffer each, and nothing else of the state is traversed."""
     staged: list[list[torch.Tensor]] = []
-    real = async_save.stage
+    real = snapshot.stage
 
     def spy(pool: staging.StagingPool, tensors: Any) -> staging.Staged:
         staged.append(list(tensors))
         return real(pool, tensors)
 
-    monkeypatch.setattr(async_save, "stage", spy)
+    monkeypatch.setattr(snapshot, "stage", spy)
     w = torch.ones(3, dtype=torch.complex64)
     state = {"w": w, "w2": w, "c": w.conj(), "e1": torch.empty(0), "e2": torch.empty(0),
              "arr": [np.zeros(2, dtype=np.float32)], "n": 1}
@@ -447,7 +447,7 @@ def test_sharded_state_is_refused_by_name(monkeypatch: pytest.MonkeyPatch,
     """A DTensor (stood in for by a meta tensor here, which the serializer refuses as it
     refuses a DTensor) without torch.distributed initialized cannot be saved collectively:
     save_async refuses it, naming the key path and why, rather than writing one rank's shards
-    as a full state (the collective form: tests/test_async_sharded.py)."""
+    as a full state (the collective form: tests/test_async_collective.py)."""
     monkeypatch.setattr(collective, "is_dtensor", lambda t: t.device.type == "meta")
     store = memory_backend.open()
     with pytest.raises(UnsupportedValueError, match=r"'model/layers/1/w'.*not initialized"):

@@ -1,49 +1,53 @@
-"""Asynchronous saves: the training loop blocks only while its state is planned and copied.
+"""Asynchronous saves: the training loop blocks only while its state is prepared and copied.
 
-Design decision: **plan on the caller's thread with the serializer, copy exactly the plan's
-tensors, then commit the plan on one background thread per store.**  The serializer's plan
-(`ckptfs.protocol.commit.plan_v1`) already holds everything but the tensors' bytes as
-bytes (the tree and every non-tensor value, extension types included, encoded into
-``state.msgpack``) and the tensors themselves, one per distinct tensor by the serializer's own
-identity (`ckptfs.format.serialize.tensor_identity`).  Those tensors are copied into
-staging buffers (`ckptfs.protocol.staging`) and the plan is rebound to the copies
-(`rebind`), so the background save writes exactly the
-bytes the synchronous save would have written at the time of the call, and after
-`save_async` returns nothing of the caller's objects is read
-again.  The background thread runs the unchanged commit (`ckptfs.protocol.commit.save_plan`):
-one commit protocol and one proof (a background failure leaves no marker, exactly as a failed
-synchronous save does).
+Design decision: **stage, then the same save on the store's thread** (as DCP's ``async_save``
+stages and submits the very ``save``).  ``save_async`` prepares the save the store's ``save``
+would run for the state's layout (everything that save refuses before writing is raised by
+``save_async`` itself), copies what that save still reads of the state (one snapshot for every
+layout: `ckptfs.protocol.snapshot`), and runs that same synchronous save over the copies on one
+background thread per store.  One commit protocol and one proof: a background failure leaves no
+marker, exactly as a failed synchronous save does.  The layouts differ only in what is
+prepared and which save runs:
+
+=================  ==========================================  =================================
+layout             prepared on the caller's thread             run on the store's thread
+=================  ==========================================  =================================
+one process        the serializer's plan (`plan_v1`, every     `write_plan` over the plan
+                   non-tensor value encoded now; `check_plan`)  rebound to the copies (format
+                   the snapshot copies its tensors              v1, or v3 when incremental)
+a process group    `prepare_save` on the store's own gloo      `save_prepared` (format v2, or
+(every rank)       group; the snapshot copies the DCP view      v4), then the store's
+                   (DTensors rebuilt around staged shards)      `after_sharded_commit`
+=================  ==========================================  =================================
 
 ::
 
     caller thread                             "ckptfs-async-save" thread (one per store)
     -------------                             -------------------------------------------
     raise uncollected failures
-    plan_v1 + check_plan (key-path errors;
-      every non-tensor value encoded now)
+    prepare the layout's save (key-path
+      errors raised now; a collective save's
+      on every rank, from its future)
     back-pressure: wait while max_in_flight
       saves are pending (logged, counted)
-    stage the plan's tensors      ----->      save_plan(plan over the copies): write, hash,
-      (CUDA: pinned, non-blocking,              commit; buffers back to the pool
-       one synchronize per device)            future resolved (or failed: kept for the
-    return SaveFuture                           next save / save_async / wait to raise)
+    snapshot (CUDA: pinned, non-blocking,  ----->   the store's synchronous save over the
+      one synchronize per device)                   snapshot; buffers back to the pool
+    return SaveFuture                               future resolved (or failed: kept for the
+                                                    next save / save_async / wait to raise)
 
-The staging pool keeps one buffer per tensor of the last snapshot(s), so a run that saves the
-same shapes allocates nothing after its first save.  Extra memory is one copy of the state's
-tensors per save in flight (``max_in_flight``, default 1), held until
-`close`.
+A store's saves run one after the other on its thread, so a collective save's collectives (on
+the store's own gloo group, never the training loop's nor the synchronous saves') never
+interleave with the next one's.  The staging pool keeps one buffer per tensor of the last
+snapshot(s), so a run that saves the same shapes allocates nothing after its first save.  Extra
+memory is one copy of the state's tensors per save in flight (``max_in_flight``, default 1),
+held until `close`.
 
 At interpreter exit (before ``concurrent.futures`` stops accepting work, so the commit can still
 use its writer threads) pending saves are completed and a failure nobody collected is logged as
 an error: never silent.  A killed process leaves an attempt without a marker, which readers skip
 and garbage collection removes.  A process forked while saves are in flight (a data-loader
 worker, say) starts with none: in the child, the parent's pending futures fail with
-`AsyncSaveError` (the parent completes them) and the store works as new.
-
-Sharded states (several ranks, one commit) are saved through ``dcp.async_save``:
-`ckptfs.protocol.async_sharded`, which uses the saver's small internal API (the methods of
-`AsyncSaver` without a leading underscore) and nothing else of this module.  See
-docs/async.md.
+`AsyncSaveError` (the parent completes them) and the store works as new.  See docs/async.md.
 """
 
 from __future__ import annotations
@@ -66,7 +70,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckptfs.errors import AsyncSaveError, CheckpointExistsError, UnsupportedValueError
+from ckptfs.errors import (
+    AsyncSaveError,
+    CheckpointExistsError,
+    ShardedSaveError,
+    UnsupportedValueError,
+)
 from ckptfs.format.hashing import new_hasher
 from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import StatePlan
@@ -74,7 +83,8 @@ from ckptfs.protocol.collective import find_dtensor, wants_sharded_save
 from ckptfs.protocol.commit import check_plan, plan_v1
 from ckptfs.protocol.incremental import write_plan
 from ckptfs.protocol.resolve import CheckpointInfo
-from ckptfs.protocol.staging import PoolKey, StagingPool, stage
+from ckptfs.protocol.snapshot import Snapshot, take
+from ckptfs.protocol.staging import PoolKey, StagingPool
 
 if TYPE_CHECKING:
     from ckptfs.protocol.store import CheckpointStore
@@ -231,14 +241,10 @@ _worker = threading.local()
 
 
 class AsyncSaver:
-    """The async-save machinery of one store.  Holds no reference to the store (it lives in a
-    weak mapping keyed by the store), only what the background saves need.
-
-    The internal API of the collective form (`ckptfs.protocol.async_sharded`), in call
-    order: `check_step_free`, `wait_for_slot`, `raise_uncollected`,
-    `pool` (staging), `track` (the future of a submitted save),
-    `record_blocked`, then on the thread that runs the save `settle` inside
-    `background_thread`.  (It imports nothing of this module at run time: no cycle.)"""
+    """The async-save machinery of one store: its thread, its futures (back-pressure,
+    uncollected failures, the exit hook), its staging pool and its own gloo group.  Holds no
+    reference to the store (it lives in a weak mapping keyed by the store), only what the
+    background saves need."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -249,33 +255,38 @@ class AsyncSaver:
         self._executor: ThreadPoolExecutor | None = None
         self._futures: list[SaveFuture] = []  # submitted, not yet known done and collected
         self._warned_wait = False
+        #: The store's own gloo group of async saves, with the default group it was made in.
+        self._group: tuple[int, Any] | None = None
 
     # -- submitting ----------------------------------------------------------------------------
 
     def submit(self, store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                metadata: Mapping[str, Any] | None, max_in_flight: int) -> SaveFuture:
+        """``store.save_async``: the save prepared for the state's layout (`_prepare_single`
+        or, every rank of a process group calling it, `_prepare_collective`), the snapshot
+        (`ckptfs.protocol.snapshot.take`), then the store's synchronous save over the
+        snapshot on the store's thread (`_Job`)."""
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self._check_not_worker("save_async")
         with self._submit_lock:
             self.raise_uncollected()
-            if wants_sharded_save(state):
-                from ckptfs.protocol.async_sharded import submit_sharded  # imports DCP
-
-                return submit_sharded(self, store, step, state, metadata, max_in_flight)
             t0 = time.perf_counter()
-            plan, meta = _plan(store, step, state, metadata)
+            check_step(step)
             self.check_step_free(step)
+            prepare = _prepare_collective if wants_sharded_save(state) else _prepare_single
+            prepared = prepare(self, store, step, state, metadata)
             planned = time.perf_counter() - t0
             self.wait_for_slot(step, max_in_flight)
             self.raise_uncollected()  # a save that failed while we waited
             t1 = time.perf_counter()
-            staged = stage(self.pool, plan.tensors)
+            snap = take(self.pool, prepared.reads)
             self.pool.trim()
+            buffers = snap.buffers
             fut = SaveFuture(step, store.url)
             try:
-                job = _Job(self, fut, plan.rebind(staged.tensors), meta, staged.buffers, store)
-                del plan  # the caller's tensors: not read again
+                job = _Job(self, fut, prepared.over(snap), buffers)
+                del prepared, snap  # the caller's objects: not read again
                 with self._lock:
                     if self._executor is None:
                         self._executor = ThreadPoolExecutor(
@@ -284,11 +295,35 @@ class AsyncSaver:
                     self._futures.append(fut)
                     self.stats.submitted += 1
             except BaseException:
-                self.pool.give_back(staged.buffers)
+                self.pool.give_back(buffers)
                 raise
             _register_exit_hook()
             self.record_blocked(planned + time.perf_counter() - t1)
             return fut
+
+    def collective_group(self, live: Any, what: str) -> Any:
+        """This store's own gloo group for async saves, created once per default group
+        (collectively: every rank creates its stores' groups in the same order), so that a
+        background save's collectives never share a group with the training loop's or a
+        synchronous save's.  Its creation is bounded by the collective timeout; a rank that
+        never joins it fails it on the others with `ShardedSaveError` naming that rank
+        (``live``: the save's `Liveness`)."""
+        import torch.distributed as dist
+
+        from ckptfs.protocol.group import gloo_group
+        from ckptfs.protocol.sharded import COLLECTIVE_TIMEOUT
+
+        world = id(dist.group.WORLD)
+        if self._group is None or self._group[0] != world:
+            group = gloo_group(COLLECTIVE_TIMEOUT, what=f"{what}: creating the store's gloo "
+                               "group for async saves", default=ShardedSaveError, live=live)
+            self._group = (world, group)
+        return self._group[1]
+
+    @property
+    def group(self) -> Any:
+        """The store's own gloo group of async saves (None before its first sharded one)."""
+        return None if self._group is None else self._group[1]
 
     def check_step_free(self, step: int) -> None:
         """Refuse a step that already has a save of this store in flight."""
@@ -296,17 +331,6 @@ class AsyncSaver:
             raise CheckpointExistsError(
                 f"step {step} at {self.url} already has an async save in flight; a step is "
                 "saved once: wait for it (store.wait()) or save under a new step")
-
-    def track(self, step: int) -> SaveFuture:
-        """A new future of a save of ``step``, counted as submitted: ``wait``, ``close``, the
-        next call's re-raise and the exit hook follow it (the collective form's futures,
-        resolved by `settle`)."""
-        fut = SaveFuture(step, self.url)
-        with self._lock:
-            self._futures.append(fut)
-            self.stats.submitted += 1
-        _register_exit_hook()
-        return fut
 
     def record_blocked(self, seconds: float) -> None:
         """The caller was blocked ``seconds`` by a snapshot (planning and copies)."""
@@ -459,6 +483,7 @@ class AsyncSaver:
         self._submit_lock = threading.Lock()
         self._lock = threading.Lock()
         self._executor = None  # its thread is the parent's: work queued here would never run
+        self._group = None  # its peers are the parent's
         self.pool = self.stats.pool = StagingPool()
         futures, self._futures = self._futures, []
         for f in futures:
@@ -466,24 +491,87 @@ class AsyncSaver:
                 f.fail_in_forked_child(parent)
 
 
-class _Job:
-    """One background save: the commit of a plan over staged copies."""
+@dataclass
+class _Prepared:
+    """One save prepared on the caller's thread for its layout, everything the synchronous
+    save refuses before writing checked: ``reads``, what that save still reads of the state
+    (the snapshot copies it), and ``over(snapshot)``, the store's synchronous save over the
+    snapshot, to run on the store's thread."""
 
-    def __init__(self, saver: AsyncSaver, fut: SaveFuture, plan: StatePlan,
-                 meta: dict[str, Any], buffers: list[tuple[PoolKey, torch.Tensor]],
-                 store: CheckpointStore) -> None:
+    reads: Any
+    over: Callable[[Snapshot], Callable[[], CheckpointInfo]]
+
+
+def _prepare_single(saver: AsyncSaver, store: CheckpointStore, step: int,
+                    state: Mapping[str, Any], metadata: Mapping[str, Any] | None) -> _Prepared:
+    """One process: the serializer's plan (every non-tensor value encoded now), whose tensors
+    the snapshot copies; on the store's thread, the plan over the copies goes through
+    `write_plan`, as ``store.save`` does (format v1, or v3 on an incremental store).  The
+    job captures what the save uses, not the store (see `AsyncSaver`)."""
+    plan, meta = _plan(store, step, state, metadata)
+    storage, algorithm, durable = store.storage, store.algorithm, store.durable
+    threads, memory, lease_s = store.threads, store.reuse, store.lease_s
+
+    def over(snap: Snapshot) -> Callable[[], CheckpointInfo]:
+        staged = plan.rebind(snap.value)
+        return lambda: write_plan(storage, step, staged, meta, algorithm=algorithm,
+                                  durable=durable, threads=threads, memory=memory,
+                                  lease_s=lease_s)
+
+    return _Prepared(plan.tensors, over)
+
+
+def _prepare_collective(saver: AsyncSaver, store: CheckpointStore, step: int,
+                        state: Mapping[str, Any], metadata: Mapping[str, Any] | None
+                        ) -> _Prepared:
+    """Every rank of a process group (docs/async.md, "Sharded states"): the collective save
+    prepared as `ckptfs.protocol.sharded.save_sharded` prepares it (format v2, or v4 on an
+    incremental store, with the store's reuse memory and lease), on the store's own gloo group
+    (`AsyncSaver.collective_group`); the snapshot copies its DCP view.  On the store's
+    thread, the synchronous collective save (`ckptfs.protocol.sharded.save_prepared`, its
+    one "write everything again" retry included) runs over the copies, then the store's
+    `after_sharded_commit`.  A bad value does not raise here: the planner raises it inside
+    DCP, on every rank together."""
+    from ckptfs.protocol import sharded as sh  # imports DCP: collective saves only
+
+    try:
+        meta: Mapping[str, Any] | None = copy.deepcopy(dict(metadata or {}))
+    except Exception:  # not copyable, so not JSON either: the planner refuses it on all ranks
+        meta = metadata
+    what = f"async sharded save of step {step} at {store.url}"
+    live = sh.liveness(None, "async-save", step)  # before the group: an absent rank is named
+    group = saver.collective_group(live, what)
+    prep = sh.prepare_save(store.storage, step, state, group=group, kind="async-save",
+                           algorithm=store.algorithm, durable=store.durable,
+                           threads=store.threads, metadata=meta, node_local=store.node_local,
+                           memory=store.reuse, lease_s=store.lease_s, live=live)
+    after = store.after_sharded_commit
+
+    def over(snap: Snapshot) -> Callable[[], CheckpointInfo]:
+        prep.view = snap.value  # the caller's view: not read again
+        prep.writer.hint = snap.hint  # the caller's tensors' reuse hints, taken at the copy
+
+        def run() -> CheckpointInfo:
+            info = sh.save_prepared(prep, group,
+                                    renew=lambda: sh.liveness(group, "async-save", step))
+            after(info)
+            return info
+
+        return run
+
+    return _Prepared(prep.view, over)
+
+
+class _Job:
+    """One background save: the store's synchronous save over a snapshot (``save``), then its
+    staging buffers back to the pool and its future settled."""
+
+    def __init__(self, saver: AsyncSaver, fut: SaveFuture, save: Callable[[], CheckpointInfo],
+                 buffers: list[tuple[PoolKey, torch.Tensor]]) -> None:
         self.saver = saver
         self.fut = fut
-        self.plan: StatePlan | None = plan
-        self.meta = meta
+        self.save: Callable[[], CheckpointInfo] | None = save
         self.buffers = buffers
-        # What the synchronous save uses, captured now (not the store: see AsyncSaver).
-        self.storage = store.storage
-        self.algorithm = store.algorithm
-        self.durable = store.durable
-        self.threads = store.threads
-        self.reuse = store.reuse
-        self.lease_s = store.lease_s
 
     def run(self) -> None:
         fut = self.fut
@@ -493,11 +581,8 @@ class _Job:
             return
         with saver.background_thread():
             try:
-                assert self.plan is not None
-                info = write_plan(self.storage, fut.step, self.plan, self.meta,
-                                  algorithm=self.algorithm, durable=self.durable,
-                                  threads=self.threads, memory=self.reuse,
-                                  lease_s=self.lease_s)
+                assert self.save is not None
+                info = self.save()
             except BaseException as exc:
                 self._release()
                 saver.settle(fut, exc, None)
@@ -510,7 +595,7 @@ class _Job:
                 self.__dict__.clear()
 
     def _release(self) -> None:
-        self.plan = None
+        self.save = None
         self.saver.pool.give_back(self.buffers)
         self.buffers = []
 

@@ -321,9 +321,8 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
     return make(view, live)
 
 
-def save_prepared(p: SavePrep, group: Any) -> CheckpointInfo:
-    """Run a prepared collective save with ``dcp.save`` on ``group`` (every rank): the
-    committed checkpoint, or the typed error of `failure` on every rank."""
+def _save_once(p: SavePrep, group: Any) -> CheckpointInfo:
+    """One ``dcp.save`` of a prepared save on ``group`` (every rank)."""
     md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
                              process_group=group, no_dist=group is None),
               p.what, ShardedSaveError, p.live)
@@ -352,13 +351,24 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
     p = prepare_save(storage, step, state, group=group, algorithm=algorithm, durable=durable,
                      threads=threads, metadata=metadata, live=live, memory=memory,
                      lease_s=lease_s, node_local=node_local)
+    return save_prepared(p, group, renew=lambda: liveness(process_group, "save", step))
+
+
+def save_prepared(p: SavePrep, group: Any, *,
+                  renew: Callable[[], Liveness] | None = None) -> CheckpointInfo:
+    """Run a prepared collective save with ``dcp.save`` on ``group`` (every rank, on whatever
+    thread: `save_sharded` on the caller's, ``save_async`` on the store's own): the committed
+    checkpoint, or the typed error of `failure` on every rank.  An incremental save whose
+    protector went away (every rank got `ProtectorGoneError` from the coordinator's fence) is
+    retried here, once, on every rank, writing every byte (`SavePrep.in_full`, with the
+    liveness keys ``renew()`` sets for the second collective)."""
     try:
-        return save_prepared(p, group)
+        return _save_once(p, group)
     except ProtectorGoneError as exc:  # every rank got it: every rank retries
-        if memory is None:  # pragma: no cover - only an incremental save fences
+        if p.writer.memory is None:  # pragma: no cover - only an incremental save fences
             raise
-        again = p.in_full(exc, live=liveness(process_group, "save", step))
-    return save_prepared(again, group)
+        again = p.in_full(exc, live=None if renew is None else renew())
+    return _save_once(again, group)
 
 
 def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,

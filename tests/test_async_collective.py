@@ -1,11 +1,11 @@
 """Asynchronous saves of sharded states (docs/async.md): ``store.save_async`` on every rank of
-a 2-rank gloo job with an FSDP2/DTensor state, through ``dcp.async_save`` on the store's own gloo
-group and ckptfs's ShardedWriter (one commit).
+a 2-rank gloo job with an FSDP2/DTensor state: the snapshot, then the synchronous collective save
+on the store's thread, on the store's own gloo group (one commit).
 
 One job (spawning ranks costs seconds on 2 shared cores) checks: the values at call time are
 what is committed (the DTensors, and NumPy arrays, a set, a Namespace with a tensor, a list, a
 conjugate view, are mutated while the background write is held at a gate, and for a second
-save before DCP has even planned it),
+save before the store's thread has even planned it),
 the training loop's collectives on the default group run while a save is in flight, both ranks
 get the same CheckpointInfo, two saves in flight commit in order, and a storage failure on rank
 1 is a typed error from ``result()`` on both ranks (and from the next ``wait`` when nobody
@@ -68,7 +68,7 @@ def mutate(value: Any) -> None:
 
 
 def extra_values() -> dict[str, Any]:
-    """Values beside the DTensors, identical on every rank: what DCP plans (and so reads) on
+    """Values beside the DTensors, identical on every rank: what the save plans (and so reads) on
     its own thread unless the snapshot copied them."""
     return {"np": np.arange(4, dtype=np.float32), "np_list": [np.ones(2)], "set": {1, 2},
             "ns": argparse.Namespace(w=torch.ones(2), tags=["a"]), "ints": [1, 2],
@@ -89,7 +89,7 @@ def mutate_extra(extra: dict[str, Any]) -> None:
 def job_async_w2(rank: int, world: int, url: str) -> Any:
     import torch.distributed as dist
 
-    from ckptfs.protocol import async_save, async_sharded, sharded
+    from ckptfs.protocol import async_save, sharded
 
     state, _ = build_state(world)
     extra = extra_values()
@@ -103,8 +103,8 @@ def job_async_w2(rank: int, world: int, url: str) -> Any:
     fut = store.save_async(10, state, max_in_flight=2)
     assert reached.wait(60), "the background save never reached its writes"
     assert not fut.done()
-    # Step 11 is snapshotted now, but DCP plans it (reads its values) only once step 10 has
-    # finished, after the changes below: what it stores must be the snapshot's.
+    # Step 11 is snapshotted now, but planned (its values read) on the store's thread only once
+    # step 10 has finished, after the changes below: what it stores must be the snapshot's.
     fut11 = store.save_async(11, state, max_in_flight=2)
     mutate(state)  # after save_async returned, before the background write
     mutate_extra(extra)
@@ -120,7 +120,7 @@ def job_async_w2(rank: int, world: int, url: str) -> Any:
     out["info11"] = fut11.result(timeout=60).step
     saver = async_save.existing_saver(store)
     assert saver is not None
-    group = async_sharded.async_group(saver)
+    group = saver.group
     out["own_group"] = (group is not None and group is not dist.group.WORLD
                         and all(group is not g for g in sharded._GROUPS.values()))
     # Two saves in flight (max_in_flight=2): they run one after the other on the group.
@@ -181,8 +181,8 @@ def test_sharded_save_async_two_ranks(tmp_path: Path) -> None:
     assert r0["info11"] == r1["info11"] == 11
     assert r0["all_reduce"] == r1["all_reduce"] == 3.0
     assert r0["own_group"] and r1["own_group"]
-    # The state was really changed before the write (and, for step 11, before DCP planned
-    # it), yet both checkpoints hold the values at call time, bit-exact, in one process.
+    # The state was really changed before the write (and, for step 11, before it was planned),
+    # yet both checkpoints hold the values at call time, bit-exact, in one process.
     assert not torch.equal(r0["mutated"], expected["dt"]["a"])
     store = ckptfs.open(url)
     for step in (11, 10):

@@ -1,0 +1,159 @@
+"""The snapshot of an asynchronous save: what the background save reads instead of the caller's
+objects, taken on the caller's thread.
+
+Design decision: **one snapshot for every layout.**  ``save_async`` hands `take` what the
+store's synchronous save would still read of the state once it has planned it (for one process
+the serializer's plan tensors, `ckptfs.format.serialize.StatePlan.tensors`; for a collective
+save the state's DCP view, `ckptfs.format.sharded_tree.dcp_view`), and gets back the same
+structure with nothing of the caller's left in it:
+
+* every tensor, and every DTensor's local shard, is copied into the store's staging pool
+  (`ckptfs.protocol.staging.stage`: pinned non-blocking copies for CUDA, one synchronize per
+  device), once per distinct tensor by the serializer's identity
+  (`ckptfs.format.serialize.tensor_identity`), so tied tensors stay one tensor; a DTensor is
+  rebuilt around its staged shard with the same spec (mesh, placements, global shape);
+* the containers (``dict``, ``list``, ``tuple``) are rebuilt; plain immutable values are
+  shared;
+* every other value (a NumPy array, a set, a ``Namespace``, a registered dataclass or
+  container, with the tensors inside it) is replaced by its own copy, decoded from the bytes
+  the format stores for it (`ckptfs.format.sharded.encode_value` then ``decode_value``), so
+  the background save encodes a value that only it holds.  A value the format cannot hold is
+  left in place: the save refuses it where it refuses it synchronously (a collective save: in
+  DCP's planning, on every rank together; raising here would leave the other ranks waiting).
+
+The tensors' reuse hints (`ckptfs.format.serialize.version_of`: address and autograd version
+of the caller's tensor) are taken with the copies: an incremental save sees only the staged
+copies, and asks `Snapshot.hint` what the caller's tensor looked like.
+
+DTensor support is imported only when a DTensor is met (a single-process save never imports
+torch.distributed).  See docs/async.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptfs.format.serialize import tensor_identity, version_of
+from ckptfs.format.sharded import decode_value, encode_value
+from ckptfs.protocol.collective import is_dtensor
+from ckptfs.protocol.staging import PoolKey, StagingPool, stage
+
+__all__ = ["Snapshot", "take"]
+
+log = logging.getLogger("ckptfs")
+
+#: Values shared, not copied, by the snapshot: immutable, and stored as themselves.
+_IMMUTABLE = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size)
+
+
+@dataclass
+class Snapshot:
+    """The copy of a structure taken by `take`: ``value`` (the structure, over staged
+    copies), the pool ``buffers`` they live in (given back once the save no longer reads them)
+    and the caller's tensors' reuse hints by staged address."""
+
+    value: Any
+    buffers: list[tuple[PoolKey, torch.Tensor]]
+    hints: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def hint(self, t: torch.Tensor) -> tuple[int, int]:
+        """The reuse hint of ``t``: a staged copy (by its storage address) gets the hint of the
+        caller's tensor it copies; any other tensor its own (`version_of`)."""
+        own = version_of(t)
+        return self.hints.get(own[0], own)
+
+
+class _Slot:
+    """Where staged tensor ``index`` goes (``like``: the DTensor whose local shard it is, to
+    rebuild one of the same spec around the staged shard)."""
+
+    __slots__ = ("index", "like")
+
+    def __init__(self, index: int, like: Any) -> None:
+        self.index = index
+        self.like = like
+
+
+def take(pool: StagingPool, value: Any) -> Snapshot:
+    """The snapshot of ``value`` (module docstring), every copy complete when it returns: the
+    caller may change or free its objects then.  On failure the buffers taken go back to the
+    pool."""
+    tensors: list[torch.Tensor] = []
+    index: dict[tuple[Any, ...], int] = {}
+
+    def walk(v: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(v, torch.Tensor):
+            like = v if is_dtensor(v) else None
+            if like is None:
+                local = v
+            else:
+                from ckptfs.torch_compat import dtensor_local  # imports DCP: DTensors only
+
+                local = dtensor_local(like)
+            ident = tensor_identity(local)
+            i = index.get(ident)
+            if i is None:
+                i = index[ident] = len(tensors)
+                tensors.append(local)
+            return _Slot(i, like)
+        if type(v) is dict:
+            return {k: walk(x, (*path, k)) for k, x in v.items()}
+        if type(v) is list:
+            return [walk(x, (*path, i)) for i, x in enumerate(v)]
+        if type(v) is tuple:
+            return tuple(walk(x, (*path, i)) for i, x in enumerate(v))
+        if type(v) in _IMMUTABLE:
+            return v
+        return own_copy(v, ".".join(str(p) for p in path))
+
+    tree = walk(value, ())
+    hints = [version_of(t) for t in tensors]
+    staged = stage(pool, tensors)
+    tensors.clear()  # the caller's: not read again
+    try:
+        out = _fill(tree, staged.tensors)
+    except BaseException:  # pragma: no cover - rebuilding a DTensor of a valid spec
+        pool.give_back(staged.buffers)
+        raise
+    by_ptr = {version_of(t)[0]: h for t, h in zip(staged.tensors, hints, strict=True)
+              if t.numel()}
+    return Snapshot(out, staged.buffers, by_ptr)
+
+
+def _fill(value: Any, staged: list[torch.Tensor]) -> Any:
+    if isinstance(value, _Slot):
+        local = staged[value.index]
+        if value.like is None:
+            return local
+        from ckptfs.torch_compat import dtensor_like
+
+        # as DCP's own stager does: the same spec (mesh, placements, global shape)
+        return dtensor_like(local, value.like)
+    if type(value) is dict:
+        return {k: _fill(v, staged) for k, v in value.items()}
+    if type(value) is list:
+        return [_fill(v, staged) for v in value]
+    if type(value) is tuple:
+        return tuple(_fill(v, staged) for v in value)
+    return value
+
+
+def own_copy(value: Any, key: str) -> Any:
+    """A copy of a non-tensor value that shares nothing with it: decoded from the bytes the
+    format stores for it (so it is exactly what would be stored, and of the same registered
+    type).  A value the format cannot hold is returned as it is (module docstring)."""
+    try:
+        blob = encode_value(value, key=key)
+    except Exception:
+        return value
+    try:
+        return decode_value(blob, where=f"snapshot of {key!r}")
+    except Exception as exc:  # a registered decode function that refuses its own encoding
+        log.warning("save_async: the value at %r could not be copied (its registered decode "
+                    "refused its own encoding: %s: %s); the background save reads it as it is "
+                    "then", key, type(exc).__name__, exc)
+        return value
