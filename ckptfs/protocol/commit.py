@@ -50,13 +50,15 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
-from ckptfs.errors import CheckpointExistsError, CorruptCheckpointError
+from ckptfs.errors import CheckpointExistsError, CkptfsError, CorruptCheckpointError
+from ckptfs.format.content import same_content
 from ckptfs.format.hashing import (
     DEFAULT_ALGORITHM,
     HASH_INLINE_BYTES,
@@ -90,7 +92,13 @@ from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, StatePlan, plan_state
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
 from ckptfs.format.versions import check_committable
 from ckptfs.protocol.listing import dangling_references, list_attempt, problems
-from ckptfs.protocol.resolve import CheckpointInfo, read_committed, read_marker, storage_url
+from ckptfs.protocol.resolve import (
+    CheckpointInfo,
+    find_step_dir,
+    read_committed,
+    read_marker,
+    storage_url,
+)
 from ckptfs.storage.base import ServerChecksums, Storage, retry_call, supports
 
 log = logging.getLogger("ckptfs")
@@ -137,6 +145,58 @@ def writer_identity(**extra: Any) -> dict[str, Any]:
 
 def now_text() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class ProtectorGoneError(CkptfsError, RuntimeError):
+    """The checkpoint an incremental save took references from was deleted (or the save ran
+    past its lease) before the save could commit; the save is retried writing every byte."""
+
+
+class Lease:
+    """How long a writer that references stored bytes may take from its open to its marker
+    (docs/protocol.md §9.4): started when made (the attempt's open), asked by the commit's
+    fence before the marker and once the marker is ours."""
+
+    def __init__(self, seconds: float, what: str = "save") -> None:
+        self.seconds = seconds
+        self.what = what
+        self.opened = time.monotonic()
+
+    def expired(self) -> bool:
+        return time.monotonic() - self.opened > self.seconds
+
+
+T = TypeVar("T")
+
+
+def write_again_if_gone(what: str, save: Callable[[bool], T],
+                        forget: Callable[[], None]) -> T:
+    """The "protector gone: write everything again" retry of every incremental writer:
+    ``save(True)`` (reusing stored bytes); if its fence raised `ProtectorGoneError`, logged
+    (``what``: where and which step), ``forget()`` the reuse memory, and ``save(False)`` once,
+    referencing nothing."""
+    try:
+        return save(True)
+    except ProtectorGoneError as exc:
+        log.warning("%s: %s; writing every byte instead", what, exc)
+        forget()
+    return save(False)
+
+
+def settle_lost_race(storage: Storage, step: int, manifest: Manifest
+                     ) -> CheckpointInfo | None:
+    """The "lost the marker race: the same content?" settlement of a writer whose commit
+    raised `CheckpointExistsError` (a copy, a replica): the winner's committed checkpoint
+    when it holds the same content as ``manifest`` (`same_content`: the step is there, as
+    wanted), else ``None`` (the caller re-raises).  A winner that cannot be read counts as
+    another content."""
+    try:
+        if find_step_dir(storage, step) is None or read_marker(storage, step) is None:
+            return None
+        winner = read_committed(storage, step)
+    except Exception:
+        return None
+    return winner if same_content(winner.manifest, manifest) else None
 
 
 @dataclass(frozen=True)
@@ -374,15 +434,20 @@ class Attempt:
         return written, hasher.hexdigest(), [], checksums
 
     def write_files(self, files: Sequence[tuple[str, int, Chunks]], *, threads: int,
-                    hash_lead: int = MAX_HASH_LEAD) -> list[WrittenFile]:
-        """`write_file` of each ``(relpath, size, chunks)`` (whole-file digests), several
-        at once (bounded by ``threads`` and the storage's write-memory budget)."""
+                    hash_lead: int = MAX_HASH_LEAD,
+                    pieces: Sequence[Sequence[int] | None] | None = None
+                    ) -> list[WrittenFile]:
+        """`write_file` of each ``(relpath, size, chunks)`` (whole-file digests, or by the
+        file's ``pieces`` where given), several at once (bounded by ``threads`` and the
+        storage's write-memory budget)."""
+        split = list(pieces) if pieces is not None else [None] * len(files)
         n = write_streams(self.storage, threads, len(files))
         if n <= 1:
-            return [self.write_file(p, s, c, hash_lead=hash_lead) for p, s, c in files]
+            return [self.write_file(p, s, c, pieces=k, hash_lead=hash_lead)
+                    for (p, s, c), k in zip(files, split, strict=True)]
         with ThreadPoolExecutor(n, thread_name_prefix="ckptfs-save") as pool:
-            futures = [pool.submit(self.write_file, p, s, c, hash_lead=hash_lead)
-                       for p, s, c in files]
+            futures = [pool.submit(self.write_file, p, s, c, pieces=k, hash_lead=hash_lead)
+                       for (p, s, c), k in zip(files, split, strict=True)]
             return [fut.result() for fut in futures]
 
     def write_document(self, relpath: str, data: bytes) -> WrittenFile:
@@ -401,6 +466,7 @@ class Attempt:
     def commit(self, manifest: Manifest, *, fence: Callable[[], None] | None = None,
                node_files: Iterable[str] | None = None,
                lease_expired: Callable[[], bool] | None = None,
+               protectors: Iterable[tuple[int, str]] = (), lease: Lease | None = None,
                **writer: Any) -> CheckpointInfo:
         """Write ``manifest`` and create the marker exclusively: the checkpoint is committed
         when this returns.  ``writer``: extra facts the marker records (``world_size``,
@@ -412,14 +478,22 @@ class Attempt:
         here, each rank did its own.  ``lease_expired``: the writer's lease (a save or copy
         that references stored bytes, docs/protocol.md §9.4), asked once the marker is ours:
         if it ran out, the marker stays only if every file of the checkpoint is still listed
-        (`confirm_after_lease`).  See the module docstring for the outcomes."""
+        (`confirm_after_lease`).  ``protectors`` (``(step, attempt)`` of each committed
+        checkpoint the manifest takes references from) and ``lease``: the fence of every
+        incremental writer, run first (`fence_protectors`), and ``lease.expired`` as
+        ``lease_expired``.  See the module docstring for the outcomes."""
         if manifest.step != self.step or manifest.attempt != self.name:
             raise AssertionError("the manifest is not this attempt's")  # pragma: no cover
         who = writer_identity(**writer)
+        protected = sorted(set(protectors))
+        if protected and lease is not None and lease_expired is None:
+            lease_expired = lease.expired
         try:
             mbytes = check_manifest(manifest, who)
             self._place(mbytes, [f.path for f in manifest.files] if node_files is None
                         else node_files)
+            if protected:
+                fence_protectors(self.storage, protected, lease)
             if fence is not None:
                 fence()
             if node_files is None:
@@ -529,6 +603,23 @@ class Attempt:
     def reread(self) -> CheckpointInfo:
         """The committed checkpoint as a reader sees it (after `commit`)."""
         return read_committed(self.storage, self.step)
+
+
+def fence_protectors(storage: Storage, protectors: Iterable[tuple[int, str]],
+                     lease: Lease | None) -> None:
+    """The fence before the marker of a writer that references stored bytes (docs/protocol.md
+    §9.4): within its ``lease``, and every checkpoint it took references from (its
+    *protectors*, ``(step, attempt)``) still committed by the same attempt; else
+    `ProtectorGoneError` (the writer writes every byte again: `write_again_if_gone`)."""
+    what = "save" if lease is None else lease.what
+    if lease is not None and lease.expired():
+        raise ProtectorGoneError(f"the {what} ran longer than its {lease.seconds:.0f} s lease")
+    for pstep, pattempt in protectors:
+        marker = read_marker(storage, pstep)
+        if marker is None or marker.attempt != pattempt:
+            raise ProtectorGoneError(
+                f"step {pstep}, whose stored bytes this {what} references, was deleted "
+                "while it was being written")
 
 
 def confirm_after_lease(storage: Storage, info: CheckpointInfo,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,26 +51,23 @@ from ckptfs.format.serialize import (
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
 from ckptfs.protocol.commit import (
     Attempt,
+    Lease,
+    ProtectorGoneError,
     confirm_after_lease,
     default_threads,
     now_text,
     placeholder_digest,
     save_plan,
-    write_streams,
+    write_again_if_gone,
 )
 from ckptfs.protocol.reader import local_header, reference_chunks
-from ckptfs.protocol.resolve import CheckpointInfo, read_marker, resolve_latest
+from ckptfs.protocol.resolve import CheckpointInfo, resolve_latest
 from ckptfs.storage.base import Storage, read_range
 
 log = logging.getLogger("ckptfs")
 
 #: (algorithm, hex digest, length, dtype code, shape): what makes two tensors the same bytes.
 Key = tuple[str, str, int, str, tuple[int, ...]]
-
-
-class ProtectorGoneError(CkptfsError, RuntimeError):
-    """The checkpoint an incremental save took references from was deleted (or the save ran
-    past its lease) before the save could commit; the save is retried writing every byte."""
 
 
 @dataclass(frozen=True)
@@ -328,33 +324,47 @@ def references_for(reused: Mapping[int, Stored]) -> tuple[list[Reference], dict[
     return refs, slots
 
 
+def reuse_index(storage: Storage, memory: ReuseMemory, algorithm: str, *, sharded: bool,
+                indexer: Indexer = index_of) -> ReuseIndex | None:
+    """The index the reuse stage of an incremental save decides over, for both layouts: none
+    under a non-cryptographic digest (warned once per store); else the index this process
+    remembers of its last save of the layout (``sharded``: this rank's items), or, at the
+    first save of a process (and not in the retry after a protector went away, for a sharded
+    save), the run's newest committed checkpoint's (`latest_index` with ``indexer``)."""
+    if not ALGORITHMS[algorithm].cryptographic:
+        if not memory.warned:
+            log.warning("%s: incremental saves reuse stored bytes only under a cryptographic "
+                        "digest; with %r every byte is written", storage.url, algorithm)
+            memory.warned = True
+        return None
+    with memory.lock:
+        index, resume = (memory.rank_index, memory.rank_resume) if sharded \
+            else (memory.index, True)
+    if index is None and resume:
+        index = latest_index(storage, indexer)
+    return index
+
+
 def save_incremental(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
                      memory: ReuseMemory, *, algorithm: str, durable: bool = True,
                      threads: int | None = None, lease_s: float = DEFAULT_LEASE_S
                      ) -> CheckpointInfo:
     """Write and commit ``plan`` as the format v3 checkpoint of ``step``, referencing what an
     earlier checkpoint already holds (module docstring).  If the checkpoint it references is
-    deleted before it commits, it is written again in full (one retry, logged)."""
+    deleted before it commits, it is written again in full (`write_again_if_gone`: one
+    retry, logged)."""
     threads = threads or default_threads()
-    with memory.lock:
-        index = memory.index
-    if not ALGORITHMS[algorithm].cryptographic:
-        if not memory.warned:
-            log.warning("%s: incremental saves reuse stored bytes only under a cryptographic "
-                        "digest; with %r every byte is written", storage.url, algorithm)
-            memory.warned = True
-        index = None
-    elif index is None:
-        index = latest_index(storage)
-    try:
+
+    def save(reuse: bool) -> CheckpointInfo:
+        index = reuse_index(storage, memory, algorithm, sharded=False) if reuse else None
         return _save(storage, step, plan, meta, memory, index, algorithm=algorithm,
                      durable=durable, threads=threads, lease_s=lease_s)
-    except ProtectorGoneError as exc:
-        log.warning("%s: step %d: %s; writing every byte instead", storage.url, step, exc)
+
+    def forget() -> None:
         with memory.lock:
             memory.index = None
-        return _save(storage, step, plan, meta, memory, None, algorithm=algorithm,
-                     durable=durable, threads=threads, lease_s=lease_s)
+
+    return write_again_if_gone(f"{storage.url}: step {step}", save, forget)
 
 
 def write_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,
@@ -390,39 +400,17 @@ def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
                                    references=tuple(refs))
 
     with Attempt.open(storage, step, algorithm=algorithm, durable=durable) as att:
-        opened = time.monotonic()
+        lease = Lease(lease_s)
         created = now_text()
         att.check(manifest(att.name, created, [
             make_entry(p, s, algorithm, _placeholder_chunks(pieces, algorithm), None)
             for p, s, _, pieces in files]))
-        n = write_streams(storage, threads, len(files))
-
-        def write(f: tuple[str, int, Any, list[int]]) -> ChunkedFileEntry:
-            path, size, chunks, pieces = f
-            return att.write_file(path, size, chunks, pieces=pieces).chunked_entry(
-                algorithm, pieces)
-
-        if n <= 1:
-            entries = [write(f) for f in files]
-        else:
-            with ThreadPoolExecutor(n, thread_name_prefix="ckptfs-save") as pool:
-                entries = list(pool.map(write, files))
-        final = manifest(att.name, created, entries)
-
-        def fence() -> None:
-            if not refs or index is None:
-                return
-            if time.monotonic() - opened > lease_s:
-                raise ProtectorGoneError(f"the save ran longer than its {lease_s:.0f} s lease")
-            pstep, pattempt = index.protector
-            marker = read_marker(storage, pstep)
-            if marker is None or marker.attempt != pattempt:
-                raise ProtectorGoneError(
-                    f"step {pstep}, whose stored bytes this save references, was deleted "
-                    "while it was being written")
-
-        info = att.commit(final, fence=fence, lease_expired=(
-            lambda: time.monotonic() - opened > lease_s) if refs else None)
+        written = att.write_files([(p, s, c) for p, s, c, _ in files], threads=threads,
+                                  pieces=[pieces for *_, pieces in files])
+        final = manifest(att.name, created, [
+            w.chunked_entry(algorithm, f[3]) for w, f in zip(written, files, strict=True)])
+        info = att.commit(final, protectors=[index.protector] if refs and index else (),
+                          lease=lease)
     _remember(memory, plan, info, reused)
     if refs:
         log.info("step %d at %s: %d of %d bytes written, the rest referenced from %d files",
@@ -473,5 +461,6 @@ def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
 
 
 __all__ = ["Indexer", "Item", "ProtectorGoneError", "ReuseIndex", "ReuseMemory", "decide_reuse",
-           "find_reuse", "index_of", "latest_index", "recheck_after_lease", "save_incremental",
+           "find_reuse", "index_of", "latest_index", "recheck_after_lease", "reuse_index",
+           "save_incremental",
            "write_plan"]
