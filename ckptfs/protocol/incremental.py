@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from ckptfs.errors import CkptfsError
+from ckptfs.errors import CkptfsError, CorruptCheckpointError
 from ckptfs.format.hashing import ALGORITHMS, digest_bytes, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
@@ -304,24 +304,42 @@ def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorith
                         threads=threads, storage=storage, by_content=True)
 
 
-def references_for(reused: Mapping[int, Stored]) -> tuple[list[Reference], dict[int, TensorSlot]]:
-    """One reference per file the reused tensors live in, and each tensor's slot there."""
-    by_file: dict[tuple[int, str, str], list[tuple[int, Stored]]] = {}
-    for i, st in sorted(reused.items()):
-        by_file.setdefault(st.location, []).append((i, st))
+K = TypeVar("K")
+
+
+def references(reused: Iterable[tuple[K, Stored]]) -> tuple[list[Reference], dict[K, Reference]]:
+    """One reference per stored file the reused tensors live in, for both layouts (a v3 save's
+    tensors, the items every rank of a v4 save reported): its header chunk and the chunks
+    used, sorted, named in the order of the files (``(step, attempt, path)``); and the
+    reference each tensor (by its key ``K``) is read through.  The copies of one file must
+    agree on its size and header (ranks of a sharded save report them): else
+    `CorruptCheckpointError`."""
+    by_file: dict[tuple[int, str, str], list[tuple[K, Stored]]] = {}
+    for key, st in reused:
+        by_file.setdefault(st.location, []).append((key, st))
     refs: list[Reference] = []
-    slots: dict[int, TensorSlot] = {}
-    for k, (_, members) in enumerate(sorted(by_file.items())):
+    through: dict[K, Reference] = {}
+    for k, ((step, attempt, source), members) in enumerate(sorted(
+            by_file.items(), key=lambda kv: kv[0])):
         first = members[0][1]
+        if any(st.header != first.header or st.size != first.size for _, st in members):
+            raise CorruptCheckpointError(f"{source} of step {step}: the ranks report it with "
+                                         "different headers or sizes")
         chunks = {(st.chunk.offset, st.chunk.length): st.chunk for _, st in members}
         chunks.pop((first.header.offset, first.header.length), None)
-        ordered = (first.header, *(chunks[c] for c in sorted(chunks)))
-        ref = Reference(reference_name(k), first.step, first.attempt, first.source,
-                        first.size, first.algorithm, ordered)
+        ref = Reference(reference_name(k), step, attempt, source, first.size, first.algorithm,
+                        (first.header, *(chunks[c] for c in sorted(chunks))))
         refs.append(ref)
-        for i, st in members:
-            slots[i] = TensorSlot(ref.path, st.name, st.dtype, st.shape)
-    return refs, slots
+        for key, _ in members:
+            through[key] = ref
+    return refs, through
+
+
+def references_for(reused: Mapping[int, Stored]) -> tuple[list[Reference], dict[int, TensorSlot]]:
+    """`references` of a v3 save's reused tensors, and each tensor's slot there."""
+    refs, through = references(sorted(reused.items(), key=lambda kv: kv[0]))
+    return refs, {i: TensorSlot(through[i].path, st.name, st.dtype, st.shape)
+                  for i, st in reused.items()}
 
 
 def reuse_index(storage: Storage, memory: ReuseMemory, algorithm: str, *, sharded: bool,
@@ -460,7 +478,20 @@ def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
             memory.versions = dict(zip(plan.names, plan.versions, strict=True))
 
 
-__all__ = ["Indexer", "Item", "ProtectorGoneError", "ReuseIndex", "ReuseMemory", "decide_reuse",
-           "find_reuse", "index_of", "latest_index", "recheck_after_lease", "reuse_index",
-           "save_incremental",
-           "write_plan"]
+__all__ = [
+    "Indexer",
+    "Item",
+    "ProtectorGoneError",
+    "ReuseIndex",
+    "ReuseMemory",
+    "decide_reuse",
+    "find_reuse",
+    "index_of",
+    "latest_index",
+    "recheck_after_lease",
+    "references",
+    "references_for",
+    "reuse_index",
+    "save_incremental",
+    "write_plan",
+]

@@ -63,7 +63,6 @@ from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
     Reference,
     ShardedIncrementalManifest,
-    reference_name,
     references_of,
 )
 from ckptfs.format.layout import CHECKPOINTS_DIR, StepPaths, check_step, step_dir_name
@@ -91,6 +90,7 @@ from ckptfs.protocol.incremental import (
     ReuseMemory,
     Stored,
     decide_reuse,
+    references,
     reuse_index,
 )
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
@@ -555,30 +555,27 @@ def sharded_index_of(storage: Storage, info: CheckpointInfo) -> ReuseIndex | Non
 def _references(reused: list[tuple[MetadataIndex, ItemReport]],
                 storage_data: dict[MetadataIndex, ItemLocation], algorithm: str
                 ) -> tuple[list[Reference], set[tuple[int, str]]]:
-    """One reference per file the ranks' reused items live in (the header chunk and the
-    chunks used, sorted), each item's location under the reference's name (``storage_data``,
-    at its offset in that file), and the checkpoints the ranks took them from."""
-    by_file: dict[tuple[int, str, str], list[tuple[MetadataIndex, ItemReport]]] = {}
+    """The ranks' reused items as `references` (one per stored file, the same construction
+    as a v3 save's), each item's location under its reference's name (``storage_data``, at
+    its offset in that file), and the checkpoints the ranks took them from."""
+    stored: list[tuple[MetadataIndex, Stored]] = []
     protectors: set[tuple[int, str]] = set()
     for index, rep in reused:
         assert rep.source is not None
-        by_file.setdefault(rep.source, []).append((index, rep))
         if rep.protector is None:
             raise UnsupportedValueError(f"{index.fqn!r}: a reused item names no protector")
         protectors.add(rep.protector)
-    refs: list[Reference] = []
-    for k, ((step, attempt, source), members) in enumerate(sorted(by_file.items())):
-        first = members[0][1]
-        if first.header is None or any(r.header != first.header or r.file_size !=
-                                       first.file_size for _, r in members):
+        step, attempt, source = rep.source
+        if rep.header is None:
             raise CorruptCheckpointError(f"{source} of step {step}: the ranks report it with "
                                          "different headers or sizes")
-        chunks = {(r.offset, r.length): Chunk(r.offset, r.length, r.digest) for _, r in members}
-        ref = Reference(reference_name(k), step, attempt, source, first.file_size, algorithm,
-                        (first.header, *(chunks[c] for c in sorted(chunks))))
-        refs.append(ref)
-        for index, rep in members:
-            storage_data[index] = ItemLocation(ref.path, rep.offset, rep.length)
+        stored.append((index, Stored(step, attempt, source, rep.file_size, algorithm,
+                                     rep.header, Chunk(rep.offset, rep.length, rep.digest),
+                                     index.fqn, "", ())))
+    refs, through = references(stored)
+    for index, st in stored:
+        storage_data[index] = ItemLocation(through[index].path, st.chunk.offset,
+                                           st.chunk.length)
     return refs, protectors
 
 
