@@ -45,7 +45,6 @@ attempt that readers skip and garbage collection removes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -71,7 +70,7 @@ from ckptfs.format.hashing import (
     new_hasher,
     new_store_hasher,
 )
-from ckptfs.format.incremental import references_of
+from ckptfs.format.incremental import IncrementalManifest, Reference, references_of
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -90,7 +89,7 @@ from ckptfs.format.manifest import (
 )
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, StatePlan, plan_state
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
-from ckptfs.format.versions import check_committable
+from ckptfs.format.versions import CHUNKED, REFERENCES, check_committable
 from ckptfs.protocol.listing import dangling_references, list_attempt, problems
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
@@ -712,20 +711,58 @@ def v1_manifest(step: int, attempt: str, algorithm: str, meta: Mapping[str, Any]
                     algorithm, dict(meta))
 
 
+def single_manifest(feats: frozenset[str], step: int, attempt: str, algorithm: str,
+                    meta: Mapping[str, Any], created: str, files: Sequence[FileEntry],
+                    references: Sequence[Reference] = ()) -> Manifest:
+    """The manifest of a single-process save with the features ``feats``: chunked files and
+    references (format v3) or whole files (format v1)."""
+    if REFERENCES in feats:
+        return IncrementalManifest(step, attempt, tuple(files), created, algorithm, dict(meta),
+                                   references=tuple(references))
+    return Manifest(step, attempt, tuple(files), created, algorithm, dict(meta))
+
+
 def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,
               algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
-              threads: int | None = None) -> CheckpointInfo:
-    """Write and commit a planned single-process (format v1) save."""
+              threads: int | None = None, feats: frozenset[str] = frozenset(),
+              references: Sequence[Reference] = (), protectors: Sequence[tuple[int, str]] = (),
+              lease_s: float | None = None) -> CheckpointInfo:
+    """Write and commit a planned single-process save (the world of one): open the attempt,
+    check its manifest before any byte, write the plan's files (several at once; chunked, a
+    digest per tensor, with the ``chunked`` feature), commit.  An incremental save (format v3,
+    `ckptfs.protocol.incremental`) passes the features ``{chunked, references}``, the plan
+    laid out over the tensors it did not reuse, its ``references``, the checkpoints they come
+    from (``protectors``) and its lease: the commit fences them (`fence_protectors`)."""
+    chunked = CHUNKED in feats
+    pieces: list[Sequence[int] | None] = [None] * len(plan.files)
+    if chunked:
+        by_path = {tf.path: tf.pieces for tf in plan.tensor_files}
+        pieces = [by_path.get(pf.path, [pf.size]) for pf in plan.files]
     with Attempt.open(storage, step, algorithm=algorithm, durable=durable) as att:
+        lease = Lease(lease_s) if lease_s is not None else None
         created = now_text()
-        att.check(v1_manifest(step, att.name, algorithm, meta, created,
-                              [(pf.path, pf.size, placeholder_digest(algorithm))
-                               for pf in plan.files]))
+        hexd = placeholder_digest(algorithm)
+        att.check(single_manifest(feats, step, att.name, algorithm, meta, created, [
+            make_entry(pf.path, pf.size, algorithm, placeholder_chunks(k, algorithm), None)
+            if k is not None else FileEntry(pf.path, pf.size, hexd)
+            for pf, k in zip(plan.files, pieces, strict=True)], references))
         written = att.write_files([(pf.path, pf.size, pf.chunks) for pf in plan.files],
-                                  threads=threads or default_threads())
-        manifest = v1_manifest(step, att.name, algorithm, meta, created, [])
-        return att.commit(dataclasses.replace(
-            manifest, files=tuple(w.entry(algorithm) for w in written)))
+                                  threads=threads or default_threads(),
+                                  pieces=pieces if chunked else None)
+        return att.commit(single_manifest(feats, step, att.name, algorithm, meta, created, [
+            w.chunked_entry(algorithm, k) if k is not None else w.entry(algorithm)
+            for w, k in zip(written, pieces, strict=True)], references),
+            protectors=protectors if references else (), lease=lease)
+
+
+def placeholder_chunks(pieces: Sequence[int], algorithm: str) -> list[Chunk]:
+    """Chunks of ``pieces`` with placeholder digests (`Attempt.check` of a chunked file)."""
+    hexd = placeholder_digest(algorithm).split(":", 1)[1]
+    out, pos = [], 0
+    for length in pieces:
+        out.append(Chunk(pos, length, hexd))
+        pos += length
+    return out
 
 
 def save_checkpoint(

@@ -48,15 +48,12 @@ from ckptfs.format.serialize import (
     relayout,
     tensor_memoryview,
 )
-from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
+from ckptfs.format.sharded import Chunk, ChunkedFileEntry
+from ckptfs.format.versions import CHUNKED, REFERENCES
 from ckptfs.protocol.commit import (
-    Attempt,
-    Lease,
     ProtectorGoneError,
     confirm_after_lease,
     default_threads,
-    now_text,
-    placeholder_digest,
     save_plan,
     write_again_if_gone,
 )
@@ -405,44 +402,14 @@ def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
         if index is not None else {}
     refs, external = references_for(reused)
     plan = relayout(plan, external) if reused or plan.external else plan
-    doc = plan.document
-    files: list[tuple[str, int, Any, list[int]]] = [
-        (STATE_NAME, len(doc), lambda: iter([memoryview(doc)]), [len(doc)])]
-    by_path = {tf.path: tf for tf in plan.tensor_files}
-    files += [(pf.path, pf.size, pf.chunks, by_path[pf.path].pieces)
-              for pf in plan.files if pf.path != STATE_NAME]
-
-    def manifest(name: str, created: str, entries: list[ChunkedFileEntry]
-                 ) -> IncrementalManifest:
-        return IncrementalManifest(step, name, tuple(entries), created, algorithm, dict(meta),
-                                   references=tuple(refs))
-
-    with Attempt.open(storage, step, algorithm=algorithm, durable=durable) as att:
-        lease = Lease(lease_s)
-        created = now_text()
-        att.check(manifest(att.name, created, [
-            make_entry(p, s, algorithm, _placeholder_chunks(pieces, algorithm), None)
-            for p, s, _, pieces in files]))
-        written = att.write_files([(p, s, c) for p, s, c, _ in files], threads=threads,
-                                  pieces=[pieces for *_, pieces in files])
-        final = manifest(att.name, created, [
-            w.chunked_entry(algorithm, f[3]) for w, f in zip(written, files, strict=True)])
-        info = att.commit(final, protectors=[index.protector] if refs and index else (),
-                          lease=lease)
+    info = save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
+                     threads=threads, feats=frozenset({CHUNKED, REFERENCES}), references=refs,
+                     protectors=[index.protector] if refs and index else (), lease_s=lease_s)
     _remember(memory, plan, info, reused)
     if refs:
         log.info("step %d at %s: %d of %d bytes written, the rest referenced from %d files",
                  step, storage.url, info.bytes_written, info.bytes, len(refs))
     return info
-
-
-def _placeholder_chunks(pieces: list[int], algorithm: str) -> list[Chunk]:
-    hexd = placeholder_digest(algorithm).split(":", 1)[1]
-    out, pos = [], 0
-    for length in pieces:
-        out.append(Chunk(pos, length, hexd))
-        pos += length
-    return out
 
 
 def recheck_after_lease(storage: Storage, info: CheckpointInfo) -> None:
