@@ -22,7 +22,7 @@ from ckptfs.format.hashing import digest_bytes
 from ckptfs.format.incremental import IncrementalManifest
 from ckptfs.format.layout import MANIFEST_NAME, STATE_NAME
 from ckptfs.format.versions import MAX_READ_VERSION
-from ckptfs.protocol import incremental
+from ckptfs.protocol import commit
 from ckptfs.protocol.formats import verify_checkpoint
 from ckptfs.protocol.reader import local_header, reference_chunks
 from ckptfs.protocol.resolve import CheckpointInfo
@@ -339,7 +339,7 @@ def test_protector_deleted_before_the_marker_rewrites_every_byte(
     base, adapter = _lora(7)
     store.save(1, _state(base, adapter, 1))
     store.save(2, _state(base, adapter, 2))  # the protector of step 3's references
-    real = incremental.read_marker
+    real = commit.read_marker
     fenced: list[int] = []
 
     def delete_then_read(storage: Any, step: int) -> Any:
@@ -348,7 +348,7 @@ def test_protector_deleted_before_the_marker_rewrites_every_byte(
             backend.open().delete(step)
         return real(storage, step)
 
-    monkeypatch.setattr(incremental, "read_marker", delete_then_read)
+    monkeypatch.setattr(commit, "read_marker", delete_then_read)
     with caplog.at_level(logging.WARNING, logger="ckptfs"):
         info = store.save(3, _state(base, adapter, 3))
     assert fenced == [2]
@@ -373,7 +373,7 @@ def test_protector_replaced_by_another_attempt_fails_the_fence(
     store = backend.open(incremental=True)
     base, adapter = _lora(8)
     store.save(1, _state(base, adapter, 1))
-    real = incremental.read_marker
+    real = commit.read_marker
 
     def other_attempt(storage: Any, step: int) -> Any:
         marker = real(storage, step)
@@ -381,7 +381,7 @@ def test_protector_replaced_by_another_attempt_fails_the_fence(
             marker.step, "a-20200101T000000Z-0000000000000000", marker.manifest_digest,
             marker.manifest_size, marker.created, marker.writer)
 
-    monkeypatch.setattr(incremental, "read_marker", other_attempt)
+    monkeypatch.setattr(commit, "read_marker", other_attempt)
     info = store.save(2, _state(base, adapter, 2))
     assert not info.manifest.references and info.bytes_written == info.bytes
     _assert_equal(backend.open().load(2), _state(base, adapter, 2))
@@ -678,7 +678,7 @@ def test_load_into_names_the_format(backend: Backend) -> None:
 
 
 class _Clock:
-    """``time.monotonic`` for :mod:`ckptfs.protocol.incremental`: each call advances by the
+    """``time.monotonic`` for :mod:`ckptfs.protocol.commit` (the lease): each call advances by the
     next step given (the last one repeated)."""
 
     def __init__(self, steps: list[float], on_call: dict[int, Any] | None = None) -> None:
@@ -700,7 +700,7 @@ def test_marker_after_the_lease_keeps_a_commit_whose_references_are_there(
     base, adapter = _lora(15)
     store.save(1, _state(base, adapter, 1))
     # opened, fence (within the lease), after the marker (past it)
-    monkeypatch.setattr(incremental, "time", _Clock([0.0, 1.0, 120.0]))
+    monkeypatch.setattr(commit, "time", _Clock([0.0, 1.0, 120.0]))
     info = store.save(2, _state(base, adapter, 2))
     assert info.manifest.references
     monkeypatch.undo()
@@ -723,7 +723,7 @@ def test_marker_after_the_lease_uncommits_when_a_reference_is_gone(
         other.storage.delete_tree(info1.path)
         assert not backend.raw_exists(info1.path)
 
-    monkeypatch.setattr(incremental, "time", _Clock([0.0, 1.0, 120.0], {3: collector}))
+    monkeypatch.setattr(commit, "time", _Clock([0.0, 1.0, 120.0], {3: collector}))
     with pytest.raises(CorruptCheckpointError, match="outlived its lease") as ei:
         store.save(2, _state(base, adapter, 2))
     assert ei.value.step == 2  # type: ignore[attr-defined]

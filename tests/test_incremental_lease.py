@@ -22,7 +22,7 @@ from ckptfs.errors import CkptfsError, CorruptCheckpointError
 from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
 from ckptfs.lifecycle.gc import collect
-from ckptfs.protocol import incremental, sharded_io
+from ckptfs.protocol import commit
 from ckptfs.protocol.incremental import ReuseMemory
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.base import Storage, StorageWrapper
@@ -92,7 +92,7 @@ def _assert_not_committed(backend: Backend, step: int, previous: int) -> None:
 def test_v3_save_stalled_past_its_lease_while_gc_took_its_attempt_is_not_committed(
         backend: Backend, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _Clock()
-    monkeypatch.setattr(incremental, "time", clock)
+    monkeypatch.setattr(commit, "time", clock)
     frozen = torch.randn(64, 64)
     plain = backend.open()
     store = CheckpointStore(_StallBeforeMarker(plain.storage, 2, _stall(backend, clock, 2)),
@@ -115,7 +115,7 @@ def test_v3_save_whose_marker_lands_after_the_lease_with_every_file_there_commit
     """The same stall with no collector: every file, its own and the referenced ones, is
     listed again after the marker, and the checkpoint stays committed."""
     clock = _Clock()
-    monkeypatch.setattr(incremental, "time", clock)
+    monkeypatch.setattr(commit, "time", clock)
     frozen = torch.randn(64, 64)
 
     def stall() -> None:
@@ -135,7 +135,7 @@ def test_v4_save_stalled_past_its_lease_while_gc_took_its_attempt_is_not_committ
     from ckptfs.protocol.sharded import save_sharded
 
     clock = _Clock()
-    monkeypatch.setattr(sharded_io, "time", clock)
+    monkeypatch.setattr(commit, "time", clock)
     frozen = torch.randn(64, 64)
     storage = _StallBeforeMarker(backend.open().storage, 2, _stall(backend, clock, 2))
     memory = ReuseMemory()

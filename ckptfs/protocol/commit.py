@@ -45,18 +45,19 @@ attempt that readers skip and garbage collection removes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
-from ckptfs.errors import CheckpointExistsError, CorruptCheckpointError
+from ckptfs.errors import CheckpointExistsError, CkptfsError, CorruptCheckpointError
+from ckptfs.format.content import same_content
 from ckptfs.format.hashing import (
     DEFAULT_ALGORITHM,
     HASH_INLINE_BYTES,
@@ -69,7 +70,7 @@ from ckptfs.format.hashing import (
     new_hasher,
     new_store_hasher,
 )
-from ckptfs.format.incremental import references_of
+from ckptfs.format.incremental import IncrementalManifest, Reference, references_of
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -88,9 +89,15 @@ from ckptfs.format.manifest import (
 )
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, StatePlan, plan_state
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
-from ckptfs.format.versions import check_committable
+from ckptfs.format.versions import CHUNKED, REFERENCES, check_committable
 from ckptfs.protocol.listing import dangling_references, list_attempt, problems
-from ckptfs.protocol.resolve import CheckpointInfo, read_committed, read_marker, storage_url
+from ckptfs.protocol.resolve import (
+    CheckpointInfo,
+    find_step_dir,
+    read_committed,
+    read_marker,
+    storage_url,
+)
 from ckptfs.storage.base import ServerChecksums, Storage, retry_call, supports
 
 log = logging.getLogger("ckptfs")
@@ -137,6 +144,58 @@ def writer_identity(**extra: Any) -> dict[str, Any]:
 
 def now_text() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class ProtectorGoneError(CkptfsError, RuntimeError):
+    """The checkpoint an incremental save took references from was deleted (or the save ran
+    past its lease) before the save could commit; the save is retried writing every byte."""
+
+
+class Lease:
+    """How long a writer that references stored bytes may take from its open to its marker
+    (docs/protocol.md §9.4): started when made (the attempt's open), asked by the commit's
+    fence before the marker and once the marker is ours."""
+
+    def __init__(self, seconds: float, what: str = "save") -> None:
+        self.seconds = seconds
+        self.what = what
+        self.opened = time.monotonic()
+
+    def expired(self) -> bool:
+        return time.monotonic() - self.opened > self.seconds
+
+
+T = TypeVar("T")
+
+
+def write_again_if_gone(what: str, save: Callable[[bool], T],
+                        forget: Callable[[], None]) -> T:
+    """The "protector gone: write everything again" retry of every incremental writer:
+    ``save(True)`` (reusing stored bytes); if its fence raised `ProtectorGoneError`, logged
+    (``what``: where and which step), ``forget()`` the reuse memory, and ``save(False)`` once,
+    referencing nothing."""
+    try:
+        return save(True)
+    except ProtectorGoneError as exc:
+        log.warning("%s: %s; writing every byte instead", what, exc)
+        forget()
+    return save(False)
+
+
+def settle_lost_race(storage: Storage, step: int, manifest: Manifest
+                     ) -> CheckpointInfo | None:
+    """The "lost the marker race: the same content?" settlement of a writer whose commit
+    raised `CheckpointExistsError` (a copy, a replica): the winner's committed checkpoint
+    when it holds the same content as ``manifest`` (`same_content`: the step is there, as
+    wanted), else ``None`` (the caller re-raises).  A winner that cannot be read counts as
+    another content."""
+    try:
+        if find_step_dir(storage, step) is None or read_marker(storage, step) is None:
+            return None
+        winner = read_committed(storage, step)
+    except Exception:
+        return None
+    return winner if same_content(winner.manifest, manifest) else None
 
 
 @dataclass(frozen=True)
@@ -374,15 +433,20 @@ class Attempt:
         return written, hasher.hexdigest(), [], checksums
 
     def write_files(self, files: Sequence[tuple[str, int, Chunks]], *, threads: int,
-                    hash_lead: int = MAX_HASH_LEAD) -> list[WrittenFile]:
-        """`write_file` of each ``(relpath, size, chunks)`` (whole-file digests), several
-        at once (bounded by ``threads`` and the storage's write-memory budget)."""
+                    hash_lead: int = MAX_HASH_LEAD,
+                    pieces: Sequence[Sequence[int] | None] | None = None
+                    ) -> list[WrittenFile]:
+        """`write_file` of each ``(relpath, size, chunks)`` (whole-file digests, or by the
+        file's ``pieces`` where given), several at once (bounded by ``threads`` and the
+        storage's write-memory budget)."""
+        split = list(pieces) if pieces is not None else [None] * len(files)
         n = write_streams(self.storage, threads, len(files))
         if n <= 1:
-            return [self.write_file(p, s, c, hash_lead=hash_lead) for p, s, c in files]
+            return [self.write_file(p, s, c, pieces=k, hash_lead=hash_lead)
+                    for (p, s, c), k in zip(files, split, strict=True)]
         with ThreadPoolExecutor(n, thread_name_prefix="ckptfs-save") as pool:
-            futures = [pool.submit(self.write_file, p, s, c, hash_lead=hash_lead)
-                       for p, s, c in files]
+            futures = [pool.submit(self.write_file, p, s, c, pieces=k, hash_lead=hash_lead)
+                       for (p, s, c), k in zip(files, split, strict=True)]
             return [fut.result() for fut in futures]
 
     def write_document(self, relpath: str, data: bytes) -> WrittenFile:
@@ -401,6 +465,7 @@ class Attempt:
     def commit(self, manifest: Manifest, *, fence: Callable[[], None] | None = None,
                node_files: Iterable[str] | None = None,
                lease_expired: Callable[[], bool] | None = None,
+               protectors: Iterable[tuple[int, str]] = (), lease: Lease | None = None,
                **writer: Any) -> CheckpointInfo:
         """Write ``manifest`` and create the marker exclusively: the checkpoint is committed
         when this returns.  ``writer``: extra facts the marker records (``world_size``,
@@ -412,14 +477,22 @@ class Attempt:
         here, each rank did its own.  ``lease_expired``: the writer's lease (a save or copy
         that references stored bytes, docs/protocol.md §9.4), asked once the marker is ours:
         if it ran out, the marker stays only if every file of the checkpoint is still listed
-        (`confirm_after_lease`).  See the module docstring for the outcomes."""
+        (`confirm_after_lease`).  ``protectors`` (``(step, attempt)`` of each committed
+        checkpoint the manifest takes references from) and ``lease``: the fence of every
+        incremental writer, run first (`fence_protectors`), and ``lease.expired`` as
+        ``lease_expired``.  See the module docstring for the outcomes."""
         if manifest.step != self.step or manifest.attempt != self.name:
             raise AssertionError("the manifest is not this attempt's")  # pragma: no cover
         who = writer_identity(**writer)
+        protected = sorted(set(protectors))
+        if protected and lease is not None and lease_expired is None:
+            lease_expired = lease.expired
         try:
             mbytes = check_manifest(manifest, who)
             self._place(mbytes, [f.path for f in manifest.files] if node_files is None
                         else node_files)
+            if protected:
+                fence_protectors(self.storage, protected, lease)
             if fence is not None:
                 fence()
             if node_files is None:
@@ -531,6 +604,23 @@ class Attempt:
         return read_committed(self.storage, self.step)
 
 
+def fence_protectors(storage: Storage, protectors: Iterable[tuple[int, str]],
+                     lease: Lease | None) -> None:
+    """The fence before the marker of a writer that references stored bytes (docs/protocol.md
+    §9.4): within its ``lease``, and every checkpoint it took references from (its
+    *protectors*, ``(step, attempt)``) still committed by the same attempt; else
+    `ProtectorGoneError` (the writer writes every byte again: `write_again_if_gone`)."""
+    what = "save" if lease is None else lease.what
+    if lease is not None and lease.expired():
+        raise ProtectorGoneError(f"the {what} ran longer than its {lease.seconds:.0f} s lease")
+    for pstep, pattempt in protectors:
+        marker = read_marker(storage, pstep)
+        if marker is None or marker.attempt != pattempt:
+            raise ProtectorGoneError(
+                f"step {pstep}, whose stored bytes this {what} references, was deleted "
+                "while it was being written")
+
+
 def confirm_after_lease(storage: Storage, info: CheckpointInfo,
                         node_files: Iterable[str] | None = None) -> None:
     """The marker of ``info`` landed after its writer's lease ran out (docs/protocol.md §9.4):
@@ -621,20 +711,58 @@ def v1_manifest(step: int, attempt: str, algorithm: str, meta: Mapping[str, Any]
                     algorithm, dict(meta))
 
 
+def single_manifest(feats: frozenset[str], step: int, attempt: str, algorithm: str,
+                    meta: Mapping[str, Any], created: str, files: Sequence[FileEntry],
+                    references: Sequence[Reference] = ()) -> Manifest:
+    """The manifest of a single-process save with the features ``feats``: chunked files and
+    references (format v3) or whole files (format v1)."""
+    if REFERENCES in feats:
+        return IncrementalManifest(step, attempt, tuple(files), created, algorithm, dict(meta),
+                                   references=tuple(references))
+    return Manifest(step, attempt, tuple(files), created, algorithm, dict(meta))
+
+
 def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,
               algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
-              threads: int | None = None) -> CheckpointInfo:
-    """Write and commit a planned single-process (format v1) save."""
+              threads: int | None = None, feats: frozenset[str] = frozenset(),
+              references: Sequence[Reference] = (), protectors: Sequence[tuple[int, str]] = (),
+              lease_s: float | None = None) -> CheckpointInfo:
+    """Write and commit a planned single-process save (the world of one): open the attempt,
+    check its manifest before any byte, write the plan's files (several at once; chunked, a
+    digest per tensor, with the ``chunked`` feature), commit.  An incremental save (format v3,
+    `ckptfs.protocol.incremental`) passes the features ``{chunked, references}``, the plan
+    laid out over the tensors it did not reuse, its ``references``, the checkpoints they come
+    from (``protectors``) and its lease: the commit fences them (`fence_protectors`)."""
+    chunked = CHUNKED in feats
+    pieces: list[Sequence[int] | None] = [None] * len(plan.files)
+    if chunked:
+        by_path = {tf.path: tf.pieces for tf in plan.tensor_files}
+        pieces = [by_path.get(pf.path, [pf.size]) for pf in plan.files]
     with Attempt.open(storage, step, algorithm=algorithm, durable=durable) as att:
+        lease = Lease(lease_s) if lease_s is not None else None
         created = now_text()
-        att.check(v1_manifest(step, att.name, algorithm, meta, created,
-                              [(pf.path, pf.size, placeholder_digest(algorithm))
-                               for pf in plan.files]))
+        hexd = placeholder_digest(algorithm)
+        att.check(single_manifest(feats, step, att.name, algorithm, meta, created, [
+            make_entry(pf.path, pf.size, algorithm, placeholder_chunks(k, algorithm), None)
+            if k is not None else FileEntry(pf.path, pf.size, hexd)
+            for pf, k in zip(plan.files, pieces, strict=True)], references))
         written = att.write_files([(pf.path, pf.size, pf.chunks) for pf in plan.files],
-                                  threads=threads or default_threads())
-        manifest = v1_manifest(step, att.name, algorithm, meta, created, [])
-        return att.commit(dataclasses.replace(
-            manifest, files=tuple(w.entry(algorithm) for w in written)))
+                                  threads=threads or default_threads(),
+                                  pieces=pieces if chunked else None)
+        return att.commit(single_manifest(feats, step, att.name, algorithm, meta, created, [
+            w.chunked_entry(algorithm, k) if k is not None else w.entry(algorithm)
+            for w, k in zip(written, pieces, strict=True)], references),
+            protectors=protectors if references else (), lease=lease)
+
+
+def placeholder_chunks(pieces: Sequence[int], algorithm: str) -> list[Chunk]:
+    """Chunks of ``pieces`` with placeholder digests (`Attempt.check` of a chunked file)."""
+    hexd = placeholder_digest(algorithm).split(":", 1)[1]
+    out, pos = [], 0
+    for length in pieces:
+        out.append(Chunk(pos, length, hexd))
+        pos += length
+    return out
 
 
 def save_checkpoint(

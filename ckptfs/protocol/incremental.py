@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from ckptfs.errors import CkptfsError
+from ckptfs.errors import CkptfsError, CorruptCheckpointError
 from ckptfs.format.hashing import ALGORITHMS, digest_bytes, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
@@ -49,29 +48,23 @@ from ckptfs.format.serialize import (
     relayout,
     tensor_memoryview,
 )
-from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
+from ckptfs.format.sharded import Chunk, ChunkedFileEntry
+from ckptfs.format.versions import CHUNKED, REFERENCES
 from ckptfs.protocol.commit import (
-    Attempt,
+    ProtectorGoneError,
     confirm_after_lease,
     default_threads,
-    now_text,
-    placeholder_digest,
     save_plan,
-    write_streams,
+    write_again_if_gone,
 )
 from ckptfs.protocol.reader import local_header, reference_chunks
-from ckptfs.protocol.resolve import CheckpointInfo, read_marker, resolve_latest
+from ckptfs.protocol.resolve import CheckpointInfo, resolve_latest
 from ckptfs.storage.base import Storage, read_range
 
 log = logging.getLogger("ckptfs")
 
 #: (algorithm, hex digest, length, dtype code, shape): what makes two tensors the same bytes.
 Key = tuple[str, str, int, str, tuple[int, ...]]
-
-
-class ProtectorGoneError(CkptfsError, RuntimeError):
-    """The checkpoint an incremental save took references from was deleted (or the save ran
-    past its lease) before the save could commit; the save is retried writing every byte."""
 
 
 @dataclass(frozen=True)
@@ -308,24 +301,63 @@ def find_reuse(plan: StatePlan, index: ReuseIndex, memory: ReuseMemory, algorith
                         threads=threads, storage=storage, by_content=True)
 
 
-def references_for(reused: Mapping[int, Stored]) -> tuple[list[Reference], dict[int, TensorSlot]]:
-    """One reference per file the reused tensors live in, and each tensor's slot there."""
-    by_file: dict[tuple[int, str, str], list[tuple[int, Stored]]] = {}
-    for i, st in sorted(reused.items()):
-        by_file.setdefault(st.location, []).append((i, st))
+K = TypeVar("K")
+
+
+def references(reused: Iterable[tuple[K, Stored]]) -> tuple[list[Reference], dict[K, Reference]]:
+    """One reference per stored file the reused tensors live in, for both layouts (a v3 save's
+    tensors, the items every rank of a v4 save reported): its header chunk and the chunks
+    used, sorted, named in the order of the files (``(step, attempt, path)``); and the
+    reference each tensor (by its key ``K``) is read through.  The copies of one file must
+    agree on its size and header (ranks of a sharded save report them): else
+    `CorruptCheckpointError`."""
+    by_file: dict[tuple[int, str, str], list[tuple[K, Stored]]] = {}
+    for key, st in reused:
+        by_file.setdefault(st.location, []).append((key, st))
     refs: list[Reference] = []
-    slots: dict[int, TensorSlot] = {}
-    for k, (_, members) in enumerate(sorted(by_file.items())):
+    through: dict[K, Reference] = {}
+    for k, ((step, attempt, source), members) in enumerate(sorted(
+            by_file.items(), key=lambda kv: kv[0])):
         first = members[0][1]
+        if any(st.header != first.header or st.size != first.size for _, st in members):
+            raise CorruptCheckpointError(f"{source} of step {step}: the ranks report it with "
+                                         "different headers or sizes")
         chunks = {(st.chunk.offset, st.chunk.length): st.chunk for _, st in members}
         chunks.pop((first.header.offset, first.header.length), None)
-        ordered = (first.header, *(chunks[c] for c in sorted(chunks)))
-        ref = Reference(reference_name(k), first.step, first.attempt, first.source,
-                        first.size, first.algorithm, ordered)
+        ref = Reference(reference_name(k), step, attempt, source, first.size, first.algorithm,
+                        (first.header, *(chunks[c] for c in sorted(chunks))))
         refs.append(ref)
-        for i, st in members:
-            slots[i] = TensorSlot(ref.path, st.name, st.dtype, st.shape)
-    return refs, slots
+        for key, _ in members:
+            through[key] = ref
+    return refs, through
+
+
+def references_for(reused: Mapping[int, Stored]) -> tuple[list[Reference], dict[int, TensorSlot]]:
+    """`references` of a v3 save's reused tensors, and each tensor's slot there."""
+    refs, through = references(sorted(reused.items(), key=lambda kv: kv[0]))
+    return refs, {i: TensorSlot(through[i].path, st.name, st.dtype, st.shape)
+                  for i, st in reused.items()}
+
+
+def reuse_index(storage: Storage, memory: ReuseMemory, algorithm: str, *, sharded: bool,
+                indexer: Indexer = index_of) -> ReuseIndex | None:
+    """The index the reuse stage of an incremental save decides over, for both layouts: none
+    under a non-cryptographic digest (warned once per store); else the index this process
+    remembers of its last save of the layout (``sharded``: this rank's items), or, at the
+    first save of a process (and not in the retry after a protector went away, for a sharded
+    save), the run's newest committed checkpoint's (`latest_index` with ``indexer``)."""
+    if not ALGORITHMS[algorithm].cryptographic:
+        if not memory.warned:
+            log.warning("%s: incremental saves reuse stored bytes only under a cryptographic "
+                        "digest; with %r every byte is written", storage.url, algorithm)
+            memory.warned = True
+        return None
+    with memory.lock:
+        index, resume = (memory.rank_index, memory.rank_resume) if sharded \
+            else (memory.index, True)
+    if index is None and resume:
+        index = latest_index(storage, indexer)
+    return index
 
 
 def save_incremental(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
@@ -334,27 +366,20 @@ def save_incremental(storage: Storage, step: int, plan: StatePlan, meta: Mapping
                      ) -> CheckpointInfo:
     """Write and commit ``plan`` as the format v3 checkpoint of ``step``, referencing what an
     earlier checkpoint already holds (module docstring).  If the checkpoint it references is
-    deleted before it commits, it is written again in full (one retry, logged)."""
+    deleted before it commits, it is written again in full (`write_again_if_gone`: one
+    retry, logged)."""
     threads = threads or default_threads()
-    with memory.lock:
-        index = memory.index
-    if not ALGORITHMS[algorithm].cryptographic:
-        if not memory.warned:
-            log.warning("%s: incremental saves reuse stored bytes only under a cryptographic "
-                        "digest; with %r every byte is written", storage.url, algorithm)
-            memory.warned = True
-        index = None
-    elif index is None:
-        index = latest_index(storage)
-    try:
+
+    def save(reuse: bool) -> CheckpointInfo:
+        index = reuse_index(storage, memory, algorithm, sharded=False) if reuse else None
         return _save(storage, step, plan, meta, memory, index, algorithm=algorithm,
                      durable=durable, threads=threads, lease_s=lease_s)
-    except ProtectorGoneError as exc:
-        log.warning("%s: step %d: %s; writing every byte instead", storage.url, step, exc)
+
+    def forget() -> None:
         with memory.lock:
             memory.index = None
-        return _save(storage, step, plan, meta, memory, None, algorithm=algorithm,
-                     durable=durable, threads=threads, lease_s=lease_s)
+
+    return write_again_if_gone(f"{storage.url}: step {step}", save, forget)
 
 
 def write_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,
@@ -377,66 +402,14 @@ def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
         if index is not None else {}
     refs, external = references_for(reused)
     plan = relayout(plan, external) if reused or plan.external else plan
-    doc = plan.document
-    files: list[tuple[str, int, Any, list[int]]] = [
-        (STATE_NAME, len(doc), lambda: iter([memoryview(doc)]), [len(doc)])]
-    by_path = {tf.path: tf for tf in plan.tensor_files}
-    files += [(pf.path, pf.size, pf.chunks, by_path[pf.path].pieces)
-              for pf in plan.files if pf.path != STATE_NAME]
-
-    def manifest(name: str, created: str, entries: list[ChunkedFileEntry]
-                 ) -> IncrementalManifest:
-        return IncrementalManifest(step, name, tuple(entries), created, algorithm, dict(meta),
-                                   references=tuple(refs))
-
-    with Attempt.open(storage, step, algorithm=algorithm, durable=durable) as att:
-        opened = time.monotonic()
-        created = now_text()
-        att.check(manifest(att.name, created, [
-            make_entry(p, s, algorithm, _placeholder_chunks(pieces, algorithm), None)
-            for p, s, _, pieces in files]))
-        n = write_streams(storage, threads, len(files))
-
-        def write(f: tuple[str, int, Any, list[int]]) -> ChunkedFileEntry:
-            path, size, chunks, pieces = f
-            return att.write_file(path, size, chunks, pieces=pieces).chunked_entry(
-                algorithm, pieces)
-
-        if n <= 1:
-            entries = [write(f) for f in files]
-        else:
-            with ThreadPoolExecutor(n, thread_name_prefix="ckptfs-save") as pool:
-                entries = list(pool.map(write, files))
-        final = manifest(att.name, created, entries)
-
-        def fence() -> None:
-            if not refs or index is None:
-                return
-            if time.monotonic() - opened > lease_s:
-                raise ProtectorGoneError(f"the save ran longer than its {lease_s:.0f} s lease")
-            pstep, pattempt = index.protector
-            marker = read_marker(storage, pstep)
-            if marker is None or marker.attempt != pattempt:
-                raise ProtectorGoneError(
-                    f"step {pstep}, whose stored bytes this save references, was deleted "
-                    "while it was being written")
-
-        info = att.commit(final, fence=fence, lease_expired=(
-            lambda: time.monotonic() - opened > lease_s) if refs else None)
+    info = save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
+                     threads=threads, feats=frozenset({CHUNKED, REFERENCES}), references=refs,
+                     protectors=[index.protector] if refs and index else (), lease_s=lease_s)
     _remember(memory, plan, info, reused)
     if refs:
         log.info("step %d at %s: %d of %d bytes written, the rest referenced from %d files",
                  step, storage.url, info.bytes_written, info.bytes, len(refs))
     return info
-
-
-def _placeholder_chunks(pieces: list[int], algorithm: str) -> list[Chunk]:
-    hexd = placeholder_digest(algorithm).split(":", 1)[1]
-    out, pos = [], 0
-    for length in pieces:
-        out.append(Chunk(pos, length, hexd))
-        pos += length
-    return out
 
 
 def recheck_after_lease(storage: Storage, info: CheckpointInfo) -> None:
@@ -472,6 +445,20 @@ def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
             memory.versions = dict(zip(plan.names, plan.versions, strict=True))
 
 
-__all__ = ["Indexer", "Item", "ProtectorGoneError", "ReuseIndex", "ReuseMemory", "decide_reuse",
-           "find_reuse", "index_of", "latest_index", "recheck_after_lease", "save_incremental",
-           "write_plan"]
+__all__ = [
+    "Indexer",
+    "Item",
+    "ProtectorGoneError",
+    "ReuseIndex",
+    "ReuseMemory",
+    "decide_reuse",
+    "find_reuse",
+    "index_of",
+    "latest_index",
+    "recheck_after_lease",
+    "references",
+    "references_for",
+    "reuse_index",
+    "save_incremental",
+    "write_plan",
+]

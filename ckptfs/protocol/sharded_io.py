@@ -37,7 +37,6 @@ import dataclasses
 import io
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,12 +58,11 @@ from ckptfs.errors import (
     InvalidStepError,
     UnsupportedValueError,
 )
-from ckptfs.format.hashing import ALGORITHMS, DEFAULT_ALGORITHM, new_hasher
+from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
     Reference,
     ShardedIncrementalManifest,
-    reference_name,
     references_of,
 )
 from ckptfs.format.layout import CHECKPOINTS_DIR, StepPaths, check_step, step_dir_name
@@ -85,21 +83,17 @@ from ckptfs.format.sharded import (
 )
 from ckptfs.format.sharded_metadata import DcpDocument, ItemLocation, encode_metadata
 from ckptfs.format.versions import REFERENCES, SHARDED, features
-from ckptfs.protocol.commit import Attempt, default_threads, now_text, placeholder_digest
+from ckptfs.protocol.commit import Attempt, Lease, default_threads, now_text, placeholder_digest
 from ckptfs.protocol.incremental import (
     Item,
-    ProtectorGoneError,
     ReuseIndex,
     ReuseMemory,
     Stored,
     decide_reuse,
-    latest_index,
+    references,
+    reuse_index,
 )
-from ckptfs.protocol.resolve import (
-    CheckpointInfo,
-    read_marker,
-    storage_url,
-)
+from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.protocol.sharded_read import check_checkpoint_id, read_document, sharded_manifest
 from ckptfs.storage.base import Storage
 
@@ -174,7 +168,7 @@ class ShardedWriter(StorageWriter):
         #: Each rank writes to its own node's storage (the local tier of a two-tier store,
         #: docs/tiers.md): the coordinator checks only its own files, each rank its own.
         self.node_local = node_local
-        self._opened = 0.0
+        self._lease: Lease | None = None
         self._pending: tuple[ReuseIndex, dict[str, tuple[int, int]],
                              set[tuple[str, int, int]]] | None = None
         #: The reuse hint of a resolved tensor (``version_of``); an async save, whose tensors
@@ -231,7 +225,7 @@ class ShardedWriter(StorageWriter):
         with att:  # a refused manifest discards the (empty) attempt
             att.check(self._placeholder_manifest(att.name, plans), world_size=len(plans))
         self._attempt = att
-        self._opened = time.monotonic()
+        self._lease = Lease(self.lease_s)
         return [dataclasses.replace(p, storage_data=AttemptPlan(att.name, i))
                 for i, p in enumerate(plans)]
 
@@ -337,19 +331,12 @@ class ShardedWriter(StorageWriter):
         memory = self.memory
         if memory is None:
             return {}, None
-        if not ALGORITHMS[self.algorithm].cryptographic:
-            if not memory.warned:
-                log.warning("%s: incremental saves reuse stored bytes only under a "
-                            "cryptographic digest; with %r every byte is written",
-                            self.storage.url, self.algorithm)
-                memory.warned = True
-            return {}, None
-        with memory.lock:
-            index, before, resume = memory.rank_index, memory.rank_versions, memory.rank_resume
-        if index is None and resume:
-            index = latest_index(self.storage, sharded_index_of)
+        index = reuse_index(self.storage, memory, self.algorithm, sharded=True,
+                            indexer=sharded_index_of)
         if index is None:
             return {}, None
+        with memory.lock:
+            before = memory.rank_versions
         ids: list[int] = []
         items: list[Item] = []
         for item, pi in planned:
@@ -492,25 +479,11 @@ class ShardedWriter(StorageWriter):
                                                   now_text(), self.algorithm, meta,
                                                   world_size=world, references=tuple(refs))
 
-        def fence() -> None:
-            """Before the marker (docs/protocol.md §9.4): every checkpoint a rank took
-            references from is still committed, and the save is within its lease."""
-            if not refs:
-                return
-            if time.monotonic() - self._opened > self.lease_s:
-                raise ProtectorGoneError(
-                    f"the save ran longer than its {self.lease_s:.0f} s lease")
-            for pstep, pattempt in sorted(protectors):
-                marker = read_marker(self.storage, pstep)
-                if marker is None or marker.attempt != pattempt:
-                    raise ProtectorGoneError(
-                        f"step {pstep}, whose stored bytes this save references, was deleted "
-                        "while it was being written")
-
-        info = att.commit(manifest, fence=fence, world_size=world, node_files=[
-            e.path for e in entries if e.rank in (None, self.rank)] if self.node_local else None,
-            lease_expired=(lambda: time.monotonic() - self._opened > self.lease_s)
-            if refs else None)
+        # Before the marker (docs/protocol.md §9.4): every checkpoint a rank took references
+        # from is still committed, and the save is within its lease (the commit's fence).
+        info = att.commit(manifest, protectors=protectors if refs else (), lease=self._lease,
+                          world_size=world, node_files=[
+            e.path for e in entries if e.rank in (None, self.rank)] if self.node_local else None)
         if refs:
             log.info("committed sharded step %d at %s (%d ranks, %d files): %d of %d bytes "
                      "written, the rest referenced from %d files", self.step, self.storage.url,
@@ -582,30 +555,27 @@ def sharded_index_of(storage: Storage, info: CheckpointInfo) -> ReuseIndex | Non
 def _references(reused: list[tuple[MetadataIndex, ItemReport]],
                 storage_data: dict[MetadataIndex, ItemLocation], algorithm: str
                 ) -> tuple[list[Reference], set[tuple[int, str]]]:
-    """One reference per file the ranks' reused items live in (the header chunk and the
-    chunks used, sorted), each item's location under the reference's name (``storage_data``,
-    at its offset in that file), and the checkpoints the ranks took them from."""
-    by_file: dict[tuple[int, str, str], list[tuple[MetadataIndex, ItemReport]]] = {}
+    """The ranks' reused items as `references` (one per stored file, the same construction
+    as a v3 save's), each item's location under its reference's name (``storage_data``, at
+    its offset in that file), and the checkpoints the ranks took them from."""
+    stored: list[tuple[MetadataIndex, Stored]] = []
     protectors: set[tuple[int, str]] = set()
     for index, rep in reused:
         assert rep.source is not None
-        by_file.setdefault(rep.source, []).append((index, rep))
         if rep.protector is None:
             raise UnsupportedValueError(f"{index.fqn!r}: a reused item names no protector")
         protectors.add(rep.protector)
-    refs: list[Reference] = []
-    for k, ((step, attempt, source), members) in enumerate(sorted(by_file.items())):
-        first = members[0][1]
-        if first.header is None or any(r.header != first.header or r.file_size !=
-                                       first.file_size for _, r in members):
+        step, attempt, source = rep.source
+        if rep.header is None:
             raise CorruptCheckpointError(f"{source} of step {step}: the ranks report it with "
                                          "different headers or sizes")
-        chunks = {(r.offset, r.length): Chunk(r.offset, r.length, r.digest) for _, r in members}
-        ref = Reference(reference_name(k), step, attempt, source, first.file_size, algorithm,
-                        (first.header, *(chunks[c] for c in sorted(chunks))))
-        refs.append(ref)
-        for index, rep in members:
-            storage_data[index] = ItemLocation(ref.path, rep.offset, rep.length)
+        stored.append((index, Stored(step, attempt, source, rep.file_size, algorithm,
+                                     rep.header, Chunk(rep.offset, rep.length, rep.digest),
+                                     index.fqn, "", ())))
+    refs, through = references(stored)
+    for index, st in stored:
+        storage_data[index] = ItemLocation(through[index].path, st.chunk.offset,
+                                           st.chunk.length)
     return refs, protectors
 
 
