@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ckptfs"
 #: Modules still reaching DTensor internals directly, to be switched to
 #: ``torch_compat.dtensor_local`` / ``dtensor_like`` by their owner (the async save's).
-PENDING = {"ckptfs/protocol/async_sharded.py"}
+PENDING: set[str] = set()
 #: Private torch attributes ckptfs uses (reached through torch_compat only).
 PRIVATE_ATTRS = re.compile(r"\._local_tensor\b|\._spec\b|distributed_c10d\._|\._get_backend\(")
 
