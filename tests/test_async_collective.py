@@ -9,23 +9,32 @@ save before the store's thread has even planned it),
 the training loop's collectives on the default group run while a save is in flight, both ranks
 get the same CheckpointInfo, two saves in flight commit in order, and a storage failure on rank
 1 is a typed error from ``result()`` on both ranks (and from the next ``wait`` when nobody
-collected it), with no marker."""
+collected it), with no marker.
+
+The tests after it run both layouts in this process (the collective one under a one-rank gloo
+group): save_async writes the format store.save writes on an incremental store (v3, v4), and
+two uncollected failures are both raised."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import threading
+from collections.abc import Iterator
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from dist_util import run_ranks
 from test_sharded import FailingWrites, build_state, to_plain
 
 import ckptfs
-from ckptfs.errors import ShardedSaveError, UnsupportedValueError
+from ckptfs.errors import CkptfsError, ShardedSaveError, UnsupportedValueError
+from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
 from ckptfs.testing.conformance import assert_state_equal
 
@@ -253,3 +262,91 @@ def test_async_sharded_incremental_hashes_only_unchanged_tensors(
             assert torch.equal(got["base"], base.full_tensor())
             assert torch.equal(got["head"], torch.full((3, 5), 3.0))
     assert counts["async"] == counts["sync"] == [[], [64], [64]], counts  # the base only
+
+
+# -- both layouts, in this process (a one-rank gloo group for the collective one) ----------------
+
+LAYOUTS = ["one process", "collective"]
+
+
+@contextlib.contextmanager
+def layout_of(layout: str) -> Iterator[Any]:
+    """The mesh of a collective layout (a one-rank gloo group, `world_of_one`), or None."""
+    from ckptfs.testing.reliability.paths import world_of_one
+
+    if layout == "one process":
+        yield None
+        return
+    with world_of_one() as mesh:
+        yield mesh
+
+
+def in_layout(state: dict[str, Any], mesh: Any, memo: dict[int, Any]) -> dict[str, Any]:
+    """``state`` as the layout saves it: its tensors DTensors on ``mesh`` when collective."""
+    from ckptfs.testing.reliability.paths import as_dtensors
+
+    return state if mesh is None else as_dtensors(state, mesh, memo)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_async_writes_what_save_writes_on_an_incremental_store(
+        tmp_path: Path, layout: str) -> None:
+    """One prepared save for both: on an incremental store, save_async writes the format
+    store.save writes for the state's layout (v3 in one process, v4 collectively; before, a
+    DTensor state got v2 from save_async), with the same references and bytes written."""
+    got: dict[str, list[tuple[int, int, int]]] = {}
+    with layout_of(layout) as mesh:
+        memo: dict[int, Any] = {}
+        frozen = torch.randn(16, 4)
+        heads = [torch.full((3, 5), float(step)) for step in (1, 2)]  # alive: memo is by id
+        for how in ("sync", "async"):
+            root = str(tmp_path / how[0])  # dcp.msgpack holds the path: the same length
+            store = ckptfs.open(root, incremental=True)
+            got[how] = []
+            for step, head in zip((1, 2), heads, strict=True):
+                state = in_layout({"base": frozen, "head": head, "step": step}, mesh, memo)
+                info = store.save(step, state) if how == "sync" else \
+                    store.save_async(step, state).result(60)
+                got[how].append((info.manifest.format_version,
+                                 len(references_of(info.manifest)), info.bytes_written))
+            store.close()
+            assert torch.equal(ckptfs.open(root).load(2)["base"], frozen)
+    version = 3 if layout == "one process" else 4
+    assert [v for v, _, _ in got["sync"]] == [version, version]
+    assert [r for _, r, _ in got["sync"]] == [0, 1]  # the second references the frozen base
+    assert got["async"] == got["sync"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_uncollected_failures_are_both_raised(tmp_path: Path, layout: str) -> None:
+    """Two background saves fail and nobody collects either, on both layouts: the store's next
+    call raises the first (with a note naming the second), the call after it the second, each
+    its own exception object; then the store saves again."""
+    from test_async_save import FailingStorage, Gate
+
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.testing.faults import FaultyStorage
+    from ckptfs.testing.reliability.common import state_for
+
+    with layout_of(layout) as mesh:
+        gate = Gate()  # both submitted before either fails: the second call cannot raise it
+        inner = ckptfs.open(str(tmp_path / "run")).storage
+        store = CheckpointStore(FailingStorage(FaultyStorage(inner, hook=gate), fail=2))
+        gate.close()
+        f1 = store.save_async(1, in_layout(state_for(1), mesh, {}), max_in_flight=2)
+        f2 = store.save_async(2, in_layout(state_for(2), mesh, {}), max_in_flight=2)
+        gate.open()
+        wait_futures([f1, f2], timeout=60)  # done, not collected
+        assert f1.failure() is not None and f2.failure() is not None
+        with pytest.raises(CkptfsError, match="injected") as e1:
+            store.wait()
+        assert e1.value is f1.failure()
+        [also] = [n for n in getattr(e1.value, "__notes__", []) if "more background" in n]
+        assert "step 2" in also
+        with pytest.raises(CkptfsError, match="injected") as e2:
+            store.wait()
+        assert e2.value is f2.failure()
+        store.wait()  # nothing left
+        assert store.save_async(3, in_layout(state_for(3), mesh, {})).result(60).step == 3
+        assert store.steps() == [3] and store.async_stats.failed == 2
+        store.close()

@@ -804,17 +804,31 @@ def test_close_from_a_done_callback_is_refused_before_touching_anything(
     assert store.steps() == [1, 2]
 
 
+def two_failing_saves(backend: Backend) -> tuple[CheckpointStore, async_save.SaveFuture,
+                                                  async_save.SaveFuture]:
+    """Two ``save_async`` whose background writes both fail, both done.  Both are submitted
+    while the store's thread is held at a gate, so the first failure cannot already be
+    raised by the second call (before: it sometimes was, when the first save failed before
+    the second was submitted)."""
+    gate = Gate()
+    store = CheckpointStore(FailingStorage(FaultyStorage(backend.open().storage, hook=gate),
+                                           fail=2))
+    gate.close()
+    f1 = store.save_async(1, state_for(1), max_in_flight=2)
+    f2 = store.save_async(2, state_for(2), max_in_flight=2)
+    gate.open()
+    while not (f1.done() and f2.done()):
+        time.sleep(0.01)
+    return store, f1, f2
+
+
 @pytest.mark.parametrize("calls", ["wait", "save_async", "close"])
 def test_every_uncollected_failure_is_raised(memory_backend: Backend, calls: str) -> None:
     """Two background saves fail and nobody collects either: each is raised, one per call,
     oldest first, as its own exception object (so `except StorageError` works); the first
     carries a note naming the second, which the next call raises (before: the second was only
     named in a note, never raised)."""
-    store = CheckpointStore(FailingStorage(memory_backend.open().storage, fail=2))
-    f1 = store.save_async(1, state_for(1), max_in_flight=2)
-    f2 = store.save_async(2, state_for(2), max_in_flight=2)
-    while not (f1.done() and f2.done()):
-        time.sleep(0.01)
+    store, f1, f2 = two_failing_saves(memory_backend)
     call = {"wait": store.wait, "close": store.close,
             "save_async": lambda: store.save_async(3, state_for(3))}[calls]
     with pytest.raises(StorageError, match="injected") as ei:
@@ -836,12 +850,8 @@ def test_a_failure_collected_through_its_future_is_not_raised_again(
         memory_backend: Backend) -> None:
     """Of two uncollected failures, the second read through its future before the next call:
     only the first is raised by the store."""
-    store = CheckpointStore(FailingStorage(memory_backend.open().storage, fail=2))
-    f1 = store.save_async(1, state_for(1), max_in_flight=2)
-    f2 = store.save_async(2, state_for(2), max_in_flight=2)
+    store, f1, f2 = two_failing_saves(memory_backend)
     assert isinstance(f2.exception(timeout=60), StorageError)
-    while not f1.done():
-        time.sleep(0.01)
     with pytest.raises(StorageError) as ei:
         store.wait()
     assert ei.value is f1.failure()

@@ -1,37 +1,30 @@
 """Asynchronous saves: the training loop blocks only while its state is prepared and copied.
 
 Design decision: **stage, then the same save on the store's thread** (as DCP's ``async_save``
-stages and submits the very ``save``).  ``save_async`` prepares the save the store's ``save``
-would run for the state's layout (everything that save refuses before writing is raised by
-``save_async`` itself), copies what that save still reads of the state (one snapshot for every
-layout: `ckptfs.protocol.snapshot`), and runs that same synchronous save over the copies on one
-background thread per store.  One commit protocol and one proof: a background failure leaves no
-marker, exactly as a failed synchronous save does.  The layouts differ only in what is
-prepared and which save runs:
-
-=================  ==========================================  =================================
-layout             prepared on the caller's thread             run on the store's thread
-=================  ==========================================  =================================
-one process        the serializer's plan (`plan_v1`, every     `write_plan` over the plan
-                   non-tensor value encoded now; `check_plan`)  rebound to the copies (format
-                   the snapshot copies its tensors              v1, or v3 when incremental)
-a process group    `prepare_save` on the store's own gloo      `save_prepared` (format v2, or
-(every rank)       group; the snapshot copies the DCP view      v4), then the store's
-                   (DTensors rebuilt around staged shards)      `after_sharded_commit`
-=================  ==========================================  =================================
+stages and submits the very ``save``).  ``save_async`` prepares the very save ``store.save``
+writes (`ckptfs.protocol.prepare.prepare`: the layout decided, the state planned, everything
+that save refuses before writing raised by ``save_async`` itself), copies what that save still
+reads of the state (``Prepared.reads``; one snapshot for every layout:
+`ckptfs.protocol.snapshot`), and runs that prepared save over the copies (``Prepared.over``)
+on one background thread per store.  One commit protocol and one proof: a background failure
+leaves no marker, exactly as a failed synchronous save does.  What only the async save adds:
+a collective save's collectives run on the store's own gloo group (`AsyncSaver.
+collective_group`), and, once committed, the store's `after_sharded_commit` runs.
 
 ::
 
     caller thread                             "ckptfs-async-save" thread (one per store)
     -------------                             -------------------------------------------
     raise uncollected failures
-    prepare the layout's save (key-path
-      errors raised now; a collective save's
-      on every rank, from its future)
+    prepare(store, step, state): the save
+      store.save writes (key-path errors
+      raised now; a collective save's on
+      every rank, from its future)
     back-pressure: wait while max_in_flight
       saves are pending (logged, counted)
-    snapshot (CUDA: pinned, non-blocking,  ----->   the store's synchronous save over the
-      one synchronize per device)                   snapshot; buffers back to the pool
+    snapshot of prepared.reads (CUDA:      ----->   prepared.over(snapshot): the same save
+      pinned, non-blocking, one                     over the copies; buffers back to the
+      synchronize per device)                       pool
     return SaveFuture                               future resolved (or failed: kept for the
                                                     next save / save_async / wait to raise)
 
@@ -55,7 +48,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401  (imported before our exit hook is registered)
 import contextlib
-import copy
 import logging
 import os
 import threading
@@ -70,18 +62,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckptfs.errors import (
-    AsyncSaveError,
-    CheckpointExistsError,
-    ShardedSaveError,
-    UnsupportedValueError,
-)
-from ckptfs.format.hashing import new_hasher
+from ckptfs.errors import AsyncSaveError, CheckpointExistsError, ShardedSaveError
 from ckptfs.format.layout import check_step
-from ckptfs.format.serialize import StatePlan
-from ckptfs.protocol.collective import find_dtensor, wants_sharded_save
-from ckptfs.protocol.commit import check_plan, plan_v1
-from ckptfs.protocol.incremental import write_plan
+from ckptfs.protocol.prepare import Prepared, prepare
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.snapshot import Snapshot, take
 from ckptfs.protocol.staging import PoolKey, StagingPool
@@ -121,38 +104,6 @@ class AsyncStats:
     @property
     def staging_reuses(self) -> int:
         return self.pool.reuses
-
-
-def _plan(store: CheckpointStore, step: int, state: Mapping[str, Any],
-          metadata: Mapping[str, Any] | None) -> tuple[StatePlan, dict[str, Any]]:
-    """The serializer's plan of ``state`` and the manifest metadata, with everything
-    `save_plan` would refuse before writing checked now, so that
-    ``save_async`` itself raises it (a value the format cannot hold, naming its key path; bad
-    metadata; a manifest too large to be read).  The metadata is a deep copy (plain JSON)."""
-    check_step(step)
-    new_hasher(store.algorithm)
-    try:
-        plan, meta = plan_v1(state, metadata=metadata, shard_bytes=store.shard_bytes)
-    except UnsupportedValueError:
-        where = find_dtensor(state)  # only on failure: no second walk of a good state
-        if where is not None:
-            raise _sharded_refusal(where) from None
-        raise
-    check_plan(step, plan, meta, store.algorithm)
-    return plan, copy.deepcopy(meta)
-
-
-def _sharded_refusal(path: tuple[Any, ...]) -> UnsupportedValueError:
-    """A DTensor (at key path ``path``) reaching the single-process save (torch.distributed is
-    not initialized, so the collective save cannot run): writing one rank's shards as a full
-    state would be wrong, and the error says why rather than only that the serializer cannot
-    hold a DTensor."""
-    where = "/".join(str(p) for p in path) or "<root>"
-    return UnsupportedValueError(
-        f"save_async got a sharded tensor (DTensor) at key path {where!r} but "
-        "torch.distributed is not initialized: a sharded state is saved collectively "
-        "by every rank of its process group (docs/async.md, docs/sharded.md); "
-        "initialize it, or save a full state dict")
 
 
 def _clear_frames(exc: BaseException) -> None:
@@ -262,9 +213,9 @@ class AsyncSaver:
 
     def submit(self, store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                metadata: Mapping[str, Any] | None, max_in_flight: int) -> SaveFuture:
-        """``store.save_async``: the save prepared for the state's layout (`_prepare_single`
-        or, every rank of a process group calling it, `_prepare_collective`), the snapshot
-        (`ckptfs.protocol.snapshot.take`), then the store's synchronous save over the
+        """``store.save_async``: the save ``store.save`` would write, prepared
+        (`ckptfs.protocol.prepare.prepare`, its collectives on `collective_group`), the
+        snapshot of what it reads (`ckptfs.protocol.snapshot.take`), then that save over the
         snapshot on the store's thread (`_Job`)."""
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
@@ -274,8 +225,8 @@ class AsyncSaver:
             t0 = time.perf_counter()
             check_step(step)
             self.check_step_free(step)
-            prepare = _prepare_collective if wants_sharded_save(state) else _prepare_single
-            prepared = prepare(self, store, step, state, metadata)
+            prepared = prepare(store, step, state, metadata=metadata,
+                               background=self.collective_group)
             planned = time.perf_counter() - t0
             self.wait_for_slot(step, max_in_flight)
             self.raise_uncollected()  # a save that failed while we waited
@@ -285,7 +236,7 @@ class AsyncSaver:
             buffers = snap.buffers
             fut = SaveFuture(step, store.url)
             try:
-                job = _Job(self, fut, prepared.over(snap), buffers)
+                job = _Job(self, fut, _over_snapshot(store, prepared, snap), buffers)
                 del prepared, snap  # the caller's objects: not read again
                 with self._lock:
                     if self._executor is None:
@@ -491,75 +442,21 @@ class AsyncSaver:
                 f.fail_in_forked_child(parent)
 
 
-@dataclass
-class _Prepared:
-    """One save prepared on the caller's thread for its layout, everything the synchronous
-    save refuses before writing checked: ``reads``, what that save still reads of the state
-    (the snapshot copies it), and ``over(snapshot)``, the store's synchronous save over the
-    snapshot, to run on the store's thread."""
-
-    reads: Any
-    over: Callable[[Snapshot], Callable[[], CheckpointInfo]]
-
-
-def _prepare_single(saver: AsyncSaver, store: CheckpointStore, step: int,
-                    state: Mapping[str, Any], metadata: Mapping[str, Any] | None) -> _Prepared:
-    """One process: the serializer's plan (every non-tensor value encoded now), whose tensors
-    the snapshot copies; on the store's thread, the plan over the copies goes through
-    `write_plan`, as ``store.save`` does (format v1, or v3 on an incremental store).  The
-    job captures what the save uses, not the store (see `AsyncSaver`)."""
-    plan, meta = _plan(store, step, state, metadata)
-    storage, algorithm, durable = store.storage, store.algorithm, store.durable
-    threads, memory, lease_s = store.threads, store.reuse, store.lease_s
-
-    def over(snap: Snapshot) -> Callable[[], CheckpointInfo]:
-        staged = plan.rebind(snap.value)
-        return lambda: write_plan(storage, step, staged, meta, algorithm=algorithm,
-                                  durable=durable, threads=threads, memory=memory,
-                                  lease_s=lease_s)
-
-    return _Prepared(plan.tensors, over)
-
-
-def _prepare_collective(saver: AsyncSaver, store: CheckpointStore, step: int,
-                        state: Mapping[str, Any], metadata: Mapping[str, Any] | None
-                        ) -> _Prepared:
-    """Every rank of a process group (docs/async.md, "Sharded states"): the collective save
-    prepared as `ckptfs.protocol.sharded.save_sharded` prepares it (format v2, or v4 on an
-    incremental store, with the store's reuse memory and lease), on the store's own gloo group
-    (`AsyncSaver.collective_group`); the snapshot copies its DCP view.  On the store's
-    thread, the synchronous collective save (`ckptfs.protocol.sharded.save_prepared`, its
-    one "write everything again" retry included) runs over the copies, then the store's
-    `after_sharded_commit`.  A bad value does not raise here: the planner raises it inside
-    DCP, on every rank together."""
-    from ckptfs.protocol import sharded as sh  # imports DCP: collective saves only
-
-    try:
-        meta: Mapping[str, Any] | None = copy.deepcopy(dict(metadata or {}))
-    except Exception:  # not copyable, so not JSON either: the planner refuses it on all ranks
-        meta = metadata
-    what = f"async sharded save of step {step} at {store.url}"
-    live = sh.liveness(None, "async-save", step)  # before the group: an absent rank is named
-    group = saver.collective_group(live, what)
-    prep = sh.prepare_save(store.storage, step, state, group=group, kind="async-save",
-                           algorithm=store.algorithm, durable=store.durable,
-                           threads=store.threads, metadata=meta, node_local=store.node_local,
-                           memory=store.reuse, lease_s=store.lease_s, live=live)
+def _over_snapshot(store: CheckpointStore, prepared: Prepared, snap: Snapshot
+                   ) -> Callable[[], CheckpointInfo]:
+    """The prepared save over the snapshot, to run on the store's thread; a collective one
+    then calls the store's `after_sharded_commit` (every rank)."""
+    save = prepared.over(snap.value, snap.hint)
+    if not prepared.collective:
+        return save
     after = store.after_sharded_commit
 
-    def over(snap: Snapshot) -> Callable[[], CheckpointInfo]:
-        prep.view = snap.value  # the caller's view: not read again
-        prep.writer.hint = snap.hint  # the caller's tensors' reuse hints, taken at the copy
+    def run() -> CheckpointInfo:
+        info = save()
+        after(info)
+        return info
 
-        def run() -> CheckpointInfo:
-            info = sh.save_prepared(prep, group,
-                                    renew=lambda: sh.liveness(group, "async-save", step))
-            after(info)
-            return info
-
-        return run
-
-    return _Prepared(prep.view, over)
+    return run
 
 
 class _Job:

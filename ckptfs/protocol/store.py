@@ -18,11 +18,11 @@ from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES
 from ckptfs.protocol import async_save
-from ckptfs.protocol.collective import wants_sharded_save
-from ckptfs.protocol.commit import default_threads, plan_v1
+from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verify_checkpoint
-from ckptfs.protocol.incremental import ReuseMemory, write_plan
+from ckptfs.protocol.incremental import ReuseMemory
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
+from ckptfs.protocol.prepare import prepare
 from ckptfs.protocol.references import free_step, shared_attempts
 from ckptfs.protocol.remote_verify import RemoteVerifyReport, verify_remote
 from ckptfs.protocol.resolve import (
@@ -101,18 +101,8 @@ class CheckpointStore:
         (or another writer commits it first).  Pending `save_async` saves are waited for
         first (and an uncollected failure of one raises here)."""
         async_save.before_sync_save(self)
-        if wants_sharded_save(state, process_group):  # format v2 (docs/sharded.md)
-            from ckptfs.protocol import sharded  # imports DCP (~1 s): only when collective
-            return sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
-                                        durable=self.durable, threads=self.threads,
-                                        metadata=metadata, process_group=process_group,
-                                        memory=self.reuse, lease_s=self.lease_s)
-        check_step(step)
-        new_hasher(self.algorithm)
-        plan, meta = plan_v1(state, metadata=metadata, shard_bytes=self.shard_bytes)
-        return write_plan(self.storage, step, plan, meta, algorithm=self.algorithm,
-                          durable=self.durable, threads=self.threads, memory=self.reuse,
-                          lease_s=self.lease_s)
+        return prepare(self, step, state, metadata=metadata,
+                       process_group=process_group).write()  # the save save_async runs
 
     def delete(self, step: int) -> None:
         """Delete a checkpoint: the marker first, so a half-deleted checkpoint never reads as

@@ -1,0 +1,151 @@
+"""The one prepared save: what ``store.save`` writes and what ``save_async`` writes, decided once.
+
+Design decision: **prepare once, write over whatever holds the bytes.**  A save is prepared on
+the caller's thread (`prepare`): the layout decided (collective or not is the process group's
+answer, `ckptfs.protocol.collective.wants_sharded_save`, the same for every store), the state
+planned and checked (everything the save refuses before writing raises here), and the result is
+a `Prepared`: ``reads``, what the write still reads of the caller's state, and `Prepared.over`,
+the write bound to those objects or to a copy of them.  ``store.save`` runs it at once over the
+caller's objects (`Prepared.write`); ``save_async`` copies ``reads`` first
+(`ckptfs.protocol.snapshot.take`) and runs the very same write over the copy on the store's
+thread.  The layout is a value of the prepared save, not a second function:
+
+=================  ==========================================  =================================
+layout             prepared (caller's thread)                  written (`Prepared.over`)
+=================  ==========================================  =================================
+one process        the serializer's plan (`plan_v1`: every     `write_plan` over the plan,
+``collective``     non-tensor value encoded now; `check_plan`:  rebound to the copies when there
+False              every reader limit); ``reads``: its tensors  are (format v1, or v3)
+a process group    `sharded.prepare_save` (a bad value raises  `sharded.save_prepared` (format
+``collective``     inside DCP, on every rank together);        v2, or v4; its "write everything
+True               ``reads``: the state's DCP view             again" retry included)
+=================  ==========================================  =================================
+
+A collective save runs its collectives on the caller's ``process_group`` or ckptfs's own gloo
+group; a save written on the store's thread (``background``: the async saver's group factory)
+on the store's own group, so that they never interleave with the training loop's.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ckptfs.errors import ShardedSaveError, UnsupportedValueError
+from ckptfs.format.hashing import new_hasher
+from ckptfs.format.layout import check_step
+from ckptfs.format.serialize import StatePlan
+from ckptfs.protocol.collective import find_dtensor, wants_sharded_save
+from ckptfs.protocol.commit import check_plan, plan_v1
+from ckptfs.protocol.incremental import write_plan
+from ckptfs.protocol.resolve import CheckpointInfo
+
+if TYPE_CHECKING:
+    from ckptfs.protocol.group import Liveness
+    from ckptfs.protocol.store import CheckpointStore
+
+__all__ = ["Hint", "Prepared", "prepare"]
+
+#: The reuse hint of a tensor the write reads (`ckptfs.format.serialize.version_of`); a
+#: snapshot's gives the caller's tensor's (`ckptfs.protocol.snapshot.Snapshot.hint`).
+Hint = Callable[[torch.Tensor], tuple[int, int]]
+
+#: The store's own group of a save written on its thread: ``(liveness, what) -> group``.
+OwnGroup = Callable[["Liveness", str], Any]
+
+
+@dataclass
+class Prepared:
+    """One save, prepared and checked (module docstring).  ``collective``: its layout;
+    ``reads``: what its write still reads of the caller's state (the plan's tensors, or the
+    DCP view), the one thing a snapshot copies."""
+
+    step: int
+    collective: bool
+    reads: Any
+    over: Callable[[Any, Hint | None], Callable[[], CheckpointInfo]]
+    """The write over ``reads`` itself or over a copy of the same structure (with the caller's
+    tensors' reuse ``hint``), as a function to run: it holds nothing of the caller's objects
+    but what it is given."""
+
+    def write(self) -> CheckpointInfo:
+        """Write and commit over the caller's objects, now (``store.save``)."""
+        return self.over(self.reads, None)()
+
+
+def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+            metadata: Mapping[str, Any] | None = None, process_group: Any = None,
+            background: OwnGroup | None = None) -> Prepared:
+    """The save of ``state`` as step ``step`` of ``store`` (module docstring), prepared.  The
+    metadata is deep-copied (plain JSON).  ``background``: the save is written on the store's
+    thread, its collectives on the group this gives."""
+    check_step(step)
+    new_hasher(store.algorithm)
+    collective = wants_sharded_save(state, process_group)
+    storage, algorithm, durable = store.storage, store.algorithm, store.durable
+    threads, memory, lease_s = store.threads, store.reuse, store.lease_s
+    if not collective:
+        plan, meta = plan_or_refuse(state, metadata, store.shard_bytes)
+        check_plan(step, plan, meta, algorithm)
+        meta = copy.deepcopy(meta)
+
+        def over_plan(tensors: Any, hint: Hint | None) -> Callable[[], CheckpointInfo]:
+            staged = plan if tensors is plan.tensors else plan.rebind(tensors)
+            return lambda: write_plan(storage, step, staged, meta, algorithm=algorithm,
+                                      durable=durable, threads=threads, memory=memory,
+                                      lease_s=lease_s)
+
+        return Prepared(step, False, plan.tensors, over_plan)
+
+    from ckptfs.protocol import sharded as sh  # imports DCP: collective saves only
+
+    try:
+        cmeta: Mapping[str, Any] | None = copy.deepcopy(dict(metadata or {}))
+    except Exception:  # not copyable, so not JSON either: the planner refuses it on all ranks
+        cmeta = metadata
+    kind = "save" if background is None else "async-save"
+    what = f"{'sharded' if background is None else 'async sharded'} save of step {step} at " \
+           f"{storage.url}"
+    live = sh.liveness(process_group, kind, step)  # before the group: an absent rank is named
+    if background is None:
+        group = sh.collective_group(process_group, what=what, default=ShardedSaveError,
+                                    live=live)
+    else:
+        group = background(live, what)
+    renew_on = process_group if background is None else group  # the thread's own counter
+    prep = sh.prepare_save(storage, step, state, group=group, kind=kind, algorithm=algorithm,
+                           durable=durable, threads=threads, metadata=cmeta,
+                           node_local=store.node_local, memory=memory, lease_s=lease_s,
+                           live=live)
+
+    def over_view(view: Any, hint: Hint | None) -> Callable[[], CheckpointInfo]:
+        prep.view = view
+        if hint is not None:
+            prep.writer.hint = hint
+        return lambda: sh.save_prepared(prep, group,
+                                        renew=lambda: sh.liveness(renew_on, kind, step))
+
+    return Prepared(step, True, prep.view, over_view)
+
+
+def plan_or_refuse(state: Mapping[str, Any], metadata: Mapping[str, Any] | None,
+                   shard_bytes: int) -> tuple[StatePlan, dict[str, Any]]:
+    """`plan_v1`; a state it refuses because it holds a DTensor (torch.distributed is not
+    initialized, so the collective save cannot run) is refused saying so: writing one rank's
+    shards as a full state would be wrong."""
+    try:
+        return plan_v1(state, metadata=metadata, shard_bytes=shard_bytes)
+    except UnsupportedValueError:
+        where = find_dtensor(state)  # only on failure: no second walk of a good state
+        if where is None:
+            raise
+        path = "/".join(str(p) for p in where) or "<root>"
+        raise UnsupportedValueError(
+            f"a sharded tensor (DTensor) at key path {path!r} cannot be saved here: "
+            "torch.distributed is not initialized, and a sharded state is saved collectively "
+            "by every rank of its process group (docs/async.md, docs/sharded.md); initialize "
+            "it, or save a full state dict") from None
