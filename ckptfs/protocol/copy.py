@@ -789,8 +789,7 @@ def copy_file(src: Storage, source_dir: str, att: Attempt, entry: FileEntry, *,
     the attempt's directory from the run root) into ``att``: streamed, hashed while written
     (per chunk for a chunked entry), and `CorruptCheckpointError` (before anything is
     committed) unless its size and digests are the manifest's.  The one per-file copy of
-    `copy_step` and of the per-rank upload of a sharded replica
-    (`ckptfs.protocol.replication_sharded`)."""
+    `StepCopier`, on every rank."""
     pieces = [c.length for c in entry.chunks] if isinstance(entry, ChunkedFileEntry) else None
     w = att.write_file(entry.path, entry.size,
                        _source_chunks(src, source_dir, att.step, entry, progress), pieces=pieces,
