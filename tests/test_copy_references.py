@@ -335,3 +335,30 @@ def test_copy_guarantees_on_both_world_sizes(world: int, tmp_path: Path) -> None
     assert all(r.step != 1 for r in m2.references), "the copy referenced a rotted file"
     assert v3dst.verify(2).ok
     assert_bit_exact(v3dst.load(2), state(2))
+
+
+def test_v4_copy_whose_referenced_destination_step_is_deleted_is_copied_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The destination's step 1, which the copy of step 2 references, is deleted before the
+    marker: the commit's fence refuses (as for every writer that references stored bytes)
+    and the copy is made once more, its referenced files copied into a retired attempt."""
+    from ckptfs.protocol import commit as commit_mod
+
+    src, dst = _golden_v4(tmp_path), tmp_path / "dst"
+    s, d = FsspecStorage(str(src)), FsspecStorage(str(dst))
+    copy_step(s, d, 1)
+    real, deleted = commit_mod.read_marker, []
+
+    def read_marker(storage: Any, step: int, *args: Any) -> Any:
+        if step == 1 and not deleted:
+            deleted.append(1)
+            ckptfs.CheckpointStore(d).delete(1)
+        return real(storage, step, *args)
+
+    monkeypatch.setattr(commit_mod, "read_marker", read_marker)
+    assert copy_step(s, d, 2).status == "copied"
+    assert deleted
+    store = ckptfs.open(str(dst))
+    assert store.steps() == [2]
+    assert_bit_exact(store.load(2), _recipe()[2][0])
+    assert store.verify(2).ok

@@ -204,9 +204,11 @@ def own_files(manifest: Manifest, rank: int, coordinator: bool) -> list[FileEntr
     """The files of a sharded ``manifest`` that ``rank`` wrote (its rank files; the
     coordinator also ``dcp.msgpack`` and anything else rank-less): what it holds on its own
     node."""
+    def owner(e: FileEntry) -> int | None:
+        return e.rank if isinstance(e, ChunkedFileEntry) else None
+
     return [e for e in manifest.files
-            if (e.rank if isinstance(e, ChunkedFileEntry) else None) == rank
-            or ((e.rank if isinstance(e, ChunkedFileEntry) else None) is None and coordinator)]
+            if owner(e) == rank or (owner(e) is None and coordinator)]
 
 
 def settle_node_attempt(storage: Storage, step: int, attempt: str, *, durable: bool) -> None:
