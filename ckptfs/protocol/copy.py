@@ -379,8 +379,9 @@ class StepCopier:
                 return self._outcome(plan, mine)
             part: _Part | None = None
             try:
-                part = self._copy_files(info_of(plan["source"]), str(plan["attempt"]),
-                                        progress)
+                source = self._plan.source if self._plan is not None \
+                    else info_of(plan["source"])
+                part = self._copy_files(source, str(plan["attempt"]), progress)
                 report = part.doc()
             except Exception as exc:
                 log.error("rank %d: copying its files of step %d to %s failed: %s: %s",
