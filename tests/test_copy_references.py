@@ -23,6 +23,7 @@ from ckptfs.format.incremental import (
     ShardedIncrementalManifest,
 )
 from ckptfs.format.layout import StepPaths
+from ckptfs.format.sharded import ChunkedFileEntry
 from ckptfs.protocol.commit import Attempt
 from ckptfs.protocol.copy import copy_step
 from ckptfs.protocol.replication import Replicator
@@ -243,3 +244,121 @@ def test_v4_manifest_naming_the_sources_attempts_is_refused_by_the_commit(tmp_pa
     with pytest.raises(CorruptCheckpointError, match=r"which is missing.*nothing was committed"):
         att.commit(dataclasses.replace(m2, attempt=att.name))
     assert not (dst / StepPaths(2).marker).exists()
+
+
+# -- the same guarantees on both world sizes (the one copier over a group) ---------------------
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def job_copy_cells(rank: int, world: int, root: str) -> dict[str, Any]:
+    """`StepCopier` on every rank of a group of ``world`` (each rank holds its own rank files
+    of the v4 run; the v3 run, saved by one process, is the coordinator's): what each rank
+    returns or raises."""
+    import torch.distributed as dist
+
+    from ckptfs.protocol.copy import StepCopier
+    from ckptfs.protocol.group import group_of
+
+    group = group_of(None)
+
+    def copier(src: str, dst: str) -> StepCopier:
+        return StepCopier(FsspecStorage(f"{root}/{src}"), FsspecStorage(f"{root}/{dst}"), group)
+
+    def outcome(run: Any) -> str:
+        try:
+            return str(run().status)
+        except Exception as exc:
+            return type(exc).__name__
+
+    out: dict[str, Any] = {}
+    # A v4 step's references name the destination's own copy of the step they take bytes from.
+    c = copier("v4", "dst")
+    out["copy"] = [c(1).status, c(2).status]
+    # A referenced chunk rotted at the destination: refused on every rank, nothing committed.
+    rot = copier("v4", "rot")
+    rot(1)
+    if rank == 0:
+        m2 = ckptfs.CheckpointStore(FsspecStorage(f"{root}/v4")).info(2).manifest
+        assert isinstance(m2, ShardedIncrementalManifest)
+        ref = m2.references[0]
+        there = ckptfs.CheckpointStore(FsspecStorage(f"{root}/rot")).info(1)
+        _flip(Path(root) / "rot" / there.path / ref.source, ref.chunks[-1].offset)
+    dist.barrier()
+    out["rot"] = outcome(lambda: rot(2))
+    # A lone v4 step: its referenced files copied into a retired attempt where the coordinator
+    # holds every source file; refused where the files lie on several nodes.
+    out["lone"] = outcome(lambda: copier("v4", "lone")(2))
+    # v3: a rotted destination chunk is written again, never referenced.
+    v3 = copier("v3", "v3dst")
+    v3(1)
+    if rank == 0:
+        info = ckptfs.CheckpointStore(FsspecStorage(f"{root}/v3dst")).info(1)
+        for e in info.manifest.files:
+            if e.path != "state.msgpack":
+                assert isinstance(e, ChunkedFileEntry)
+                _flip(Path(root) / "v3dst" / info.path / e.path, e.chunks[1].offset)
+    dist.barrier()
+    out["v3"] = v3(2).status
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_copy_guarantees_on_both_world_sizes(world: int, tmp_path: Path) -> None:
+    """The copy of a v4 step resolves its references at the destination before the marker,
+    reads and checks every destination chunk it references (v4: rot refuses; v3: rot is
+    written again), whatever the world size; every rank returns or raises alike."""
+    from dist_util import run_ranks
+
+    shutil.copytree(GOLDEN / "v4" / "run", tmp_path / "v4")
+    v3 = ckptfs.open(str(tmp_path / "v3"), incremental=True)
+    for s in (1, 2):
+        v3.save(s, state(s))
+    results = run_ranks(job_copy_cells, world, str(tmp_path), timeout=240)
+    lone = "copied" if world == 1 else "ReplicationError"
+    assert results == [{"copy": ["copied", "copied"], "rot": "CorruptCheckpointError",
+                        "lone": lone, "v3": "copied"}] * world
+    dst = ckptfs.open(str(tmp_path / "dst"))
+    assert _attempts(dst.storage, 2) == {dst.info(1).attempt}  # type: ignore[arg-type]
+    recipe = _recipe()
+    for step in (1, 2):
+        assert_bit_exact(dst.load(step), recipe[step][0])
+    assert not (tmp_path / "rot" / StepPaths(2).marker).exists()
+    assert ckptfs.open(str(tmp_path / "lone")).steps() == ([2] if world == 1 else [])
+    v3dst = ckptfs.open(str(tmp_path / "v3dst"))
+    m2 = v3dst.info(2).manifest
+    assert isinstance(m2, IncrementalManifest)
+    assert all(r.step != 1 for r in m2.references), "the copy referenced a rotted file"
+    assert v3dst.verify(2).ok
+    assert_bit_exact(v3dst.load(2), state(2))
+
+
+def test_v4_copy_whose_referenced_destination_step_is_deleted_is_copied_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The destination's step 1, which the copy of step 2 references, is deleted before the
+    marker: the commit's fence refuses (as for every writer that references stored bytes)
+    and the copy is made once more, its referenced files copied into a retired attempt."""
+    from ckptfs.protocol import commit as commit_mod
+
+    src, dst = _golden_v4(tmp_path), tmp_path / "dst"
+    s, d = FsspecStorage(str(src)), FsspecStorage(str(dst))
+    copy_step(s, d, 1)
+    real, deleted = commit_mod.read_marker, []
+
+    def read_marker(storage: Any, step: int, *args: Any) -> Any:
+        if step == 1 and not deleted:
+            deleted.append(1)
+            ckptfs.CheckpointStore(d).delete(1)
+        return real(storage, step, *args)
+
+    monkeypatch.setattr(commit_mod, "read_marker", read_marker)
+    assert copy_step(s, d, 2).status == "copied"
+    assert deleted
+    store = ckptfs.open(str(dst))
+    assert store.steps() == [2]
+    assert_bit_exact(store.load(2), _recipe()[2][0])
+    assert store.verify(2).ok

@@ -153,9 +153,9 @@ def test_cp_reuse_falls_back_when_the_destination_step_is_deleted(
     src = populate(local_backend)
     copy_step(src.storage, memory_backend.open().storage, 1)
     dst = memory_backend.open()
-    from ckptfs.protocol import copy as copy_mod
+    from ckptfs.protocol import commit as commit_mod  # the fence is the commit's
 
-    real = copy_mod.read_marker
+    real = commit_mod.read_marker
     deleted = []
 
     def read_marker(storage: Any, step: int, *args: Any) -> Any:
@@ -164,7 +164,7 @@ def test_cp_reuse_falls_back_when_the_destination_step_is_deleted(
             dst.delete(1)
         return real(storage, step, *args)
 
-    monkeypatch.setattr(copy_mod, "read_marker", read_marker)
+    monkeypatch.setattr(commit_mod, "read_marker", read_marker)
     assert copy_step(src.storage, dst.storage, 2).status == "copied"
     assert deleted
     assert manifest(dst, 2).references == ()
@@ -261,24 +261,30 @@ def test_cp_outliving_its_lease_copies_every_byte_again(
     import time as real_time
     from types import SimpleNamespace
 
-    from ckptfs.protocol import copy as copy_mod
+    from ckptfs.protocol import commit as commit_mod  # the lease is the commit's
 
     src = populate(local_backend)
     copy_step(src.storage, memory_backend.open().storage, 1)
     dst = memory_backend.open()
     late: list[bool] = []
-    real_commit = copy_mod.Attempt.commit
+    real_commit = commit_mod.Attempt.commit
+    real_create = dst.storage.create_exclusive
+    referenced: list[str] = []
 
     def commit(self: Any, manifest: Any, **kw: Any) -> Any:
-        out = real_commit(self, manifest, **kw)
-        refs = getattr(manifest, "references", ())
-        if refs and not late:  # the lease runs out, a collector takes a referenced file
+        referenced[:] = [r.location for r in getattr(manifest, "references", ())]
+        return real_commit(self, manifest, **kw)
+
+    def create_exclusive(path: str, data: bytes) -> Any:
+        out = real_create(path, data)
+        if referenced and not late:  # the lease runs out, a collector takes a referenced file
             late.append(True)
-            dst.storage.delete(refs[0].location)
+            dst.storage.delete(referenced[0])
         return out
 
-    monkeypatch.setattr(copy_mod.Attempt, "commit", commit)
-    monkeypatch.setattr(copy_mod, "time", SimpleNamespace(
+    monkeypatch.setattr(commit_mod.Attempt, "commit", commit)
+    monkeypatch.setattr(dst.storage, "create_exclusive", create_exclusive)
+    monkeypatch.setattr(commit_mod, "time", SimpleNamespace(
         monotonic=lambda: real_time.monotonic() + (1e6 if late else 0.0)))
     assert copy_step(src.storage, dst.storage, 2).status == "copied"
     assert late

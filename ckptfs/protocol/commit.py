@@ -363,7 +363,13 @@ class Attempt:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is not None and self.committed is None and not self._outcome_unknown:
+        if exc_type is not None:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """A writer gives the attempt up: `discard` it, unless it committed or the outcome
+        of its marker request is unknown (a marker may still name it; gc collects it)."""
+        if self.committed is None and not self._outcome_unknown:
             self.discard()
 
     # -- checks before writing -----------------------------------------------------------------

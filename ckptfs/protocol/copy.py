@@ -1,19 +1,52 @@
-"""Copying a committed checkpoint to another store (``ckptfs cp``), under the commit protocol.
+"""Copying a committed checkpoint into another run root (``ckptfs cp``, the replicator of a
+two-tier store, and the per-rank replica of a sharded one), under the commit protocol.
 
 Design decision: **a copy is a new save of the same bytes, not a file transfer.**  It opens an
-`Attempt` at the destination (a fresh attempt name, never the
-source's: an interrupted earlier copy, or a concurrent one, can then never share a path with
-this one), streams every file from the source through it (hashed while written, as every save
-is), and refuses a file whose size or digest differs from the source's manifest before anything
-is committed.  Before anything is written at the destination, the source is checked as a load
-checks it (`check_checkpoint`: the listing, every document
-decoded, every tensor file's header), so copying a source that a reader refuses fails with the
-error the load raises and commits nothing.  Then it commits the source manifest with only
-``attempt`` changed (files, digests, metadata, ``created`` are the source's), so a copy is
-either committed whole or absent, and every reader limit is checked by the same commit as any
-save.  A destination step that is already committed is left alone: the copy succeeds only if it
-holds the same content (same files with the same digests, same metadata), else
-`CheckpointExistsError`.
+`Attempt` at the destination (a fresh attempt name, never the source's: an interrupted
+earlier copy, or a concurrent one, can then never share a path with this one), streams every
+file from the source through it (hashed while written, as every save is), and refuses a file
+whose size or digest differs from the source's manifest before anything is committed.  Before
+anything is written at the destination, the source is checked as a load checks it
+(`check_checkpoint`: the listing, every document decoded, every tensor file's header), so
+copying a source that a reader refuses fails with the error the load raises and commits
+nothing.  Then it commits the source manifest with only ``attempt`` changed (files, digests,
+metadata, ``created`` are the source's), so a copy is either committed whole or absent, and
+every reader limit is checked by the same commit as any save.  A destination step that is
+already committed is left alone: the copy succeeds only if it holds the same content (same
+files with the same digests, same metadata), else `CheckpointExistsError`.
+
+**One copier over the world size** (`StepCopier`, over a `Group`): ``copy_step`` is the world
+of one (``ckptfs cp``, the replicator of a single-process store); a sharded two-tier store's
+replicator is every rank of a dedicated gloo group, each holding its own rank files on its own
+node's disk (docs/tiers.md "Sharded").  One step, on every rank::
+
+    coordinator   reads the source's marker and manifest; the destination holds the step?
+                  (the same content: "identical"; other content: CheckpointExistsError);
+                  the source checked as a load checks it (where the coordinator holds every
+                  file; else its documents, and each rank lists its own files); references
+                  remapped to the destination's own bytes (format v3: `_plan_v3`; v4:
+                  `references_at`), each chunk reused there read and checked first; opens the
+                  destination attempt (Attempt.open) and checks the manifest it will commit
+    broadcast     the plan: the source checkpoint and the attempt name (or the outcome)
+    every rank    copies the files it holds (a world of one: all of them; a rank of a sharded
+                  store: its own rank files, the coordinator also dcp.msgpack and anything
+                  rank-less) with `copy_file` (hashed while written, compared with the source
+                  manifest), then compares what the destination store keeps of each
+                  (``check_stored``: `check_stored_checksums`)
+    all_gather    each rank's report (its files' store checksums) or error
+    coordinator   every rank succeeded: one listing of the attempt, Attempt.commit (the fence
+                  of the destination steps it references and the lease, `fence_protectors`;
+                  every reference resolves there; marker last); a lost marker race settled by
+                  `settle_lost_race` (the winner holds the same content: "identical"); else
+                  the attempt is discarded
+    broadcast     the outcome: every rank returns the same result or raises the same error
+                  class (so every rank's replicator retries, fails or moves on alike)
+
+A referenced destination step deleted before the marker, or a copy that outlived its lease
+while a collector removed what it references, is copied again once on every rank
+(`write_again_if_gone`), referencing nothing it does not have to.  A source step not (or no
+longer) committed is `StepGone` on every rank (a replicator drops it); a collective that fails
+(a rank died or hung past the group's timeout) is `ReplicationStopped` on the survivors.
 
 An incremental checkpoint (format v3, docs/protocol.md §9) references files of other attempts
 of its run, which the destination does not have.  Its copy is a v3 checkpoint that holds every
@@ -24,7 +57,7 @@ byte it uses itself, or references only the destination's own committed checkpoi
   them in one file, under the same names and the same digests (same algorithm, length, dtype
   and shape), becomes a reference to that file at the destination (decided by digest, as an
   incremental save decides; that checkpoint is the copy's *protector*, fenced before the marker
-  exactly as a save's: `ckptfs.protocol.incremental.index_of`, ``Attempt.commit(fence=)``);
+  exactly as a save's: `ckptfs.protocol.incremental.index_of`, ``Attempt.commit(protectors=)``);
 * else a source's own file is copied byte for byte, and a reference is *materialized*: a file
   of the destination attempt named by the reference's ``path``, holding exactly the tensors the
   state reads there (a new safetensors header over them, then their bytes, each tensor one
@@ -40,11 +73,10 @@ save checks what it reuses): a rotted one is written again instead.
 A sharded incremental checkpoint (format v4) is copied file for file, and each reference is
 remapped to the destination's own committed copy of the step it names (`references_at`: the
 same file, size and chunks, each chunk read and checked there: rot there refuses the copy),
-behind the fence of its protectors (`references_fence`).  Where the destination holds no
-committed copy of that step, the referenced files are copied from the source into a *retired*
-attempt of that step there (`Attempt.retire`: files and manifest, no marker, as a prune leaves
-one), which the references name; a failed copy removes it.  ``ckptfs cp``, the
-replicator and the per-rank sharded replica all go through these two functions.  Whatever the
+behind the fence of those steps.  Where the destination holds no committed copy of that step
+and the coordinator holds every source file, the referenced files are copied from the source
+into a *retired* attempt of that step there (`Attempt.retire`: files and manifest, no marker,
+as a prune leaves one), which the references name; a failed copy removes it.  Whatever the
 writer, the commit refuses a reference that does not resolve at the destination, before the
 marker (`Attempt.commit`).
 """
@@ -55,8 +87,7 @@ import dataclasses
 import json
 import logging
 import struct
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 import torch
@@ -76,22 +107,32 @@ from ckptfs.format.incremental import (
     IncrementalManifest,
     Reference,
     has_references,
+    references_of,
 )
-from ckptfs.format.manifest import FileEntry, Manifest
+from ckptfs.format.layout import StepPaths
+from ckptfs.format.manifest import FileEntry, Manifest, Marker
 from ckptfs.format.serialize import HeaderEntry, tensor_memoryview
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
-from ckptfs.format.versions import REFERENCES, SHARDED, features
-from ckptfs.protocol.commit import Attempt, WrittenFile, placeholder_digest
-from ckptfs.protocol.formats import check_checkpoint
-from ckptfs.protocol.incremental import (
+from ckptfs.format.versions import REFERENCES, decode_manifest, features, is_sharded
+from ckptfs.protocol.commit import (
+    Attempt,
+    Lease,
     ProtectorGoneError,
+    WrittenFile,
+    placeholder_digest,
+    settle_lost_race,
+    write_again_if_gone,
+)
+from ckptfs.protocol.formats import check_checkpoint
+from ckptfs.protocol.group import Group, WorldOfOne, describe, rebuild
+from ckptfs.protocol.incremental import (
     ReuseIndex,
     ReuseMemory,
     Stored,
     index_of,
-    recheck_after_lease,
     stored_chunk_intact,
 )
+from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.reader import CheckedV1, local_header, reference_chunks
 from ckptfs.protocol.references import attempt_sharing
 from ckptfs.protocol.remote_verify import compare_stored
@@ -132,73 +173,459 @@ class CopyResult:
         return dataclasses.asdict(self)
 
 
+class StepGone(CheckpointNotFoundError):
+    """The step is not (or no longer) committed at the source: never committed, or deleted
+    before or during the copy.  Nothing was committed at the destination; a replicator drops
+    the step instead of failing it."""
+
+
+class ReplicationStopped(ReplicationError):
+    """A copier cannot go on in this process (its collective broke: a rank died or timed
+    out): the replicator's worker stops, its status says ``dead``, and the next open of the
+    store resumes."""
+
+
 def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, threads: int = 4,
               progress: Progress | None = None, check_stored: bool = False) -> CopyResult:
-    """Copy the committed ``step`` of ``src`` to ``dst`` (see the module docstring).  The copy's
-    manifest records the destination store's own checksums of the files it wrote, computed
-    while writing (docs/remote-verify.md).  ``check_stored``: before the marker, compare them
-    with what the destination store keeps (one metadata request per file; where it offers
-    `ServerChecksums`): a difference is a
+    """Copy the committed ``step`` of ``src`` to ``dst`` (see the module docstring): the world
+    of one of `StepCopier`.  The copy's manifest records the destination store's own
+    checksums of the files it wrote, computed while writing (docs/remote-verify.md).
+    ``check_stored``: before the marker, compare them with what the destination store keeps
+    (one metadata request per file; where it offers `ServerChecksums`): a difference is a
     `StorageError` and nothing is committed."""
-    info = read_committed(src, step)
-    manifest = info.manifest
+    return StepCopier(src, dst, WorldOfOne(), durable=durable, threads=threads,
+                      check_stored=check_stored)(step, progress)
 
-    existing = committed_at(dst, step)
-    if existing is not None:
-        if same_content(existing.manifest, manifest):
-            return CopyResult(step, "identical", existing.attempt, len(manifest.files),
-                              info.bytes)
-        raise CheckpointExistsError(
-            f"step {step} is already committed at {storage_url(dst, existing.paths.dir)} with "
-            f"different content than {info.url}; a committed checkpoint is never overwritten: "
-            f"delete it first ('ckptfs prune' or store.delete({step})) or copy to another run "
-            "root")
 
-    # What a load of the source refuses, the copy refuses, before anything is written at the
-    # destination (the same typed error): the listing (links, missing, resized files: nothing
-    # is read for a size the storage does not hold), every document decoded, every tensor
-    # file's header checked; the tensor bytes are checked against their digests as they are
-    # copied.
-    checked = check_checkpoint(src, info)
-    feats = features(manifest)
-    if REFERENCES in feats and SHARDED not in feats:
-        return _copy_v3(src, dst, info, cast(IncrementalManifest, manifest), checked,
-                        durable=durable, progress=progress, check_stored=check_stored)
-    # A sharded checkpoint's references (format v4) name the destination's own copies.
-    there, retired = references_at(dst, manifest, src=src, durable=durable)
-    try:
-        with Attempt.open(dst, step, algorithm=manifest.hash_algorithm,
-                          durable=durable) as att:
-            copied = dataclasses.replace(there, attempt=att.name)
-            att.check(copied)
-            entries = sorted(manifest.files, key=lambda e: -e.size)
-            if not any(isinstance(e, ChunkedFileEntry) for e in entries):
-                files = [(e.path, e.size, _source_chunks(src, info.path, info.step, e, progress))
-                         for e in entries]
-                written = att.write_files(files, threads=threads, hash_lead=COPY_HASH_LEAD)
-                for entry, w in zip(entries, written, strict=True):
-                    _check_copied(src, dst, info.path, info.step, entry, w.digest, [])
-            else:
-                written = [copy_file(src, info.path, att, entry, progress=progress)
-                           for entry in entries]
-            sums = {w.path: w.store_checksums for w in written}
-            copied = dataclasses.replace(copied, files=tuple(
-                dataclasses.replace(e, store_checksums=sums[e.path]) for e in manifest.files))
-            verified = check_stored_checksums(dst, att, written) if check_stored else (0, 0)
-            out = att.commit(copied, fence=references_fence(dst, copied, retired),
-                             copied_from=info.url)
-    except BaseException as exc:
-        _discard_unreferenced(dst, step, retired)
-        if not isinstance(exc, CheckpointExistsError):
+# -- the copier ----------------------------------------------------------------------------------
+
+
+def own_files(manifest: Manifest, rank: int, coordinator: bool) -> list[FileEntry]:
+    """The files of a sharded ``manifest`` that ``rank`` wrote (its rank files; the
+    coordinator also ``dcp.msgpack`` and anything else rank-less): what it holds on its own
+    node."""
+    def owner(e: FileEntry) -> int | None:
+        return e.rank if isinstance(e, ChunkedFileEntry) else None
+
+    return [e for e in manifest.files
+            if owner(e) == rank or (owner(e) is None and coordinator)]
+
+
+def settle_node_attempt(storage: Storage, step: int, attempt: str, *, durable: bool) -> None:
+    """On a node whose rank wrote into the attempt under its hidden name (local disk writes an
+    attempt under ``.tmp-``; the coordinator's commit renames only its own node's), give it its
+    final name, so every node holds its files at the committed attempt's path.  Nothing to do
+    on the coordinator's node, on shared storage, or where the attempt is final already."""
+    if not storage.capabilities.atomic_rename:
+        return
+    paths = StepPaths(step)
+    tmp, final = paths.tmp_attempt_dir(attempt), paths.attempt_dir(attempt)
+    if storage.exists(tmp) and not storage.exists(final):
+        storage.rename_dir(tmp, final)
+        if durable and storage.capabilities.fsync:
+            storage.sync_dir(paths.dir)
+
+
+def info_doc(info: CheckpointInfo) -> dict[str, Any]:
+    """A committed checkpoint as a message between ranks (`info_of` reads it): its manifest
+    and marker as the bytes they are stored as."""
+    return {"step": info.step, "attempt": info.attempt, "url": info.url,
+            "dir_name": info.dir_name, "manifest": info.manifest.to_bytes().decode(),
+            "marker": info.marker.to_bytes().decode()}
+
+
+def info_of(doc: Mapping[str, Any]) -> CheckpointInfo:
+    """The `CheckpointInfo` of `info_doc`, its manifest and marker read by the reader's own
+    decoders."""
+    return CheckpointInfo(
+        int(doc["step"]), str(doc["attempt"]), str(doc["url"]),
+        decode_manifest(str(doc["manifest"]).encode(), where=f"{doc['url']} (as sent)"),
+        Marker.from_bytes(str(doc["marker"]).encode(), where=f"{doc['url']} (as sent)"),
+        str(doc["dir_name"]))
+
+
+def rebuild_error(doc: Mapping[str, Any]) -> Exception:
+    """The error a rank reported (`describe`), as the same class here, so every rank decides
+    alike (retry or fail, as for a copy in one process); a class that cannot be rebuilt
+    becomes `ReplicationError` (not retried)."""
+    err = rebuild(doc)
+    if isinstance(err, Exception):
+        return err
+    return ReplicationError(f"{doc.get('name')}: {doc.get('message')}")
+
+
+@dataclasses.dataclass
+class _V3:
+    """What the coordinator decided for a format v3 step: the source's own files copied, the
+    references materialized, and the references to the destination's own bytes."""
+
+    copies: list[ChunkedFileEntry]
+    mats: list[_Materialized]
+    refs: list[Reference]
+
+
+@dataclasses.dataclass
+class _Plan:
+    """The coordinator's plan of one step (it alone holds it; the other ranks get `doc`)."""
+
+    source: CheckpointInfo
+    att: Attempt
+    #: The manifest to commit (attempt: ``att``'s; references: the destination's).
+    manifest: Manifest
+    writer: dict[str, Any]
+    retired: list[Attempt] = dataclasses.field(default_factory=list)
+    protectors: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    lease: Lease | None = None
+    v3: _V3 | None = None
+
+    def doc(self) -> dict[str, Any]:
+        return {"status": "copy", "source": info_doc(self.source), "attempt": self.att.name}
+
+
+@dataclasses.dataclass
+class _Part:
+    """What one rank copied of a step: its report to the coordinator (`doc`), and, on the
+    coordinator, the entries it wrote (format v3: they make the manifest)."""
+
+    sums: dict[str, tuple[tuple[str, str], ...]] = dataclasses.field(default_factory=dict)
+    verified: tuple[int, int] = (0, 0)
+    entries: list[FileEntry] = dataclasses.field(default_factory=list)
+
+    def doc(self) -> dict[str, Any]:
+        return {"error": None, "sums": {p: [list(c) for c in cs] for p, cs in self.sums.items()},
+                "verified": list(self.verified)}
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> _Part:
+        sums = {str(p): tuple((str(a), str(v)) for a, v in cs)
+                for p, cs in doc["sums"].items()}
+        ok, unvouched = doc["verified"]
+        return cls(sums, (int(ok), int(unvouched)))
+
+
+class StepCopier:
+    """Copies one committed step of ``src`` into ``dst`` on every rank of ``group`` (module
+    docstring): call it with the step (and a ``progress`` hook, called with each slice's byte
+    count) on every rank, in the same order.  ``copy_step`` is its world of one; the replicator
+    of a sharded two-tier store calls it on its dedicated gloo group
+    (`ckptfs.protocol.replication.replication_group`)."""
+
+    def __init__(self, src: Storage, dst: Storage, group: Group | None = None, *,
+                 durable: bool = True, threads: int = 4, check_stored: bool = True,
+                 lease_s: float = DEFAULT_LEASE_S) -> None:
+        self.src = src
+        self.dst = dst
+        self.group = group if group is not None else WorldOfOne()
+        self.durable = durable
+        self.threads = threads
+        self.check_stored = check_stored
+        self.lease_s = lease_s
+        #: This process's global rank (the rank its sharded saves' files are named by).
+        self.rank = self.group.ranks[self.group.rank]
+        self.coordinator = self.group.coordinator
+        self._plan: _Plan | None = None
+
+    # -- collectives (any failure: the group is unusable, copying stops here) ----------------
+
+    def _bcast(self, doc: Any) -> Any:
+        try:
+            return self.group.broadcast(doc)
+        except TypeError:
+            raise  # a payload that is not JSON: a ckptfs bug, raised on the sender
+        except Exception as exc:
+            raise self._stopped(exc) from exc
+
+    def _gather(self, doc: Any) -> list[Any]:
+        try:
+            return self.group.all_gather(doc)
+        except TypeError:
             raise
-        winner = committed_at(dst, step, quiet=True)
-        if winner is not None and same_content(winner.manifest, manifest):
-            return CopyResult(step, "identical", winner.attempt, len(manifest.files),
-                              manifest.total_bytes)
-        raise
-    log.info("copied step %d from %s to %s", step, src.url, dst.url)
-    return CopyResult(step, "copied", out.attempt, len(manifest.files), manifest.total_bytes,
-                      *verified)
+        except Exception as exc:
+            raise self._stopped(exc) from exc
+
+    def _stopped(self, exc: BaseException) -> ReplicationStopped:
+        self._abandon()
+        return ReplicationStopped(
+            f"the copy's collective to {self.dst.url} failed on rank {self.rank} "
+            f"({type(exc).__name__}: {exc}): a rank died or hung past the timeout; nothing "
+            "more is copied by this process (open the store again to resume)")
+
+    def broadcast_scan(self, scan: Any) -> Any:
+        """The coordinator's open-time scan (JSON: lists, or the refusal's message), to every
+        rank (on the calling thread)."""
+        return self._bcast(scan)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def __call__(self, step: int, progress: Progress | None = None) -> CopyResult:
+        """Copy ``step``; every rank returns the same result or raises the same error class.
+        A destination step it references deleted meanwhile (or its lease run out): copied
+        once more, referencing nothing it does not have to (`write_again_if_gone`)."""
+        return write_again_if_gone(f"{self.dst.url}: copy of step {step}",
+                                   lambda reuse: self._copy(step, progress, reuse),
+                                   lambda: None)
+
+    def _copy(self, step: int, progress: Progress | None, reuse: bool) -> CopyResult:
+        mine: BaseException | None = None  # this rank's own error, raised as it is
+        try:
+            sent = None
+            if self.coordinator:
+                try:
+                    sent = self._plan_step(step, reuse)
+                except Exception as exc:
+                    mine, sent = exc, self._failure(step, exc)
+            plan = self._bcast(sent)
+            if plan["status"] != "copy":
+                return self._outcome(plan, mine)
+            part: _Part | None = None
+            try:
+                source = self._plan.source if self._plan is not None \
+                    else info_of(plan["source"])
+                part = self._copy_files(source, str(plan["attempt"]), progress)
+                report = part.doc()
+            except Exception as exc:
+                log.error("rank %d: copying its files of step %d to %s failed: %s: %s",
+                          self.rank, step, self.dst.url, type(exc).__name__, exc)
+                mine, report = exc, {"error": describe(exc)}
+            reports = self._gather(report)
+            outcome = None
+            if self.coordinator:
+                assert self._plan is not None
+                try:
+                    outcome = self._finish(self._plan, part, reports)
+                except Exception as exc:
+                    mine, outcome = exc, self._failure(step, exc)
+            return self._outcome(self._bcast(outcome), mine)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _outcome(self, doc: Mapping[str, Any], mine: BaseException | None) -> CopyResult:
+        """The broadcast outcome: the result, or the error (this rank's own where it raised
+        the one reported, else the same class rebuilt)."""
+        self._plan = None
+        if doc["status"] == "done":
+            return CopyResult(**doc["result"])
+        if doc.get("origin") == self.group.rank and mine is not None:
+            raise mine
+        raise rebuild_error(doc["error"]) from mine
+
+    def _failure(self, step: int, exc: BaseException, origin: int | None = None
+                 ) -> dict[str, Any]:
+        """The coordinator's outcome for a copy that failed with ``exc`` (raised by rank
+        ``origin``, default this one): the source step gone meanwhile is `StepGone`."""
+        self._abandon()
+        if not isinstance(exc, StepGone) and self._source_gone(step):
+            gone = StepGone(f"step {step} is not committed at {self.src.url} (never, or "
+                            f"deleted before or during the copy); nothing was committed at "
+                            f"{self.dst.url}: {type(exc).__name__}: {exc}")
+            return {"status": "error", "error": describe(gone), "origin": None}
+        return {"status": "error", "error": describe(exc),
+                "origin": self.group.rank if origin is None else origin}
+
+    def _source_gone(self, step: int) -> bool:
+        try:
+            return read_marker(self.src, step) is None
+        except Exception:
+            return False
+
+    def _abandon(self) -> None:
+        """Discard the coordinator's open attempt (and the retired ones it wrote), if any."""
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        plan.att.abandon()
+        _discard_unreferenced(self.dst, plan.source.step, plan.retired)
+
+    def holds_all(self, manifest: Manifest) -> bool:
+        """Whether the coordinator holds every file of ``manifest`` (a world of one, or a
+        checkpoint one process saved); else each rank holds its own (`own_files`)."""
+        return self.group.world_size == 1 or not is_sharded(manifest)
+
+    def held(self, manifest: Manifest) -> list[FileEntry]:
+        """The files of ``manifest`` this rank holds, and copies."""
+        if self.holds_all(manifest):
+            return list(manifest.files) if self.coordinator else []
+        return own_files(manifest, self.rank, self.coordinator)
+
+    def _plan_step(self, step: int, reuse: bool) -> dict[str, Any]:
+        """The coordinator's part before any file is copied (module docstring); the step
+        committed at the destination meanwhile (``Attempt.open`` refused) is settled as a lost
+        marker race."""
+        info = read_committed(self.src, step)
+        try:
+            return self._plan_copy(info, reuse)
+        except CheckpointExistsError as exc:
+            self._abandon()
+            return self._settle(info, exc)
+
+    def _settle(self, source: CheckpointInfo, exc: CheckpointExistsError) -> dict[str, Any]:
+        """A writer committed the step at the destination first: "identical" if it holds
+        the same content (`settle_lost_race`), else ``exc`` is raised again."""
+        winner = settle_lost_race(self.dst, source.step, source.manifest)
+        if winner is None:
+            raise exc
+        return {"status": "done", "result": CopyResult(
+            source.step, "identical", winner.attempt, len(source.manifest.files),
+            source.bytes).as_dict()}
+
+    def _plan_copy(self, info: CheckpointInfo, reuse: bool) -> dict[str, Any]:
+        step, manifest = info.step, info.manifest
+        existing = committed_at(self.dst, step)
+        if existing is not None:
+            if same_content(existing.manifest, manifest):
+                return {"status": "done", "result": CopyResult(
+                    step, "identical", existing.attempt, len(manifest.files),
+                    info.bytes).as_dict()}
+            raise CheckpointExistsError(
+                f"step {step} is already committed at {storage_url(self.dst, existing.paths.dir)}"
+                f" with different content than {info.url}; a committed checkpoint is never "
+                "overwritten: delete it first ('ckptfs prune' or store.delete("
+                f"{step})) or copy to another run root")
+        # What a load of the source refuses, the copy refuses, before anything is written at
+        # the destination (the same typed error): the listing (links, missing, resized files:
+        # nothing is read for a size the storage does not hold), every document decoded, every
+        # tensor file's header checked; the tensor bytes are checked against their digests as
+        # they are copied.  Files on other nodes are listed there, by their ranks.
+        if self.holds_all(manifest):
+            checked = check_checkpoint(self.src, info)
+        else:
+            from ckptfs.protocol.sharded_read import read_document  # a sharded store: DCP
+
+            checked = read_document(self.src, info)
+        writer = {"world_size": self.group.world_size} if self.group.world_size > 1 else {}
+        if REFERENCES in features(manifest) and not is_sharded(manifest):
+            self._plan = _plan_v3(self.src, self.dst, info, checked, reuse=reuse,
+                                  durable=self.durable, lease_s=self.lease_s, writer=writer)
+        else:
+            # A sharded checkpoint's references (format v4) name the destination's own copies.
+            there, retired = references_at(
+                self.dst, manifest, src=self.src if self.holds_all(manifest) else None,
+                durable=self.durable)
+            try:
+                att = Attempt.open(self.dst, step, algorithm=manifest.hash_algorithm,
+                                   durable=self.durable)
+            except BaseException:
+                _discard_unreferenced(self.dst, step, retired)
+                raise
+            protectors = reference_protectors(there, retired)
+            self._plan = _Plan(info, att, dataclasses.replace(there, attempt=att.name), writer,
+                               retired, protectors,
+                               Lease(self.lease_s, "copy") if protectors else None)
+        self._plan.att.check(self._plan.manifest, **writer)
+        return self._plan.doc()
+
+    def _copy_files(self, source: CheckpointInfo, attempt: str, progress: Progress | None
+                    ) -> _Part:
+        """This rank's files of the step, from the source into the destination attempt; each
+        object's checksum as the destination keeps it compared with the one computed while
+        sending (``check_stored``)."""
+        plan = self._plan
+        v3 = plan.v3 if plan is not None else None
+        mine = [e for e in self.held(source.manifest)
+                if v3 is None or e in v3.copies]
+        if not mine and (v3 is None or not v3.mats):
+            return _Part()
+        if not self.holds_all(source.manifest):  # this node's own files: listed here
+            settle_node_attempt(self.src, source.step, source.attempt, durable=self.durable)
+            check_listing(self.src, source, files=mine)  # links, missing, resized: refused
+        att = plan.att if plan is not None else Attempt.join(
+            self.dst, source.step, attempt, algorithm=source.manifest.hash_algorithm,
+            durable=self.durable)
+        entries = sorted(mine, key=lambda e: -e.size)
+        if not any(isinstance(e, ChunkedFileEntry) for e in entries):
+            written = att.write_files(
+                [(e.path, e.size, _source_chunks(self.src, source.path, source.step, e,
+                                                 progress)) for e in entries],
+                threads=self.threads, hash_lead=COPY_HASH_LEAD)
+            for entry, w in zip(entries, written, strict=True):
+                _check_copied(self.src, self.dst, source.path, source.step, entry, w.digest, [])
+        else:
+            written = [copy_file(self.src, source.path, att, e, progress=progress)
+                       for e in entries]
+        out = [dataclasses.replace(e, store_checksums=w.store_checksums)
+               for e, w in zip(entries, written, strict=True)]
+        if v3 is not None:
+            for m in v3.mats:
+                w = att.write_file(m.ref.path, m.size,
+                                   _materialized_chunks(self.src, source, m, progress),
+                                   pieces=m.pieces, hash_lead=COPY_HASH_LEAD)
+                _check_materialized(self.src, self.dst, source, m, list(w.pieces),
+                                    att.algorithm)
+                written.append(w)
+                out.append(w.chunked_entry(att.algorithm, m.pieces))
+        verified = check_stored_checksums(self.dst, att, written) if self.check_stored \
+            else (0, 0)
+        return _Part({w.path: w.store_checksums for w in written}, verified, out)
+
+    def _finish(self, plan: _Plan, part: _Part | None, reports: list[dict[str, Any]]
+                ) -> dict[str, Any]:
+        """The coordinator commits the attempt if every rank copied its files; the manifest
+        records the destination store's checksums the ranks computed while sending."""
+        source, step = plan.source, plan.source.step
+        failed = {r: d["error"] for r, d in enumerate(reports) if d["error"] is not None}
+        if failed:
+            self._abandon()
+            permanent = [r for r, e in failed.items()
+                         if not isinstance(rebuild_error(e), StorageError)]
+            origin = (permanent or sorted(failed))[0]
+            if self.group.world_size == 1:
+                return self._failure(step, rebuild_error(failed[origin]), origin)
+            err = rebuild_error({**failed[origin], "message": (
+                f"no commit of step {step} at {self.dst.url}: rank(s) {sorted(failed)} could "
+                "not copy their files: " + "; ".join(
+                    f"rank {r}: {e.get('name')}: {e.get('message')}"
+                    for r, e in sorted(failed.items())))})
+            return self._failure(step, err, -1)
+        parts = [_Part.from_doc(d) for d in reports]
+        verified = (sum(p.verified[0] for p in parts), sum(p.verified[1] for p in parts))
+        if plan.v3 is not None:
+            assert part is not None
+            manifest = dataclasses.replace(plan.manifest, files=tuple(part.entries))
+        else:
+            sums = {p: c for u in parts for p, c in u.sums.items()}
+            manifest = dataclasses.replace(plan.manifest, files=tuple(
+                dataclasses.replace(e, store_checksums=sums.get(e.path, ()))
+                for e in plan.manifest.files))
+        att = plan.att
+        try:
+            check_listed(self.dst, att, manifest.files)
+            out = att.commit(manifest, protectors=plan.protectors, lease=plan.lease,
+                             copied_from=source.url, **plan.writer)
+        except CheckpointExistsError as exc:
+            self._abandon()
+            return self._settle(source, exc)
+        except CorruptCheckpointError as exc:
+            if att.committed is not None:  # uncommitted after its lease: copy again
+                self._abandon()
+                raise ProtectorGoneError(str(exc)) from exc
+            raise
+        self._plan = None
+        if plan.v3 is not None:
+            log.info("copied step %d from %s to %s (%d files materialized, %d referenced "
+                     "there)", step, self.src.url, self.dst.url, len(plan.v3.mats),
+                     len(plan.v3.refs))
+        else:
+            log.info("copied step %d from %s to %s (%d rank(s) copied their files)", step,
+                     self.src.url, self.dst.url, self.group.world_size)
+        return {"status": "done", "result": CopyResult(
+            step, "copied", out.attempt, len(manifest.files), source.bytes,
+            *verified).as_dict()}
+
+
+def check_listed(dst: Storage, att: Attempt, files: Iterable[FileEntry]) -> None:
+    """One listing of the attempt at ``dst`` before its marker: every file of ``files`` is
+    there with its size, and not a link; else `CorruptCheckpointError` (nothing is
+    committed)."""
+    prefix = att.write_dir + "/"
+    found = {e.name[len(prefix):]: e.size for e in dst.list_tree(att.write_dir)
+             if e.name.startswith(prefix) and not e.is_link}
+    for entry in files:
+        if found.get(entry.path) != entry.size:
+            raise CorruptCheckpointError(
+                f"{storage_url(dst, prefix + entry.path)}: {entry.size} B were copied there, "
+                f"the destination lists {found.get(entry.path, 'no file')}; nothing was "
+                "committed", step=att.step, path=prefix + entry.path)
 
 
 M = TypeVar("M", bound=Manifest)
@@ -331,28 +758,14 @@ def _discard_unreferenced(dst: Storage, step: int, retired: list[Attempt]) -> No
             r.discard()
 
 
-def references_fence(dst: Storage, manifest: Manifest, retired: Iterable[Attempt] = ()
-                     ) -> Callable[[], None] | None:
-    """The fence of a copy whose references name ``dst``'s committed steps
-    (`references_at`): before the marker, each referenced step is still committed there
-    with the same attempt, else `CorruptCheckpointError` (nothing committed); the
-    ``retired`` attempts the copy wrote itself have no marker to check.  ``None`` without
-    such references."""
-    own = {a.name for a in retired}
-    protectors = sorted({(r.step, r.attempt) for r in
-                         (manifest.references if has_references(manifest) else ())
-                         if r.attempt not in own})
-    if not protectors:
-        return None
 
-    def fence() -> None:
-        for pstep, pattempt in protectors:
-            marker = read_marker(dst, pstep)
-            if marker is None or marker.attempt != pattempt:
-                raise CorruptCheckpointError(
-                    f"step {pstep} at {dst.url}, whose bytes step {manifest.step} references "
-                    "there, was deleted meanwhile; nothing was committed", step=manifest.step)
-    return fence
+def reference_protectors(manifest: Manifest, retired: Iterable[Attempt] = ()
+                           ) -> list[tuple[int, str]]:
+    """The destination steps a copy's references name (`references_at`), ``(step,
+    attempt)``: the commit fences them before the marker (`fence_protectors`); the
+    ``retired`` attempts the copy wrote itself have no marker to check."""
+    own = {a.name for a in retired}
+    return sorted({(r.step, r.attempt) for r in references_of(manifest) if r.attempt not in own})
 
 
 def check_stored_checksums(dst: Storage, att: Attempt, written: list[WrittenFile]
@@ -379,8 +792,7 @@ def copy_file(src: Storage, source_dir: str, att: Attempt, entry: FileEntry, *,
     the attempt's directory from the run root) into ``att``: streamed, hashed while written
     (per chunk for a chunked entry), and `CorruptCheckpointError` (before anything is
     committed) unless its size and digests are the manifest's.  The one per-file copy of
-    `copy_step` and of the per-rank upload of a sharded replica
-    (`ckptfs.protocol.replication_sharded`)."""
+    `StepCopier`, on every rank."""
     pieces = [c.length for c in entry.chunks] if isinstance(entry, ChunkedFileEntry) else None
     w = att.write_file(entry.path, entry.size,
                        _source_chunks(src, source_dir, att.step, entry, progress), pieces=pieces,
@@ -591,12 +1003,14 @@ def _reusable(dst: Storage, path: str, wanted: dict[str, tuple[HeaderEntry, Chun
     return None
 
 
-def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: IncrementalManifest,
-             checked: Any, *, durable: bool, progress: Progress | None,
-             reuse: bool = True, lease_s: float = DEFAULT_LEASE_S,
-             check_stored: bool = False) -> CopyResult:
-    """Copy a v3 checkpoint so that it holds every byte it uses, or references the
-    destination's latest committed checkpoint (module docstring)."""
+
+def _plan_v3(src: Storage, dst: Storage, info: CheckpointInfo, checked: Any, *, reuse: bool,
+             durable: bool, lease_s: float, writer: dict[str, Any]) -> _Plan:
+    """The coordinator's plan of a format v3 step: each own file and reference of the source
+    referenced at the destination (its latest committed checkpoint holds the bytes, read and
+    checked there: `_reusable`), copied, or materialized (module docstring); the destination
+    attempt opened."""
+    manifest = info.manifest
     step, algo = info.step, manifest.hash_algorithm
     used: dict[str, set[str]] = {}
     for slot in cast(CheckedV1, checked).slots:
@@ -604,9 +1018,7 @@ def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: Increme
     index = _destination_index(dst, algo) if reuse else None
     held = _held(index) if index is not None else {}
     memory = ReuseMemory()  # what this copy read and checked at the destination
-    dst_refs: list[Reference] = []
-    copies: list[ChunkedFileEntry] = []
-    mats: list[_Materialized] = []
+    v3 = _V3([], [], [])
     for entry in manifest.files:
         assert isinstance(entry, ChunkedFileEntry)
         ref = None
@@ -621,76 +1033,26 @@ def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: Increme
             if len(wanted) == len(used[entry.path]):
                 ref = _reusable(dst, entry.path, wanted, algo, held, memory)
         if ref is not None:
-            dst_refs.append(ref)
+            v3.refs.append(ref)
         else:
-            copies.append(entry)
-    for sref in manifest.references:
+            v3.copies.append(entry)
+    for sref in references_of(manifest):
         located = reference_chunks(src, info, sref, used.get(sref.path, set()))
         ref = _reusable(dst, sref.path, located, algo, held, memory) if held else None
         if ref is not None:
-            dst_refs.append(ref)
+            v3.refs.append(ref)
         else:
-            mats.append(_materialized(sref, located))
-
-    def build(name: str, entries: list[ChunkedFileEntry]) -> IncrementalManifest:
-        return IncrementalManifest(step, name, tuple(entries), manifest.created, algo,
-                                   dict(manifest.metadata), references=tuple(dst_refs))
-
-    def fence_for(opened: float) -> Callable[[], None] | None:
-        if not dst_refs or index is None:
-            return None
-        pstep, pattempt = index.protector
-
-        def fence() -> None:
-            if time.monotonic() - opened > lease_s:
-                raise ProtectorGoneError(f"the copy ran longer than its {lease_s:.0f} s lease")
-            marker = read_marker(dst, pstep)
-            if marker is None or marker.attempt != pattempt:
-                raise ProtectorGoneError(f"step {pstep} at {dst.url}, whose stored bytes this "
-                                         "copy references, was deleted meanwhile")
-        return fence
-
+            v3.mats.append(_materialized(sref, located))
+    protectors = [index.protector] if v3.refs and index is not None else []
+    att = Attempt.open(dst, step, algorithm=algo, durable=durable)
     hexd = placeholder_digest(algo).split(":", 1)[1]
-    try:
-        with Attempt.open(dst, step, algorithm=algo, durable=durable) as att:
-            opened = time.monotonic()
-            att.check(build(att.name, [*copies, *(
-                make_entry(m.ref.path, m.size, algo, _tiles(m.pieces, [hexd] * len(m.pieces)),
-                           None) for m in mats)]))
-            written: list[ChunkedFileEntry] = []
-            files: list[WrittenFile] = []
-            for entry in sorted(copies, key=lambda e: -e.size):
-                w = copy_file(src, info.path, att, entry, progress=progress)
-                written.append(dataclasses.replace(entry, store_checksums=w.store_checksums))
-                files.append(w)
-            for m in mats:
-                w = att.write_file(m.ref.path, m.size, _materialized_chunks(src, info, m, progress),
-                                   pieces=m.pieces, hash_lead=COPY_HASH_LEAD)
-                _check_materialized(src, dst, info, m, list(w.pieces), algo)
-                written.append(w.chunked_entry(algo, m.pieces))
-                files.append(w)
-            verified = check_stored_checksums(dst, att, files) if check_stored else (0, 0)
-            out = att.commit(build(att.name, written), fence=fence_for(opened),
-                             copied_from=info.url)
-            if dst_refs and time.monotonic() - opened > lease_s:
-                try:
-                    recheck_after_lease(dst, out)  # uncommits if referenced bytes are gone
-                except CorruptCheckpointError as exc:
-                    raise ProtectorGoneError(str(exc)) from None
-    except ProtectorGoneError as exc:
-        log.warning("%s: step %d: %s; copying every byte instead", dst.url, step, exc)
-        return _copy_v3(src, dst, info, manifest, checked, durable=durable, progress=progress,
-                        reuse=False, lease_s=lease_s, check_stored=check_stored)
-    except CheckpointExistsError:
-        winner = committed_at(dst, step, quiet=True)
-        if winner is not None and same_content(winner.manifest, manifest):
-            return CopyResult(step, "identical", winner.attempt, len(manifest.files),
-                              manifest.logical_bytes)
-        raise
-    log.info("copied step %d from %s to %s (%d files materialized, %d referenced there)",
-             step, src.url, dst.url, len(mats), len(dst_refs))
-    return CopyResult(step, "copied", out.attempt, len(written), manifest.logical_bytes,
-                      *verified)
+    planned = dataclasses.replace(
+        cast(IncrementalManifest, manifest), attempt=att.name, references=tuple(v3.refs),
+        files=(*v3.copies, *(make_entry(m.ref.path, m.size, algo,
+                                        _tiles(m.pieces, [hexd] * len(m.pieces)), None)
+                             for m in v3.mats)))
+    return _Plan(info, att, planned, writer, [], protectors,
+                 Lease(lease_s, "copy") if protectors else None, v3)
 
 
 def _tiles(lengths: list[int], digests: list[str]) -> list[Chunk]:
@@ -718,3 +1080,4 @@ def committed_at(storage: Storage, step: int, *, quiet: bool = False) -> Checkpo
         if quiet:
             return None
         raise
+

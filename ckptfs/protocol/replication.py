@@ -2,18 +2,21 @@
 committed on the local tier to the remote tier, oldest first, with retries.
 
 Design decision: **a replica is a copy, and a copy is a save.**  Each step is replicated by
-`ckptfs.protocol.copy.copy_step`, the function behind ``ckptfs cp``: an
-`Attempt` opened at the remote, every byte hashed while it is
-written there and compared with the local manifest, the marker created last and exclusively.
-There is no second copy implementation: what ``ckptfs cp`` guarantees, a replica has (a remote
-marker never vouches for bytes that did not verify; an interrupted copy leaves an uncommitted
-attempt that garbage collection removes; an incremental checkpoint references the bytes the
-remote's latest checkpoint already holds, so only new bytes travel).  The two things a
-replicator adds are carried by copy's ``progress`` hook, called after every slice it copies:
-the byte count (lag, ``copied_bytes``) and the bandwidth bound (the hook sleeps).  Each copy
-runs with ``check_stored=True``: before the remote marker, every file written is compared with
-the checksum the remote store itself keeps (where it keeps one, docs/remote-verify.md); a
-difference is a storage error, so nothing commits and the step is retried.
+the one copier of ``ckptfs cp`` (`ckptfs.protocol.copy.StepCopier`; `copy_step` is its world
+of one): an `Attempt` opened at the remote, every byte hashed while it is written there and
+compared with the local manifest, the marker created last and exclusively.  There is no second
+copy implementation: what ``ckptfs cp`` guarantees, a replica has (a remote marker never
+vouches for bytes that did not verify; an interrupted copy leaves an uncommitted attempt that
+garbage collection removes; an incremental checkpoint references the bytes the remote's latest
+checkpoint already holds, so only new bytes travel).  The copier's group is the world size: a
+world of one for a single-process store, every rank of a dedicated gloo group
+(`replication_group`) for a sharded two-tier store whose ranks each hold their own files on
+their own node's disk (docs/tiers.md "Sharded").  The two things a replicator adds are carried
+by the copier's ``progress`` hook, called after every slice it copies: the byte count (lag,
+``copied_bytes``) and the bandwidth bound (the hook sleeps).  Each copy runs with
+``check_stored``: before the remote marker, every file written is compared with the checksum
+the remote store itself keeps (where it keeps one, docs/remote-verify.md); a difference is a
+storage error, so nothing commits and the step is retried.
 
 One worker thread, one step at a time, **oldest first**: the remote tier then always holds a
 prefix of the local history, a step is replicated only after every older one (so the lag is a
@@ -26,7 +29,10 @@ never fails a save, it only grows the queue, and each failure is logged with the
 retry can fix fails the step (``failed``, with the error) and the worker goes on with the next:
 the local copy is corrupt (the copy refuses it), the remote holds the step committed with
 other content, or the remote refuses or lacks the credentials (`StorageAccessError`).  A step
-deleted locally before it was replicated (only if the store allows it) is dropped, logged.
+deleted locally before it was replicated (only if the store allows it) is dropped, logged
+(the copier's `StepGone`).  A sharded store's copier whose collective broke (a rank died or
+hung past `REPLICATE_TIMEOUT`) stops the worker (`ReplicationStopped`, status ``dead``): the
+next open of the store queues what is missing again.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Literal
 
 from ckptfs.errors import (
@@ -47,26 +54,26 @@ from ckptfs.errors import (
     StorageAccessError,
     StorageError,
 )
-from ckptfs.protocol.copy import CopyResult, Progress, copy_step
-from ckptfs.protocol.resolve import read_marker
+from ckptfs.protocol.copy import ReplicationStopped, StepCopier, StepGone
+from ckptfs.protocol.group import RankGroup, WorldOfOne, gloo_group
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
 
 State = Literal["local", "replicating", "replicated", "failed"]
 
-#: How one step is copied: ``copier(step, progress)``; `copy_step` by default, the
-#: collective per-rank copy for a sharded store (`ckptfs.protocol.replication_sharded`).
-Copier = Callable[[int, Progress], CopyResult]
+#: How long a rank's replication thread waits in a collective for its peers (one step's upload
+#: on the slowest rank included) before it gives up: the replication stops in this process.
+REPLICATE_TIMEOUT = timedelta(minutes=30)
+
+__all__ = ["REPLICATE_TIMEOUT", "ReplicationStatus", "ReplicationStopped", "Replicator",
+           "StepGone", "StepReplication", "replication_group"]
 
 
-class StepGone(ReplicationError):
-    """A copier found the step deleted from the local tier: it is dropped, not failed."""
-
-
-class ReplicationStopped(ReplicationError):
-    """A copier cannot go on in this process (the replication collective broke: a rank died
-    or timed out): the worker stops, its status says ``dead``, and the next open resumes."""
+def replication_group(timeout: timedelta = REPLICATE_TIMEOUT) -> RankGroup:
+    """The dedicated gloo group of a sharded store's replication threads, as the copier's
+    `RankGroup` (every rank calls it, on its main thread, when the store is opened)."""
+    return RankGroup(gloo_group(timeout, what="creating the sharded replication's gloo group"))
 
 
 @dataclasses.dataclass
@@ -171,7 +178,9 @@ class Replicator:
     def __init__(self, local: Storage, remote: Storage, *, durable: bool = True,
                  threads: int = 2, bytes_per_s: float | None = None,
                  retry_base_s: float = 1.0, retry_max_s: float = 60.0,
-                 max_attempts: int | None = None, copier: Copier | None = None) -> None:
+                 max_attempts: int | None = None, copier: StepCopier | None = None) -> None:
+        """``copier``: how each step is copied (every rank of a sharded store calls the same
+        one, on its dedicated group); default: the world of one, ``local`` to ``remote``."""
         if bytes_per_s is not None and bytes_per_s <= 0:
             raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
         self.local = local
@@ -182,7 +191,8 @@ class Replicator:
         self.retry_base_s = retry_base_s
         self.retry_max_s = retry_max_s
         self.max_attempts = max_attempts
-        self.copier = copier
+        self.copier = copier if copier is not None else StepCopier(
+            local, remote, WorldOfOne(), durable=durable, threads=threads, check_stored=True)
         self._cond = threading.Condition()
         self._records: dict[int, StepReplication] = {}
         self._outage: str | None = None
@@ -335,17 +345,13 @@ class Replicator:
                 rec.copied_bytes = 0
             meter = _Meter(rec, self._cond, self.bytes_per_s, self._yield_to_saves)
             try:
-                result = (self.copier(rec.step, meter) if self.copier is not None else
-                          copy_step(self.local, self.remote, rec.step, durable=self.durable,
-                                    threads=self.threads, progress=meter, check_stored=True))
+                result = self.copier(rec.step, meter)
             except ReplicationStopped:
                 raise  # the worker stops (dead): every waiter is told
             except StepGone as exc:
                 self._drop(rec, exc)
                 return
             except Exception as exc:
-                if self.copier is None and self._gone_locally(rec, exc):
-                    return
                 retry = isinstance(exc, (StorageError, OSError)) and not isinstance(
                     exc, (CheckpointExistsError, CheckpointNotFoundError,
                           CorruptCheckpointError, StorageAccessError))  # credentials: fail
@@ -365,17 +371,6 @@ class Replicator:
                      rec.step, self.remote.url, result.status, meter.total,
                      time.monotonic() - meter.start, rec.attempts)
             return
-
-    def _gone_locally(self, rec: StepReplication, exc: Exception) -> bool:
-        """A copy that failed because the local step was deleted meanwhile: dropped."""
-        try:
-            gone = read_marker(self.local, rec.step) is None
-        except Exception:
-            return False
-        if not gone:
-            return False
-        self._drop(rec, exc)
-        return True
 
     def _drop(self, rec: StepReplication, exc: Exception) -> None:
         log.warning("step %d was deleted from the local tier %s before it reached %s (%s); "

@@ -119,10 +119,11 @@ class TieredStore(CheckpointStore):
         self.node_local = self.sharded
         self._copier: Any = None
         if self.sharded:
-            from ckptfs.protocol import replication_sharded as rs  # torch.distributed: only here
-            self._copier = rs.ShardedCopier(
+            from ckptfs.protocol.copy import StepCopier
+            from ckptfs.protocol.replication import REPLICATE_TIMEOUT, replication_group
+            self._copier = StepCopier(
                 local.storage, remote.storage,
-                rs.replication_group(replicate_timeout or rs.REPLICATE_TIMEOUT),
+                replication_group(replicate_timeout or REPLICATE_TIMEOUT),
                 durable=remote.durable, threads=replicate_threads)
         self.replicator = Replicator(local.storage, remote.storage, durable=remote.durable,
                                      threads=replicate_threads, bytes_per_s=bytes_per_s,
@@ -279,7 +280,7 @@ class TieredStore(CheckpointStore):
         """Each rank's files of a committed sharded save get their committed path on its own
         node (the coordinator's commit renamed only its node's attempt)."""
         if self.sharded:
-            from ckptfs.protocol.replication_sharded import settle_node_attempt
+            from ckptfs.protocol.copy import settle_node_attempt
             settle_node_attempt(self.storage, info.step, info.attempt, durable=self.durable)
 
     def save_async(self, step: int, state: Mapping[str, Any], *,
@@ -516,7 +517,7 @@ class TieredStore(CheckpointStore):
         stay the fallbacks)."""
         if not isinstance(info.manifest, ShardedManifest) or self._copier is None:
             return self.local.verify(info.step, quick=True)
-        from ckptfs.protocol.replication_sharded import own_files
+        from ckptfs.protocol.copy import own_files
         mine = own_files(info.manifest, self._copier.rank, self._copier.coordinator)
         found = problems(info, list_attempt(self.storage, info), files=mine)
         report = VerifyReport(info.step, info.attempt, info.url, "quick")

@@ -56,14 +56,14 @@ from ckptfs.errors import (
 from ckptfs.format.content import same_content
 from ckptfs.format.incremental import references_of
 from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, ShardedManifest
-from ckptfs.protocol.copy import committed_at
-from ckptfs.protocol.group import RankGroup, decode_bytes, describe, encode_bytes
-from ckptfs.protocol.replication_sharded import (
+from ckptfs.protocol.copy import (
+    committed_at,
     info_doc,
     info_of,
     rebuild_error,
     settle_node_attempt,
 )
+from ckptfs.protocol.group import RankGroup, decode_bytes, describe, encode_bytes
 from ckptfs.protocol.resolve import CheckpointInfo, committed_steps, read_committed, stand_in
 from ckptfs.protocol.sharded import collective_group, load_into
 from ckptfs.protocol.sharded_read import ShardedReader, entry_location, read_chunks
