@@ -759,7 +759,7 @@ def test_remote_down_at_open_then_back(local_backend: Backend, s3_backend: Backe
         assert store.tier_of(info) == "local"
         result = mgr.save(3, model=torch.nn.Linear(2, 2))
         assert not result.errors, result.errors
-        assert {1, 2, 3} <= set(store.retention_holds())  # none is at the remote
+        assert {1, 2, 3} <= set(store.holds)  # none is at the remote
         assert store.local.steps() == [1, 2, 3]
         assert store.latest().step == 3  # type: ignore[union-attr]
         status = store.replication()

@@ -545,17 +545,14 @@ def _prepare_collective(saver: AsyncSaver, store: CheckpointStore, step: int,
                            algorithm=store.algorithm, durable=store.durable,
                            threads=store.threads, metadata=meta, node_local=store.node_local,
                            memory=store.reuse, lease_s=store.lease_s, live=live)
-    after = store.after_sharded_commit
 
     def over(snap: Snapshot) -> Callable[[], CheckpointInfo]:
         prep.view = snap.value  # the caller's view: not read again
         prep.writer.hint = snap.hint  # the caller's tensors' reuse hints, taken at the copy
 
         def run() -> CheckpointInfo:
-            info = sh.save_prepared(prep, group,
+            return sh.save_prepared(prep, group,
                                     renew=lambda: sh.liveness(group, "async-save", step))
-            after(info)
-            return info
 
         return run
 
