@@ -198,16 +198,19 @@ class CheckpointStore:
             return sharded.load_into(self.storage, step, into, process_group=process_group,
                                      verify=verify, threads=self.threads,
                                      allow_rollback=allow_rollback)
+
+        def use(info: CheckpointInfo) -> dict[Any, Any]:
+            return self.load_info(info, verify=verify, map_location=map_location, keys=paths,
+                                  mmap=mmap)
+
         if step is not None:
-            return self.load_info(self.info(step), verify=verify, map_location=map_location,
-                                  keys=paths, mmap=mmap)
+            return self.use_step(step, use)[1]
         tried: list[str] = []
-        found = self.walk(lambda i: self.load_info(i, verify=verify, map_location=map_location,
-                                                   keys=paths, mmap=mmap),
-                          allow_rollback=allow_rollback, skipped=tried)
+        found = self.walk(use, allow_rollback=allow_rollback, skipped=tried)
         if found is None:
+            where = " or ".join(st.url for _, st in self.read_tiers())
             raise CheckpointNotFoundError(
-                f"no committed checkpoint to load at {self.url}"
+                f"no committed checkpoint to load at {where}"
                 + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
         return found[1]
 

@@ -74,7 +74,7 @@ from ckptfs.protocol import async_save
 from ckptfs.protocol.collective import wants_sharded_save, world_size
 from ckptfs.protocol.formats import VerifyReport
 from ckptfs.protocol.group import Group, RankGroup
-from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
+from ckptfs.protocol.load_options import KeyPath, MapLocation
 from ckptfs.protocol.remote_verify import RemoteVerifyReport
 from ckptfs.protocol.replication import ReplicationStatus, Replicator
 from ckptfs.protocol.resolve import (
@@ -484,22 +484,8 @@ class TieredStore(CheckpointStore):
         if into is not None or process_group is not None:
             return self._load_sharded(step, into, process_group, verify=verify,
                                       allow_rollback=allow_rollback, keys=keys, mmap=mmap)
-        tensor_map(map_location)
-        paths = parse_keys(keys)
-
-        def use(info: CheckpointInfo) -> dict[Any, Any]:
-            return self.load_info(info, verify=verify, map_location=map_location, keys=paths,
-                                  mmap=mmap)
-
-        if step is not None:
-            return self.use_step(step, use)[1]
-        tried: list[str] = []
-        found = self.walk(use, allow_rollback=allow_rollback, skipped=tried)
-        if found is None:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint to load at {self.url} or {self.remote.url}"
-                + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
-        return found[1]
+        return super().load(step, map_location=map_location, verify=verify,
+                            allow_rollback=allow_rollback, keys=keys, mmap=mmap)
 
     def _load_sharded(self, step: int | None, into: dict[str, Any] | None, process_group: Any,
                       *, verify: bool, allow_rollback: bool, keys: Any, mmap: bool
@@ -573,8 +559,11 @@ class TieredStore(CheckpointStore):
             return self.remote.verify(step, remote=True)
 
         def use(info: CheckpointInfo) -> VerifyReport:
-            if quick and self.node_local and self.tier_of(info) == "local":
-                return self._verify_node_copy(info)
+            if quick and self._copier is not None and is_sharded(info.manifest) \
+                    and self.tier_of(info) == "local":  # this node's part of the local copy
+                from ckptfs.protocol.node_copy import verify_node_copy
+                return verify_node_copy(self.storage, info, self._copier.rank,
+                                        self._copier.coordinator)
             return self._store_of(info).verify(info.step, quick=quick)
 
         if step is not None:
@@ -584,14 +573,6 @@ class TieredStore(CheckpointStore):
             raise CheckpointNotFoundError(f"no committed checkpoint at {self.url} or "
                                           f"{self.remote.url}")
         return found[1]
-
-    def _verify_node_copy(self, info: CheckpointInfo) -> VerifyReport:
-        """The quick verify of this node's part of a sharded step's local copy
-        (`ckptfs.protocol.node_copy.verify_node_copy`)."""
-        if not is_sharded(info.manifest) or self._copier is None:
-            return self.local.verify(info.step, quick=True)
-        from ckptfs.protocol.node_copy import verify_node_copy
-        return verify_node_copy(self.storage, info, self._copier.rank, self._copier.coordinator)
 
     def __repr__(self) -> str:
         return f"TieredStore({self.url!r}, remote={self.remote.url!r})"
