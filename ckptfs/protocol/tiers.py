@@ -317,14 +317,19 @@ class TieredStore(CheckpointStore):
             self.replicator.release()
             raise
         outer = _Settled(inner) if node else None
-        inner.add_done_callback(lambda f: self._committed_async(f, outer))
+        inner.add_done_callback(lambda _: self._committed_async(inner, outer))
         return inner if outer is None else outer
 
-    def _committed_async(self, future: Future[CheckpointInfo], outer: _Settled | None) -> None:
+    def _committed_async(self, future: async_save.SaveFuture, outer: _Settled | None) -> None:
         self.replicator.release()
-        if future.cancelled() or future.exception() is not None:
+        if future.cancelled():  # pragma: no cover - a save's future is never cancelled
             if outer is not None:
-                outer.set_exception(future.exception() or ShardedSaveError("cancelled"))
+                outer.cancel()
+            return
+        failure = future.failure()  # not collected here: the store raises it until it is
+        if failure is not None:
+            if outer is not None:
+                outer.set_exception(failure)
             return
         info = future.result()
         if outer is not None:
