@@ -5,6 +5,7 @@ checkpoint, and a restart resumes what a killed replicator left."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -759,7 +760,7 @@ def test_remote_down_at_open_then_back(local_backend: Backend, s3_backend: Backe
         assert store.tier_of(info) == "local"
         result = mgr.save(3, model=torch.nn.Linear(2, 2))
         assert not result.errors, result.errors
-        assert {1, 2, 3} <= set(store.retention_holds())  # none is at the remote
+        assert {1, 2, 3} <= set(store.holds)  # none is at the remote
         assert store.local.steps() == [1, 2, 3]
         assert store.latest().step == 3  # type: ignore[union-attr]
         status = store.replication()
@@ -781,3 +782,33 @@ def test_remote_down_at_open_then_back(local_backend: Backend, s3_backend: Backe
                    remote_options={**s3_backend.options}).close()
     finally:
         gate.close()
+
+
+def test_save_async_replicates_and_its_failure_is_raised_again(tmp_path: Any) -> None:
+    """``save_async`` on a two-tier store: the step is queued for replication once it
+    committed locally; a background failure is not collected by the store's own bookkeeping,
+    so the next save raises it, as on a plain store (docs/async.md)."""
+    failing = {"on": False}
+
+    def hook(op: str, path: str) -> None:
+        if failing["on"] and op in WRITES:
+            raise ckptfs.StorageError(f"injected: {op} {path}")
+
+    local = CheckpointStore(FaultyStorage(ckptfs.open(str(tmp_path / "local")).storage,
+                                          hook=hook))
+    store = tiered(local, str(tmp_path / "remote"), **FAST)
+    try:
+        assert store.save_async(1, state(1)).result(timeout=60).step == 1
+        store.wait_replicated(timeout=60)
+        assert store.tier_steps()["remote"] == [1]
+        failing["on"] = True
+        future = store.save_async(2, state(2))
+        concurrent.futures.wait([future], timeout=60)  # done, its failure not read
+        failing["on"] = False
+        failure = future.failure()
+        assert failure is not None
+        with pytest.raises(type(failure)):
+            store.save(3, state(3))
+        assert store.save(3, state(3)).step == 3
+    finally:
+        store.close()

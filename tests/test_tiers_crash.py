@@ -126,7 +126,7 @@ def test_a_remote_step_with_other_content_is_not_replicated(local_backend: Backe
     local_backend.open().save(1, {"mine": torch.ones(3)})
     memory_backend.open().save(1, {"other": torch.zeros(3)})
     store = tiered(local_backend.open(), memory_backend.open(), max_attempts=1, **FAST)
-    assert 1 in store.retention_holds()
+    assert 1 in store.holds
     with pytest.raises(UnreplicatedCheckpointError):
         store.delete(1)
     with pytest.raises(ReplicationError, match="step 1: CheckpointExistsError"):

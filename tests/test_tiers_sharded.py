@@ -159,7 +159,7 @@ def job_replicate(rank: int, world: int, root: str) -> Any:
     before = len(records.messages)
     assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
     logged = records.messages[before:]
-    assert any("the local copy of step 3 fails" in m for m in logged), logged
+    assert any("the local copy of step 3 at" in m and "fails" in m for m in logged), logged
     assert any("using the remote copy of step 3" in m for m in logged), logged
 
     # Another run's step 4 at the remote, then this run's step 4 (its replication fails: other

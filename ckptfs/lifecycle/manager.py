@@ -70,7 +70,7 @@ from ckptfs.lifecycle.rng import decode_rng, encode_rng
 from ckptfs.lifecycle.schema import TrainerState
 from ckptfs.protocol.async_save import SaveFuture
 from ckptfs.protocol.load_options import MapLocation, tensor_map
-from ckptfs.protocol.resolve import CheckpointInfo, committed_steps
+from ckptfs.protocol.resolve import CheckpointInfo, Tier, committed_steps
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 from ckptfs.protocol.tiers import TieredStore
@@ -368,8 +368,7 @@ class CheckpointManager:
             f"{what} (committed; bookkeeping)", ShardedSaveError,
             encode=SaveResult.to_doc, decode=lambda doc: SaveResult.from_doc(info, doc))
         if coord.collective and result.prune is not None and result.prune.deleted:
-            # every rank: a node-local store (two tiers) removes its node's files of them
-            self.store.after_prune(result.prune.deleted)
+            self._prune_nodes(result.prune.deleted)
         self._last_saved = step
         self._pending_changes = []
         return result
@@ -452,8 +451,16 @@ class CheckpointManager:
                                  ShardedSaveError, encode=PruneReport.as_dict,
                                  decode=PruneReport.from_dict)
         if not dry_run:
-            self.store.after_prune(report.deleted)
+            self._prune_nodes(report.deleted)
         return report
+
+    def _prune_nodes(self, deleted: list[int]) -> None:
+        """Every rank of a collective manager, after the writer's prune deleted ``deleted``:
+        on a store whose storage is each node's own (``store.node_local``: a sharded two-tier
+        store's local tiers) the other nodes remove their files of those steps."""
+        if self.store.node_local and not self.is_writer:
+            from ckptfs.protocol.node_copy import remove_node_files  # imports DCP
+            remove_node_files(self.store.storage, deleted)
 
     def _prune(self, dry_run: bool) -> PruneReport:
         """The prune itself, on the writer (`prune`; a save's bookkeeping)."""
@@ -612,17 +619,18 @@ class CheckpointManager:
                                  "names the optimizer's state by parameter name)")
 
         coord.agree(check, what, ShardedLoadError)
-        # The store whose checkpoints the walk reads: the store itself, except where no node
-        # holds a complete copy (a sharded two-tier store: its remote tier, once what the local
-        # tiers hold has been replicated); the model and optimizer still load through the store.
-        source = self.store.restore_source() if coord.collective else self.store
+        # A collective restore walks the tiers every rank reads whole (a sharded two-tier
+        # store: its remote tier, once what the local tiers hold has been replicated); the
+        # model and optimizer still load through the store, each node's own files first.
+        collective = coord.collective
         skipped: list[str] = []
 
         def lead(try_one: Callable[[CheckpointInfo], _Loaded]) -> CheckpointInfo | None:
             """The writer: which checkpoint, by the store's one walk (or the step asked)."""
             if step is not None:
-                return source.use_step(step, try_one)[0]
-            found = source.walk(try_one, allow_rollback=allow_rollback, skipped=skipped)
+                return self.store.use_step(step, try_one, collective=collective)[0]
+            found = self.store.walk(try_one, allow_rollback=allow_rollback, skipped=skipped,
+                                    collective=collective)
             if found is None and skipped:
                 raise CheckpointNotFoundError(
                     f"no loadable committed checkpoint at {self.url}: every one is corrupt "
@@ -630,7 +638,7 @@ class CheckpointManager:
             return None if found is None else found[0]
 
         def use(candidate: Candidate, info: CheckpointInfo | None) -> _Loaded:
-            return self._load_candidate(coord, source, candidate, info, expect=expect,
+            return self._load_candidate(coord, candidate, info, expect=expect,
                                         mode=mode, map_location=map_location, model=model,
                                         optimizer=optimizer, names=names, what=what)
 
@@ -648,8 +656,8 @@ class CheckpointManager:
                                         discard_uncommitted=discard_uncommitted),
             f"{what}, step {loaded.info.step}", ShardedLoadError)
 
-    def _load_candidate(self, coord: Coordinator, source: CheckpointStore,
-                        candidate: Candidate, info: CheckpointInfo | None, *,
+    def _load_candidate(self, coord: Coordinator, candidate: Candidate,
+                        info: CheckpointInfo | None, *,
                         expect: prov.Provenance | None,
                         mode: prov.ProvenanceMode, map_location: MapLocation,
                         model: torch.nn.Module | None, optimizer: Stateful | None,
@@ -672,10 +680,11 @@ class CheckpointManager:
         def entries() -> tuple[CheckpointInfo, dict[Any, Any], dict[str, Any] | None]:
             """(info, small entries, fresh model/optimizer state dicts for the collective
             load, or None: none wanted, a v1 checkpoint, or not saved: named at apply)."""
-            found = info if info is not None else self._read_candidate(source, candidate)
+            found = info if info is not None else self._read_candidate(
+                self.store.read_tiers(collective=coord.collective), candidate)
             into = None
             if coord.collective and distributed.is_sharded(found):
-                state = distributed.load_entries(source, found, coord.rank, names,
+                state = distributed.load_entries(self.store, found, coord.rank, names,
                                                  map_location)
                 saved = schema.saved_entries(state)
                 if wanted and (saved is None or all(n in saved for n in wanted)):
@@ -695,10 +704,10 @@ class CheckpointManager:
         return _Loaded(found, state)
 
     @staticmethod
-    def _read_candidate(source: CheckpointStore, candidate: Candidate) -> CheckpointInfo:
-        """A non-writer rank's reading of the writer's candidate, in the tier that holds that
-        attempt (a two-tier store's copies have different attempts; the local copy first)."""
-        tiers = source.read_tiers()
+    def _read_candidate(tiers: list[Tier], candidate: Candidate) -> CheckpointInfo:
+        """A non-writer rank's reading of the writer's candidate, in the tier of ``tiers``
+        (the walk's) that holds that attempt (a two-tier store's copies have different
+        attempts; the local copy first)."""
         for _, storage in tiers[:-1]:
             try:
                 return candidate.read(storage)

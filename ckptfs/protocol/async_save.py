@@ -9,7 +9,7 @@ reads of the state (``Prepared.reads``; one snapshot for every layout:
 on one background thread per store.  One commit protocol and one proof: a background failure
 leaves no marker, exactly as a failed synchronous save does.  What only the async save adds:
 a collective save's collectives run on the store's own gloo group (`AsyncSaver.
-collective_group`), and, once committed, the store's `after_sharded_commit` runs.
+collective_group`).  A two-tier store settles its own future (`ckptfs.protocol.tiers`).
 
 ::
 
@@ -444,19 +444,8 @@ class AsyncSaver:
 
 def _over_snapshot(store: CheckpointStore, prepared: Prepared, snap: Snapshot
                    ) -> Callable[[], CheckpointInfo]:
-    """The prepared save over the snapshot, to run on the store's thread; a collective one
-    then calls the store's `after_sharded_commit` (every rank)."""
-    save = prepared.over(snap.value, snap.hint)
-    if not prepared.collective:
-        return save
-    after = store.after_sharded_commit
-
-    def run() -> CheckpointInfo:
-        info = save()
-        after(info)
-        return info
-
-    return run
+    """The prepared save over the snapshot, to run on the store's thread."""
+    return prepared.over(snap.value, snap.hint)
 
 
 class _Job:

@@ -110,10 +110,10 @@ from ckptfs.format.incremental import (
     references_of,
 )
 from ckptfs.format.layout import StepPaths
-from ckptfs.format.manifest import FileEntry, Manifest, Marker
+from ckptfs.format.manifest import FileEntry, Manifest
 from ckptfs.format.serialize import HeaderEntry, tensor_memoryview
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
-from ckptfs.format.versions import REFERENCES, decode_manifest, features, is_sharded
+from ckptfs.format.versions import REFERENCES, features, is_sharded
 from ckptfs.protocol.commit import (
     Attempt,
     Lease,
@@ -226,24 +226,6 @@ def settle_node_attempt(storage: Storage, step: int, attempt: str, *, durable: b
             storage.sync_dir(paths.dir)
 
 
-def info_doc(info: CheckpointInfo) -> dict[str, Any]:
-    """A committed checkpoint as a message between ranks (`info_of` reads it): its manifest
-    and marker as the bytes they are stored as."""
-    return {"step": info.step, "attempt": info.attempt, "url": info.url,
-            "dir_name": info.dir_name, "manifest": info.manifest.to_bytes().decode(),
-            "marker": info.marker.to_bytes().decode()}
-
-
-def info_of(doc: Mapping[str, Any]) -> CheckpointInfo:
-    """The `CheckpointInfo` of `info_doc`, its manifest and marker read by the reader's own
-    decoders."""
-    return CheckpointInfo(
-        int(doc["step"]), str(doc["attempt"]), str(doc["url"]),
-        decode_manifest(str(doc["manifest"]).encode(), where=f"{doc['url']} (as sent)"),
-        Marker.from_bytes(str(doc["marker"]).encode(), where=f"{doc['url']} (as sent)"),
-        str(doc["dir_name"]))
-
-
 def rebuild_error(doc: Mapping[str, Any]) -> Exception:
     """The error a rank reported (`describe`), as the same class here, so every rank decides
     alike (retry or fail, as for a copy in one process); a class that cannot be rebuilt
@@ -279,7 +261,7 @@ class _Plan:
     v3: _V3 | None = None
 
     def doc(self) -> dict[str, Any]:
-        return {"status": "copy", "source": info_doc(self.source), "attempt": self.att.name}
+        return {"status": "copy", "source": self.source.to_doc(), "attempt": self.att.name}
 
 
 @dataclasses.dataclass
@@ -380,7 +362,7 @@ class StepCopier:
             part: _Part | None = None
             try:
                 source = self._plan.source if self._plan is not None \
-                    else info_of(plan["source"])
+                    else CheckpointInfo.from_doc(plan["source"])
                 part = self._copy_files(source, str(plan["attempt"]), progress)
                 report = part.doc()
             except Exception as exc:

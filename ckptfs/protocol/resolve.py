@@ -23,15 +23,16 @@ directory names of one step are an error (`CorruptCheckpointError` naming both).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn, TypeVar
 
 from ckptfs.errors import (
     CheckpointDeletedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
+    ShardedLoadError,
     StorageError,
     StorageNotFoundError,
     TierMismatchError,
@@ -41,6 +42,7 @@ from ckptfs.format.incremental import has_references
 from ckptfs.format.layout import CHECKPOINTS_DIR, MARKER_NAME, StepPaths, parse_step_dir
 from ckptfs.format.manifest import Manifest, Marker
 from ckptfs.format.versions import decode_manifest
+from ckptfs.protocol.group import Group, carried, describe
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
@@ -97,6 +99,23 @@ class CheckpointInfo:
     @property
     def metadata(self) -> dict[str, object]:
         return self.manifest.metadata
+
+    def to_doc(self) -> dict[str, Any]:
+        """This checkpoint as a message between ranks (`from_doc` reads it): its manifest
+        and marker as the bytes they are stored as."""
+        return {"step": self.step, "attempt": self.attempt, "url": self.url,
+                "dir_name": self.dir_name, "manifest": self.manifest.to_bytes().decode(),
+                "marker": self.marker.to_bytes().decode()}
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> CheckpointInfo:
+        """The checkpoint of `to_doc`, its manifest and marker read by the reader's own
+        decoders."""
+        where = f"{doc['url']} (as sent)"
+        return cls(int(doc["step"]), str(doc["attempt"]), str(doc["url"]),
+                   decode_manifest(str(doc["manifest"]).encode(), where=where),
+                   Marker.from_bytes(str(doc["marker"]).encode(), where=where),
+                   str(doc["dir_name"]))
 
 
 def list_step_dirs(storage: Storage) -> dict[int, list[str]]:
@@ -240,12 +259,13 @@ def walk_latest(storage: Storage, use: Callable[[CheckpointInfo], T], *,
 
 
 def walk_tiers(tiers: Sequence[Tier], use: Callable[[CheckpointInfo], T], *,
-               allow_rollback: bool = False,
-               skipped: list[str] | None = None) -> tuple[CheckpointInfo, T] | None:
+               allow_rollback: bool = False, skipped: list[str] | None = None,
+               group: Group | None = None) -> tuple[CheckpointInfo, T] | None:
     """Apply ``use`` to the newest committed checkpoint in any of ``tiers`` and return it with
-    the result, or ``None`` if there is none.  The one walk behind ``latest``, ``load()``,
-    ``verify()`` and the manager's restore, for one store and for a two-tier store
-    (docs/tiers.md), where ``tiers`` is ``[local, remote]``.
+    the result, or ``None`` if there is none.  The one walk behind ``latest``, ``load()``
+    (``load(into=)`` of a two-tier store included), ``verify()`` and the manager's restore,
+    for one store and for a two-tier store (docs/tiers.md), where ``tiers`` is
+    ``[local, remote]``.
 
     Newest step (in any tier) first; for that step, each tier that lists it, in order: the
     first copy that reads and passes ``use`` is the answer (a later tier is tried when an
@@ -255,12 +275,29 @@ def walk_tiers(tiers: Sequence[Tier], use: Callable[[CheckpointInfo], T], *,
     ``allow_rollback`` logged, appended to ``skipped`` and the next older step tried; every
     copy a `StorageError` -> that error; `FormatVersionError` ->
     raised, never rolled back over; `CheckpointDeletedError` -> the listings are read
-    again.  When the answer comes after skipping newer steps, the tiers are listed once more,
-    and a step that appeared meanwhile starts the walk over: a writer that committed a newer
-    step and then pruned the one being read never makes this return an older one.
+    again; a copy ``use`` refuses with `CheckpointNotFoundError` (read, but it cannot
+    serve: a local copy missing a lost node's files) -> the next tier's copy, under the
+    stand-in rule, else the step is skipped (logged).  When the answer comes after skipping
+    newer steps, the tiers are listed once more, and a step that appeared meanwhile starts the
+    walk over: a writer that committed a newer step and then pruned the one being read never
+    makes this return an older one.
 
     A tier that cannot be listed (a remote outage) is left out, logged, when another tier can
-    be; if none can, the first tier's error is raised."""
+    be; if none can, the first tier's error is raised.
+
+    ``group``: every rank of the group walks together (`over_group`): its coordinator
+    lists the tiers and decides, every rank runs ``use`` on each candidate; in a group of one
+    this is the walk above."""
+    def walk(run: Callable[[CheckpointInfo], T]) -> tuple[CheckpointInfo, T] | None:
+        return _walk(tiers, run, allow_rollback=allow_rollback, skipped=skipped)
+
+    if group is not None and group.world_size > 1:
+        return over_group(group, tiers, walk, use)
+    return walk(use)
+
+
+def _walk(tiers: Sequence[Tier], use: Callable[[CheckpointInfo], T], *,
+          allow_rollback: bool, skipped: list[str] | None) -> tuple[CheckpointInfo, T] | None:
     for _ in range(MAX_RESOLVE_PASSES):
         listings = _list_tiers(tiers)
         steps = sorted(set().union(*(listing for _, listing in listings)), reverse=True)
@@ -269,16 +306,21 @@ def walk_tiers(tiers: Sequence[Tier], use: Callable[[CheckpointInfo], T], *,
         for step in steps:
             holders = [(tier, listing[step]) for tier, listing in listings if step in listing]
             problems: list[tuple[Tier, Exception]] = []
+            unusable: list[Exception] = []
             try:
-                found = _use_step(step, holders, use, problems)
+                found = _use_step(step, holders, use, problems, unusable=unusable)
             except CheckpointDeletedError as exc:
                 log.info("%s; listing again", exc)
                 relist = True
                 break
             if found is None:
                 if not problems:
-                    log.debug("step %d is incomplete in %s; skipped", step,
-                              ", ".join(t[1].url for t, _ in holders))
+                    if unusable:
+                        log.warning("step %d: no copy can be used (%s); trying the next older "
+                                    "step", step, unusable[-1])
+                    else:
+                        log.debug("step %d is incomplete in %s; skipped", step,
+                                  ", ".join(t[1].url for t, _ in holders))
                     passed_over = True
                     continue
                 error = _step_error(step, problems, newest=True)
@@ -303,19 +345,33 @@ def walk_tiers(tiers: Sequence[Tier], use: Callable[[CheckpointInfo], T], *,
         f"({MAX_RESOLVE_PASSES} listings: steps deleted or committed by another job); retry")
 
 
-def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T]
-             ) -> tuple[CheckpointInfo, T]:
+def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T], *,
+             group: Group | None = None) -> tuple[CheckpointInfo, T]:
     """``use`` on the first of ``tiers`` whose copy of ``step`` (its directory found by
     listing) reads and passes; the same per-step rule as `walk_tiers` for one step asked
     by number: every copy corrupt -> `CorruptCheckpointError` naming each tier's error
-    (no rollback: the step was asked for), every copy unreadable -> the storage error, in no
-    tier -> `CheckpointNotFoundError`.
+    (no rollback: the step was asked for), every copy unreadable -> the storage error, every
+    copy refused by ``use`` -> its `CheckpointNotFoundError`, in no tier ->
+    `CheckpointNotFoundError`.
 
     The tiers are asked one at a time: a later tier is not even listed while an earlier copy
     passes (a step the local tier serves costs the remote nothing, and an unreachable remote
-    delays nothing)."""
+    delays nothing).  ``group``: as for `walk_tiers`."""
+    def walk(run: Callable[[CheckpointInfo], T]) -> tuple[CheckpointInfo, T]:
+        return _use_one_step(tiers, step, run)
+
+    if group is not None and group.world_size > 1:
+        found = over_group(group, tiers, walk, use)
+        assert found is not None  # the coordinator's walk returns or raises
+        return found
+    return walk(use)
+
+
+def _use_one_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T]
+                  ) -> tuple[CheckpointInfo, T]:
     problems: list[tuple[Tier, Exception]] = []
     failed: list[tuple[Tier, CheckpointInfo | None]] = []
+    unusable: list[Exception] = []
     for i, tier in enumerate(tiers):
         try:
             name = find_step_dir(tier[1], step)
@@ -326,15 +382,103 @@ def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T
             continue
         try:
             found = _use_step(step, [(tier, name)], use, problems,
-                              later=[t[0] for t in tiers[i + 1:]], failed=failed)
+                              later=[t[0] for t in tiers[i + 1:]], failed=failed,
+                              unusable=unusable)
         except CheckpointDeletedError:
             found = None  # deleted while read here: the next tier's copy, if any
         if found is not None:
             return found
     if problems:
         _raise(_step_error(step, problems, newest=False), problems)
+    if unusable:
+        raise unusable[-1]
     raise CheckpointNotFoundError(
         f"step {step} is not committed at " + " or ".join(st.url for _, st in tiers))
+
+
+#: A walk over given tiers, with the ``use`` it runs on each candidate.
+Walk = Callable[[Callable[[CheckpointInfo], T]], tuple[CheckpointInfo, T] | None]
+
+
+def over_group(group: Group, tiers: Sequence[Tier], walk: Walk[T],
+               use: Callable[[CheckpointInfo], T]) -> tuple[CheckpointInfo, T] | None:
+    """The walk of every rank of ``group`` together: the same checkpoint from the same tier
+    on every rank, never one rank on step N and another on N-1.
+
+    The coordinator runs ``walk`` (it lists the tiers, reads each candidate's marker and
+    manifest, and decides the stand-in rule and what follows a failure); for each candidate
+    it tries, it broadcasts the candidate (its tier's name, its manifest and marker), then
+    every rank runs ``use`` on it and the ranks gather their outcomes: a failure on any rank
+    is the candidate's failure on every rank (the coordinator's walk gets the error; the same
+    class on every rank, `describe`/`carried`).  At the end the coordinator broadcasts the
+    outcome: the candidate chosen, none, or the walk's error, which every rank raises.  The
+    other ranks log what the coordinator's walk logs of each copy (its failure, the copy that
+    stands in for it)."""
+    if group.coordinator:
+        return _lead(group, tiers, walk, use)
+    return _follow(group, tiers, use)
+
+
+def _lead(group: Group, tiers: Sequence[Tier], walk: Walk[T],
+          use: Callable[[CheckpointInfo], T]) -> tuple[CheckpointInfo, T] | None:
+    def try_one(info: CheckpointInfo) -> T:
+        group.broadcast({"candidate": info.to_doc(), "tier": tier_of(tiers, info)[0]})
+        return _agreed(group, info, use)
+
+    try:
+        found = walk(try_one)
+    except Exception as exc:
+        group.broadcast({"error": describe(exc)})
+        raise
+    group.broadcast({"done": found is not None})
+    return found
+
+
+def _follow(group: Group, tiers: Sequence[Tier], use: Callable[[CheckpointInfo], T]
+            ) -> tuple[CheckpointInfo, T] | None:
+    storages = dict(tiers)
+    found: tuple[CheckpointInfo, T] | None = None
+    failing: dict[int, list[str]] = {}  # step -> the tiers whose copy failed, for the log
+    while True:
+        msg = group.broadcast(None)
+        if "candidate" in msg:
+            found = None
+            name = str(msg["tier"])
+            info = CheckpointInfo.from_doc(msg["candidate"])
+            info = replace(info, url=storage_url(storages[name], info.path))  # this rank's
+            try:
+                found = (info, _agreed(group, info, use))
+            except Exception as exc:
+                failing.setdefault(info.step, []).append(name)
+                log.warning("the %s copy of step %d at %s fails (%s: %s)", name, info.step,
+                            storages[name].url, type(exc).__name__, exc)
+                continue
+            if failing.get(info.step):
+                log.warning("using the %s copy of step %d at %s (the same checkpoint as the "
+                            "failing %s copy)", name, info.step, info.url,
+                            ", ".join(failing[info.step]))
+            continue
+        if "error" in msg:
+            raise carried(msg["error"], ShardedLoadError)
+        return found if msg["done"] else None
+
+
+def _agreed(group: Group, info: CheckpointInfo, use: Callable[[CheckpointInfo], T]) -> T:
+    """``use(info)`` on this rank, then every rank's outcome gathered: this rank's error, or
+    another rank's (the same class), or the result."""
+    own: Exception | None = None
+    out: T | None = None
+    try:
+        out = use(info)
+    except Exception as exc:
+        own = exc
+    docs = group.all_gather(None if own is None else describe(own))
+    if own is not None:
+        raise own
+    failures = [(r, d) for r, d in zip(group.ranks, docs, strict=True) if d is not None]
+    if failures:
+        raise carried(failures[0][1], ShardedLoadError)
+    return out  # type: ignore[return-value]
 
 
 def _list_tiers(tiers: Sequence[Tier]) -> list[tuple[Tier, dict[int, list[str]]]]:
@@ -356,7 +500,8 @@ def _list_tiers(tiers: Sequence[Tier]) -> list[tuple[Tier, dict[int, list[str]]]
 def _use_step(step: int, holders: Sequence[tuple[Tier, list[str] | str]],
               use: Callable[[CheckpointInfo], T], problems: list[tuple[Tier, Exception]],
               *, later: Sequence[str] = (),
-              failed: list[tuple[Tier, CheckpointInfo | None]] | None = None
+              failed: list[tuple[Tier, CheckpointInfo | None]] | None = None,
+              unusable: list[Exception] | None = None
               ) -> tuple[CheckpointInfo, T] | None:
     """``use`` on the first holder's copy of ``step`` that reads and passes; the failures of
     the others go to ``problems``.  ``None`` if no copy is committed or every one failed.
@@ -366,8 +511,11 @@ def _use_step(step: int, holders: Sequence[tuple[Tier, list[str] | str]],
 
     A copy stands in for an earlier tier's failing copy only if it is the same checkpoint
     (`stand_in`): ``failed`` collects the failing copies (with their info when their
-    manifest was read), shared across the calls of one step."""
+    manifest was read), shared across the calls of one step; ``unusable`` the
+    `CheckpointNotFoundError` of each copy that was read but that ``use`` refused (it
+    cannot serve: not corrupt, and not the step's absence either)."""
     failed = [] if failed is None else failed
+    unusable = [] if unusable is None else unusable
     deleted: CheckpointDeletedError | None = None
     for i, (tier, names) in enumerate(holders):
         name, storage = tier
@@ -386,8 +534,16 @@ def _use_step(step: int, holders: Sequence[tuple[Tier, list[str] | str]],
         except CheckpointDeletedError as exc:
             deleted = exc
             continue
-        except CheckpointNotFoundError:
-            continue  # no marker in this tier: incomplete here
+        except CheckpointNotFoundError as exc:
+            if info is None:
+                continue  # no marker in this tier: incomplete here
+            # read, but ``use`` says it cannot serve: another tier may stand in for it
+            unusable.append(exc)
+            failed.append((tier, info))
+            rest = [t[0] for t, _ in holders[i + 1:]] + list(later)
+            log.warning("the %scopy of step %d at %s cannot be used (%s)%s",
+                        f"{name} " if name else "", step, storage.url, exc,
+                        f"; trying the {rest[0]} copy" if rest else "")
         except FormatVersionError:
             raise  # written by a newer ckptfs: never skipped, never rolled back over
         except TierMismatchError as exc:  # another checkpoint of this step number: not used

@@ -71,9 +71,11 @@ class CheckpointStore:
         #: keeps what its manifest references (docs/protocol.md §9.5).  Exceeds the lease by
         #: the default margin for clock skew (1 h against the default 30 min lease).
         self.grace_s: float = max(DEFAULT_GRACE_S, lease_s + DEFAULT_GRACE_S - DEFAULT_LEASE_S)
-        #: Each rank's ``storage`` is its own node's (a two-tier store's local tier): a sharded
-        #: save checks each rank's file on its own node and `after_sharded_commit`
-        #: settles it there (docs/tiers.md "Sharded").  False: every rank sees one storage.
+        #: Each rank's ``storage`` is its own node's (a sharded two-tier store's local tier): a
+        #: sharded save checks each rank's file on its own node, a collective read walks only
+        #: the tiers every rank reads whole (``read_tiers(collective=True)``), and a
+        #: collective manager's prune has every node remove its files of the steps it deleted
+        #: (docs/tiers.md "Sharded").  False: every rank sees one storage.
         self.node_local = False
         caps = storage.capabilities
         if caps.exclusive_create == "none":
@@ -132,28 +134,6 @@ class CheckpointStore:
                 log.warning("step %d at %s is deleted (its marker is gone) but its files are "
                             "kept: %s; then run 'ckptfs gc'", step, self.url, exc)
 
-    def after_sharded_commit(self, info: CheckpointInfo) -> None:
-        """Called on every rank once a sharded save of this store committed (synchronous or
-        async), before it is reported: nothing here; a two-tier store gives its node's files
-        their committed path (`node_local`)."""
-
-    def restore_source(self) -> CheckpointStore:
-        """The store whose checkpoints a collective restore (``CheckpointManager``) walks and
-        reads its small entries from: this one; a sharded two-tier store, whose nodes each
-        hold only their own files, waits (bounded) for its local steps to replicate and gives
-        its remote tier, the one complete copy."""
-        return self
-
-    def after_prune(self, deleted: Iterable[int]) -> None:
-        """Called on every rank of a collective `CheckpointManager` with the
-        steps its writer's prune deleted: nothing here; a node-local sharded two-tier store
-        removes the other nodes' files of those steps."""
-
-    def retention_holds(self) -> frozenset[int]:
-        """Steps retention must keep whatever its policy says (none here; a two-tier store
-        holds the local checkpoints not yet replicated: docs/tiers.md)."""
-        return frozenset()
-
     # -- reading -------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
@@ -208,39 +188,46 @@ class CheckpointStore:
             return sharded.load_into(self.storage, step, into, process_group=process_group,
                                      verify=verify, threads=self.threads,
                                      allow_rollback=allow_rollback)
+
+        def use(info: CheckpointInfo) -> dict[Any, Any]:
+            return self.load_info(info, verify=verify, map_location=map_location, keys=paths,
+                                  mmap=mmap)
+
         if step is not None:
-            return self.load_info(self.info(step), verify=verify, map_location=map_location,
-                                  keys=paths, mmap=mmap)
+            return self.use_step(step, use)[1]
         tried: list[str] = []
-        found = self.walk(lambda i: self.load_info(i, verify=verify, map_location=map_location,
-                                                   keys=paths, mmap=mmap),
-                          allow_rollback=allow_rollback, skipped=tried)
+        found = self.walk(use, allow_rollback=allow_rollback, skipped=tried)
         if found is None:
+            where = " or ".join(st.url for _, st in self.read_tiers())
             raise CheckpointNotFoundError(
-                f"no committed checkpoint to load at {self.url}"
+                f"no committed checkpoint to load at {where}"
                 + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
         return found[1]
 
-    def read_tiers(self) -> list[Tier]:
+    def read_tiers(self, *, collective: bool = False) -> list[Tier]:
         """The tiers a read resolves across, in order of preference: this store's storage
-        (a two-tier store: the local tier, then the remote one; docs/tiers.md)."""
+        (a two-tier store: the local tier, then the remote one; docs/tiers.md).
+        ``collective``: the tiers of a read by every rank of a process group together, each
+        one every rank can read a complete copy from (the same here; a store whose own
+        storage is each node's own, `node_local`, leaves that tier out)."""
         return [("", self.storage)]
 
     def walk(self, use: Callable[[CheckpointInfo], T], *, allow_rollback: bool = False,
-             skipped: list[str] | None = None) -> tuple[CheckpointInfo, T] | None:
+             skipped: list[str] | None = None, collective: bool = False
+             ) -> tuple[CheckpointInfo, T] | None:
         """``use`` on the newest committed checkpoint that passes it, with the checkpoint, or
         ``None`` if there is none: the one walk behind `load` and the manager's
         restore, over `read_tiers` (`ckptfs.protocol.resolve.walk_tiers`).
         ``use`` gets the `CheckpointInfo` of one tier's copy; `load_info` loads
-        it from that tier."""
-        return walk_tiers(self.read_tiers(), use, allow_rollback=allow_rollback,
-                          skipped=skipped)
+        it from that tier.  ``collective``: over ``read_tiers(collective=True)``."""
+        return walk_tiers(self.read_tiers(collective=collective), use,
+                          allow_rollback=allow_rollback, skipped=skipped)
 
-    def use_step(self, step: int, use: Callable[[CheckpointInfo], T]
-                 ) -> tuple[CheckpointInfo, T]:
+    def use_step(self, step: int, use: Callable[[CheckpointInfo], T], *,
+                 collective: bool = False) -> tuple[CheckpointInfo, T]:
         """``use`` on the committed checkpoint of ``step`` (`info`), with it: the
         walk's rule for a step asked by number (a two-tier store tries the remote copy when
-        the local one fails ``use``)."""
+        the local one fails ``use``).  ``collective``: as for `walk` (one tier here)."""
         info = self.info(step)
         return info, use(info)
 

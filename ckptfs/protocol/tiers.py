@@ -8,6 +8,25 @@ tier with ``ckptfs cp``'s copy (one commit object, every byte verified, marker l
 
 Design decisions (argued in docs/tiers.md):
 
+* **Tiers by composition.**  A `TieredStore` holds its two tier stores (``local``,
+  ``remote``) and a `Replicator`; it is still a `CheckpointStore` (its own
+  ``storage`` is the local tier's), because every call a user, the manager or an integration
+  makes on a store must work on it and ``isinstance(store, ckptfs.CheckpointStore)`` holds
+  for it.  It overrides public operations only (``save``/``save_async``, to queue
+  replication and, sharded, to give each node's files their committed path once the save
+  committed, wrapping the save's own result; ``delete``; the reads, across ``read_tiers``),
+  never a store internal through a hook only it implements.  What the layers above ask of it
+  are declared properties: `holds` (the steps retention keeps: not replicated yet),
+  ``node_local`` (each rank's local tier is its own node's) and
+  ``read_tiers(collective=True)`` (the tiers every rank reads a complete copy from).
+* **One walk.**  Every read is a use of the store's one walk
+  (`ckptfs.protocol.resolve.walk_tiers` over `read_tiers`), ``load(into=)`` included: on
+  every rank of a sharded store the walk runs over the group (its coordinator lists both
+  tiers and decides, every rank loads each candidate), and the node-spread local copy is
+  that walk's ``use`` for a local candidate (`ckptfs.protocol.node_copy`).  The remote copy
+  of a step stands in for a failing local copy only if it is the same checkpoint (logged,
+  with the reason): never another run's step of that number.
+
 * A constructor of its own, not ``ckptfs.open(..., replicate_to=)``: each tier has its own
   storage options (credentials and endpoint of the object store, none for local disk), retries
   and durability, which one ``**storage_options`` cannot say; and ``open`` stays the one-tier
@@ -39,31 +58,31 @@ from ckptfs.errors import (
     CorruptCheckpointError,
     LoadOptionError,
     ReplicationError,
+    ShardedLoadError,
     ShardedSaveError,
     StorageAccessError,
     StorageError,
     StorageNotFoundError,
     UnreplicatedCheckpointError,
-    UnsafeCheckpointError,
 )
 from ckptfs.format.content import same_content
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
 from ckptfs.format.incremental import DEFAULT_LEASE_S
-from ckptfs.format.layout import StepPaths, check_step
-from ckptfs.format.sharded import ShardedManifest
+from ckptfs.format.layout import check_step
+from ckptfs.format.versions import is_sharded
 from ckptfs.protocol import async_save
 from ckptfs.protocol.collective import wants_sharded_save, world_size
 from ckptfs.protocol.formats import VerifyReport
-from ckptfs.protocol.listing import list_attempt, problems
-from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
+from ckptfs.protocol.group import Group, RankGroup
+from ckptfs.protocol.load_options import KeyPath, MapLocation
 from ckptfs.protocol.remote_verify import RemoteVerifyReport
 from ckptfs.protocol.replication import ReplicationStatus, Replicator
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
     committed_steps,
-    list_step_dirs,
     read_committed,
     use_step,
+    walk_tiers,
 )
 from ckptfs.protocol.resolve import Tier as ReadTier
 from ckptfs.protocol.resolve import tier_of as resolve_tier
@@ -77,9 +96,9 @@ log = logging.getLogger("ckptfs")
 #: checkpoint is queued (the copy recognizes what the remote already holds), so a remote that is
 #: down at open delays the job by at most this.
 SCAN_TIMEOUT_S = 10.0
-#: How long a collective manager restore on a sharded two-tier store waits for the steps its
-#: local tiers hold to reach the remote tier, whose copy it reads
-#: (`TieredStore.restore_source`).
+#: How long a collective read on a sharded two-tier store (a manager's restore) waits for the
+#: steps its local tiers hold to reach the remote tier, whose copy it reads
+#: (``walk(collective=True)``).
 RESTORE_WAIT_S = 300.0
 
 T = TypeVar("T")
@@ -252,7 +271,7 @@ class TieredStore(CheckpointStore):
                                     durable=self.durable, threads=self.threads,
                                     metadata=metadata, memory=self.reuse, lease_s=self.lease_s,
                                     node_local=True)
-        self.after_sharded_commit(info)
+        self._settle(info)
         return info
 
     def _node_sharded(self, process_group: Any) -> bool:
@@ -276,12 +295,11 @@ class TieredStore(CheckpointStore):
                 "local tier)")
         return False
 
-    def after_sharded_commit(self, info: CheckpointInfo) -> None:
-        """Each rank's files of a committed sharded save get their committed path on its own
+    def _settle(self, info: CheckpointInfo) -> None:
+        """This rank's files of a committed sharded save get their committed path on its own
         node (the coordinator's commit renamed only its node's attempt)."""
-        if self.sharded:
-            from ckptfs.protocol.copy import settle_node_attempt
-            settle_node_attempt(self.storage, info.step, info.attempt, durable=self.durable)
+        from ckptfs.protocol.copy import settle_node_attempt
+        settle_node_attempt(self.storage, info.step, info.attempt, durable=self.durable)
 
     def save_async(self, step: int, state: Mapping[str, Any], *,
                    metadata: Mapping[str, Any] | None = None,
@@ -289,25 +307,41 @@ class TieredStore(CheckpointStore):
         """`CheckpointStore.save_async`; the step is queued for replication once it
         committed locally.  A sharded state (on every rank of a store opened on every rank):
         the collective async save of a plain store (format v2), each rank writing its file on
-        its own node, then settled there."""
-        if wants_sharded_save(state, None):
-            self._node_sharded(None)  # refuses what a synchronous save refuses
+        its own node; the future returned is done once this node's files have their committed
+        path too."""
+        node = wants_sharded_save(state, None) and self._node_sharded(None)  # refuses early
         self.replicator.hold()  # copying pauses until this save's local write is done
         try:
-            future = super().save_async(step, state, metadata=metadata,
-                                        max_in_flight=max_in_flight)
+            inner = super().save_async(step, state, metadata=metadata,
+                                       max_in_flight=max_in_flight)
         except BaseException:
             self.replicator.release()
             raise
-        future.add_done_callback(self._committed_async)
-        return future
+        outer = _Settled(inner) if node else None
+        inner.add_done_callback(lambda _: self._committed_async(inner, outer))
+        return inner if outer is None else outer
 
-    def _committed_async(self, future: Future[CheckpointInfo]) -> None:
+    def _committed_async(self, future: async_save.SaveFuture, outer: _Settled | None) -> None:
         self.replicator.release()
-        if future.cancelled() or future.exception() is not None:
+        if future.cancelled():  # pragma: no cover - a save's future is never cancelled
+            if outer is not None:
+                outer.cancel()
+            return
+        failure = future.failure()  # not collected here: the store raises it until it is
+        if failure is not None:
+            if outer is not None:
+                outer.set_exception(failure)
             return
         info = future.result()
+        if outer is not None:
+            try:
+                self._settle(info)
+            except BaseException as exc:  # the step is committed: the settling failed
+                outer.set_exception(exc)
+                return
         self.replicator.enqueue(info.step, info.bytes)
+        if outer is not None:
+            outer.set_result(info)
 
     def delete(self, step: int) -> None:
         """Delete the local copy of ``step`` (the remote tier is left alone: use
@@ -315,7 +349,7 @@ class TieredStore(CheckpointStore):
         `UnreplicatedCheckpointError` while the step has not reached the
         remote tier, unless the store allows it (``delete_unreplicated``)."""
         check_step(step)
-        if not self.delete_unreplicated and step in self.replicator.unreplicated():
+        if step in self.holds:
             state = self.replicator.status().steps[step]
             raise UnreplicatedCheckpointError(
                 f"step {step} at {self.url} is not replicated to {self.remote.url} yet "
@@ -325,8 +359,11 @@ class TieredStore(CheckpointStore):
         super().delete(step)
         self.replicator.forget(step)
 
-    def retention_holds(self) -> frozenset[int]:
-        """Steps retention must keep: those not replicated yet (unless allowed)."""
+    @property
+    def holds(self) -> frozenset[int]:
+        """The local steps that must not be deleted yet: those the replicator reports not
+        replicated (none with ``delete_unreplicated``).  `delete` refuses them and retention
+        (`ckptfs.lifecycle.retention.prune`) keeps them whatever its policy says."""
         if self.delete_unreplicated:
             return frozenset()
         return frozenset(self.replicator.unreplicated())
@@ -386,11 +423,38 @@ class TieredStore(CheckpointStore):
             raise errors[0]
         return sorted(found)
 
-    def read_tiers(self) -> list[ReadTier]:
+    def read_tiers(self, *, collective: bool = False) -> list[ReadTier]:
         """``[("local", local storage), ("remote", remote storage)]``: every read
         (``latest``, ``load``, ``verify``, the manager's restore through `walk`)
-        resolves across both, the local copy first."""
+        resolves across both, the local copy first.  ``collective`` on a store whose local
+        tier is each node's own (``node_local``): the remote tier alone, the one copy every
+        rank can read whole."""
+        if collective and self.node_local:
+            return [("remote", self.remote.storage)]
         return [(name, st.storage) for name, st in self._tiers()]
+
+    def walk(self, use: Callable[[CheckpointInfo], T], *, allow_rollback: bool = False,
+             skipped: list[str] | None = None, collective: bool = False
+             ) -> tuple[CheckpointInfo, T] | None:
+        """`CheckpointStore.walk`; ``collective`` on a node-local store first waits (at most
+        `RESTORE_WAIT_S`) for the steps the local tiers hold to reach the remote tier it
+        reads (a job restarted on its nodes replicates at open what its last run left); a
+        step that cannot reach it (its files lost with a node, or the remote down) is not a
+        candidate: logged."""
+        if collective:
+            self._await_remote()
+        return super().walk(use, allow_rollback=allow_rollback, skipped=skipped,
+                            collective=collective)
+
+    def _await_remote(self) -> None:
+        if not self.node_local:
+            return
+        try:
+            self.wait_replicated(timeout=RESTORE_WAIT_S)
+        except (ReplicationError, TimeoutError) as exc:
+            log.warning("a collective read at %s: the local steps did not all reach %s (%s); "
+                        "it resumes from the newest step the remote tier holds", self.url,
+                        self.remote.url, exc)
 
     def tier_of(self, info: CheckpointInfo) -> str:
         """``"local"`` or ``"remote"``: the tier ``info`` was read from."""
@@ -399,13 +463,15 @@ class TieredStore(CheckpointStore):
     def _store_of(self, info: CheckpointInfo) -> CheckpointStore:
         return self.local if self.tier_of(info) == "local" else self.remote
 
-    def use_step(self, step: int, use: Callable[[CheckpointInfo], T]
-                 ) -> tuple[CheckpointInfo, T]:
+    def use_step(self, step: int, use: Callable[[CheckpointInfo], T], *,
+                 collective: bool = False) -> tuple[CheckpointInfo, T]:
         """``use`` on the first copy of ``step`` that passes it, the local one first (the
         remote one when the local one is missing or fails, logged); a step bad in both tiers
-        raises naming each tier's error."""
+        raises naming each tier's error.  ``collective``: as for `walk`."""
         check_step(step)
-        return use_step(self.read_tiers(), step, use)
+        if collective:
+            self._await_remote()
+        return use_step(self.read_tiers(collective=collective), step, use)
 
     # latest(): CheckpointStore.latest, through walk() over read_tiers(): the newest step
     # committed in either tier, the local copy when it passes; ``tier_of(info)`` says which.
@@ -424,51 +490,54 @@ class TieredStore(CheckpointStore):
         if into is not None or process_group is not None:
             return self._load_sharded(step, into, process_group, verify=verify,
                                       allow_rollback=allow_rollback, keys=keys, mmap=mmap)
-        tensor_map(map_location)
-        paths = parse_keys(keys)
-
-        def use(info: CheckpointInfo) -> dict[Any, Any]:
-            return self.load_info(info, verify=verify, map_location=map_location, keys=paths,
-                                  mmap=mmap)
-
-        if step is not None:
-            return self.use_step(step, use)[1]
-        tried: list[str] = []
-        found = self.walk(use, allow_rollback=allow_rollback, skipped=tried)
-        if found is None:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint to load at {self.url} or {self.remote.url}"
-                + (f" (skipped corrupt: {'; '.join(tried)})" if tried else ""))
-        return found[1]
+        return super().load(step, map_location=map_location, verify=verify,
+                            allow_rollback=allow_rollback, keys=keys, mmap=mmap)
 
     def _load_sharded(self, step: int | None, into: dict[str, Any] | None, process_group: Any,
                       *, verify: bool, allow_rollback: bool, keys: Any, mmap: bool
                       ) -> dict[Any, Any]:
-        """``load(into=...)`` on every rank: the newest step in either tier, the local copy
-        (spread over the nodes) when it serves, else the remote copy, the same decision on
-        every rank (docs/tiers.md "Sharded")."""
+        """``load(into=...)`` on every rank: the one walk over both tiers (on a sharded store,
+        over the group: the same decision on every rank), each candidate loaded into
+        ``into``; the local copy of a node-local store is spread over the nodes
+        (`ckptfs.protocol.node_copy`; docs/tiers.md "Sharded")."""
         if into is None or keys is not None or mmap or process_group is not None:
             raise LoadOptionError(
                 "a tiered store loads a sharded checkpoint with load(into=state) on every rank "
                 "of the default process group (no process_group=, keys or mmap)")
-        if not self.sharded:  # a world of one: the one walk, each copy loaded into ``into``
-            from ckptfs.protocol import sharded
+        from ckptfs.protocol import sharded
+        from ckptfs.protocol.sharded_read import ShardedReader
+        group: Group | None = None
+        if self.sharded:
+            group = RankGroup(sharded.collective_group(
+                None, what=f"a sharded load across tiers at {self.url}",
+                default=ShardedLoadError))
 
-            def use(info: CheckpointInfo) -> dict[str, Any]:
-                return sharded.load_into(self._store_of(info).storage, info.step, into,
-                                         verify=verify, threads=self.threads)
+        def use(info: CheckpointInfo) -> dict[str, Any]:
+            if not is_sharded(info.manifest):
+                raise LoadOptionError(
+                    f"step {info.step} at {info.url} is a single-process (format "
+                    f"v{info.manifest.format_version}) checkpoint: load(into=) fills a state "
+                    f"dict from a sharded one; load it with store.load({info.step})")
+            if self.node_local and group is not None and self.tier_of(info) == "local":
+                from ckptfs.protocol.node_copy import load_node_copy
+                return load_node_copy(self.storage, self.remote.storage, info, into, group,
+                                      verify=verify, threads=self.threads,
+                                      durable=self.durable)
+            storage = self._store_of(info).storage
+            reader = ShardedReader(storage, info.step, verify=verify, threads=self.threads)
+            reader.info = info
+            return sharded.load_into(storage, info.step, into, verify=verify,
+                                     threads=self.threads, reader=reader)
 
-            if step is not None:
-                return self.use_step(step, use)[1]
-            found = self.walk(use, allow_rollback=allow_rollback)
-            if found is None:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint to load at {self.url} or {self.remote.url}")
-            return found[1]
-        from ckptfs.protocol.tiers_sharded import load_across_tiers
-        return load_across_tiers(self.storage, self.remote.storage, step, into, verify=verify,
-                                 threads=self.threads, allow_rollback=allow_rollback,
-                                 durable=self.durable)
+        tiers = self.read_tiers()
+        if step is not None:
+            check_step(step)
+            return use_step(tiers, step, use, group=group)[1]
+        found = walk_tiers(tiers, use, allow_rollback=allow_rollback, group=group)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint to load at {self.url} or {self.remote.url}")
+        return found[1]
 
     def load_info(self, info: CheckpointInfo, *, verify: bool = True,
                   map_location: MapLocation = None,
@@ -496,8 +565,11 @@ class TieredStore(CheckpointStore):
             return self.remote.verify(step, remote=True)
 
         def use(info: CheckpointInfo) -> VerifyReport:
-            if quick and self.node_local and self.tier_of(info) == "local":
-                return self._verify_node_copy(info)
+            if quick and self._copier is not None and is_sharded(info.manifest) \
+                    and self.tier_of(info) == "local":  # this node's part of the local copy
+                from ckptfs.protocol.node_copy import verify_node_copy
+                return verify_node_copy(self.storage, info, self._copier.rank,
+                                        self._copier.coordinator)
             return self._store_of(info).verify(info.step, quick=quick)
 
         if step is not None:
@@ -508,66 +580,32 @@ class TieredStore(CheckpointStore):
                                           f"{self.remote.url}")
         return found[1]
 
-    def _verify_node_copy(self, info: CheckpointInfo) -> VerifyReport:
-        """The quick verify of a sharded step's local copy on node-local storage: the listing
-        checks (links, missing, resized) of the files this node holds, its rank files (and on
-        the coordinator's node ``dcp.msgpack``, besides the marker and manifest the read
-        checked); the other nodes' files are not visible from here.  This is what retention
-        asks of the newest step before it deletes older local copies (their remote copies
-        stay the fallbacks)."""
-        if not isinstance(info.manifest, ShardedManifest) or self._copier is None:
-            return self.local.verify(info.step, quick=True)
-        from ckptfs.protocol.copy import own_files
-        mine = own_files(info.manifest, self._copier.rank, self._copier.coordinator)
-        found = problems(info, list_attempt(self.storage, info), files=mine)
-        report = VerifyReport(info.step, info.attempt, info.url, "quick")
-        report.problems = [p.text for p in found]
-        report.unsafe = [p.text for p in found if p.kind == "link"]
-        report.files = len(mine)
-        report.bytes = sum(e.size for e in mine)
-        if found:
-            cls = UnsafeCheckpointError if report.unsafe else CorruptCheckpointError
-            raise cls(f"step {info.step} at {info.url} fails quick verification on this node: "
-                      + "; ".join(report.problems), step=info.step, path=info.path)
-        return report
-
-    def restore_source(self) -> CheckpointStore:
-        """A sharded two-tier store's nodes each hold only their own files, so a collective
-        manager restore walks the remote tier, the one complete copy, after waiting (at most
-        `RESTORE_WAIT_S`) for the local steps to get there (a job restarted on its nodes
-        replicates at open what its last run left); the model and optimizer still load through
-        this store, each node's own files first.  A step that cannot reach the remote (its
-        files lost with a node, or the remote down) is not a candidate: logged."""
-        if not self.node_local:
-            return self
-        try:
-            self.wait_replicated(timeout=RESTORE_WAIT_S)
-        except (ReplicationError, TimeoutError) as exc:
-            log.warning("restore at %s: the local steps did not all reach %s (%s); the restore "
-                        "resumes from the newest step the remote tier holds", self.url,
-                        self.remote.url, exc)
-        return self.remote
-
-    def after_prune(self, deleted: Iterable[int]) -> None:
-        """On a node-local sharded store, a rank other than the coordinator removes its node's
-        files of the steps the coordinator's prune deleted (the coordinator deleted its own,
-        marker first); a step committed on this node is left alone."""
-        if not self.node_local or self._copier is None or self._copier.coordinator:
-            return
-        listed = list_step_dirs(self.storage)
-        for step in deleted:
-            for name in listed.get(step, []):
-                paths = StepPaths(step, name)
-                if self.storage.exists(paths.marker):
-                    continue
-                try:
-                    self.storage.delete_tree(paths.dir)
-                except StorageError as exc:
-                    log.warning("prune: could not remove this node's files of step %d at %s: "
-                                "%s", step, self.url, exc)
-
     def __repr__(self) -> str:
         return f"TieredStore({self.url!r}, remote={self.remote.url!r})"
+
+
+class _Settled(async_save.SaveFuture):
+    """The future of a sharded two-tier store's `save_async`: done once the save
+    committed and this node's files have their committed path (``inner``: the save's own
+    future).  Collecting its failure collects the save's, so the store does not raise it
+    again."""
+
+    def __init__(self, inner: async_save.SaveFuture) -> None:
+        super().__init__(inner.step, inner.url)
+        self.inner = inner
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        try:
+            return super().result(timeout)
+        finally:
+            if self.collected:
+                self.inner.collected = True
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = super().exception(timeout)
+        if exc is not None:
+            self.inner.collected = True
+        return exc
 
 
 def tiered(local: str | CheckpointStore, remote: str | CheckpointStore, *,
