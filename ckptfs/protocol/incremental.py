@@ -52,7 +52,6 @@ from ckptfs.format.sharded import Chunk, ChunkedFileEntry
 from ckptfs.format.versions import CHUNKED, REFERENCES
 from ckptfs.protocol.commit import (
     ProtectorGoneError,
-    confirm_after_lease,
     default_threads,
     save_plan,
     write_again_if_gone,
@@ -412,15 +411,6 @@ def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
     return info
 
 
-def recheck_after_lease(storage: Storage, info: CheckpointInfo) -> None:
-    """The marker of a referencing copy (``ckptfs cp``, a replica) landed after its lease:
-    `ckptfs.protocol.commit.confirm_after_lease`, the check every incremental save's commit
-    runs then (``Attempt.commit(lease_expired=)``): every file of the checkpoint, its own
-    and those it references, listed again; if one is gone, uncommitted and
-    `CorruptCheckpointError`."""
-    confirm_after_lease(storage, info)
-
-
 def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
               reused: Mapping[int, Stored]) -> None:
     """The index of the checkpoint just committed, from what was written (no reads)."""
@@ -455,7 +445,6 @@ __all__ = [
     "find_reuse",
     "index_of",
     "latest_index",
-    "recheck_after_lease",
     "references",
     "references_for",
     "reuse_index",
