@@ -73,7 +73,6 @@ from ckptfs.format.content import same_content as same_content  # shared: cp, ti
 from ckptfs.format.hashing import ALGORITHMS, format_digest, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
-    IncrementalManifest,
     Reference,
     has_references,
 )
@@ -162,7 +161,7 @@ def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, th
     checked = check_checkpoint(src, info)
     feats = features(manifest)
     if REFERENCES in feats and SHARDED not in feats:
-        return _copy_v3(src, dst, info, cast(IncrementalManifest, manifest), checked,
+        return _copy_v3(src, dst, info, manifest, checked,
                         durable=durable, progress=progress, check_stored=check_stored)
     # A sharded checkpoint's references (format v4) name the destination's own copies.
     there, retired = references_at(dst, manifest, src=src, durable=durable)
@@ -250,7 +249,7 @@ def references_at(dst: Storage, manifest: M, *, src: Storage | None = None,
         for att, _ in retired.values():
             att.discard()
         raise
-    return (cast(M, dataclasses.replace(manifest, references=tuple(refs))),
+    return (dataclasses.replace(manifest, references=tuple(refs)),
             [att for att, _ in retired.values()])
 
 
@@ -591,7 +590,7 @@ def _reusable(dst: Storage, path: str, wanted: dict[str, tuple[HeaderEntry, Chun
     return None
 
 
-def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: IncrementalManifest,
+def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: Manifest,
              checked: Any, *, durable: bool, progress: Progress | None,
              reuse: bool = True, lease_s: float = DEFAULT_LEASE_S,
              check_stored: bool = False) -> CopyResult:
@@ -632,9 +631,9 @@ def _copy_v3(src: Storage, dst: Storage, info: CheckpointInfo, manifest: Increme
         else:
             mats.append(_materialized(sref, located))
 
-    def build(name: str, entries: list[ChunkedFileEntry]) -> IncrementalManifest:
-        return IncrementalManifest(step, name, tuple(entries), manifest.created, algo,
-                                   dict(manifest.metadata), references=tuple(dst_refs))
+    def build(name: str, entries: list[ChunkedFileEntry]) -> Manifest:
+        return Manifest(step, name, tuple(entries), manifest.created, algo,
+                        dict(manifest.metadata), manifest.features, references=tuple(dst_refs))
 
     def fence_for(opened: float) -> Callable[[], None] | None:
         if not dst_refs or index is None:

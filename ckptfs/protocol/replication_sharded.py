@@ -53,7 +53,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed as dist
 
@@ -64,9 +64,9 @@ from ckptfs.errors import (
     StorageError,
 )
 from ckptfs.format.layout import StepPaths
-from ckptfs.format.manifest import Marker
-from ckptfs.format.sharded import ChunkedFileEntry, ShardedManifest
-from ckptfs.format.versions import decode_manifest
+from ckptfs.format.manifest import Manifest, Marker
+from ckptfs.format.sharded import ChunkedFileEntry
+from ckptfs.format.versions import decode_manifest, is_sharded
 from ckptfs.protocol.commit import Attempt
 from ckptfs.protocol.copy import (
     CopyResult,
@@ -115,7 +115,7 @@ def settle_node_attempt(storage: Storage, step: int, attempt: str, *, durable: b
             storage.sync_dir(paths.dir)
 
 
-def own_files(manifest: ShardedManifest, rank: int, coordinator: bool
+def own_files(manifest: Manifest, rank: int, coordinator: bool
               ) -> list[ChunkedFileEntry]:
     """The files of ``manifest`` that ``rank`` wrote (its rank files; the coordinator also
     ``dcp.msgpack``): what it holds on its own node."""
@@ -145,7 +145,7 @@ def info_of(doc: Mapping[str, Any]) -> CheckpointInfo:
 class _Plan:
     status: str  # "copy" | "done" | "gone" | "error"
     source: CheckpointInfo | None = None
-    manifest: ShardedManifest | None = None  # the one the remote attempt will commit
+    manifest: Manifest | None = None  # the one the remote attempt will commit
     result: CopyResult | None = None
     error: dict[str, Any] | None = None  # `describe`
 
@@ -160,8 +160,8 @@ class _Plan:
     def from_doc(cls, doc: Mapping[str, Any]) -> _Plan:
         manifest = None
         if doc["manifest"] is not None:
-            manifest = cast(ShardedManifest, decode_manifest(
-                str(doc["manifest"]).encode(), where="the remote manifest (as sent)"))
+            manifest = decode_manifest(
+                str(doc["manifest"]).encode(), where="the remote manifest (as sent)")
         return cls(str(doc["status"]),
                    None if doc["source"] is None else info_of(doc["source"]), manifest,
                    None if doc["result"] is None else CopyResult(**doc["result"]),
@@ -288,7 +288,7 @@ class ShardedCopier:
                     return _Plan("gone")
                 raise
             manifest = info.manifest
-            if not isinstance(manifest, ShardedManifest):  # saved by one process: cp's copy
+            if not is_sharded(manifest):  # saved by one process: cp's copy
                 return _Plan("done", result=copy_step(self.local, self.remote, step,
                                                       durable=self.durable,
                                                       threads=self.threads))
@@ -320,7 +320,7 @@ class ShardedCopier:
         (`check_stored_checksums`, as every replica)."""
         source, manifest = plan.source, plan.manifest
         assert source is not None and manifest is not None
-        mine = own_files(cast(ShardedManifest, source.manifest), self.rank, self.coordinator)
+        mine = own_files(source.manifest, self.rank, self.coordinator)
         if not mine:
             return _Upload()
         settle_node_attempt(self.local, source.step, source.attempt, durable=self.durable)

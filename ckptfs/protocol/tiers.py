@@ -50,7 +50,7 @@ from ckptfs.format.content import same_content
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
 from ckptfs.format.incremental import DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step
-from ckptfs.format.sharded import ShardedManifest
+from ckptfs.format.versions import is_sharded
 from ckptfs.protocol import async_save
 from ckptfs.protocol.collective import wants_sharded_save, world_size
 from ckptfs.protocol.formats import VerifyReport
@@ -514,7 +514,7 @@ class TieredStore(CheckpointStore):
         checked); the other nodes' files are not visible from here.  This is what retention
         asks of the newest step before it deletes older local copies (their remote copies
         stay the fallbacks)."""
-        if not isinstance(info.manifest, ShardedManifest) or self._copier is None:
+        if not is_sharded(info.manifest) or self._copier is None:
             return self.local.verify(info.step, quick=True)
         from ckptfs.protocol.replication_sharded import own_files
         mine = own_files(info.manifest, self._copier.rank, self._copier.coordinator)

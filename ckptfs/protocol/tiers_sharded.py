@@ -38,7 +38,7 @@ every tier that holds it raises `CorruptCheckpointError`, unless
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -55,7 +55,8 @@ from ckptfs.errors import (
 )
 from ckptfs.format.content import same_content
 from ckptfs.format.incremental import references_of
-from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, ShardedManifest
+from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry
+from ckptfs.format.versions import is_sharded
 from ckptfs.protocol.copy import committed_at
 from ckptfs.protocol.group import RankGroup, decode_bytes, describe, encode_bytes
 from ckptfs.protocol.replication_sharded import (
@@ -136,8 +137,7 @@ class NodeReader(ShardedReader):
         self._peer: dict[str, dict[int, bytes]] = {}
 
     def _loc(self, path: str) -> str:
-        return entry_location(self.resolve(), cast(ShardedManifest,
-                                                   self.resolve().manifest).chunked(path))
+        return entry_location(self.resolve(), self.resolve().manifest.chunked(path))
 
     def read_run(self, entry: ChunkedFileEntry, start: int, length: int) -> memoryview:
         info = self.resolve()
@@ -158,7 +158,7 @@ class NodeReader(ShardedReader):
             if len(out) == length:
                 return memoryview(bytes(out))
         if self.remote_info is not None:
-            rentry = cast(ShardedManifest, self.remote_info.manifest).chunked(entry.path)
+            rentry = self.remote_info.manifest.chunked(entry.path)
             return read_chunks(self.remote, self.remote_info, rentry, start, length,
                                verify=self.verify)
         raise LocalCopyUnavailable(f"{info.url}: {entry.path} is on no node and not at "
@@ -168,7 +168,7 @@ class NodeReader(ShardedReader):
         """The stored chunks this rank's items read that its node does not hold (and each rank
         file's header chunk)."""
         doc = self.load_document()
-        manifest = cast(ShardedManifest, self.resolve().manifest)
+        manifest = self.resolve().manifest
         storage_data = doc.metadata.storage_data or {}
         keys: set[Key] = set()
         for req in plan.items:
@@ -206,7 +206,7 @@ class NodeReader(ShardedReader):
         mine: dict[str, Any] | None = None
         if not missing and not any(e for _, e in wanted):
             try:
-                manifest = cast(ShardedManifest, info.manifest)
+                manifest = info.manifest
                 for r, key in serve:
                     sent[(r, key)] = bytes(read_chunks(self.storage, info,
                                                        manifest.chunked(key[0]), key[1], key[2],
@@ -269,7 +269,7 @@ def _local_facts(local: Storage, remote: Storage, step: int, verify: bool) -> An
     try:
         info = read_committed(local, step)
         manifest = info.manifest
-        if not isinstance(manifest, ShardedManifest):
+        if not is_sharded(manifest):
             raise CheckpointNotFoundError(f"step {step} at {info.url} is not a sharded "
                                           "checkpoint")
         entry = manifest.chunked(METADATA_NAME)
