@@ -17,12 +17,10 @@ from test_incremental_cp import populate, state
 import ckptfs
 from ckptfs.cli.core import main
 from ckptfs.errors import CorruptCheckpointError, ReplicationError
-from ckptfs.format.incremental import (
-    IncrementalManifest,
-    Reference,
-    ShardedIncrementalManifest,
-)
+from ckptfs.format.features import REFERENCES, SHARDED
+from ckptfs.format.incremental import Reference
 from ckptfs.format.layout import StepPaths
+from ckptfs.format.manifest import Manifest
 from ckptfs.format.sharded import ChunkedFileEntry
 from ckptfs.protocol.commit import Attempt
 from ckptfs.protocol.copy import copy_step
@@ -49,7 +47,7 @@ def _golden_v4(tmp_path: Path) -> Path:
 
 def _attempts(storage: FsspecStorage, step: int) -> set[str]:
     m = ckptfs.CheckpointStore(storage).info(step).manifest
-    assert isinstance(m, ShardedIncrementalManifest) and m.references
+    assert m.format_version == 4 and m.references
     return {r.attempt for r in m.references}
 
 
@@ -114,7 +112,7 @@ def test_a_failed_lone_v4_copy_leaves_no_retired_attempt(tmp_path: Path) -> None
     src, dst = _golden_v4(tmp_path), tmp_path / "dst"
     info = ckptfs.open(str(src)).info(2)
     m2 = info.manifest
-    assert isinstance(m2, ShardedIncrementalManifest)
+    assert m2.format_version == 4
     own = next(e for e in m2.files if e.path.startswith("rank-"))
     target = src / info.path / own.path
     data = bytearray(target.read_bytes())
@@ -144,7 +142,7 @@ def test_cp_of_v4_refuses_rotted_destination_bytes(tmp_path: Path) -> None:
     copy_step(s, d, 1)
     info = ckptfs.CheckpointStore(d).info(1)
     m2 = ckptfs.CheckpointStore(s).info(2).manifest
-    assert isinstance(m2, ShardedIncrementalManifest)
+    assert m2.format_version == 4
     ref = m2.references[0]
     target = dst / info.path / ref.source
     data = bytearray(target.read_bytes())
@@ -165,7 +163,7 @@ def test_cp_of_v3_writes_rotted_destination_bytes_again(local_backend: Backend, 
     copy_step(src.storage, dst.storage, 1)
     info = dst.info(1)
     m1 = info.manifest
-    assert isinstance(m1, IncrementalManifest)
+    assert m1.format_version == 3
     rotted = next(e for e in m1.files if e.path != "state.msgpack")
     path = tmp_path / "dst" / info.path / rotted.path
     data = bytearray(path.read_bytes())
@@ -173,7 +171,7 @@ def test_cp_of_v3_writes_rotted_destination_bytes_again(local_backend: Backend, 
     path.write_bytes(bytes(data))
     copy_step(src.storage, dst.storage, 2)
     m2 = dst.info(2).manifest
-    assert isinstance(m2, IncrementalManifest)
+    assert m2.format_version == 3
     assert all(not (r.step == 1 and r.source == rotted.path) for r in m2.references), \
         "the copy referenced the rotted file"
     assert dst.verify(2).ok
@@ -187,7 +185,7 @@ def test_replicator_does_not_report_rotted_references_replicated(local_backend: 
     copy_step(src.storage, remote, 1)
     info = ckptfs.CheckpointStore(remote).info(1)
     m1 = info.manifest
-    assert isinstance(m1, IncrementalManifest)
+    assert m1.format_version == 3
     for e in m1.files:
         if e.path != "state.msgpack":
             path = tmp_path / "remote" / info.path / e.path
@@ -214,7 +212,7 @@ def test_commit_refuses_a_dangling_reference(local_backend: Backend) -> None:
     store = populate(local_backend, steps=(1,))
     info = store.info(1)
     m1 = info.manifest
-    assert isinstance(m1, IncrementalManifest)
+    assert m1.format_version == 3
     entry = next(e for e in m1.files if e.path != "state.msgpack")
     good = Reference("ref-00000.safetensors", 1, info.attempt, entry.path, entry.size,
                      entry.algorithm, (entry.chunks[0],))
@@ -223,8 +221,8 @@ def test_commit_refuses_a_dangling_reference(local_backend: Backend) -> None:
                       (dataclasses.replace(good, size=entry.size + 1), "size differs")):
         att = Attempt.open(store.storage, 5, algorithm=m1.hash_algorithm)
         w = att.write_file("state.msgpack", 1, lambda: iter([memoryview(b"\x80")]), pieces=[1])
-        manifest = IncrementalManifest(5, att.name, (w.chunked_entry(m1.hash_algorithm, [1]),),
-                                       m1.created, m1.hash_algorithm, {}, references=(bad,))
+        manifest = Manifest(5, att.name, (w.chunked_entry(m1.hash_algorithm, [1]),),
+                            m1.created, m1.hash_algorithm, {}, m1.features, references=(bad,))
         with pytest.raises(CorruptCheckpointError, match=f"{what}.*nothing was committed"):
             att.commit(manifest)
         assert not store.storage.exists(StepPaths(5).marker)
@@ -239,7 +237,7 @@ def test_v4_manifest_naming_the_sources_attempts_is_refused_by_the_commit(tmp_pa
     s, d = FsspecStorage(str(src)), FsspecStorage(str(dst))
     copy_step(s, d, 1)
     m2 = ckptfs.CheckpointStore(s).info(2).manifest
-    assert isinstance(m2, ShardedIncrementalManifest) and m2.references
+    assert m2.format_version == 4 and m2.references
     att = Attempt.open(d, 2, algorithm=m2.hash_algorithm, durable=False)
     with pytest.raises(CorruptCheckpointError, match=r"which is missing.*nothing was committed"):
         att.commit(dataclasses.replace(m2, attempt=att.name))
@@ -284,7 +282,7 @@ def job_copy_cells(rank: int, world: int, root: str) -> dict[str, Any]:
     rot(1)
     if rank == 0:
         m2 = ckptfs.CheckpointStore(FsspecStorage(f"{root}/v4")).info(2).manifest
-        assert isinstance(m2, ShardedIncrementalManifest)
+        assert {SHARDED, REFERENCES} <= m2.features
         ref = m2.references[0]
         there = ckptfs.CheckpointStore(FsspecStorage(f"{root}/rot")).info(1)
         _flip(Path(root) / "rot" / there.path / ref.source, ref.chunks[-1].offset)
@@ -331,7 +329,7 @@ def test_copy_guarantees_on_both_world_sizes(world: int, tmp_path: Path) -> None
     assert ckptfs.open(str(tmp_path / "lone")).steps() == ([2] if world == 1 else [])
     v3dst = ckptfs.open(str(tmp_path / "v3dst"))
     m2 = v3dst.info(2).manifest
-    assert isinstance(m2, IncrementalManifest)
+    assert REFERENCES in m2.features and SHARDED not in m2.features
     assert all(r.step != 1 for r in m2.references), "the copy referenced a rotted file"
     assert v3dst.verify(2).ok
     assert_bit_exact(v3dst.load(2), state(2))

@@ -38,13 +38,12 @@ from ckptfs.format.sharded import (
     V2_FILE_KEYS,
     Chunk,
     ChunkedFileEntry,
-    ShardedManifest,
     chunk_list_digest,
     decode_value,
     encode_value,
 )
 from ckptfs.format.sharded_metadata import decode_metadata
-from ckptfs.format.versions import decode_manifest
+from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED, decode_manifest
 
 FUZZ = settings(max_examples=250, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -302,9 +301,9 @@ def _v2_manifest() -> bytes:
                                 None),
                ChunkedFileEntry("rank-00000/data-0.safetensors", 12,
                                 chunk_list_digest("sha256", chunks), chunks, 0))
-    return ShardedManifest(5, "a-20260101T000000Z-0123456789abcdef", entries,
-                           "2026-01-01T00:00:00+00:00", "sha256", {"tensor_count": 0},
-                           world_size=1).to_bytes()
+    return Manifest(5, "a-20260101T000000Z-0123456789abcdef", entries,
+                    "2026-01-01T00:00:00+00:00", "sha256", {"tensor_count": 0},
+                    frozenset({SHARDED, CHUNKED}), world_size=1).to_bytes()
 
 
 VALID_V2_MANIFEST = _v2_manifest()
@@ -337,7 +336,7 @@ V3_REF_CHUNKS = [[0, 8, "3" * 64], [8, 4, "4" * 64]]
 
 def _v3_manifest() -> bytes:
     """A valid v3 manifest: state.msgpack, one tensor file, one reference."""
-    from ckptfs.format.incremental import IncrementalManifest, Reference
+    from ckptfs.format.incremental import Reference
 
     state = (Chunk(0, 16, "2" * 64),)
     chunks = (Chunk(0, 8, "0" * 64), Chunk(8, 4, "1" * 64))
@@ -347,8 +346,9 @@ def _v3_manifest() -> bytes:
                                 chunk_list_digest("sha256", chunks), chunks, None))
     ref = Reference("ref-00000.safetensors", 3, V3_REF_ATTEMPT, "tensors-00000.safetensors",
                     64, "sha256", tuple(Chunk(*c) for c in V3_REF_CHUNKS))
-    return IncrementalManifest(5, V3_ATTEMPT, entries, "2026-01-01T00:00:00+00:00", "sha256",
-                               {"tensor_count": 0}, references=(ref,)).to_bytes()
+    return Manifest(5, V3_ATTEMPT, entries, "2026-01-01T00:00:00+00:00", "sha256",
+                    {"tensor_count": 0}, frozenset({CHUNKED, REFERENCES}),
+                    references=(ref,)).to_bytes()
 
 
 VALID_V3_MANIFEST = _v3_manifest()
@@ -442,7 +442,7 @@ def test_v3_manifest_from_random_or_flipped_bytes(data: bytes) -> None:
 def _v3_manifests(draw: st.DrawFn) -> Any:
     """Valid v3 manifests: own files tiled by chunks, references with sorted disjoint chunks
     (the header first) inside their files, no name twice."""
-    from ckptfs.format.incremental import IncrementalManifest, Reference, reference_name
+    from ckptfs.format.incremental import Reference, reference_name
 
     algo = draw(st.sampled_from(sorted(a for a in ALGORITHMS if ALGORITHMS[a].cryptographic)))
     hexd = st.text("0123456789abcdef", min_size=1, max_size=64)
@@ -473,9 +473,9 @@ def _v3_manifests(draw: st.DrawFn) -> Any:
                               draw(st.sampled_from(["tensors-00000.safetensors",
                                                     "rank-00001/data-0.safetensors"])),
                               end + draw(st.integers(0, 100)), algo, tuple(chunks)))
-    return IncrementalManifest(draw(st.integers(0, MAX_STEP)), V3_ATTEMPT, tuple(files),
-                               "2026-01-01T00:00:00+00:00", algo, {"k": draw(finite_json_values)},
-                               references=tuple(refs))
+    return Manifest(draw(st.integers(0, MAX_STEP)), V3_ATTEMPT, tuple(files),
+                    "2026-01-01T00:00:00+00:00", algo, {"k": draw(finite_json_values)},
+                    frozenset({CHUNKED, REFERENCES}), references=tuple(refs))
 
 
 @REFUSE

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from ckptfs.cli.core import main
 from ckptfs.errors import CorruptCheckpointError
-from ckptfs.format.incremental import IncrementalManifest
+from ckptfs.format.manifest import Manifest
 from ckptfs.protocol.copy import copy_step
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.testing.backend import Backend
@@ -40,9 +40,9 @@ def populate(backend: Backend, steps: tuple[int, ...] = (1, 2)) -> CheckpointSto
     return store
 
 
-def manifest(store: CheckpointStore, step: int) -> IncrementalManifest:
+def manifest(store: CheckpointStore, step: int) -> Manifest:
     m = store.info(step).manifest
-    assert isinstance(m, IncrementalManifest)
+    assert m.format_version == 3
     return m
 
 
@@ -229,8 +229,9 @@ def test_same_content_of_v4_compares_references_not_their_attempt_names() -> Non
     if a reference's chunks differ: the comparison used to look at the own files only, so a
     remote v4 step with other references counted as identical (ckptfs cp left it, a tiered
     store counted the step as replicated)."""
-    from ckptfs.format.incremental import Reference, ShardedIncrementalManifest
+    from ckptfs.format.incremental import Reference
     from ckptfs.format.sharded import Chunk, make_entry
+    from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED
     from ckptfs.protocol.copy import same_content
 
     head, item = Chunk(0, 16, "aa" * 32), Chunk(16, 8, "bb" * 32)
@@ -238,9 +239,9 @@ def test_same_content_of_v4_compares_references_not_their_attempt_names() -> Non
     ref = Reference("ref-00000.safetensors", 1, "a-20260101T000000Z-0000000000000001",
                     "rank-00001/data-0.safetensors", 64, "blake3", (head, item))
 
-    def v4(attempt: str, r: Reference) -> ShardedIncrementalManifest:
-        return ShardedIncrementalManifest(2, attempt, (own,), "2026-01-01T00:00:00Z", "blake3",
-                                          {}, world_size=2, references=(r,))
+    def v4(attempt: str, r: Reference) -> Manifest:
+        return Manifest(2, attempt, (own,), "2026-01-01T00:00:00Z", "blake3", {},
+                        frozenset({SHARDED, CHUNKED, REFERENCES}), world_size=2, references=(r,))
 
     a = v4("a-20260101T000000Z-000000000000000a", ref)
     renamed = dataclasses.replace(ref, attempt="a-20260102T000000Z-000000000000000b")

@@ -20,10 +20,11 @@ import pytest
 from ckptfs.cli.core import main as cli_main
 from ckptfs.errors import CorruptCheckpointError
 from ckptfs.format.hashing import digest_bytes
-from ckptfs.format.incremental import DEFAULT_GRACE_S, IncrementalManifest, Reference
+from ckptfs.format.incremental import DEFAULT_GRACE_S, Reference
 from ckptfs.format.layout import CHECKPOINTS_DIR, STATE_NAME, StepPaths, new_attempt_name
-from ckptfs.format.manifest import MARKER_DIGEST_ALGORITHM, Marker
+from ckptfs.format.manifest import MARKER_DIGEST_ALGORITHM, Manifest, Marker
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, chunk_list_digest
+from ckptfs.format.versions import CHUNKED, REFERENCES
 from ckptfs.lifecycle.gc import DEFAULT_GRACE, collect
 from ckptfs.protocol.references import run_usage, scan_references
 from ckptfs.storage.base import Entry, Storage, StorageWrapper
@@ -52,7 +53,7 @@ class Planted:
     step: int
     attempt: str
     files: dict[str, bytes]
-    manifest: IncrementalManifest
+    manifest: Manifest
 
     @property
     def dir(self) -> str:
@@ -81,8 +82,8 @@ def plant_v3(backend: Backend, step: int, files: dict[str, bytes], *,
         chunks = (Chunk(0, len(data), _hex(data)),)
         entries.append(ChunkedFileEntry(name, len(data), chunk_list_digest(ALGO, chunks),
                                         chunks, None))
-    manifest = IncrementalManifest(step, attempt, tuple(entries), "2026-01-01T00:00:00Z", ALGO,
-                                   {}, references=refs)
+    manifest = Manifest(step, attempt, tuple(entries), "2026-01-01T00:00:00Z", ALGO, {},
+                        frozenset({CHUNKED, REFERENCES}), references=refs)
     paths = StepPaths(step)
     for name, data in files.items():
         backend.raw_write(paths.file(attempt, name), data)

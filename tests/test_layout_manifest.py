@@ -123,3 +123,79 @@ def test_marker_newer_version() -> None:
     doc["format_version"] = 99
     with pytest.raises(FormatVersionError):
         Marker.from_bytes(json.dumps(doc).encode())
+
+
+# -- one model: a format version is a set of features ---------------------------------------
+
+
+def _featured(feats: frozenset[str]) -> Manifest:
+    """A well-formed manifest of every feature set the table names: v1's whole file, or the
+    chunked files a sharded (rank file + dcp.msgpack) or single-process (state.msgpack)
+    checkpoint has, with one reference where the features carry references."""
+    from ckptfs.format.entries import Chunk, Reference, make_entry
+    from ckptfs.format.versions import REFERENCES, SHARDED
+
+    if not feats:
+        return _manifest()
+    hexd = "ab" * 32
+    if SHARDED in feats:
+        files = (make_entry("dcp.msgpack", 4, "sha256", [Chunk(0, 4, hexd)], None),
+                 make_entry("rank-00000/data-0.safetensors", 6, "sha256",
+                            [Chunk(0, 2, hexd), Chunk(2, 4, hexd)], 0))
+        source = "rank-00001/data-0.safetensors"
+    else:
+        files = (make_entry("state.msgpack", 4, "sha256", [Chunk(0, 4, hexd)], None),)
+        source = "tensors-00000.safetensors"
+    refs = (Reference("ref-00000.safetensors", 1, "a-20261130T000000Z-0123456789abcdef",
+                      source, 10, "sha256", (Chunk(0, 2, hexd), Chunk(4, 3, hexd))),
+            ) if REFERENCES in feats else ()
+    return Manifest(5, ATTEMPT, files, "2026-11-30T01:25:00+00:00", "sha256", {}, feats,
+                    world_size=2 if SHARDED in feats else 0, references=refs)
+
+
+def test_the_version_is_the_name_of_the_features() -> None:
+    """Every version of the table round-trips through the one encoder and decoder, and its
+    manifest's ``format_version`` is derived from its features (the table's inverse)."""
+    from ckptfs.format.versions import FEATURES, VERSIONS, decode_manifest, features
+
+    assert {feats: v for v, feats in FEATURES.items()} == VERSIONS
+    for version, feats in FEATURES.items():
+        m = _featured(feats)
+        assert m.format_version == version and features(m) == feats
+        back = decode_manifest(m.to_bytes())
+        assert back == m and back.to_bytes() == m.to_bytes(), version
+
+
+def test_methods_behave_per_feature() -> None:
+    """What only some versions had exists on the one model: without references, none;
+    without chunks, no chunked file; a reference seen as a chunked file where it has one."""
+    from ckptfs.format.entries import ReferencedFile
+    from ckptfs.format.versions import FEATURES
+
+    v1 = _featured(FEATURES[1])
+    assert v1.references == () and v1.reference("state.msgpack") is None
+    assert v1.logical_bytes == v1.bytes_written == v1.total_bytes
+    with pytest.raises(KeyError):
+        v1.chunked("state.msgpack")
+    for version in (3, 4):
+        m = _featured(FEATURES[version])
+        ref = m.references[0]
+        assert m.reference(ref.path) is ref
+        assert m.logical_bytes == m.bytes_written + ref.used_bytes
+        seen = m.chunked(ref.path)
+        assert isinstance(seen, ReferencedFile) and seen.location == ref.location
+
+
+def test_a_feature_set_no_version_names_is_refused() -> None:
+    from ckptfs.format.entries import Chunk, Reference
+    from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED
+
+    for feats in ({SHARDED}, {REFERENCES}, {CHUNKED}, {SHARDED, REFERENCES}, {"compressed"}):
+        with pytest.raises(ValueError, match="no manifest format version"):
+            Manifest(5, ATTEMPT, (), "t", "sha256", {}, frozenset(feats))
+    with pytest.raises(ValueError, match="sharded"):
+        Manifest(5, ATTEMPT, (), "t", "sha256", {}, world_size=2)
+    ref = Reference("r", 1, ATTEMPT, "x", 1, "sha256", (Chunk(0, 1, "ab" * 32),))
+    with pytest.raises(ValueError, match="references"):
+        Manifest(5, ATTEMPT, (), "t", "sha256", {}, frozenset({SHARDED, CHUNKED}),
+                 world_size=1, references=(ref,))

@@ -21,8 +21,8 @@ from test_sharded import build_state, targets, to_plain
 import ckptfs
 from ckptfs.errors import CorruptCheckpointError
 from ckptfs.format.layout import StepPaths
-from ckptfs.format.sharded import METADATA_NAME, ShardedManifest
-from ckptfs.format.versions import decode_manifest
+from ckptfs.format.sharded import METADATA_NAME
+from ckptfs.format.versions import decode_manifest, is_sharded
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal
 
@@ -33,7 +33,7 @@ def flip_in_rank_file(backend: Backend, step: int, attempt: str, key: str) -> in
     """Flip the first byte of ``key``'s chunk in rank 1's data file (through the backdoor,
     never through ckptfs); returns the file offset flipped."""
     m = decode_manifest(backend.raw_read(StepPaths(step).manifest(attempt)))
-    assert isinstance(m, ShardedManifest)
+    assert is_sharded(m)
     entry = m.chunked(DAMAGED)
     rel = StepPaths(step).file(attempt, entry.path)
     data = bytearray(backend.raw_read(rel))

@@ -21,7 +21,7 @@ from sharded_tamper import RANK_FILE, attempt_dir, location
 
 import ckptfs
 from ckptfs.errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
-from ckptfs.format.sharded import ShardedManifest
+from ckptfs.format.versions import is_sharded
 from ckptfs.protocol import commit, sharded_read
 from ckptfs.protocol.commit import Attempt
 from ckptfs.protocol.sharded import save_sharded
@@ -88,7 +88,7 @@ def test_full_load_through_a_ranged_read_refuses_a_flipped_byte(
     store = ckptfs.open("memory://perf-flip")
     info = save_sharded(store.storage, 1, _state())
     manifest = info.manifest
-    assert isinstance(manifest, ShardedManifest)
+    assert is_sharded(manifest)
     entry = manifest.chunked(RANK_FILE)
     path = f"{info.path}/{RANK_FILE}"
     data = bytearray(store.storage.read_bytes(path))
@@ -125,7 +125,7 @@ def test_direct_read_refuses_a_short_file_and_a_link(tmp_path: Path) -> None:
     store = ckptfs.open(str(root))
     info = save_sharded(store.storage, 1, _state())
     manifest = info.manifest
-    assert isinstance(manifest, ShardedManifest)
+    assert is_sharded(manifest)
     entry = manifest.chunked(RANK_FILE)
     path = attempt_dir(root, 1, info.attempt) / RANK_FILE
     last = entry.chunks[-1]

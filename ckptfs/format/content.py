@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptfs.format.incremental import IncrementalManifest, ShardedIncrementalManifest
+from ckptfs.format.entries import ChunkedFileEntry
+from ckptfs.format.features import REFERENCES, SHARDED
 from ckptfs.format.layout import STATE_NAME
 from ckptfs.format.manifest import Manifest
-from ckptfs.format.sharded import ChunkedFileEntry
 
 
 def same_content(a: Manifest, b: Manifest) -> bool:
@@ -28,20 +28,16 @@ def same_content(a: Manifest, b: Manifest) -> bool:
         return sorted((e.path, e.size, e.digest,
                        e.chunks if isinstance(e, ChunkedFileEntry) else ()) for e in m.files)
 
-    if isinstance(a, IncrementalManifest) or isinstance(b, IncrementalManifest):
-        return (a.step == b.step and a.format_version == b.format_version
-                and a.metadata == b.metadata and v3_content(a) == v3_content(b))
-    same = (a.step == b.step and a.format_version == b.format_version
-            and files(a) == files(b) and a.metadata == b.metadata)
-    if isinstance(a, ShardedIncrementalManifest) or isinstance(b, ShardedIncrementalManifest):
-        # v4: the rank files, and each reference's file and chunks; not the attempt a
-        # reference names.
-        if not (isinstance(a, ShardedIncrementalManifest)
-                and isinstance(b, ShardedIncrementalManifest)):
-            return False
-        return same and [(r.path, r.step, r.source, r.size, r.chunks) for r in a.references] \
-            == [(r.path, r.step, r.source, r.size, r.chunks) for r in b.references]
-    return same
+    if a.step != b.step or a.features != b.features or a.metadata != b.metadata:
+        return False
+    if REFERENCES in a.features and SHARDED not in a.features:
+        # v3: what the state reads, wherever it lives (a copy may materialize a reference).
+        return v3_content(a) == v3_content(b)
+    if files(a) != files(b):
+        return False
+    # With references (v4): each reference's file and chunks; not the attempt it names.
+    return [(r.path, r.step, r.source, r.size, r.chunks) for r in a.references] \
+        == [(r.path, r.step, r.source, r.size, r.chunks) for r in b.references]
 
 
 def v3_content(m: Manifest) -> tuple[Any, ...]:
@@ -53,7 +49,6 @@ def v3_content(m: Manifest) -> tuple[Any, ...]:
     for e in m.files:
         if isinstance(e, ChunkedFileEntry) and e.path != STATE_NAME:
             tensors[e.path] = tuple(sorted(c.digest for c in e.chunks[1:]))
-    if isinstance(m, IncrementalManifest):
-        for r in m.references:
-            tensors[r.path] = tuple(sorted(c.digest for c in r.chunks[1:]))
+    for r in m.references:
+        tensors[r.path] = tuple(sorted(c.digest for c in r.chunks[1:]))
     return (None if state is None else state.digest), sorted(tensors.items())

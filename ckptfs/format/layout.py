@@ -1,4 +1,5 @@
-"""Names and layout of format v1.  Pure: no I/O, no storage, no clock.
+"""Names and layout of format v1 (and the names format v2 adds: `METADATA_NAME`, the rank
+files of `rank_file_name`).  Pure: no I/O, no storage, no clock.
 
 Everything that names a file of the protocol lives here, so the writer, the reader, the
 garbage collector and the spec (docs/protocol.md) agree on one set of constants::
@@ -38,6 +39,8 @@ MARKER_NAME = "COMPLETE"
 MANIFEST_NAME = "MANIFEST.json"
 STATE_NAME = "state.msgpack"
 TENSOR_FILE_TEMPLATE = "tensors-{index:05d}.safetensors"
+#: DCP's global metadata in a sharded attempt (format v2, docs/protocol.md §8).
+METADATA_NAME = "dcp.msgpack"
 STEP_PREFIX = "step-"
 STEP_DIGITS = 12
 MAX_STEP = 10**STEP_DIGITS - 1
@@ -47,6 +50,7 @@ TMP_PREFIX = ".tmp-"
 # Whole-string matches of ASCII digits only: ``\d`` would admit Unicode digits ("step-١٢...")
 # and ``$`` a trailing newline; every name below is matched with ``fullmatch``.
 _STEP_RE = re.compile(r"step-([0-9]{12,})")
+_RANK_FILE = re.compile(r"rank-([0-9]{5,})/data-([0-9]+)\.safetensors")
 _ATTEMPT_RE = re.compile(r"a-([0-9]{8}T[0-9]{6}Z)-([0-9a-f]{8,32})")
 
 
@@ -118,6 +122,22 @@ def is_attempt_name(name: str) -> bool:
 
 def tmp_attempt_name(attempt: str) -> str:
     return f"{TMP_PREFIX}{attempt}"
+
+
+def rank_file_name(rank: int, index: int = 0) -> str:
+    """``rank-00003/data-0.safetensors``: the data file ``index`` of ``rank`` (format v2)."""
+    return f"rank-{rank:05d}/data-{index}.safetensors"
+
+
+def rank_of_file(path: str) -> int | None:
+    """The rank whose data file ``path`` is, if ``path`` is exactly the name
+    `rank_file_name` gives it (canonical: 5 or more digits, no extra zeros), else
+    ``None``."""
+    m = _RANK_FILE.fullmatch(path)
+    if m is None:
+        return None
+    rank, index = int(m.group(1)), int(m.group(2))
+    return rank if rank_file_name(rank, index) == path else None
 
 
 def tensor_file_name(index: int) -> str:

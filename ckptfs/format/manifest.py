@@ -1,12 +1,20 @@
-"""The manifest and the commit marker of format v1: frozen dataclasses and their bytes.
+"""The manifest (one model for every format version) and the commit marker: frozen
+dataclasses and their bytes.
 
-Both are UTF-8 JSON objects (``sort_keys``, no NaN), readable with nothing but ``json``.  Decoding
-is strict and bounded: sizes are checked before anything is allocated, a key named twice, a
-missing key or nesting beyond `MAX_JSON_DEPTH` is an error, every
-path goes through `ckptfs.format.layout.check_relpath`, unknown schema or a newer format
-version is a typed error.  Unknown extra keys are ignored (docs/protocol.md, section 2.1).
-The writer's side (`check_metadata`, `check_document_size`) enforces the same
-limits before anything is written.
+A `Manifest` carries its *features* (`ckptfs.format.features`: ``"sharded"``, ``"chunked"``,
+``"references"``); its ``format_version`` is the version that names them, and the one encoder
+(`Manifest.to_bytes`) and the one decoder (`decode_doc`, behind
+`ckptfs.format.versions.decode_manifest`) choose their rules by them: v1's key set and one-space
+indent for a manifest without features, ``layout`` and chunk lists for a chunked one, ranks and
+``world_size`` for a sharded one, ``references`` (docs/protocol.md §2.1, §8.2, §9.2, §9.6).
+
+Both documents are UTF-8 JSON objects (``sort_keys``, no NaN), readable with nothing but
+``json``.  Decoding is strict and bounded: sizes are checked before anything is allocated, a
+key named twice, a missing key or nesting beyond `MAX_JSON_DEPTH` is an error, every path
+goes through `ckptfs.format.layout.check_relpath`, unknown schema or a newer format version is
+a typed error.  Unknown extra keys are ignored (docs/protocol.md, section 2.1).  The writer's
+side (`check_metadata`, `check_document_size`) enforces the same limits before anything is
+written.  The entries a manifest lists are `ckptfs.format.entries`.
 """
 
 from __future__ import annotations
@@ -24,18 +32,28 @@ from ckptfs.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from ckptfs.format.hashing import (
-    ALGORITHMS,
-    STORE_CHECKSUM_HEX,
-    digest_bytes,
-    parse_digest,
+from ckptfs.format.entries import (
+    ChunkedFileEntry,
+    Reference,
+    ReferencedFile,
+    bound_entry,
+    decode_chunks,
+    decode_store_checksums,
+    store_checksums_doc,
 )
+from ckptfs.format.entries import FileEntry as FileEntry  # re-exported: the v1 entry
+from ckptfs.format.features import CHUNKED, FEATURES, REFERENCES, SHARDED, version_of
+from ckptfs.format.hashing import ALGORITHMS, digest_bytes, parse_digest
 from ckptfs.format.layout import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    MARKER_NAME,
     MAX_STEP,
+    METADATA_NAME,
+    STATE_NAME,
     check_relpath,
     is_attempt_name,
+    rank_of_file,
 )
 from ckptfs.format.limits import (
     MAX_BIGINT_DIGITS,
@@ -51,10 +69,16 @@ MARKER_SCHEMA = "ckptfs.commit"
 #: The attempt-name rule of docs/protocol.md section 1, matched against the whole string (ASCII
 #: digits only, no trailing newline), on top of the layout module's own check.
 _ATTEMPT_NAME = re.compile(r"a-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8,32}", re.ASCII)
-#: Keys a v1 manifest, a manifest's file entry and a v1 marker must all have.
+#: Keys a v1 manifest, a v1 manifest's file entry and a marker must all have (`manifest_keys`,
+#: `file_keys`: what the features add).
 MANIFEST_KEYS = frozenset({"schema", "format_version", "step", "attempt", "created",
                            "hash_algorithm", "files", "metadata"})
 FILE_KEYS = frozenset({"path", "size", "digest", "algorithm"})
+#: Keys every reference must have (docs/protocol.md §9.2).
+REFERENCE_KEYS = frozenset({"path", "step", "attempt", "source", "size", "algorithm", "chunks"})
+#: The ``layout`` of a chunked manifest: sharded (v2, v4) or not (v3).
+SHARDED_LAYOUT = "sharded"
+INCREMENTAL_LAYOUT = "incremental"
 MARKER_KEYS = frozenset({"schema", "format_version", "step", "attempt", "manifest",
                          "manifest_digest", "manifest_size", "created", "writer"})
 #: The marker binds the manifest with sha256 whatever algorithm the files use, so the commit
@@ -81,64 +105,58 @@ def unique_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
-#: The optional per-file key holding the store's whole-object checksums (section 2.1).
-STORE_CHECKSUMS_KEY = "store_checksums"
+def manifest_keys(feats: frozenset[str]) -> frozenset[str]:
+    """Keys every manifest with the features ``feats`` must have: v1's (§2.1), ``layout`` for
+    a chunked format, ``world_size`` for a sharded one (§8.2), ``references`` (§9.2)."""
+    return (MANIFEST_KEYS | ({"layout"} if CHUNKED in feats else set())
+            | ({"world_size"} if SHARDED in feats else set())
+            | ({"references"} if REFERENCES in feats else set()))
 
 
-def store_checksums_doc(entry: FileEntry) -> dict[str, Any]:
-    """The optional ``store_checksums`` key of a file entry (nothing when it has none, so a
-    manifest without them is byte-identical to one written before the key existed)."""
-    if not entry.store_checksums:
-        return {}
-    return {STORE_CHECKSUMS_KEY: dict(entry.store_checksums)}
+def file_keys(feats: frozenset[str]) -> frozenset[str]:
+    """Keys every file entry of a manifest with the features ``feats`` must have: v1's,
+    ``chunks`` for a chunked format, ``rank`` for a sharded one."""
+    return (FILE_KEYS | ({"chunks"} if CHUNKED in feats else set())
+            | ({"rank"} if SHARDED in feats else set()))
 
 
-def decode_store_checksums(raw: Mapping[str, Any], path: str) -> tuple[tuple[str, str], ...]:
-    """The ``store_checksums`` of a file entry: an object of ``name: hex``.  Names this reader
-    does not know are ignored (a newer writer's); a known name with a malformed value, or a
-    value that is not an object, is a malformed manifest (``TypeError``, reported by the
-    decoder as `CorruptCheckpointError`)."""
-    value = raw.get(STORE_CHECKSUMS_KEY)
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise TypeError(f"file {path!r}: {STORE_CHECKSUMS_KEY!r} is not an object")
-    out = []
-    for name, hexdigest in sorted(value.items()):
-        width = STORE_CHECKSUM_HEX.get(name)
-        if width is None:
-            continue
-        if (not isinstance(hexdigest, str) or len(hexdigest) != width
-                or any(c not in "0123456789abcdef" for c in hexdigest)):
-            raise TypeError(f"file {path!r}: store checksum {name} is not {width} hex digits")
-        out.append((name, hexdigest))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative to the attempt directory
-    size: int
-    digest: str  # "algorithm:hex"
-    #: Optional (docs/protocol.md section 2.1): ``(algorithm, hex)`` of the whole-object
-    #: checksums the object store keeps (``ckptfs.format.hashing.STORE_CHECKSUMS``), computed
-    #: while writing, for ``verify(remote=True)``.  Older readers ignore the key.
-    store_checksums: tuple[tuple[str, str], ...] = field(default=(), kw_only=True)
-
-    @property
-    def algorithm(self) -> str:
-        return self.digest.split(":", 1)[0]
+def layout_of(feats: frozenset[str]) -> str:
+    """The ``layout`` key of a chunked manifest: ``"sharded"`` or ``"incremental"``."""
+    return SHARDED_LAYOUT if SHARDED in feats else INCREMENTAL_LAYOUT
 
 
 @dataclass(frozen=True)
 class Manifest:
+    """The manifest of a checkpoint of any format version: what it holds is its ``features``
+    (`ckptfs.format.features`), and its ``format_version`` is the version that names them.
+
+    ``files`` are this attempt's own files (`ChunkedFileEntry` in a chunked format);
+    ``world_size`` is the number of ranks that wrote it (``"sharded"`` only, else 0);
+    ``references`` the chunks it uses from other attempts' files (``"references"`` only, else
+    ``()``)."""
+
     step: int
     attempt: str
     files: tuple[FileEntry, ...]
     created: str  # ISO-8601 UTC
     hash_algorithm: str
     metadata: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    features: frozenset[str] = frozenset()
+    world_size: int = 0
+    references: tuple[Reference, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", frozenset(self.features))
+        version_of(self.features)  # a set no version names is a programming error
+        if self.world_size and SHARDED not in self.features:
+            raise ValueError("world_size is a feature of sharded manifests only")
+        if self.references and REFERENCES not in self.features:
+            raise ValueError("references need the 'references' feature")
+
+    @property
+    def format_version(self) -> int:
+        """The format version whose features this manifest has (`version_of`)."""
+        return version_of(self.features)
 
     def file(self, path: str) -> FileEntry:
         for entry in self.files:
@@ -146,70 +164,284 @@ class Manifest:
                 return entry
         raise KeyError(path)
 
+    def reference(self, path: str) -> Reference | None:
+        """The reference named ``path`` (``None``: none, or no references feature)."""
+        for ref in self.references:
+            if ref.path == path:
+                return ref
+        return None
+
+    def chunked(self, path: str) -> ChunkedFileEntry:
+        """The chunked file ``path`` of the manifest, or the reference named ``path`` as a
+        `ReferencedFile` (read at its location, its used chunks only); ``KeyError`` if
+        neither (a whole-file format has no chunked files)."""
+        ref = self.reference(path)
+        if ref is not None:
+            return ReferencedFile.of(ref)
+        entry = self.file(path)
+        if not isinstance(entry, ChunkedFileEntry):
+            raise KeyError(path)
+        return entry
+
     @property
     def total_bytes(self) -> int:
         return sum(e.size for e in self.files)
 
-    def to_bytes(self) -> bytes:
-        doc = {
-            "schema": MANIFEST_SCHEMA,
-            "format_version": self.format_version,
-            "step": self.step,
-            "attempt": self.attempt,
-            "created": self.created,
+    @property
+    def bytes_written(self) -> int:
+        """Bytes this checkpoint's own files hold (what its save wrote, the manifest aside)."""
+        return self.total_bytes
+
+    @property
+    def logical_bytes(self) -> int:
+        """Bytes a full load reads: its own files and every chunk it references."""
+        return self.total_bytes + sum(r.used_bytes for r in self.references)
+
+    def as_doc(self) -> dict[str, Any]:
+        """The manifest's JSON document: v1's keys (§2.1), and per feature ``layout`` and each
+        file's ``chunks`` (chunked), ``world_size`` and each file's ``rank`` (sharded),
+        ``references``."""
+        feats = self.features
+        doc: dict[str, Any] = {
+            "schema": MANIFEST_SCHEMA, "format_version": self.format_version,
+            "step": self.step, "attempt": self.attempt, "created": self.created,
             "hash_algorithm": self.hash_algorithm,
-            "files": [
-                {"path": e.path, "size": e.size, "digest": e.digest, "algorithm": e.algorithm,
-                 **store_checksums_doc(e)}
-                for e in self.files
-            ],
-            "metadata": self.metadata,
+            "files": [self._file_doc(e) for e in self.files], "metadata": self.metadata,
         }
-        return (json.dumps(doc, sort_keys=True, indent=1, allow_nan=False) + "\n").encode()
+        if CHUNKED in feats:
+            doc["layout"] = layout_of(feats)
+        if SHARDED in feats:
+            doc["world_size"] = self.world_size
+        if REFERENCES in feats:
+            doc["references"] = [r.as_doc() for r in self.references]
+        return doc
+
+    def _file_doc(self, e: FileEntry) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": e.path, "size": e.size, "digest": e.digest,
+                               "algorithm": e.algorithm}
+        if CHUNKED in self.features:
+            if not isinstance(e, ChunkedFileEntry):
+                raise TypeError(
+                    f"{e.path}: a v{self.format_version} manifest lists chunked files only")
+            if SHARDED in self.features:
+                out["rank"] = e.rank
+            out["chunks"] = [[c.offset, c.length, c.digest] for c in e.chunks]
+        return {**out, **store_checksums_doc(e)}
+
+    def to_bytes(self) -> bytes:
+        """The manifest's bytes: sorted keys, no NaN; a whole-file format (v1) indented by
+        one space, a chunked one compact (its chunk lists would double it)."""
+        if CHUNKED in self.features:
+            text = json.dumps(self.as_doc(), sort_keys=True, separators=(",", ":"),
+                              allow_nan=False)
+        else:
+            text = json.dumps(self.as_doc(), sort_keys=True, indent=1, allow_nan=False)
+        return (text + "\n").encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = "manifest") -> Manifest:
+        """Decode a format v1 manifest: what a ckptfs that reads only format v1 runs (a newer
+        version is `FormatVersionError`).  Every version this ckptfs reads:
+        `ckptfs.format.versions.decode_manifest`."""
         doc = load_json(data, MAX_MANIFEST_BYTES, where)
         _check_header(doc, MANIFEST_SCHEMA, where)
-        try:
-            _require(doc, MANIFEST_KEYS, "manifest")
-            step = _step(doc["step"])
-            attempt = _attempt(doc["attempt"])
-            raw_files = doc["files"]
-            if not isinstance(raw_files, list) or len(raw_files) > MAX_FILES:
-                raise TypeError(f"'files' is not a list of at most {MAX_FILES} entries")
-            files = []
-            seen = set()
-            for raw in raw_files:
-                if not isinstance(raw, dict):
-                    raise TypeError("a 'files' entry is not an object")
-                _require(raw, FILE_KEYS, "file entry")
-                path = check_relpath(raw["path"])
-                size = raw["size"]
-                if not _is_int(size) or not 0 <= size <= MAX_FILE_SIZE:
-                    raise UnsafeCheckpointError(f"{where}: file {path!r} has bad size {size!r}")
-                algo, _ = parse_digest(raw["digest"])
-                if raw["algorithm"] != algo:
-                    raise TypeError(f"file {path!r}: 'algorithm' differs from its digest's")
-                if path in seen:
-                    raise UnsafeCheckpointError(f"{where}: file {path!r} listed twice")
-                seen.add(path)
-                files.append(FileEntry(path, size, raw["digest"],
-                                       store_checksums=decode_store_checksums(raw, path)))
-            metadata = doc["metadata"]
-            if not isinstance(metadata, dict):
-                raise TypeError("'metadata' is not an object")
-            created, hash_algorithm = doc["created"], doc["hash_algorithm"]
-            if not isinstance(created, str):
-                raise TypeError("'created' is not a string")
-            if hash_algorithm not in ALGORITHMS:
-                raise TypeError(f"unknown hash_algorithm {hash_algorithm!r:.40}")
-        except (KeyError, TypeError, AttributeError) as exc:
+        return decode_doc(doc, FEATURES[FORMAT_VERSION], where=where)
+
+
+def decode_doc(doc: dict[str, Any], feats: frozenset[str], *, where: str) -> Manifest:
+    """Decode the manifest document ``doc`` (parsed by the bounded JSON reader, schema and
+    version checked) of a format with the features ``feats``: the one decoder, whose rules
+    the features choose.  Typed errors only (docs/protocol.md §2.1, §8.2, §9.2, §9.6)."""
+    if CHUNKED not in feats:
+        return _decode_whole(doc, where)
+    return _decode_chunked(doc, feats, where)
+
+
+def _decode_whole(doc: dict[str, Any], where: str) -> Manifest:
+    """Format v1 (no features): whole files with their digests, v1's own key set."""
+    try:
+        _require(doc, MANIFEST_KEYS, "manifest")
+        step = _step(doc["step"])
+        attempt = _attempt(doc["attempt"])
+        raw_files = doc["files"]
+        if not isinstance(raw_files, list) or len(raw_files) > MAX_FILES:
+            raise TypeError(f"'files' is not a list of at most {MAX_FILES} entries")
+        files = []
+        seen = set()
+        for raw in raw_files:
+            if not isinstance(raw, dict):
+                raise TypeError("a 'files' entry is not an object")
+            _require(raw, FILE_KEYS, "file entry")
+            path = check_relpath(raw["path"])
+            size = raw["size"]
+            if not _is_int(size) or not 0 <= size <= MAX_FILE_SIZE:
+                raise UnsafeCheckpointError(f"{where}: file {path!r} has bad size {size!r}")
+            algo, _ = parse_digest(raw["digest"])
+            if raw["algorithm"] != algo:
+                raise TypeError(f"file {path!r}: 'algorithm' differs from its digest's")
+            if path in seen:
+                raise UnsafeCheckpointError(f"{where}: file {path!r} listed twice")
+            seen.add(path)
+            files.append(FileEntry(path, size, raw["digest"],
+                                   store_checksums=decode_store_checksums(raw, path)))
+        metadata = doc["metadata"]
+        if not isinstance(metadata, dict):
+            raise TypeError("'metadata' is not an object")
+        created, hash_algorithm = doc["created"], doc["hash_algorithm"]
+        if not isinstance(created, str):
+            raise TypeError("'created' is not a string")
+        if hash_algorithm not in ALGORITHMS:
+            raise TypeError(f"unknown hash_algorithm {hash_algorithm!r:.40}")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: malformed manifest ({type(exc).__name__}: {exc})"
+        ) from None
+    return Manifest(step, attempt, tuple(files), created, hash_algorithm, metadata)
+
+
+def _decode_chunked(doc: dict[str, Any], feats: frozenset[str], where: str) -> Manifest:
+    """A chunked format (v2, v3, v4): every key of its features required, the algorithm known
+    and the same in every digest, each chunk list tiling its file and bound by the file's
+    digest; sharded: exactly one ``dcp.msgpack`` and every other file the canonical
+    ``rank-NNNNN/data-K.safetensors`` of its ``rank`` (``0 <= rank < world_size``); else a
+    ``state.msgpack``; references: each well formed (a safe source path, an attempt name,
+    chunks sorted, disjoint, inside the file, the header chunk first; sharded: the source a
+    rank file), no name used twice, at most ``MAX_FILES`` files and references in all."""
+    label = f"v{version_of(feats)}"
+    sharded = SHARDED in feats
+    try:
+        missing = sorted(manifest_keys(feats) - set(doc))
+        if missing:
+            raise KeyError(f"{label} manifest lacks {missing}")
+        layout = layout_of(feats)
+        if doc["layout"] != layout:
+            raise TypeError(f"layout {doc['layout']!r:.40} is not {layout!r}")
+        step, attempt = doc["step"], doc["attempt"]
+        if not _is_int(step) or not 0 <= step <= MAX_STEP:
+            raise TypeError(f"step {step!r:.40} is not an int in [0, {MAX_STEP}]")
+        if not isinstance(attempt, str) or not is_attempt_name(attempt):
+            raise TypeError(f"attempt {attempt!r:.80} is not an attempt name")
+        world = 0
+        if sharded:
+            world = doc["world_size"]
+            if not _is_int(world) or world < 1:
+                raise TypeError(f"world_size {world!r:.40} is not a positive int")
+        algo = doc["hash_algorithm"]
+        if algo not in ALGORITHMS:
+            raise TypeError(f"unknown hash_algorithm {algo!r:.40}")
+        metadata, created = doc["metadata"], doc["created"]
+        if not isinstance(metadata, dict) or not isinstance(created, str):
+            raise TypeError("'metadata' is not an object or 'created' not a string")
+        raw_files = doc["files"]
+        raw_refs = doc["references"] if REFERENCES in feats else []
+        if not isinstance(raw_files, list) or not isinstance(raw_refs, list) \
+                or len(raw_files) + len(raw_refs) > MAX_FILES:
+            raise TypeError(f"'files' and 'references' are not lists of at most "
+                            f"{MAX_FILES} entries in all")
+        seen: set[str] = set()
+        files = [_decode_file(raw, seen, feats, world, where) for raw in raw_files]
+        required = METADATA_NAME if sharded else STATE_NAME
+        if required not in seen:
+            raise KeyError(f"no {required} among the files")
+        refs = [_decode_reference(raw, seen, attempt, where) for raw in raw_refs]
+        for ref in refs:
+            if sharded and rank_of_file(ref.source) is None:
+                raise UnsafeCheckpointError(
+                    f"{where}: reference {ref.path!r} names {ref.source!r}, not a rank "
+                    "file (rank-NNNNN/data-K.safetensors)")
+    except Exception as exc:
+        raise manifest_error(exc, where, label) from None
+    return Manifest(step, attempt, tuple(files), created, algo, metadata, feats,
+                    world_size=world, references=tuple(refs))
+
+
+def manifest_error(exc: Exception, where: str, version: str) -> Exception:
+    """What the decoder of a chunked format (v2-v4) raises for ``exc``: a typed ckptfs error
+    (path, size, digest) named after the manifest ``where``, a malformed field as
+    `CorruptCheckpointError`; anything else unchanged."""
+    if isinstance(exc, CorruptCheckpointError):
+        return exc if str(exc).startswith(where) else type(exc)(f"{where}: {exc}")
+    if isinstance(exc, (KeyError, TypeError, ValueError, AttributeError)):
+        return CorruptCheckpointError(
+            f"{where}: malformed {version} manifest ({type(exc).__name__}: {exc})")
+    return exc
+
+
+def _name(raw: Any, seen: set[str], where: str) -> str:
+    path = check_relpath(raw)
+    if path in seen:
+        raise UnsafeCheckpointError(f"{where}: file {path!r} listed twice")
+    seen.add(path)
+    return path
+
+
+def _size(raw: Any, path: str, where: str) -> int:
+    if not _is_int(raw) or not 0 <= raw <= MAX_FILE_SIZE:
+        raise UnsafeCheckpointError(f"{where}: file {path!r} has bad size {raw!r:.40}")
+    return int(raw)
+
+
+def _decode_file(raw: Any, seen: set[str], feats: frozenset[str], world: int,
+                 where: str) -> ChunkedFileEntry:
+    if not isinstance(raw, dict):
+        raise TypeError("a 'files' entry is not an object")
+    missing = sorted(file_keys(feats) - set(raw))
+    if missing:
+        raise KeyError(f"file entry lacks {missing}")
+    path = _name(raw["path"], seen, where)
+    size = _size(raw["size"], path, where)
+    algo, _ = parse_digest(raw["digest"])
+    if raw["algorithm"] != algo:
+        raise TypeError(f"file {path!r}: 'algorithm' differs from its digest's")
+    rank = None
+    if SHARDED in feats:
+        rank = raw["rank"]
+        if path == METADATA_NAME:
+            if rank is not None:
+                raise TypeError(f"file {path!r}: rank {rank!r:.20} (must be null)")
+        elif not _is_int(rank) or rank_of_file(path) != rank or not 0 <= rank < world:
+            raise TypeError(f"file {path!r} (rank {rank!r:.20}) is neither {METADATA_NAME} "
+                            f"nor the rank-NNNNN/data-K.safetensors file of its rank (0 <= "
+                            f"rank < world_size {world})")
+    chunks = decode_chunks(raw["chunks"], algo, path)
+    return bound_entry(path, size, raw["digest"], algo, chunks, rank, where=where,
+                       store_checksums=decode_store_checksums(raw, path))
+
+
+def _decode_reference(raw: Any, seen: set[str], attempt: str, where: str) -> Reference:
+    if not isinstance(raw, dict):
+        raise TypeError("a 'references' entry is not an object")
+    missing = sorted(REFERENCE_KEYS - set(raw))
+    if missing:
+        raise KeyError(f"reference lacks {missing}")
+    path = _name(raw["path"], seen, where)
+    ref_step, ref_attempt = raw["step"], raw["attempt"]
+    if not _is_int(ref_step) or not 0 <= ref_step <= MAX_STEP:
+        raise TypeError(f"reference {path!r}: step {ref_step!r:.40} is not a step")
+    if not isinstance(ref_attempt, str) or not is_attempt_name(ref_attempt):
+        raise UnsafeCheckpointError(
+            f"{where}: reference {path!r}: attempt {ref_attempt!r:.80} is not an attempt name")
+    if ref_attempt == attempt:
+        raise TypeError(f"reference {path!r} names this attempt itself")
+    source = check_relpath(raw["source"])
+    if source in (MANIFEST_NAME, MARKER_NAME, STATE_NAME):
+        raise UnsafeCheckpointError(f"{where}: reference {path!r} names {source!r}")
+    size = _size(raw["size"], path, where)
+    algo = raw["algorithm"]
+    if algo not in ALGORITHMS:
+        raise TypeError(f"reference {path!r}: unknown algorithm {algo!r:.40}")
+    chunks = decode_chunks(raw["chunks"], algo, path)
+    if not chunks or chunks[0].offset != 0:
+        raise CorruptCheckpointError(
+            f"{where}: reference {path!r}: its first chunk must be the file's header (offset 0)")
+    end = 0
+    for c in chunks:
+        if c.offset < end or c.length < 0 or c.offset + c.length > size:
             raise CorruptCheckpointError(
-                f"{where}: malformed manifest ({type(exc).__name__}: {exc})"
-            ) from None
-        return cls(step, attempt, tuple(files), created, hash_algorithm, metadata,
-                   doc["format_version"])
+                f"{where}: reference {path!r}: chunk [{c.offset}, {c.length}] overlaps another, "
+                f"is out of order or lies outside its {size} B file")
+        end = c.offset + c.length
+    return Reference(path, ref_step, ref_attempt, source, size, algo, tuple(chunks))
 
 
 @dataclass(frozen=True)

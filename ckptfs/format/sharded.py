@@ -1,7 +1,10 @@
-"""Format v2, the sharded layout: names, chunk digests, the v2 manifest, the rank files'
-safetensors headers (as planned by the writer) and the pickle-free encoding of non-tensor
-values.  ``dcp.msgpack`` (DCP's global metadata) and the checks binding it to the manifest and
-to the headers are `ckptfs.format.sharded_metadata`.  Pure: no I/O, no collectives.
+"""Format v2, the sharded layout: the rank files' safetensors headers (as planned by the
+writer) and the pickle-free encoding of non-tensor values.  The manifest is the one model
+(`ckptfs.format.manifest.Manifest` with the ``"sharded"`` and ``"chunked"`` features), its
+entries are `ckptfs.format.entries`, and the rank files' names `ckptfs.format.layout`;
+their names are re-exported here for the sharded code.  ``dcp.msgpack`` (DCP's global
+metadata) and the checks binding it to the manifest and to the headers are
+`ckptfs.format.sharded_metadata`.  Pure: no I/O, no collectives.
 
 A sharded checkpoint is written by several ranks into one attempt::
 
@@ -16,15 +19,12 @@ A sharded checkpoint is written by several ranks into one attempt::
         rank-00001/data-0.safetensors     per item (a tensor shard, or an encoded value)
 
 Every file is tiled by *chunks* (offset, length, digest): the safetensors header is one chunk,
-each write item's bytes another.  Each byte is hashed once, into its chunk's digest; the file's
-digest is the digest of its chunk list (`chunk_list_digest`), so no second pass over the
-bytes is needed, and a ranged reader checks exactly the chunks it reads.
+each write item's bytes another (`ckptfs.format.entries`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,19 +39,21 @@ from ckptfs.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from ckptfs.format.hashing import ALGORITHMS, digest_bytes, parse_digest
-from ckptfs.format.layout import MAX_STEP, check_relpath, is_attempt_name
-from ckptfs.format.limits import MAX_FILE_SIZE, MAX_FILES
-from ckptfs.format.manifest import (
-    FILE_KEYS,
-    MANIFEST_KEYS,
-    MANIFEST_SCHEMA,
-    FileEntry,
-    Manifest,
-    decode_store_checksums,
-    store_checksums_doc,
-    unique_pairs,
-)
+from ckptfs.format.entries import Chunk as Chunk
+from ckptfs.format.entries import ChunkedFileEntry as ChunkedFileEntry
+from ckptfs.format.entries import bound_entry as bound_entry
+from ckptfs.format.entries import check_tiling as check_tiling
+from ckptfs.format.entries import chunk_list_digest as chunk_list_digest
+from ckptfs.format.entries import chunk_list_text as chunk_list_text
+from ckptfs.format.entries import decode_chunks as decode_chunks
+from ckptfs.format.entries import make_entry as make_entry
+from ckptfs.format.features import SHARDED_FORMAT_VERSION as SHARDED_FORMAT_VERSION
+from ckptfs.format.layout import METADATA_NAME as METADATA_NAME
+from ckptfs.format.layout import rank_file_name as rank_file_name
+from ckptfs.format.layout import rank_of_file as rank_of_file
+from ckptfs.format.manifest import FILE_KEYS, MANIFEST_KEYS, unique_pairs
+from ckptfs.format.manifest import SHARDED_LAYOUT as SHARDED_LAYOUT
+from ckptfs.format.manifest import manifest_error as manifest_error
 from ckptfs.format.serialize import (
     CODE_DTYPES,
     Flattener,
@@ -61,9 +63,6 @@ from ckptfs.format.serialize import (
     tensor_memoryview,
 )
 
-SHARDED_FORMAT_VERSION = 2
-SHARDED_LAYOUT = "sharded"
-METADATA_NAME = "dcp.msgpack"
 METADATA_SCHEMA = "ckptfs.dcp"
 VALUE_SCHEMA = "ckptfs.value"
 #: Keys every v2 manifest and every v2 file entry must have (docs/protocol.md §8.2).
@@ -72,247 +71,9 @@ V2_FILE_KEYS = FILE_KEYS | {"rank", "chunks"}
 #: Keys every value document must have (§8.5).
 VALUE_KEYS = frozenset({"schema", "format_version", "tree", "tensors"})
 
-_RANK_FILE = re.compile(r"rank-([0-9]{5,})/data-([0-9]+)\.safetensors")
-
-
-def rank_file_name(rank: int, index: int = 0) -> str:
-    """``rank-00003/data-0.safetensors``: the data file ``index`` of ``rank``."""
-    return f"rank-{rank:05d}/data-{index}.safetensors"
-
-
-def rank_of_file(path: str) -> int | None:
-    """The rank whose data file ``path`` is, if ``path`` is exactly the name
-    `rank_file_name` gives it (canonical: 5 or more digits, no extra zeros), else
-    ``None``."""
-    m = _RANK_FILE.fullmatch(path)
-    if m is None:
-        return None
-    rank, index = int(m.group(1)), int(m.group(2))
-    return rank if rank_file_name(rank, index) == path else None
-
-
-# ----------------------------------------------------------------------------------------------
-# Chunks and their digests
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """``length`` bytes at ``offset`` of a file, whose digest (hex, the file's algorithm) is
-    ``digest``."""
-
-    offset: int
-    length: int
-    digest: str
-
-
-def chunk_list_text(chunks: Iterable[Chunk]) -> bytes:
-    """The canonical text a chunked file's digest is taken over: one ``"<offset> <length>
-    <hex>\\n"`` line per chunk, in file order (docs/protocol.md, format v2)."""
-    return "".join(f"{c.offset} {c.length} {c.digest}\n" for c in chunks).encode("ascii")
-
-
-def chunk_list_digest(algorithm: str, chunks: Iterable[Chunk]) -> str:
-    """``"<algorithm>:<hex>"`` of `chunk_list_text`: the file digest of format v2."""
-    return digest_bytes(algorithm, chunk_list_text(chunks))
-
-
-@dataclass(frozen=True)
-class ChunkedFileEntry(FileEntry):
-    """A v2 manifest entry: ``digest`` is the digest of the chunk list, which tiles the file."""
-
-    chunks: tuple[Chunk, ...] = ()
-    rank: int | None = None
-
-    def chunk_at(self, offset: int, length: int) -> Chunk | None:
-        """The chunk that starts at ``offset`` and is ``length`` long, or ``None``."""
-        lo, hi = 0, len(self.chunks)
-        while lo < hi:  # chunks are sorted by offset (checked on decode)
-            mid = (lo + hi) // 2
-            if self.chunks[mid].offset < offset:
-                lo = mid + 1
-            else:
-                hi = mid
-        while lo < len(self.chunks) and self.chunks[lo].offset == offset:
-            c = self.chunks[lo]  # several only where zero-length chunks share the offset
-            if c.length == length:
-                return c
-            lo += 1
-        return None
-
-
-def make_entry(path: str, size: int, algorithm: str, chunks: list[Chunk],
-               rank: int | None, *, store_checksums: tuple[tuple[str, str], ...] = ()
-               ) -> ChunkedFileEntry:
-    """The manifest entry of a chunked file, after checking that ``chunks`` tile it;
-    ``store_checksums``: what the writer computed of the store's own checksums
-    (docs/remote-verify.md)."""
-    check_tiling(chunks, size, where=path)
-    return ChunkedFileEntry(path, size, chunk_list_digest(algorithm, chunks), tuple(chunks), rank,
-                            store_checksums=store_checksums)
-
-
-def check_tiling(chunks: list[Chunk] | tuple[Chunk, ...], size: int, *, where: str) -> None:
-    pos = 0
-    for c in chunks:
-        if c.offset != pos or c.length < 0:
-            raise CorruptCheckpointError(
-                f"{where}: chunks do not tile the file (chunk at {c.offset}, expected {pos})")
-        pos += c.length
-    if pos != size:
-        raise CorruptCheckpointError(f"{where}: chunks cover {pos} B of a {size} B file")
-
-
-# ----------------------------------------------------------------------------------------------
-# The v2 manifest
-
-
-@dataclass(frozen=True)
-class ShardedManifest(Manifest):
-    """The manifest of a sharded checkpoint (format v2)."""
-
-    world_size: int = 0
-    format_version: int = SHARDED_FORMAT_VERSION
-
-    def chunked(self, path: str) -> ChunkedFileEntry:
-        entry = self.file(path)
-        if not isinstance(entry, ChunkedFileEntry):  # pragma: no cover - decode guarantees
-            raise KeyError(path)
-        return entry
-
-    def as_doc(self) -> dict[str, Any]:
-        """The manifest's JSON document (§8.2; a subclass adds its own keys)."""
-        files = []
-        for e in self.files:
-            if not isinstance(e, ChunkedFileEntry):
-                raise TypeError(f"{e.path}: a v2 manifest lists chunked files only")
-            files.append({"path": e.path, "size": e.size, "digest": e.digest,
-                          "algorithm": e.algorithm, "rank": e.rank,
-                          "chunks": [[c.offset, c.length, c.digest] for c in e.chunks],
-                          **store_checksums_doc(e)})
-        return {
-            "schema": MANIFEST_SCHEMA, "format_version": self.format_version,
-            "layout": SHARDED_LAYOUT, "step": self.step, "attempt": self.attempt,
-            "created": self.created, "hash_algorithm": self.hash_algorithm,
-            "world_size": self.world_size, "files": files, "metadata": self.metadata,
-        }
-
-    def to_bytes(self) -> bytes:
-        return (json.dumps(self.as_doc(), sort_keys=True, separators=(",", ":"),
-                           allow_nan=False) + "\n").encode()
-
-    @classmethod
-    def from_doc(cls, doc: dict[str, Any], *, where: str) -> ShardedManifest:
-        """Decode a v2 manifest (already parsed by the bounded JSON reader, schema and version
-        checked): every key of §8.2 required, the algorithm known and the same in every
-        digest, each chunk list tiling its file and bound by the file's digest, exactly one
-        ``dcp.msgpack``, and every other file the canonical ``rank-NNNNN/data-K.safetensors``
-        of its ``rank`` (``0 <= rank < world_size``).  Typed errors only."""
-        try:
-            missing = sorted(V2_MANIFEST_KEYS - set(doc))
-            if missing:
-                raise KeyError(f"v2 manifest lacks {missing}")
-            if doc["layout"] != SHARDED_LAYOUT:
-                raise TypeError(f"layout {doc['layout']!r:.40} is not {SHARDED_LAYOUT!r}")
-            step, attempt, world = doc["step"], doc["attempt"], doc["world_size"]
-            if not _is_int(step) or not 0 <= step <= MAX_STEP:
-                raise TypeError(f"step {step!r:.40} is not an int in [0, {MAX_STEP}]")
-            if not isinstance(attempt, str) or not is_attempt_name(attempt):
-                raise TypeError(f"attempt {attempt!r:.80} is not an attempt name")
-            if not _is_int(world) or world < 1:
-                raise TypeError(f"world_size {world!r:.40} is not a positive int")
-            algo = doc["hash_algorithm"]
-            if algo not in ALGORITHMS:
-                raise TypeError(f"unknown hash_algorithm {algo!r:.40}")
-            metadata, created = doc["metadata"], doc["created"]
-            if not isinstance(metadata, dict) or not isinstance(created, str):
-                raise TypeError("'metadata' is not an object or 'created' not a string")
-            raw_files = doc["files"]
-            if not isinstance(raw_files, list) or len(raw_files) > MAX_FILES:
-                raise TypeError(f"'files' is not a list of at most {MAX_FILES} entries")
-            files: list[FileEntry] = []
-            seen: set[str] = set()
-            for raw in raw_files:
-                files.append(_decode_entry(raw, seen, world, where))
-            if METADATA_NAME not in seen:
-                raise KeyError(f"no {METADATA_NAME} among the files")
-        except Exception as exc:
-            raise manifest_error(exc, where, "v2") from None
-        return cls(step, attempt, tuple(files), created, algo, metadata, world_size=world)
-
-
-def manifest_error(exc: Exception, where: str, version: str) -> Exception:
-    """What a manifest decoder (formats v2-v4) raises for ``exc``: a typed ckptfs error
-    (path, size, digest) named after the manifest ``where``, a malformed field as
-    `CorruptCheckpointError`; anything else unchanged."""
-    if isinstance(exc, CorruptCheckpointError):
-        return exc if str(exc).startswith(where) else type(exc)(f"{where}: {exc}")
-    if isinstance(exc, (KeyError, TypeError, ValueError, AttributeError)):
-        return CorruptCheckpointError(
-            f"{where}: malformed {version} manifest ({type(exc).__name__}: {exc})")
-    return exc
-
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _decode_entry(raw: Any, seen: set[str], world: int, where: str) -> ChunkedFileEntry:
-    if not isinstance(raw, dict):
-        raise TypeError("a 'files' entry is not an object")
-    missing = sorted(V2_FILE_KEYS - set(raw))
-    if missing:
-        raise KeyError(f"file entry lacks {missing}")
-    path = check_relpath(raw["path"])
-    size = raw["size"]
-    if not _is_int(size) or not 0 <= size <= MAX_FILE_SIZE:
-        raise UnsafeCheckpointError(f"{where}: file {path!r} has bad size {size!r}")
-    if path in seen:
-        raise UnsafeCheckpointError(f"{where}: file {path!r} listed twice")
-    seen.add(path)
-    algo, _ = parse_digest(raw["digest"])
-    if raw["algorithm"] != algo:
-        raise TypeError(f"file {path!r}: 'algorithm' differs from its digest's")
-    rank = raw["rank"]
-    if path == METADATA_NAME:
-        if rank is not None:
-            raise TypeError(f"file {path!r}: rank {rank!r:.20} (must be null)")
-    elif not _is_int(rank) or rank_of_file(path) != rank or not 0 <= rank < world:
-        raise TypeError(f"file {path!r} (rank {rank!r:.20}) is neither {METADATA_NAME} nor "
-                        f"the rank-NNNNN/data-K.safetensors file of its rank (0 <= rank < "
-                        f"world_size {world})")
-    chunks = decode_chunks(raw["chunks"], algo, path)
-    return bound_entry(path, size, raw["digest"], algo, chunks, rank, where=where,
-                       store_checksums=decode_store_checksums(raw, path))
-
-
-def decode_chunks(raw: Any, algo: str, path: str) -> list[Chunk]:
-    """A manifest's chunk list, ``[[offset, length, hex], ...]`` (formats v2, v3, v4): each an
-    array of two ints and a hex digest of ``algo`` (``TypeError``/``ValueError`` otherwise,
-    which the manifest decoders turn into `CorruptCheckpointError`)."""
-    if not isinstance(raw, list):
-        raise TypeError(f"file {path!r}: 'chunks' is not a list")
-    chunks = []
-    for rc in raw:
-        if (not isinstance(rc, list) or len(rc) != 3 or not _is_int(rc[0])
-                or not _is_int(rc[1]) or not isinstance(rc[2], str)):
-            raise TypeError(f"file {path!r}: a chunk is not [offset, length, hex]")
-        parse_digest(f"{algo}:{rc[2]}")
-        chunks.append(Chunk(rc[0], rc[1], rc[2]))
-    return chunks
-
-
-def bound_entry(path: str, size: int, digest: str, algo: str, chunks: list[Chunk],
-                rank: int | None, *, where: str,
-                store_checksums: tuple[tuple[str, str], ...] = ()) -> ChunkedFileEntry:
-    """The manifest entry of a chunked file, after checking that ``chunks`` tile it and that
-    ``digest`` is the digest of their list (`CorruptCheckpointError` naming ``where``)."""
-    check_tiling(chunks, size, where=f"{where}: {path}")
-    entry = ChunkedFileEntry(path, size, digest, tuple(chunks), rank,
-                             store_checksums=store_checksums)
-    if chunk_list_digest(algo, chunks) != entry.digest:
-        raise CorruptCheckpointError(
-            f"{where}: file {path!r}: its digest does not match its chunk list")
-    return entry
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
-from ckptfs.format.incremental import ReferencedFile, references_of
+from ckptfs.format.entries import ReferencedFile
+from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import check_relpath
 from ckptfs.format.limits import MAX_DEPTH, MAX_HEADER_BYTES
-from ckptfs.format.manifest import unique_pairs
+from ckptfs.format.manifest import Manifest, unique_pairs
 from ckptfs.format.serialize import dtype_code, supported_dtypes
 from ckptfs.format.sharded import (
     METADATA_NAME,
     METADATA_SCHEMA,
     SHARDED_FORMAT_VERSION,
     ChunkedFileEntry,
-    ShardedManifest,
     check_version,
     element_size,
     item_name,
@@ -382,7 +382,7 @@ def _intersecting(boxes: list[tuple[list[int], list[int]]]
     return None
 
 
-def check_locations(doc: DcpDocument, manifest: ShardedManifest, *, where: str) -> None:
+def check_locations(doc: DcpDocument, manifest: Manifest, *, where: str) -> None:
     """Every stored item is exactly one chunk of a rank file of ``manifest`` (or of a reference,
     format v4), after that file's header chunk; each rank file's (and reference's) chunks are
     its header and then one per item stored in it."""

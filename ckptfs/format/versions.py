@@ -1,87 +1,90 @@
-"""The format table, pure half: which manifest versions this ckptfs reads, how each is decoded,
-and which of its documents have a reader limit.
+"""The format table, pure half: a format version is the name of a set of features.  Which
+versions this ckptfs reads, how a manifest of any of them is decoded, and which of its
+documents have a reader limit.
+
+Normative mapping (docs/protocol.md; the table itself is `FEATURES`, defined in
+`ckptfs.format.features` below the manifest model and re-exported here, with its inverse
+`VERSIONS`):
+
+==========================================  =======  ==========================================
+features                                    version  documents with a size limit (before read)
+==========================================  =======  ==========================================
+(none): whole files, ``state.msgpack``      1        ``state.msgpack``: ``MAX_STATE_DOC_BYTES``
+``sharded``, ``chunked``                    2        ``dcp.msgpack``: ``MAX_METADATA_BYTES``
+``chunked``, ``references``                 3        ``state.msgpack``: ``MAX_STATE_DOC_BYTES``
+``sharded``, ``chunked``, ``references``    4        ``dcp.msgpack``: ``MAX_METADATA_BYTES``
+==========================================  =======  ==========================================
+
+- ``sharded``: one data file per rank (``rank-NNNNN/data-K.safetensors``) and
+  ``dcp.msgpack``, written collectively; the manifest has ``world_size``, each file its
+  ``rank`` (§8).
+- ``chunked``: every file tiled by chunks with their own digests, the file's digest that of
+  its chunk list; the manifest has ``layout`` (§8.2, §9.2).
+- ``references``: chunks of other attempts' files used in place; the manifest has
+  ``references`` (§9, §9.6).
+
+No other set is a format.  A writer chooses features, never a version: the one manifest model
+(`ckptfs.format.manifest.Manifest`) carries its features and derives ``format_version`` from
+them (`version_of`), and its one encoder and decoder choose their rules by them.  Code above
+the format asks `features` (or `is_sharded`, `has_references`) about a manifest, never its
+version number.
 
 Every manifest is read through `decode_manifest` (the reader) and every manifest a writer
 is about to commit is checked through `check_committable` (the commit object), so the
 writer refuses exactly what the reader would.  The I/O half of the table (how each version is
 loaded and verified) is `ckptfs.protocol.formats`.
-
-========  ===========  ============================================  =====================
-version   layout       documents with a size limit (before reading)  spec
-========  ===========  ============================================  =====================
-1         single       ``state.msgpack``: ``MAX_STATE_DOC_BYTES``    docs/protocol.md §2-5
-2         sharded      ``dcp.msgpack``: ``MAX_METADATA_BYTES``        docs/protocol.md §8
-3         incremental  ``state.msgpack``: ``MAX_STATE_DOC_BYTES``    docs/protocol.md §9
-4         sharded      ``dcp.msgpack``: ``MAX_METADATA_BYTES``        docs/protocol.md §9.6
-========  ===========  ============================================  =====================
-
-Version 4 (sharded incremental) is version 2 with version 3's ``references``.
 """
 
 from __future__ import annotations
 
-from typing import TypeGuard
-
 from ckptfs.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
-from ckptfs.format.incremental import (
-    INCREMENTAL_FORMAT_VERSION,
-    SHARDED_INCREMENTAL_FORMAT_VERSION,
-    IncrementalManifest,
-    ShardedIncrementalManifest,
-)
-from ckptfs.format.layout import FORMAT_VERSION, STATE_NAME
+from ckptfs.format.features import CHUNKED as CHUNKED
+from ckptfs.format.features import FEATURES as FEATURES
+from ckptfs.format.features import REFERENCES as REFERENCES
+from ckptfs.format.features import SHARDED as SHARDED
+from ckptfs.format.features import VERSIONS as VERSIONS
+from ckptfs.format.features import version_of as version_of
+from ckptfs.format.layout import METADATA_NAME, STATE_NAME
 from ckptfs.format.limits import MAX_MANIFEST_BYTES, MAX_METADATA_BYTES, MAX_STATE_DOC_BYTES
-from ckptfs.format.manifest import MANIFEST_SCHEMA, Manifest, check_document_size, load_json
-from ckptfs.format.sharded import METADATA_NAME, SHARDED_FORMAT_VERSION, ShardedManifest
+from ckptfs.format.manifest import (
+    MANIFEST_SCHEMA,
+    Manifest,
+    check_document_size,
+    decode_doc,
+    load_json,
+)
 
 #: Manifest format versions this ckptfs reads (and writes).
-READ_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION,
-                 SHARDED_INCREMENTAL_FORMAT_VERSION)
+READ_VERSIONS = tuple(FEATURES)
 #: Highest manifest format version this ckptfs reads.
 MAX_READ_VERSION = max(READ_VERSIONS)
 
-#: Per version: the documents a reader bounds by size before reading them.
+#: Per version: the documents a reader bounds by size before reading them (the state document
+#: of a format without ``sharded``, DCP's metadata of one with it).
 DOCUMENT_LIMITS: dict[int, dict[str, int]] = {
-    FORMAT_VERSION: {STATE_NAME: MAX_STATE_DOC_BYTES},
-    SHARDED_FORMAT_VERSION: {METADATA_NAME: MAX_METADATA_BYTES},
-    INCREMENTAL_FORMAT_VERSION: {STATE_NAME: MAX_STATE_DOC_BYTES},
-    SHARDED_INCREMENTAL_FORMAT_VERSION: {METADATA_NAME: MAX_METADATA_BYTES},
-}
-
-
-#: What each manifest format version holds, as features: ``"sharded"`` (one file per rank and
-#: ``dcp.msgpack``, written collectively), ``"chunked"`` (every file tiled by chunks with their
-#: own digests), ``"references"`` (chunks of other attempts' files used in place).  Code above
-#: the format asks `features` about a manifest, never its version number.
-SHARDED = "sharded"
-CHUNKED = "chunked"
-REFERENCES = "references"
-FEATURES: dict[int, frozenset[str]] = {
-    FORMAT_VERSION: frozenset(),
-    SHARDED_FORMAT_VERSION: frozenset({SHARDED, CHUNKED}),
-    INCREMENTAL_FORMAT_VERSION: frozenset({CHUNKED, REFERENCES}),
-    SHARDED_INCREMENTAL_FORMAT_VERSION: frozenset({SHARDED, CHUNKED, REFERENCES}),
+    version: ({METADATA_NAME: MAX_METADATA_BYTES} if SHARDED in feats
+              else {STATE_NAME: MAX_STATE_DOC_BYTES})
+    for version, feats in FEATURES.items()
 }
 
 
 def features(manifest: Manifest) -> frozenset[str]:
-    """The features of ``manifest``'s format (`FEATURES`): ``"sharded" in
-    features(m)`` is the test for a collectively written checkpoint, whatever its version."""
-    return FEATURES.get(manifest.format_version, frozenset())
+    """The features of ``manifest``'s format (`FEATURES`): ``"sharded" in features(m)`` is
+    the test for a collectively written checkpoint, whatever its version."""
+    return manifest.features
 
 
-def is_sharded(manifest: Manifest) -> TypeGuard[ShardedManifest]:
+def is_sharded(manifest: Manifest) -> bool:
     """Whether ``manifest`` is of a collectively written format (``"sharded"`` in its
     `features`: v2, v4): the test code above the format uses before it reads a sharded
-    manifest's chunk lists."""
-    return SHARDED in features(manifest) and isinstance(manifest, ShardedManifest)
+    manifest's rank files and ``dcp.msgpack``."""
+    return SHARDED in manifest.features
 
 
 def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
-    """Decode a manifest of any version this ckptfs reads: v1 (`Manifest`), v2
-    (`ShardedManifest`) or v3 (`IncrementalManifest`).  A newer version raises
-    `FormatVersionError`; anything malformed `CorruptCheckpointError` (or
-    `UnsafeCheckpointError`)."""
+    """Decode a manifest of any version this ckptfs reads (`READ_VERSIONS`), by the rules of
+    its features.  A newer version raises `FormatVersionError`; anything malformed
+    `CorruptCheckpointError` (or `UnsafeCheckpointError`)."""
     doc = load_json(data, MAX_MANIFEST_BYTES, where)  # bounded: size, depth, duplicate keys
     version = doc.get("format_version")
     newest = max(READ_VERSIONS)
@@ -89,16 +92,12 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
         raise FormatVersionError(
             f"{where}: written by format version {version}; this ckptfs reads up to "
             f"{newest}: upgrade ckptfs")
-    if version not in (SHARDED_FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION,
-                       SHARDED_INCREMENTAL_FORMAT_VERSION):
-        return Manifest.from_bytes(data, where=where)  # v1: its own strict codec
+    chunked = [v for v in READ_VERSIONS if v == version and CHUNKED in FEATURES[v]]
+    if not chunked:
+        return Manifest.from_bytes(data, where=where)  # v1: its own strict header checks
     if doc.get("schema") != MANIFEST_SCHEMA:
         raise CorruptCheckpointError(f"{where}: schema is {doc.get('schema')!r}")
-    if version == INCREMENTAL_FORMAT_VERSION:
-        return IncrementalManifest.from_doc(doc, where=where)
-    if version == SHARDED_INCREMENTAL_FORMAT_VERSION:
-        return ShardedIncrementalManifest.from_doc(doc, where=where)
-    return ShardedManifest.from_doc(doc, where=where)
+    return decode_doc(doc, FEATURES[chunked[0]], where=where)
 
 
 def document_limits(manifest: Manifest) -> dict[str, int]:
@@ -118,8 +117,8 @@ def check_committable(manifest: Manifest, data: bytes, *, where: str) -> None:
         raise UnsupportedValueError(
             f"{where}: this checkpoint would not be readable, so it is not committed: {exc}"
         ) from exc
-    if decoded.format_version != manifest.format_version:  # pragma: no cover - codec bug
-        raise UnsupportedValueError(f"{where}: manifest did not round-trip its format version")
+    if decoded.features != manifest.features:  # pragma: no cover - codec bug
+        raise UnsupportedValueError(f"{where}: manifest did not round-trip its features")
     for path, limit in document_limits(manifest).items():
         entry = next((e for e in manifest.files if e.path == path), None)
         if entry is not None and entry.size > limit:

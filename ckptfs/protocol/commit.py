@@ -70,7 +70,7 @@ from ckptfs.format.hashing import (
     new_hasher,
     new_store_hasher,
 )
-from ckptfs.format.incremental import IncrementalManifest, Reference, references_of
+from ckptfs.format.incremental import Reference, references_of
 from ckptfs.format.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -89,7 +89,7 @@ from ckptfs.format.manifest import (
 )
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, StatePlan, plan_state
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
-from ckptfs.format.versions import CHUNKED, REFERENCES, check_committable
+from ckptfs.format.versions import CHUNKED, check_committable
 from ckptfs.protocol.listing import dangling_references, list_attempt, problems
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
@@ -722,10 +722,8 @@ def single_manifest(feats: frozenset[str], step: int, attempt: str, algorithm: s
                     references: Sequence[Reference] = ()) -> Manifest:
     """The manifest of a single-process save with the features ``feats``: chunked files and
     references (format v3) or whole files (format v1)."""
-    if REFERENCES in feats:
-        return IncrementalManifest(step, attempt, tuple(files), created, algorithm, dict(meta),
-                                   references=tuple(references))
-    return Manifest(step, attempt, tuple(files), created, algorithm, dict(meta))
+    return Manifest(step, attempt, tuple(files), created, algorithm, dict(meta), feats,
+                    references=tuple(references))
 
 
 def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,

@@ -104,7 +104,6 @@ from ckptfs.format.content import same_content as same_content  # shared: cp, ti
 from ckptfs.format.hashing import ALGORITHMS, format_digest, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
-    IncrementalManifest,
     Reference,
     has_references,
     references_of,
@@ -659,7 +658,7 @@ def references_at(dst: Storage, manifest: M, *, src: Storage | None = None,
         for att, _ in retired.values():
             att.discard()
         raise
-    return (cast(M, dataclasses.replace(manifest, references=tuple(refs))),
+    return (dataclasses.replace(manifest, references=tuple(refs)),
             [att for att, _ in retired.values()])
 
 
@@ -1029,7 +1028,7 @@ def _plan_v3(src: Storage, dst: Storage, info: CheckpointInfo, checked: Any, *, 
     att = Attempt.open(dst, step, algorithm=algo, durable=durable)
     hexd = placeholder_digest(algo).split(":", 1)[1]
     planned = dataclasses.replace(
-        cast(IncrementalManifest, manifest), attempt=att.name, references=tuple(v3.refs),
+        manifest, attempt=att.name, references=tuple(v3.refs),
         files=(*v3.copies, *(make_entry(m.ref.path, m.size, algo,
                                         _tiles(m.pieces, [hexd] * len(m.pieces)), None)
                              for m in v3.mats)))

@@ -1,15 +1,19 @@
-"""The format table, I/O half: one ``load`` and one ``verify`` per manifest format version, and
-the one dispatch every reader goes through (``CheckpointStore.load``/``verify``, the CLI, the
-manager, the integrations).
+"""The format table, I/O half: one ``load`` and one ``verify`` per layout, chosen by the
+manifest's features (``"sharded"`` or not), and the one dispatch every reader goes through
+(``CheckpointStore.load``/``verify``, the CLI, the manager, the integrations).
 
-=======  =====================================  ==========================================
-version  load                                   full verify (after the shared listing)
-=======  =====================================  ==========================================
-1        `ckptfs.protocol.reader.load_v1`  every file re-read and re-hashed
-2        `ckptfs.protocol.sharded.         every chunk re-read and checked,
-         load_full` (imported only then: DCP     ``dcp.msgpack`` and every value document
-         costs ~1 s to import)                   decoded
-=======  =====================================  ==========================================
+=============  ===================================  ==========================================
+features       load                                 full verify (after the shared listing)
+=============  ===================================  ==========================================
+not sharded    `ckptfs.protocol.reader.load_v1`     every file re-read and re-hashed
+(v1, v3)
+sharded        `ckptfs.protocol.sharded.            every chunk re-read and checked,
+(v2, v4)       load_v2` (imported only then: DCP    ``dcp.msgpack`` and every value document
+               costs ~1 s to import)                decoded
+=============  ===================================  ==========================================
+
+With ``"references"`` (v3, v4) the same reader reads a reference's chunks where they are
+stored (docs/protocol.md §9, §9.6).
 
 A third column, ``check`` (`check_checkpoint`), refuses what a load would refuse without
 reading tensor data (every document decoded, every tensor file's header or chunk table checked
@@ -30,16 +34,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ckptfs.errors import CorruptCheckpointError, FormatVersionError
-from ckptfs.format.incremental import (
-    INCREMENTAL_FORMAT_VERSION,
-    SHARDED_INCREMENTAL_FORMAT_VERSION,
-    references_of,
-)
-from ckptfs.format.layout import FORMAT_VERSION
+from ckptfs.errors import CorruptCheckpointError
+from ckptfs.format.incremental import references_of
 from ckptfs.format.limits import MAX_DEPTH
-from ckptfs.format.sharded import SHARDED_FORMAT_VERSION
 from ckptfs.format.sharded_metadata import DcpDocument
+from ckptfs.format.versions import FEATURES, SHARDED, features
 from ckptfs.protocol.listing import check_listing, listing_report
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
 from ckptfs.protocol.reader import (
@@ -59,10 +58,10 @@ Checker = Callable[[Storage, CheckpointInfo], Any]
 
 @dataclass(frozen=True)
 class FormatOps:
-    """How one manifest format version is loaded, fully verified, and checked without its
+    """How the checkpoints of one layout are loaded, fully verified, and checked without their
     tensor data (`check_checkpoint`)."""
 
-    version: int
+    layout: str
     load: Callable[[], Loader]
     verify: Callable[[], Verifier]
     check: Callable[[], Checker]
@@ -154,27 +153,21 @@ def _stored_view(tree: Any, where: str) -> Any:
     return fill(tree, 0)
 
 
+#: The single-process reader (v1; v3 too: v1's state and tensor files, chunked, with
+#: references) and the sharded one (v2; v4 too: v2 with references).
+SINGLE_PROCESS_READER = FormatOps("single-process", lambda: load_v1, lambda: verify_v1,
+                                  lambda: check_v1)
+SHARDED_READER = FormatOps("sharded", _v2_load, _v2_verify, _v2_check)
+#: Per format version this ckptfs reads, its reader (by its features).
 FORMATS: dict[int, FormatOps] = {
-    FORMAT_VERSION: FormatOps(FORMAT_VERSION, lambda: load_v1, lambda: verify_v1,
-                              lambda: check_v1),
-    SHARDED_FORMAT_VERSION: FormatOps(SHARDED_FORMAT_VERSION, _v2_load, _v2_verify, _v2_check),
-    # v3 is v1's state and tensor files, chunked, with references: the same reader, which
-    # reads a reference's chunks where they are stored (docs/protocol.md §9).
-    INCREMENTAL_FORMAT_VERSION: FormatOps(INCREMENTAL_FORMAT_VERSION, lambda: load_v1,
-                                          lambda: verify_v1, lambda: check_v1),
-    # v4 is v2 with references: the same reader, which reads a reference's chunks where they
-    # are stored and checks its header against the items dcp.msgpack places there (§9.6).
-    SHARDED_INCREMENTAL_FORMAT_VERSION: FormatOps(SHARDED_INCREMENTAL_FORMAT_VERSION, _v2_load,
-                                                  _v2_verify, _v2_check),
+    version: SHARDED_READER if SHARDED in feats else SINGLE_PROCESS_READER
+    for version, feats in FEATURES.items()
 }
 
 
 def ops_for(info: CheckpointInfo) -> FormatOps:
-    ops = FORMATS.get(info.manifest.format_version)
-    if ops is None:  # pragma: no cover - decode_manifest refuses unknown versions first
-        raise FormatVersionError(f"{info.url}: format version "
-                                 f"{info.manifest.format_version} has no reader here")
-    return ops
+    """The reader of ``info``'s layout: sharded or not (its manifest's features)."""
+    return SHARDED_READER if SHARDED in features(info.manifest) else SINGLE_PROCESS_READER
 
 
 def load_checkpoint(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
@@ -221,5 +214,6 @@ def check_checkpoint(storage: Storage, info: CheckpointInfo) -> Any:
     return ops_for(info).check()(storage, info)
 
 
-__all__ = ["FORMATS", "FormatOps", "VerifyReport", "check_checkpoint", "check_listing",
-           "load_checkpoint", "ops_for", "verify_checkpoint"]
+__all__ = ["FORMATS", "SHARDED_READER", "SINGLE_PROCESS_READER", "FormatOps", "VerifyReport",
+           "check_checkpoint", "check_listing", "load_checkpoint", "ops_for",
+           "verify_checkpoint"]

@@ -35,7 +35,6 @@ from ckptfs.errors import CkptfsError, CorruptCheckpointError
 from ckptfs.format.hashing import ALGORITHMS, digest_bytes, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
-    IncrementalManifest,
     Reference,
     reference_name,
 )
@@ -49,7 +48,7 @@ from ckptfs.format.serialize import (
     tensor_memoryview,
 )
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry
-from ckptfs.format.versions import CHUNKED, REFERENCES
+from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED, features
 from ckptfs.protocol.commit import (
     ProtectorGoneError,
     default_threads,
@@ -139,10 +138,11 @@ class ReuseMemory:
 
 
 def index_of(storage: Storage, info: CheckpointInfo) -> ReuseIndex | None:
-    """The reuse index of a committed checkpoint (format v3; others hold no chunk digests to
-    reuse): every safetensors file's header chunk read and checked, each tensor's chunk found."""
+    """The reuse index of a committed checkpoint (a single-process chunked one, format v3;
+    others hold no chunk digests of a state's tensors to reuse): every safetensors file's
+    header chunk read and checked, each tensor's chunk found."""
     m = info.manifest
-    if not isinstance(m, IncrementalManifest):
+    if CHUNKED not in features(m) or SHARDED in features(m):
         return None
     index = ReuseIndex((info.step, info.attempt))
     for entry in m.files:
@@ -416,7 +416,6 @@ def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
     """The index of the checkpoint just committed, from what was written (no reads)."""
     index = ReuseIndex((info.step, info.attempt))
     m = info.manifest
-    assert isinstance(m, IncrementalManifest)
     written: list[tuple[str, int, int]] = []  # chunks this save wrote: known good
     for tf in plan.tensor_files:
         entry = m.chunked(tf.path)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
@@ -50,7 +50,8 @@ from ckptfs.errors import (
 from ckptfs.format.content import same_content
 from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
-from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, ShardedManifest
+from ckptfs.format.manifest import Manifest
+from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry
 from ckptfs.protocol.copy import committed_at, own_files, settle_node_attempt
 from ckptfs.protocol.formats import VerifyReport
 from ckptfs.protocol.group import Group, carried, decode_bytes, describe, encode_bytes
@@ -121,8 +122,8 @@ class NodeReader(ShardedReader):
         self._document = document
         self._peer: dict[str, dict[int, bytes]] = {}
 
-    def _manifest(self) -> ShardedManifest:
-        return cast(ShardedManifest, self.resolve().manifest)
+    def _manifest(self) -> Manifest:
+        return self.resolve().manifest
 
     def _loc(self, path: str) -> str:
         return entry_location(self.resolve(), self._manifest().chunked(path))
@@ -146,7 +147,7 @@ class NodeReader(ShardedReader):
             if len(out) == length:
                 return memoryview(bytes(out))
         if self.remote_info is not None:
-            rentry = cast(ShardedManifest, self.remote_info.manifest).chunked(entry.path)
+            rentry = self.remote_info.manifest.chunked(entry.path)
             return read_chunks(self.remote, self.remote_info, rentry, start, length,
                                verify=self.verify)
         raise LocalCopyUnavailable(f"{info.url}: {entry.path} is on no node and not at "
@@ -230,7 +231,7 @@ def _facts(local: Storage, remote: Storage, info: CheckpointInfo) -> list[Any]:
     ``dcp.msgpack`` bytes and the remote's copy of the step when it holds the same content;
     on a failure, the error."""
     try:
-        manifest = cast(ShardedManifest, info.manifest)
+        manifest = info.manifest
         entry = manifest.chunked(METADATA_NAME)
         doc = bytes(read_chunks(local, info, entry, 0, entry.size, verify=True))
         there = None
@@ -287,7 +288,7 @@ def verify_node_copy(storage: Storage, info: CheckpointInfo, rank: int,
     checked); the other nodes' files are not visible from here.  This is what retention asks
     of the newest step before it deletes older local copies (their remote copies stay the
     fallbacks)."""
-    mine = own_files(cast(ShardedManifest, info.manifest), rank, coordinator)
+    mine = own_files(info.manifest, rank, coordinator)
     found = problems(info, list_attempt(storage, info), files=mine)
     report = VerifyReport(info.step, info.attempt, info.url, "quick")
     report.problems = [p.text for p in found]

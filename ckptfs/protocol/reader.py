@@ -38,12 +38,8 @@ from ckptfs.format.hashing import (
     new_hasher,
     read_chunk_size,
 )
-from ckptfs.format.incremental import (
-    INCREMENTAL_FORMAT_VERSION,
-    IncrementalManifest,
-    Reference,
-)
-from ckptfs.format.layout import FORMAT_VERSION, STATE_NAME
+from ckptfs.format.incremental import Reference
+from ckptfs.format.layout import STATE_NAME
 from ckptfs.format.limits import MAX_HEADER_BYTES, MAX_STATE_DOC_BYTES
 from ckptfs.format.manifest import FileEntry
 from ckptfs.format.serialize import (
@@ -58,6 +54,7 @@ from ckptfs.format.serialize import (
     tensors_from_buffer,
 )
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, chunk_list_digest
+from ckptfs.format.versions import SHARDED, features
 from ckptfs.protocol.listing import check_listing, check_references, problems
 from ckptfs.protocol.load_options import (
     KeyPath,
@@ -241,14 +238,14 @@ def map_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry, 
 
 
 def check_mmap_storage(storage: Storage, info: CheckpointInfo) -> None:
-    """``mmap=True`` needs local files (`LocalFiles`) and format
-    v1; else `LoadOptionError`, before any I/O."""
+    """``mmap=True`` needs local files (`LocalFiles`) and a single-process format (v1, v3:
+    not ``"sharded"``); else `LoadOptionError`, before any I/O."""
     if not supports(storage, LocalFiles):
         raise LoadOptionError(
             f"{info.url}: mmap=True maps files of a local-disk checkpoint; this store is "
             f"{storage.capabilities.protocol}://. Load without mmap (or copy the checkpoint to "
             "local disk first: ckptfs cp)")
-    if info.manifest.format_version not in (FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION):
+    if SHARDED in features(info.manifest):
         raise LoadOptionError(
             f"{info.url}: mmap=True is supported for format v1 checkpoints; this one is "
             f"format v{info.manifest.format_version} (docs/sharded.md): load it without mmap")
@@ -347,9 +344,9 @@ def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
 
 
 def references_of(info: CheckpointInfo) -> dict[str, Reference]:
-    """The references of a v3 checkpoint by the name its state document uses (others: none)."""
-    m = info.manifest
-    return {r.path: r for r in m.references} if isinstance(m, IncrementalManifest) else {}
+    """The references of a checkpoint by the name its state document uses (none without the
+    ``"references"`` feature)."""
+    return {r.path: r for r in info.manifest.references}
 
 
 def _check_ref_chunk(storage: Storage, info: CheckpointInfo, ref: Reference, chunk: Chunk,

@@ -62,17 +62,16 @@ from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
     Reference,
-    ShardedIncrementalManifest,
     references_of,
 )
 from ckptfs.format.layout import CHECKPOINTS_DIR, StepPaths, check_step, step_dir_name
+from ckptfs.format.manifest import Manifest
 from ckptfs.format.serialize import cpu_contiguous, tensor_memoryview, version_of
 from ckptfs.format.sharded import (
     METADATA_NAME,
     Chunk,
     ChunkedFileEntry,
     PlannedItem,
-    ShardedManifest,
     decode_value,
     element_size,
     item_name,
@@ -82,7 +81,7 @@ from ckptfs.format.sharded import (
     tensor_code,
 )
 from ckptfs.format.sharded_metadata import DcpDocument, ItemLocation, encode_metadata
-from ckptfs.format.versions import REFERENCES, SHARDED, features
+from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED, features
 from ckptfs.protocol.commit import Attempt, Lease, default_threads, now_text, placeholder_digest
 from ckptfs.protocol.incremental import (
     Item,
@@ -98,6 +97,10 @@ from ckptfs.protocol.sharded_read import check_checkpoint_id, read_document, sha
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
+#: The features of a sharded save's manifest (format v2; a save with a reuse memory adds
+#: ``"references"``: format v4).  Every sharded file is chunked.
+SHARDED_FEATURES = frozenset({SHARDED, CHUNKED})
+
 
 @dataclass(frozen=True)
 class AttemptPlan:
@@ -229,7 +232,7 @@ class ShardedWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=AttemptPlan(att.name, i))
                 for i, p in enumerate(plans)]
 
-    def _placeholder_manifest(self, attempt: str, plans: list[SavePlan]) -> ShardedManifest:
+    def _placeholder_manifest(self, attempt: str, plans: list[SavePlan]) -> Manifest:
         """The manifest this save will commit, from the global plan: every rank file with its
         header and one chunk per item (values counted as empty: their size is known only to
         their rank), placeholder digests of the right length."""
@@ -245,8 +248,9 @@ class ShardedWriter(StorageWriter):
             size = offsets[-1] + planned[-1].nbytes
             entries.append(make_entry(rank_file_name(rank), size, self.algorithm, chunks, rank))
         entries.append(make_entry(METADATA_NAME, 0, self.algorithm, [Chunk(0, 0, hexd)], None))
-        return ShardedManifest(self.step, attempt, tuple(entries), now_text(), self.algorithm,
-                               {"tensor_count": 0, **self.metadata}, world_size=len(plans))
+        return Manifest(self.step, attempt, tuple(entries), now_text(), self.algorithm,
+                        {"tensor_count": 0, **self.metadata}, SHARDED_FEATURES,
+                        world_size=len(plans))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         ap = plan.storage_data
@@ -470,14 +474,10 @@ class ShardedWriter(StorageWriter):
                                           or e.rank in (None, self.rank)])
         world = len(results)
         meta = {"tensor_count": 0, **self.metadata}
-        manifest: ShardedManifest
-        if self.memory is None:
-            manifest = ShardedManifest(self.step, attempt, tuple(entries), now_text(),
-                                       self.algorithm, meta, world_size=world)
-        else:
-            manifest = ShardedIncrementalManifest(self.step, attempt, tuple(entries),
-                                                  now_text(), self.algorithm, meta,
-                                                  world_size=world, references=tuple(refs))
+        # v4 (references) for a save with a reuse memory, v2 otherwise.
+        feats = SHARDED_FEATURES | ({REFERENCES} if self.memory is not None else set())
+        manifest = Manifest(self.step, attempt, tuple(entries), now_text(), self.algorithm,
+                            meta, feats, world_size=world, references=tuple(refs))
 
         # Before the marker (docs/protocol.md §9.4): every checkpoint a rank took references
         # from is still committed, and the save is within its lease (the commit's fence).

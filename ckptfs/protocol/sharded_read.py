@@ -42,12 +42,12 @@ from ckptfs.format.hashing import digest_bytes
 from ckptfs.format.incremental import ReferencedFile
 from ckptfs.format.layout import StepPaths, check_step
 from ckptfs.format.limits import MAX_METADATA_BYTES
+from ckptfs.format.manifest import Manifest
 from ckptfs.format.serialize import CODE_DTYPES, tensor_memoryview
 from ckptfs.format.sharded import (
     METADATA_NAME,
     Chunk,
     ChunkedFileEntry,
-    ShardedManifest,
 )
 from ckptfs.format.sharded_metadata import (
     DcpDocument,
@@ -75,8 +75,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def sharded_manifest(info: CheckpointInfo) -> ShardedManifest:
-    """``info``'s manifest if it is format v2, else `CheckpointNotFoundError`."""
+def sharded_manifest(info: CheckpointInfo) -> Manifest:
+    """``info``'s manifest if it is of a sharded format (v2, v4), else
+    `CheckpointNotFoundError`."""
     if not is_sharded(info.manifest):
         raise CheckpointNotFoundError(
             f"step {info.step} at {info.url} is a single-process (format "
@@ -460,7 +461,7 @@ class ShardedReader(StorageReader):
                 out[key] = (req, target)
         return out
 
-    def _fetch(self, manifest: ShardedManifest, keys: list[Key],
+    def _fetch(self, manifest: Manifest, keys: list[Key],
                dests: dict[Key, memoryview]) -> Iterator[list[tuple[Key, memoryview]]]:
         """Coalesce adjacent chunks into ranged reads, run them on a pool (at most ``threads``
         in flight beyond the one being applied), yield each verified run's chunk views.  A run

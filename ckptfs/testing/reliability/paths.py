@@ -54,6 +54,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptfs.format.versions import FEATURES, SHARDED
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.fsspec import FsspecStorage
@@ -112,7 +113,8 @@ class WritePath:
         """The state this path saves at ``step`` in every sweep (what a load must return)."""
         if not self.references:
             return state_for(step)
-        return frozen_state_for(step, same_objects=self.format_version == 4)
+        # A sharded referencing save (v4) keeps the same tensor objects between its saves.
+        return frozen_state_for(step, same_objects=SHARDED in FEATURES[self.format_version])
 
     @property
     def copies(self) -> bool:

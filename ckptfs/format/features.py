@@ -1,0 +1,56 @@
+"""The feature table: a format version is the name of a set of features.
+
+`ckptfs.format.versions` states this table normatively (its module docstring) and re-exports
+it; it is defined here, below the manifest model, because the model derives its
+``format_version`` from its features (`version_of`) while `ckptfs.format.versions` decodes
+manifests (it sits above the model).  Pure: constants and two lookups.
+
+The features:
+
+- ``"sharded"``: one data file per rank and ``dcp.msgpack`` (DCP's global metadata), written
+  collectively; the manifest has ``world_size`` and each file its ``rank``.
+- ``"chunked"``: every file tiled by chunks with their own digests; the file's digest is the
+  digest of its chunk list.
+- ``"references"``: chunks of other attempts' files used in place (the manifest's
+  ``references``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ckptfs.format.layout import FORMAT_VERSION
+
+SHARDED = "sharded"
+CHUNKED = "chunked"
+REFERENCES = "references"
+
+#: Format v2, the sharded layout (docs/protocol.md §8).
+SHARDED_FORMAT_VERSION = 2
+#: Format v3, incremental checkpoints (docs/protocol.md §9).
+INCREMENTAL_FORMAT_VERSION = 3
+#: Format v4, sharded incremental: v2's layout plus v3's references (docs/protocol.md §9.6).
+SHARDED_INCREMENTAL_FORMAT_VERSION = 4
+
+#: Version -> the features of its manifests.
+FEATURES: dict[int, frozenset[str]] = {
+    FORMAT_VERSION: frozenset(),
+    SHARDED_FORMAT_VERSION: frozenset({SHARDED, CHUNKED}),
+    INCREMENTAL_FORMAT_VERSION: frozenset({CHUNKED, REFERENCES}),
+    SHARDED_INCREMENTAL_FORMAT_VERSION: frozenset({SHARDED, CHUNKED, REFERENCES}),
+}
+#: Features -> the version that names them: the inverse of `FEATURES` (a writer never chooses a
+#: version, it chooses features).
+VERSIONS: dict[frozenset[str], int] = {feats: version for version, feats in FEATURES.items()}
+
+
+def version_of(feats: Iterable[str]) -> int:
+    """The format version whose manifests have exactly the features ``feats``; ``ValueError``
+    for a set no version names (e.g. references without chunks)."""
+    key = frozenset(feats)
+    try:
+        return VERSIONS[key]
+    except KeyError:
+        known = ", ".join(f"{v}: {sorted(f)}" for v, f in FEATURES.items())
+        raise ValueError(f"no manifest format version has the features {sorted(key)}; "
+                         f"the versions are {known}") from None
