@@ -511,3 +511,57 @@ def test_no_tracker_numbers_in_code_tests_or_docs() -> None:
              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
              if TRACKER_REFERENCE.search(line)]
     assert found == []
+
+
+# -- the world size is a value, a format version a set of features ---------------------------
+
+#: A module named for one cell of the world-size matrix, beside the concept's own module.
+TWIN_MODULE = re.compile(r"_(sharded|single|collective|distributed)$")
+
+
+@pytest.mark.parametrize("name", list(modules()))
+def test_no_twin_module_per_world_size(name: str) -> None:
+    """The world size is a value (``protocol/group.py``'s ``Group``: a world of one or a
+    process group), not a second module.  A ``<concept>_sharded`` module beside ``<concept>``
+    (as ``replication_sharded``, ``tiers_sharded`` and ``async_sharded`` were) carries its own
+    copy of every guarantee of the concept, and the copies drift: each held a weaker guarantee
+    than its twin.  The sharded format's own parts are named ``sharded_<part>``."""
+    leaf = name.rsplit(".", 1)[-1]
+    assert not TWIN_MODULE.search(leaf), (
+        f"{name} is a twin module for one world size: drive the concept's one module with a "
+        "Group (ckptfs.protocol.group) instead")
+
+
+#: Names of the manifest model (``format/manifest.py``): what a class test would name.
+MANIFEST_CLASSES = re.compile(r"\w*Manifest$")
+
+
+def version_tests(name: str) -> list[str]:
+    """Where module ``name`` compares a ``format_version`` or tests a manifest's class."""
+    found = []
+    for node in ast.walk(tree_of(name)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Attribute) and s.attr == "format_version" for s in sides):
+                found.append(f"{node.lineno}: a format_version compared")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+            classes = node.args[1]
+            names = classes.elts if isinstance(classes, ast.Tuple) else [classes]
+            for n in names:
+                ident = n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", "")
+                if MANIFEST_CLASSES.fullmatch(ident):
+                    found.append(f"{node.lineno}: isinstance(..., {ident})")
+    return found
+
+
+@pytest.mark.parametrize("name", [n for n in modules() if not n.startswith("ckptfs.format")])
+def test_no_version_or_manifest_class_test_outside_format(name: str) -> None:
+    """A format version is a set of features (``format/versions.py``'s table): code above the
+    format asks a manifest for a feature (``features(m)``, ``is_sharded``, ``references_of``),
+    never compares its version number or tests its class.  A test by version is written once
+    per version and misses the next one that has the same feature (formats v3 and v4 share
+    references; a reader that asked "is it v3?" refused or mis-read v4)."""
+    assert version_tests(name) == [], (
+        f"{name} tests a format version or a manifest class: ask the manifest's features "
+        "(ckptfs.format.versions.features)")
