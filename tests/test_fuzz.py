@@ -528,7 +528,8 @@ STATE_DOC_VALID: dict[str, Valid] = {
 
 
 def _load_state_doc(blob: bytes) -> None:
-    """What a load does with state.msgpack (reader.load_v1): decode, rebuild, a dict root."""
+    """What a load does with state.msgpack (reader.load_single_process): decode, rebuild, a
+    dict root."""
     tree, slots = decode_state_doc(blob, where="s")
     state = build_tree(tree, [torch.zeros(s.shape) for s in slots], where="s")
     if not isinstance(state, dict):

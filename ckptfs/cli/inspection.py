@@ -34,7 +34,7 @@ from ckptfs.format.serialize import (
     dtype_code,
 )
 from ckptfs.protocol.formats import check_checkpoint
-from ckptfs.protocol.reader import CheckedV1
+from ckptfs.protocol.reader import CheckedSingleProcess
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.store import CheckpointStore
 
@@ -280,7 +280,7 @@ def inspect_info(store: CheckpointStore, info: CheckpointInfo, *,
                           "bytes": sum(c.length for c in r.chunks)} for r in refs[:max_items]]
     if len(refs) > max_items:
         out["references_omitted"] = len(refs) - max_items
-    if isinstance(checked, CheckedV1):
+    if isinstance(checked, CheckedSingleProcess):
         out["tree"] = list(tree_rows(checked.tree, checked.slots, max_items=max_items,
                                      max_rows=max_rows))
         out["tensors"] = {"count": len(checked.slots),

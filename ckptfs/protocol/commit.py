@@ -689,10 +689,10 @@ def check_manifest(manifest: Manifest, writer: Mapping[str, Any]) -> bytes:
     return mbytes
 
 
-# -- format v1: the single-process save -----------------------------------------------------------
+# -- the single-process save (format v1; v3 with references) -------------------------------------
 
 
-def plan_v1(state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None,
+def plan_single_process(state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None,
             shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[StatePlan, dict[str, Any]]:
     """Validate and plan a single-process save: the serializer's plan (every value the format
     cannot hold refused, naming its key path) and the manifest metadata."""
@@ -783,6 +783,6 @@ def save_checkpoint(
     """Validate, plan, write and commit ``state`` as the format v1 checkpoint of ``step``."""
     check_step(step)
     new_hasher(algorithm)
-    plan, meta = plan_v1(state, metadata=metadata, shard_bytes=shard_bytes)
+    plan, meta = plan_single_process(state, metadata=metadata, shard_bytes=shard_bytes)
     return save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
                      threads=threads)

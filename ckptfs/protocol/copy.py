@@ -24,7 +24,7 @@ node's disk (docs/tiers.md "Sharded").  One step, on every rank::
                   (the same content: "identical"; other content: CheckpointExistsError);
                   the source checked as a load checks it (where the coordinator holds every
                   file; else its documents, and each rank lists its own files); references
-                  remapped to the destination's own bytes (format v3: `_plan_v3`; v4:
+                  remapped to the destination's own bytes (format v3: `_plan_referencing`; v4:
                   `references_at`), each chunk reused there read and checked first; opens the
                   destination attempt (Attempt.open) and checks the manifest it will commit
     broadcast     the plan: the source checkpoint and the attempt name (or the outcome)
@@ -132,7 +132,7 @@ from ckptfs.protocol.incremental import (
     stored_chunk_intact,
 )
 from ckptfs.protocol.listing import check_listing
-from ckptfs.protocol.reader import CheckedV1, local_header, reference_chunks
+from ckptfs.protocol.reader import CheckedSingleProcess, local_header, reference_chunks
 from ckptfs.protocol.references import attempt_sharing
 from ckptfs.protocol.remote_verify import compare_stored
 from ckptfs.protocol.resolve import (
@@ -236,7 +236,7 @@ def rebuild_error(doc: Mapping[str, Any]) -> Exception:
 
 
 @dataclasses.dataclass
-class _V3:
+class _ReferencingPlan:
     """What the coordinator decided for a format v3 step: the source's own files copied, the
     references materialized, and the references to the destination's own bytes."""
 
@@ -257,7 +257,7 @@ class _Plan:
     retired: list[Attempt] = dataclasses.field(default_factory=list)
     protectors: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     lease: Lease | None = None
-    v3: _V3 | None = None
+    v3: _ReferencingPlan | None = None
 
     def doc(self) -> dict[str, Any]:
         return {"status": "copy", "source": self.source.to_doc(), "attempt": self.att.name}
@@ -476,7 +476,7 @@ class StepCopier:
             checked = read_document(self.src, info)
         writer = {"world_size": self.group.world_size} if self.group.world_size > 1 else {}
         if REFERENCES in features(manifest) and not is_sharded(manifest):
-            self._plan = _plan_v3(self.src, self.dst, info, checked, reuse=reuse,
+            self._plan = _plan_referencing(self.src, self.dst, info, checked, reuse=reuse,
                                   durable=self.durable, lease_s=self.lease_s, writer=writer)
         else:
             # A sharded checkpoint's references (format v4) name the destination's own copies.
@@ -985,8 +985,9 @@ def _reusable(dst: Storage, path: str, wanted: dict[str, tuple[HeaderEntry, Chun
 
 
 
-def _plan_v3(src: Storage, dst: Storage, info: CheckpointInfo, checked: Any, *, reuse: bool,
-             durable: bool, lease_s: float, writer: dict[str, Any]) -> _Plan:
+def _plan_referencing(src: Storage, dst: Storage, info: CheckpointInfo, checked: Any, *,
+                      reuse: bool, durable: bool, lease_s: float, writer: dict[str, Any]
+                      ) -> _Plan:
     """The coordinator's plan of a format v3 step: each own file and reference of the source
     referenced at the destination (its latest committed checkpoint holds the bytes, read and
     checked there: `_reusable`), copied, or materialized (module docstring); the destination
@@ -994,12 +995,12 @@ def _plan_v3(src: Storage, dst: Storage, info: CheckpointInfo, checked: Any, *, 
     manifest = info.manifest
     step, algo = info.step, manifest.hash_algorithm
     used: dict[str, set[str]] = {}
-    for slot in cast(CheckedV1, checked).slots:
+    for slot in cast(CheckedSingleProcess, checked).slots:
         used.setdefault(slot.file, set()).add(slot.name)
     index = _destination_index(dst, algo) if reuse else None
     held = _held(index) if index is not None else {}
     memory = ReuseMemory()  # what this copy read and checked at the destination
-    v3 = _V3([], [], [])
+    v3 = _ReferencingPlan([], [], [])
     for entry in manifest.files:
         assert isinstance(entry, ChunkedFileEntry)
         ref = None

@@ -5,10 +5,10 @@ manifest's features (``"sharded"`` or not), and the one dispatch every reader go
 =============  ===================================  ==========================================
 features       load                                 full verify (after the shared listing)
 =============  ===================================  ==========================================
-not sharded    `ckptfs.protocol.reader.load_v1`     every file re-read and re-hashed
+not sharded    `ckptfs.protocol.reader.load_single_process`     every file re-read and re-hashed
 (v1, v3)
 sharded        `ckptfs.protocol.sharded.            every chunk re-read and checked,
-(v2, v4)       load_v2` (imported only then: DCP    ``dcp.msgpack`` and every value document
+(v2, v4)       load_sharded` (imported only then: DCP    ``dcp.msgpack`` and every value document
                costs ~1 s to import)                decoded
 =============  ===================================  ==========================================
 
@@ -44,9 +44,9 @@ from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tenso
 from ckptfs.protocol.reader import (
     VerifyReport,
     check_mmap_storage,
-    check_v1,
-    load_v1,
-    verify_v1,
+    check_single_process,
+    load_single_process,
+    verify_single_process,
 )
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import Storage
@@ -67,30 +67,30 @@ class FormatOps:
     check: Callable[[], Checker]
 
 
-def _v2_load() -> Loader:
-    from ckptfs.protocol.sharded import load_v2
+def _sharded_load() -> Loader:
+    from ckptfs.protocol.sharded import load_sharded
 
-    return cast(Loader, load_v2)
-
-
-def _v2_verify() -> Verifier:
-    from ckptfs.protocol.sharded import verify_v2
-
-    return cast(Verifier, verify_v2)
+    return cast(Loader, load_sharded)
 
 
-def _v2_check() -> Checker:
-    return check_v2
+def _sharded_verify() -> Verifier:
+    from ckptfs.protocol.sharded import verify_sharded
+
+    return cast(Verifier, verify_sharded)
 
 
-def check_v2(storage: Storage, info: CheckpointInfo) -> DcpDocument:
-    """The ``check`` of version 2: the listing, ``dcp.msgpack`` (read, chunk digests checked,
-    decoded; every item a chunk of a listed file), every rank file's safetensors header (its
-    header chunk read, digest checked, and checked against ``dcp.msgpack``, as a load checks
-    it before using any item of the file), every stored value document (read, checked,
-    decoded: never unpickled), and the stored tree rebuilt over the stored keys, as
-    `ckptfs.protocol.sharded.load_full` rebuilds it.  Values of types not registered in
-    this process are checked as plain dicts."""
+def _sharded_check() -> Checker:
+    return check_sharded
+
+
+def check_sharded(storage: Storage, info: CheckpointInfo) -> DcpDocument:
+    """The ``check`` of the sharded layout (v2, v4): the listing, ``dcp.msgpack`` (read,
+    chunk digests checked, decoded; every item a chunk of a listed file), every rank file's
+    safetensors header (its header chunk read, digest checked, and checked against
+    ``dcp.msgpack``, as a load checks it before using any item of the file), every stored
+    value document (read, checked, decoded: never unpickled), and the stored tree rebuilt
+    over the stored keys, as `ckptfs.protocol.sharded.load_full` rebuilds it.  Values of
+    types not registered in this process are checked as plain dicts."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from ckptfs.format.extensions import unregistered_as_dict
@@ -155,9 +155,9 @@ def _stored_view(tree: Any, where: str) -> Any:
 
 #: The single-process reader (v1; v3 too: v1's state and tensor files, chunked, with
 #: references) and the sharded one (v2; v4 too: v2 with references).
-SINGLE_PROCESS_READER = FormatOps("single-process", lambda: load_v1, lambda: verify_v1,
-                                  lambda: check_v1)
-SHARDED_READER = FormatOps("sharded", _v2_load, _v2_verify, _v2_check)
+SINGLE_PROCESS_READER = FormatOps("single-process", lambda: load_single_process,
+                                  lambda: verify_single_process, lambda: check_single_process)
+SHARDED_READER = FormatOps("sharded", _sharded_load, _sharded_verify, _sharded_check)
 #: Per format version this ckptfs reads, its reader (by its features).
 FORMATS: dict[int, FormatOps] = {
     version: SHARDED_READER if SHARDED in feats else SINGLE_PROCESS_READER
@@ -209,7 +209,7 @@ def check_checkpoint(storage: Storage, info: CheckpointInfo) -> Any:
     """Raise what a load of ``info`` would raise (the same typed error), reading every document
     and every tensor file's header but no tensor data.  What it cannot know: the bytes of the
     tensors (their digests are checked by whoever reads them: a load, a verify, a copy).
-    Returns what the version's check decoded (v1: `CheckedV1`;
+    Returns what the version's check decoded (v1: `CheckedSingleProcess`;
     v2: the `DcpDocument`), for ``ckptfs inspect``."""
     return ops_for(info).check()(storage, info)
 

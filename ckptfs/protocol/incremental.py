@@ -1,7 +1,7 @@
 """Incremental saves (format v3, docs/protocol.md §9): bytes that did not change are referenced,
 never written again.
 
-A save plans the state as a single-process save does (`ckptfs.protocol.commit.plan_v1`),
+A save plans the state as a single-process save does (`ckptfs.protocol.commit.plan_single_process`),
 then looks each tensor up in a *reuse index*: the tensors a committed v3 checkpoint of the run
 holds (its own files and what it references, flattened), by ``(algorithm, digest, length,
 dtype, shape)``.  Reuse is decided by digest only, with the store's (cryptographic) algorithm.

@@ -13,9 +13,10 @@ thread.  The layout is a value of the prepared save, not a second function:
 =================  ==========================================  =================================
 layout             prepared (caller's thread)                  written (`Prepared.over`)
 =================  ==========================================  =================================
-one process        the serializer's plan (`plan_v1`: every     `write_plan` over the plan,
-``collective``     non-tensor value encoded now; `check_plan`:  rebound to the copies when there
-False              every reader limit); ``reads``: its tensors  are (format v1, or v3)
+one process        the serializer's plan                       `write_plan` over the plan,
+``collective``     (`plan_single_process`: every non-tensor    rebound to the copies when there
+False              value encoded now; `check_plan`: every      are (format v1, or v3)
+                   reader limit); ``reads``: its tensors
 a process group    `sharded.prepare_save` (a bad value raises  `sharded.save_prepared` (format
 ``collective``     inside DCP, on every rank together);        v2, or v4; its "write everything
 True               ``reads``: the state's DCP view             again" retry included)
@@ -40,7 +41,7 @@ from ckptfs.format.hashing import new_hasher
 from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import StatePlan
 from ckptfs.protocol.collective import find_dtensor, wants_sharded_save
-from ckptfs.protocol.commit import check_plan, plan_v1
+from ckptfs.protocol.commit import check_plan, plan_single_process
 from ckptfs.protocol.incremental import write_plan
 from ckptfs.protocol.resolve import CheckpointInfo
 
@@ -134,11 +135,11 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
 
 def plan_or_refuse(state: Mapping[str, Any], metadata: Mapping[str, Any] | None,
                    shard_bytes: int) -> tuple[StatePlan, dict[str, Any]]:
-    """`plan_v1`; a state it refuses because it holds a DTensor (torch.distributed is not
-    initialized, so the collective save cannot run) is refused saying so: writing one rank's
+    """`plan_single_process`; a state it refuses because it holds a DTensor (torch.distributed
+    is not initialized, so the collective save cannot run) is refused saying so: writing one rank's
     shards as a full state would be wrong."""
     try:
-        return plan_v1(state, metadata=metadata, shard_bytes=shard_bytes)
+        return plan_single_process(state, metadata=metadata, shard_bytes=shard_bytes)
     except UnsupportedValueError:
         where = find_dtensor(state)  # only on failure: no second walk of a good state
         if where is None:

@@ -68,8 +68,8 @@ from ckptfs.storage.base import LocalFiles, Storage, read_range, supports
 
 log = logging.getLogger("ckptfs")
 
-__all__ = ["VerifyReport", "check_mmap_storage", "check_v1", "load_v1", "map_file_verified",
-           "read_file_verified", "read_header", "verify_v1"]
+__all__ = ["VerifyReport", "check_mmap_storage", "check_single_process", "load_single_process",
+           "map_file_verified", "read_file_verified", "read_header", "verify_single_process"]
 T = TypeVar("T")
 
 
@@ -266,7 +266,7 @@ def _state_entry(storage: Storage, info: CheckpointInfo, by_path: dict[str, File
     return entry, where
 
 
-def load_v1(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
+def load_single_process(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
             mapper: TensorMap | None = None, threads: int = 4,
             keys: list[KeyPath] | None = None, mmap: bool = False) -> dict[Any, Any]:
     """Load a committed format v1 checkpoint (docs/loading.md); the options are checked by
@@ -556,16 +556,16 @@ def _placeholder(slot: TensorSlot) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class CheckedV1:
-    """What `check_v1` decoded: the tagged tree and the tensor slots (``ckptfs inspect``
+class CheckedSingleProcess:
+    """What `check_single_process` decoded: the tagged tree and the tensor slots (``ckptfs inspect``
     renders them without reading anything again)."""
 
     tree: Any
     slots: list[TensorSlot]
 
 
-def check_v1(storage: Storage, info: CheckpointInfo) -> CheckedV1:
-    """Refuse, with the error `load_v1` would raise, a format v1 checkpoint a load would
+def check_single_process(storage: Storage, info: CheckpointInfo) -> CheckedSingleProcess:
+    """Refuse, with the error `load_single_process` would raise, a format v1 checkpoint a load would
     refuse, without reading tensor data: the listing, ``state.msgpack`` (read, digest checked,
     decoded, its tree rebuilt over placeholders), and the header of every tensor file the state
     references (its entries must be those of the state document).  Values of types not
@@ -600,14 +600,14 @@ def check_v1(storage: Storage, info: CheckpointInfo) -> CheckedV1:
         state = build_tree(tree, [_placeholder(s) for s in slots], where=where)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where}: the state root is not a dict", step=info.step)
-    return CheckedV1(tree, slots)
+    return CheckedSingleProcess(tree, slots)
 
 
-def verify_v1(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
+def verify_single_process(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
               threads: int = 4) -> None:
     """Full verification of a format v1 checkpoint, after the shared listing checks: every
     file the listing did not already condemn is re-read and re-hashed; then, when every byte
-    is as committed, the documents are checked as a load checks them (`check_v1`:
+    is as committed, the documents are checked as a load checks them (`check_single_process`:
     ``state.msgpack`` decoded and its tree rebuilt, every referenced tensor file's header
     checked; extension type names are not looked up), so that verify never passes what a load
     refuses (a pickle in ``state.msgpack`` with a valid digest, a hostile header)."""
@@ -635,6 +635,6 @@ def verify_v1(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
     if not found and len(todo) == len(info.manifest.files) \
             and len(refs) == len(references_of(info)):  # every byte is as committed
         try:
-            check_v1(storage, info)
+            check_single_process(storage, info)
         except (CorruptCheckpointError, ExtensionTypeError) as exc:
             report.problems.append(str(exc))

@@ -102,8 +102,8 @@ from ckptfs.torch_compat import group_timeout, load_state_dict
 
 __all__ = ["COLLECTIVE_TIMEOUT", "LIVENESS_WAIT", "FullLoadPlanner", "Liveness", "LoadPlanner",
            "SavePlanner", "SavePrep", "collective_group", "failure", "liveness", "load_full",
-           "load_into", "load_v2", "map_failure", "merge_trees", "prepare_save",
-           "save_prepared", "save_sharded", "values_from_lowest_rank", "verify_v2"]
+           "load_into", "load_sharded", "map_failure", "merge_trees", "prepare_save",
+           "save_prepared", "save_sharded", "values_from_lowest_rank", "verify_sharded"]
 
 log = logging.getLogger("ckptfs")
 
@@ -489,7 +489,7 @@ def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
     return state
 
 
-def load_v2(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
+def load_sharded(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
             mapper: TensorMap | None = None, threads: int | None = None,
             keys: list[KeyPath] | None = None, mmap: bool = False) -> dict[Any, Any]:
     """The format table's load of version 2 (`ckptfs.protocol.formats`):
@@ -499,7 +499,7 @@ def load_v2(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
     return select_and_map(state, info.url, keys, mapper)
 
 
-def verify_v2(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
+def verify_sharded(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,
               threads: int | None = None) -> None:
     """The format table's full verification of version 2, after the shared listing checks
     (files the listing already condemned are not read again): ``dcp.msgpack`` decoded with
