@@ -5,7 +5,8 @@ cells: ``v1`` (``store.save``), ``v2`` (the collective save on one rank:
 ``dcp.save(no_dist=True)`` through ckptfs's DCP writer), ``v3`` (an incremental store's save of
 a state whose model is frozen: ``path.state(step)``; each save after the first has references),
 ``v4`` (the collective save on one rank of an incremental store, its reuse memory kept between
-the saves of a run root), ``async`` (``save_async(...).result()``), ``async-v2`` / ``async-v4``
+the saves of a run root), ``async`` (``save_async(...).result()``), ``async-v3`` (the same on
+an incremental store: format v3), ``async-v2`` / ``async-v4``
 (``save_async`` of DTensors on a one-rank mesh under a one-rank gloo group: the collective
 async save, plain and incremental), ``cp`` / ``cp-v2`` (a save into a scratch root, then
 ``ckptfs cp``'s ``copy_step``), ``cp-v3`` / ``cp-v4`` (the same from an incremental source kept
@@ -52,6 +53,7 @@ from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability.paths import (
     ASYNC,
     ASYNC_V2,
+    ASYNC_V3,
     ASYNC_V4,
     CP,
     CP_V2,
@@ -69,7 +71,7 @@ from ckptfs.testing.reliability.paths import (
     WritePath,
 )
 
-__all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V4", "CP", "CP_V2", "CP_V3", "CP_V4", "DEFECTS",
+__all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V3", "ASYNC_V4", "CP", "CP_V2", "CP_V3", "CP_V4", "DEFECTS",
            "EVERY", "PATHS", "RANKS", "REPLICAS", "REPLICA_V1", "REPLICA_V3", "SUB", "V1", "V2",
            "V2X2", "V3", "V4", "V4X2", "KnownDefect", "SubBackend", "WritePath",
            "assert_not_committed", "check_violations", "copy_into_scratch", "known_defect",

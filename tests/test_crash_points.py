@@ -89,10 +89,11 @@ def _path_params() -> list[object]:
     --runslow.  The sharded save (two simulated ranks driving DCP's call sequence) has its own
     sweep in tests/test_sharded_crash.py."""
     default = {("memory", "async"), ("memory", "cp"), ("local", "async"), ("local", "cp"),
-               ("memory", "sub"), ("memory", "cp-v2"), ("memory", "v3"), ("local", "v3")}
+               ("memory", "sub"), ("memory", "cp-v2"), ("memory", "v3"), ("local", "v3"),
+               ("memory", "v4"), ("memory", "async-v3")}
     out: list[object] = []
     for where in ("memory", "local", "s3", "ministack", "gcs", "azure"):
-        for p in paths.params(["async", "cp", "sub", "v2", "cp-v2", "v3"]):
+        for p in paths.params([p for p in paths.EVERY if p not in ("v1", *paths.REPLICAS)]):
             (path,) = p.values
             slow = [] if (where, path.name) in default else [pytest.mark.slow]
             out.append(pytest.param(where, path, id=f"{where}-{path.name}", marks=slow))

@@ -26,7 +26,9 @@ exactly what the single-process save gives it:
            references the model's items in an earlier checkpoint's rank file
 ``async-v2`` ``save_async`` of the state's tensors as DTensors on a one-rank mesh, under a
            one-rank gloo process group (`world_of_one`): the collective async save
-``async-v4`` the same on an incremental store (its reuse memory kept as for ``v4``)
+``async-v3`` ``save_async`` on an incremental store (format v3), saving what ``v3`` saves
+``async-v4`` the collective async save on an incremental store (its reuse memory kept as
+           for ``v4``)
 ``cp-v3``  ``ckptfs cp`` of a format v3 step: the source is a scratch root kept for the run
            root under test (`source_for`), written by ``v3``, and its steps are copied one by
            one, so a copy after the first references what the destination already holds
@@ -146,6 +148,8 @@ class WritePath:
             return save_v3(store, step, state, metadata=metadata)
         if self.name == "v4":
             return save_v4(store, step, state, metadata=metadata)
+        if self.name == "async-v3":
+            return save_async_v3(store, step, state, metadata=metadata)
         if self.name in ("async-v2", "async-v4"):
             return save_async_sharded(store, step, state, metadata=metadata,
                                       incremental=self.name == "async-v4")
@@ -201,6 +205,19 @@ def save_v3(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                                   durable=store.durable, threads=store.threads,
                                   shard_bytes=store.shard_bytes, incremental=True)
     return incremental.save(step, state, metadata=metadata)
+
+
+def save_async_v3(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+                  metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+    """``save_async`` on an incremental store (format v3), as `save_v3` opens it, waited
+    for; the store's background thread is closed afterwards."""
+    incremental = CheckpointStore(store.storage, algorithm=store.algorithm,
+                                  durable=store.durable, threads=store.threads,
+                                  shard_bytes=store.shard_bytes, incremental=True)
+    try:
+        return incremental.save_async(step, state, metadata=metadata).result()
+    finally:
+        incremental.close()
 
 
 _KEPT_LOCK = threading.Lock()
@@ -315,18 +332,22 @@ def copy_kept_source(store: CheckpointStore, step: int, state: Mapping[str, Any]
     """``ckptfs cp`` of an incremental step: ``state`` saved (format v3, or v4) into the
     scratch source kept for ``store``'s run root (`kept_root`: its earlier steps are there,
     so the saved step references them), then `copy_step` into ``store``.  A step the source
-    already holds (a retry of a refused copy) is saved there again first."""
+    already holds (a retry of a refused copy) is saved there again first, unless ``store``
+    holds it committed (a copy that crashed after its marker: the retry copies the same
+    source again, as a user's would, and finds it there)."""
     from ckptfs.protocol.copy import copy_step
 
     src = CheckpointStore(FsspecStorage(kept_root(store, f"cp-v{version}-source")),
                           algorithm=store.algorithm, threads=store.threads,
                           shard_bytes=store.shard_bytes)
-    if step in src.steps():
-        src.delete(step)
-    if version == 4:
-        save_v4(src, step, state, metadata=metadata)
-    else:
-        save_v3(src, step, state, metadata=metadata)
+    retry = step in src.steps()
+    if not (retry and step in store.steps()):
+        if retry:
+            src.delete(step)
+        if version == 4:
+            save_v4(src, step, state, metadata=metadata)
+        else:
+            save_v3(src, step, state, metadata=metadata)
     copy_step(src.storage, store.storage, step, durable=store.durable, threads=store.threads)
     return read_committed(store.storage, step)
 
@@ -389,6 +410,7 @@ SUB = WritePath("sub", sub=True)
 V3 = WritePath("v3", 3, references=True)
 V4 = WritePath("v4", 4, references=True)
 ASYNC_V2 = WritePath("async-v2", 2)
+ASYNC_V3 = WritePath("async-v3", 3, references=True)
 ASYNC_V4 = WritePath("async-v4", 4, references=True)
 CP_V3 = WritePath("cp-v3", 3, references=True)
 CP_V4 = WritePath("cp-v4", 4, references=True)
@@ -397,5 +419,5 @@ REPLICA_V3 = WritePath("replica-v3", 3, references=True)
 
 #: Every in-process write path, by name.
 WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (
-    V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V4, CP_V3, CP_V4, REPLICA_V1,
+    V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V3, ASYNC_V4, CP_V3, CP_V4, REPLICA_V1,
     REPLICA_V3)}
