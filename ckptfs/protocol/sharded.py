@@ -75,6 +75,7 @@ from ckptfs.format.sharded_metadata import DcpDocument, check_rank_header, items
 from ckptfs.format.sharded_tree import dcp_view, restore, write_back
 from ckptfs.format.versions import SHARDED, features
 from ckptfs.protocol.collective import is_distributed
+from ckptfs.protocol.commit import write_again_if_gone
 from ckptfs.protocol.group import LIVENESS_WAIT, Liveness, collective_failure, gloo_group
 from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
@@ -274,16 +275,11 @@ class SavePrep:
         self.writer.remember(info)
         return info
 
-    def in_full(self, exc: BaseException, view: dict[str, Any] | None = None,
-                live: Liveness | None = None) -> SavePrep:
-        """The "write everything again" retry of an incremental save whose protector went
-        away (``exc``: the `ProtectorGoneError` every rank got from the coordinator's fence):
-        this rank's reuse memory forgotten, the same save over ``view`` (default: this one's)
-        prepared again, so it references nothing.  The synchronous and async saves both retry
-        through this, once, on every rank."""
-        log.warning("%s: %s; writing every byte instead", self.what, exc)
-        self.writer.forget()
-        again = self.remake(self.view if view is None else view, live)
+    def in_full(self, live: Liveness | None = None) -> SavePrep:
+        """The same save prepared again over its view, for the "write everything again"
+        retry (`ckptfs.protocol.commit.write_again_if_gone`, which has forgotten this rank's
+        reuse memory first, so it references nothing)."""
+        again = self.remake(self.view, live)
         again.writer.hint = self.writer.hint
         return again
 
@@ -360,15 +356,18 @@ def save_prepared(p: SavePrep, group: Any, *,
     thread: `save_sharded` on the caller's, ``save_async`` on the store's own): the committed
     checkpoint, or the typed error of `failure` on every rank.  An incremental save whose
     protector went away (every rank got `ProtectorGoneError` from the coordinator's fence) is
-    retried here, once, on every rank, writing every byte (`SavePrep.in_full`, with the
-    liveness keys ``renew()`` sets for the second collective)."""
-    try:
+    retried here, once, on every rank, writing every byte: the one retry of every incremental
+    writer (`ckptfs.protocol.commit.write_again_if_gone`) over `SavePrep.in_full`, with the
+    liveness keys ``renew()`` sets for the second collective."""
+    if p.writer.memory is None:  # only an incremental save fences
         return _save_once(p, group)
-    except ProtectorGoneError as exc:  # every rank got it: every rank retries
-        if p.writer.memory is None:  # pragma: no cover - only an incremental save fences
-            raise
-        again = p.in_full(exc, live=None if renew is None else renew())
-    return _save_once(again, group)
+
+    def save(reuse: bool) -> CheckpointInfo:
+        if reuse:
+            return _save_once(p, group)
+        return _save_once(p.in_full(live=None if renew is None else renew()), group)
+
+    return write_again_if_gone(p.what, save, p.writer.forget)
 
 
 def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
