@@ -1,4 +1,4 @@
-"""``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,all,report}`` (also
+"""``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,scale,all,report}`` (also
 ``main``, which the scripts in ``benchmarks/`` call) and the isolated worker's entry point:
 ``python -m ckptfs.bench.cli SPEC`` runs one variant (`ckptfs.bench.variants.run_isolated`);
 ``python -m ckptfs.bench.cli ARGS`` is ``ckptfs bench ARGS``."""
@@ -197,6 +197,23 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "rv_size": (("--size",), dict(default="1GiB", help="remote-verify: checkpoint size")),
     "rv_backends": (("--backends",), dict(default="s3,gcs", help="remote-verify: "
                                           "comma-separated, of s3 (moto) and gcs (fake-gcs)")),
+    "scale_quick": (("--quick",), dict(action="store_true", default=False,
+                                       help="scale: W in 8,64,256 only")),
+    "scale_worlds": (("--worlds",), dict(default="", help="scale: comma-separated world "
+                                         "sizes (default 8,64,256,1024,4096)")),
+    "scale_mesh": (("--mesh",), dict(default="all", help="scale: comma-separated meshes of "
+                                     "fsdp, hsdp, tp (default: all)")),
+    "scale_layers": (("--layers",), dict(type=int, default=1, help="scale: decoder layers of "
+                                         "the 70B-shaped state")),
+    "scale_hsdp_shard": (("--hsdp-shard",), dict(type=int, default=8, help="scale: ranks "
+                                                 "per HSDP shard group")),
+    "scale_real": (("--real",), dict(default="", metavar="W,W", help="scale: also run real "
+                                     "gloo saves at these world sizes and check the "
+                                     "simulator against them (alone unless --worlds/--quick)")),
+    "scale_shrink": (("--shrink",), dict(type=int, default=64, help="scale: --real divides "
+                                         "every dimension by this (a few MB)")),
+    "scale_json": (("--json",), dict(default="", metavar="PATH",
+                                     help="scale: write the results as JSON")),
     "only": (("--only",), dict(default="", choices=["", "incremental", "tiers"],
                                help="render only "
                                "this section (and its plot) into the existing benchmarks.md, "
@@ -230,7 +247,9 @@ _OWN: dict[str, tuple[str, ...]] = {
     "tiers": ("tiers_full", "tiers_size", "tiers_rounds", "loop_steps", "loop_every",
               "loop_params", *_COMMON),
     "remote-verify": ("rv_size", "rv_backends", "rv_tensors", *_COMMON),
-    "all": tuple(d for d in _OPTIONS if not d.startswith(("tiers_", "rv_"))),
+    "scale": ("scale_quick", "scale_worlds", "scale_mesh", "scale_layers", "scale_hsdp_shard",
+              "scale_real", "scale_shrink", "scale_json"),
+    "all": tuple(d for d in _OPTIONS if not d.startswith(("tiers_", "rv_", "scale_"))),
     "report": ("out", "results", "docs", "only"),
 }
 
@@ -246,7 +265,7 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "all") -> None:
 
 
 def add_subcommands(subparsers: Any) -> None:
-    """``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,all,report}``."""
+    """``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,scale,all,report}``."""
     p = subparsers.add_parser("bench", help="run the benchmarks (see docs/benchmarks.md)")
     sub = p.add_subparsers(dest="bench_command", required=True)
     helps = {"hash": "hashing throughput of every algorithm",
@@ -264,12 +283,22 @@ def add_subcommands(subparsers: Any) -> None:
                       "loop",
              "remote-verify": "verify --remote of a checkpoint against a full verify on S3 "
                               "(moto) and GCS (fake-gcs): requests, bytes read, time",
+             "scale": "simulated sharded saves and loads at 8 to 4,096 ranks: ckptfs's "
+                      "coordinator, metadata and per-rank load beside DCP's planners "
+                      "(--real: checked against real gloo jobs)",
              "all": "everything, then the report",
              "report": "regenerate benchmarks.md and img/ from the JSON"}
     for name, text in helps.items():
         q = sub.add_parser(name, help=text)
         add_arguments(q, name)
-        q.set_defaults(func=cmd_bench)
+        q.set_defaults(func=cmd_scale if name == "scale" else cmd_bench)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """``ckptfs bench scale``: prints its tables, writes only ``--json`` (not ``--out``)."""
+    from ckptfs.bench.scale import main_scale
+
+    return main_scale(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
