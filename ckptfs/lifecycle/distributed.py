@@ -24,24 +24,18 @@ import torch
 from ckptfs.errors import CorruptCheckpointError
 from ckptfs.format.versions import SHARDED, features
 from ckptfs.lifecycle import schema
-from ckptfs.protocol.collective import is_distributed
+from ckptfs.protocol.collective import wants_sharded_save
 from ckptfs.protocol.load_options import MapLocation, select_and_map, tensor_map
 from ckptfs.protocol.resolve import CheckpointInfo, tier_of
 from ckptfs.protocol.store import CheckpointStore
 
 
 def active(model: torch.nn.Module | None) -> bool:
-    """Whether the manager runs collectively: torch.distributed is initialized and the world
-    has more than one rank, or the model holds DTensors (FSDP2 on one rank)."""
-    if not is_distributed():
-        return False
-    import torch.distributed as dist
-    if dist.get_world_size() > 1:
-        return True
-    if model is None:
-        return False
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    """Whether the manager runs collectively: the store's own answer for a save of the
+    model's parameters (`ckptfs.protocol.collective.wants_sharded_save`: torch.distributed
+    initialized and more than one rank, or DTensors, as FSDP2 on one rank holds)."""
+    params = {} if model is None else dict(model.named_parameters())
+    return wants_sharded_save(params)
 
 
 def state_dicts(model: torch.nn.Module | None, optimizer: Any) -> dict[str, Any]:
