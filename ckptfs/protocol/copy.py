@@ -123,7 +123,7 @@ from ckptfs.protocol.commit import (
     write_again_if_gone,
 )
 from ckptfs.protocol.formats import check_checkpoint
-from ckptfs.protocol.group import Group, WorldOfOne, describe, rebuild
+from ckptfs.protocol.group import Group, WorldOfOne, carried, describe
 from ckptfs.protocol.incremental import (
     ReuseIndex,
     ReuseMemory,
@@ -228,8 +228,8 @@ def settle_node_attempt(storage: Storage, step: int, attempt: str, *, durable: b
 def rebuild_error(doc: Mapping[str, Any]) -> Exception:
     """The error a rank reported (`describe`), as the same class here, so every rank decides
     alike (retry or fail, as for a copy in one process); a class that cannot be rebuilt
-    becomes `ReplicationError` (not retried)."""
-    err = rebuild(doc)
+    becomes `ReplicationError` (not retried): `group.carried` with that default."""
+    err = carried(doc, ReplicationError)
     if isinstance(err, Exception):
         return err
     return ReplicationError(f"{doc.get('name')}: {doc.get('message')}")
