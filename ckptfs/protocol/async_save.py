@@ -64,9 +64,9 @@ import torch
 
 from ckptfs.errors import AsyncSaveError, CheckpointExistsError, ShardedSaveError
 from ckptfs.format.layout import check_step
-from ckptfs.protocol.prepare import Prepared, prepare
+from ckptfs.protocol.prepare import prepare
 from ckptfs.protocol.resolve import CheckpointInfo
-from ckptfs.protocol.snapshot import Snapshot, take
+from ckptfs.protocol.snapshot import take
 from ckptfs.protocol.staging import PoolKey, StagingPool
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ class AsyncSaver:
             buffers = snap.buffers
             fut = SaveFuture(step, store.url)
             try:
-                job = _Job(self, fut, _over_snapshot(store, prepared, snap), buffers)
+                job = _Job(self, fut, prepared.over(snap.value, snap.hint), buffers)
                 del prepared, snap  # the caller's objects: not read again
                 with self._lock:
                     if self._executor is None:
@@ -440,12 +440,6 @@ class AsyncSaver:
         for f in futures:
             if not f.done():
                 f.fail_in_forked_child(parent)
-
-
-def _over_snapshot(store: CheckpointStore, prepared: Prepared, snap: Snapshot
-                   ) -> Callable[[], CheckpointInfo]:
-    """The prepared save over the snapshot, to run on the store's thread."""
-    return prepared.over(snap.value, snap.hint)
 
 
 class _Job:

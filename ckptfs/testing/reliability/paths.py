@@ -201,19 +201,22 @@ def save_v3(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
             metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """An incremental (format v3) save on ``store``'s storage, with its settings: a store of
     its own each time, so the reuse index is read from the latest committed checkpoint."""
-    incremental = CheckpointStore(store.storage, algorithm=store.algorithm,
-                                  durable=store.durable, threads=store.threads,
-                                  shard_bytes=store.shard_bytes, incremental=True)
-    return incremental.save(step, state, metadata=metadata)
+    return incremental_store(store).save(step, state, metadata=metadata)
+
+
+def incremental_store(store: CheckpointStore) -> CheckpointStore:
+    """An incremental store on ``store``'s storage, with its settings (`save_v3`,
+    `save_async_v3`)."""
+    return CheckpointStore(store.storage, algorithm=store.algorithm, durable=store.durable,
+                           threads=store.threads, shard_bytes=store.shard_bytes,
+                           incremental=True)
 
 
 def save_async_v3(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                   metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """``save_async`` on an incremental store (format v3), as `save_v3` opens it, waited
     for; the store's background thread is closed afterwards."""
-    incremental = CheckpointStore(store.storage, algorithm=store.algorithm,
-                                  durable=store.durable, threads=store.threads,
-                                  shard_bytes=store.shard_bytes, incremental=True)
+    incremental = incremental_store(store)
     try:
         return incremental.save_async(step, state, metadata=metadata).result()
     finally:
