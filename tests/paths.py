@@ -12,7 +12,9 @@ async save, plain and incremental), ``cp`` / ``cp-v2`` (a save into a scratch ro
 ``ckptfs cp``'s ``copy_step``), ``cp-v3`` / ``cp-v4`` (the same from an incremental source kept
 for the run root, so that copies reference earlier copies), ``replica-v1`` / ``replica-v3``
 (the remote copy of a two-tier store: ``ckptfs.tiered(local, store)``, ``save``,
-``wait_replicated``; the store under test is the remote tier), ``sub`` (``store.save`` through
+``wait_replicated``; the store under test is the remote tier), ``replica-v2`` / ``replica-v4``
+(the same for the collective save under a one-rank process group: a sharded step replicated,
+plain and incremental), ``sub`` (``store.save`` through
 the sub-storage of artifacts and the Lightning integration; ``path.at(backend)`` is then the
 sub-storage view of the backend), ``v2x2`` / ``v4x2`` (the collective save on two gloo ranks,
 plain and incremental, local disk only: slow).
@@ -23,7 +25,12 @@ Read paths (:func:`read`): ``load``, ``load-unverified``, ``load-into`` (``load(
 zero tensors of the state's shapes), ``verify``, ``verify-quick``, ``inspect`` (``ckptfs
 inspect``'s reader) and ``cp`` (``copy_step`` into a fresh root, which must commit nothing
 when it refuses: :func:`copy_into_scratch`).  ``load(into=, allow_rollback=True)``, the
-manager's restore of an incremental run: tests/test_hardening_read.py.
+manager's restore of an incremental run: tests/test_hardening_read.py.  The rollback reads
+(``load(allow_rollback=True)``, ``load(into=, allow_rollback=True)`` on the sharded cells, the
+manager's ``restore_latest(allow_rollback=True)``:
+:data:`ckptfs.testing.reliability.paths.ROLLBACK_READS`) run in the corruption matrix on every
+cell (tests/test_corruption.py): each damage of the newest step rolls back to the previous
+one.
 
 Known defects (:data:`DEFECTS`): a cell that breaks a hardening test is marked there with
 :func:`known_defect` (strict: the mark fails once the defect is fixed, and is then removed).
@@ -60,7 +67,9 @@ from ckptfs.testing.reliability.paths import (
     CP_V3,
     CP_V4,
     REPLICA_V1,
+    REPLICA_V2,
     REPLICA_V3,
+    REPLICA_V4,
     SUB,
     V1,
     V2,
@@ -72,8 +81,9 @@ from ckptfs.testing.reliability.paths import (
 )
 
 __all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V3", "ASYNC_V4", "CP", "CP_V2", "CP_V3", "CP_V4", "DEFECTS",
-           "EVERY", "PATHS", "RANKS", "REPLICAS", "REPLICA_V1", "REPLICA_V3", "SUB", "V1", "V2",
-           "V2X2", "V3", "V4", "V4X2", "KnownDefect", "SubBackend", "WritePath",
+           "EVERY", "PATHS", "RANKS", "REPLICAS", "REPLICA_V1", "REPLICA_V2", "REPLICA_V3",
+           "REPLICA_V4", "SUB", "V1", "V2", "V2X2", "V3", "V4", "V4X2", "KnownDefect",
+           "SubBackend", "WritePath",
            "assert_not_committed", "check_violations", "copy_into_scratch", "known_defect",
            "params", "read", "reads_of"]
 
@@ -156,7 +166,7 @@ PATHS: dict[str, WritePath] = {**WRITE_PATHS, V2X2.name: V2X2, V4X2.name: V4X2}
 #: local disk only) and the two-tier remote copies (few cases by default).
 EVERY: list[str] = list(WRITE_PATHS)
 RANKS: list[str] = [V2X2.name, V4X2.name]
-REPLICAS: list[str] = [REPLICA_V1.name, REPLICA_V3.name]
+REPLICAS: list[str] = [REPLICA_V1.name, REPLICA_V3.name, REPLICA_V2.name, REPLICA_V4.name]
 
 #: The defects a cell shows in the hardening tests (known; the strict xfail marks name them).
 DEFECTS = {

@@ -169,3 +169,28 @@ def test_modified_side_output_detected(backend: Backend) -> None:
     with pytest.raises(TypeError):
         mgr.write_side_output(2, "x", "not bytes")  # type: ignore[arg-type]
     assert mgr.side_outputs.path(1, "a") == "lifecycle/side/step-000000000001/a"
+
+
+def test_rollback_restore_past_an_unreadable_manifest_keeps_its_side_outputs(
+        backend: Backend) -> None:
+    """The newest step's manifest damaged and its side-commit record missing (a crash before
+    the record): ``restore_latest(allow_rollback=True)`` restores the previous step (the
+    reconciliation after a resume skips the unreadable step, logged, instead of raising), and
+    the side output only that step lists is kept, not discarded as uncommitted: what an
+    unreadable manifest lists is not known."""
+    mgr = ckptfs.CheckpointManager(backend.open())
+    first = mgr.write_side_output(1, "eval.json", b"one")
+    mgr.save(1)
+    second = mgr.write_side_output(2, "eval.json", b"two")
+    mgr.save(2)
+    backend.raw_delete(f"{SIDE_COMMITS_DIR}/step-000000000002.json")
+    info = backend.open().info(2)
+    manifest = f"{info.path}/MANIFEST.json"
+    data = bytearray(backend.raw_read(manifest))
+    data[len(data) // 2] ^= 0xFF
+    backend.raw_write(manifest, bytes(data))
+    resumed = ckptfs.CheckpointManager(backend.open())
+    with pytest.raises(CorruptCheckpointError, match="step 2"):
+        resumed.restore_latest()
+    assert resumed.restore_latest(allow_rollback=True) == 2  # step 1 restored
+    assert backend.raw_exists(first) and backend.raw_exists(second)

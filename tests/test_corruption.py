@@ -5,7 +5,9 @@ written by every write path (tests/paths.py): the sharded save on one rank and o
 async save, ``ckptfs cp``, the sub-storage, the incremental save (format v3: the damaged
 checkpoint's model is read from a file of the older one, which is damaged too), and every other
 cell of tests/paths.py (v4, the collective async saves, cp of v3 and v4, the remote copy of a
-two-tier store, v4 on two ranks)."""
+two-tier store for each layout, v4 on two ranks).  Each damage is also read through the
+rollback reads (``load(allow_rollback=True)``, ``load(into=, allow_rollback=True)``, the
+manager's ``restore_latest(allow_rollback=True)``): each must return the previous step."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability import Sweep, corruption_matrix
+from ckptfs.testing.reliability.paths import rollback_reads
 
 #: Per cell: (the known defect, the phrases of the violations it causes).  None now.
 KNOWN: dict[str, tuple[str, list[str]]] = {}
@@ -36,6 +39,19 @@ def check_matrix(sweep: Sweep, backend: Backend, path: paths.WritePath | None = 
         flips = sweep.counters["marker_flips"]
         assert flips == (sweep.counters["marker_flips_detected"]
                          + sweep.counters["marker_flips_harmless"])
+    # every damage of the newest step read through each rollback read (load, load(into=),
+    # the manager's restore): the previous step, the newest unchanged where the damage is not
+    # in what it reads (a stray file), a newer format refused; a typed error only when the
+    # previous step is damaged too (the file the newest references)
+    c = sweep.counters
+    reads = len(rollback_reads(path or paths.V1))
+    assert c["rollback_tried"] == reads * sweep.tried
+    assert c["rollback_tried"] == sum(c.get(k, 0) for k in (
+        "rollback_previous", "rollback_newest_intact", "rollback_newer_format",
+        "rollback_raised"))
+    assert c["rollback_previous"] >= c["rollback_tried"] // 2
+    if path is None or not path.references:
+        assert c.get("rollback_raised", 0) == 0
     assert sweep.violations == []
 
 

@@ -39,6 +39,7 @@ from ckptfs.errors import (
     ArtifactMismatchError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     StorageNotFoundError,
     UnsupportedValueError,
 )
@@ -279,8 +280,12 @@ class SideOutputs:
             if listed:
                 self._write_record(step, listed)
 
-    def _unrecorded_listings(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """(step, side outputs its metadata lists) for committed checkpoints without a record."""
+    def _unrecorded_listings(self, unreadable: list[int] | None = None
+                             ) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(step, side outputs its metadata lists) for committed checkpoints without a record.
+        A checkpoint whose manifest fails its check (a corrupt newest step a rollback restore
+        skipped) lists nothing that can be trusted: skipped, logged, and added to
+        ``unreadable``."""
         recorded = self._recorded_steps()
         for step in committed_steps(self.store.storage):  # this storage's (two tiers: local)
             if step in recorded:
@@ -288,6 +293,12 @@ class SideOutputs:
             try:
                 info = self.store.info(step)
             except (CheckpointNotFoundError, StorageNotFoundError):
+                continue
+            except CorruptCheckpointError as exc:
+                log.warning("side outputs: step %d at %s cannot be read (%s); what it lists "
+                            "is not known", step, self.store.url, exc)
+                if unreadable is not None:
+                    unreadable.append(step)
                 continue
             listed = info.metadata.get("side_outputs")
             if listed is not None:
@@ -302,9 +313,11 @@ class SideOutputs:
                     out.add(step)
         return out
 
-    def committed_index(self) -> dict[str, dict[str, Any]]:
+    def committed_index(self, unreadable: list[int] | None = None
+                        ) -> dict[str, dict[str, Any]]:
         """Every committed side output: path -> {size, digest}, from the records and from the
-        metadata of committed checkpoints (which commit them even before their record)."""
+        metadata of committed checkpoints (which commit them even before their record);
+        ``unreadable`` gets the committed steps whose manifest could not be read."""
         index: dict[str, dict[str, Any]] = {}
         for e in self.store.storage.list_dir(SIDE_COMMITS_DIR):
             if not e.basename.endswith(".json"):
@@ -318,14 +331,15 @@ class SideOutputs:
                 raise CorruptRecordError(f"{where}: side-commit record is not a JSON object",
                                          path=where)
             index.update(check_listing(doc.get("side_outputs"), where))
-        for _, listed in self._unrecorded_listings():
+        for _, listed in self._unrecorded_listings(unreadable):
             index.update(listed)
         return index
 
-    def status(self, *, after_step: int | None = None) -> SideOutputStatus:
+    def status(self, *, after_step: int | None = None,
+               unreadable: list[int] | None = None) -> SideOutputStatus:
         """Classify every side output under ``lifecycle/side/``.  Content is re-hashed to tell
-        committed from modified."""
-        index = self.committed_index()
+        committed from modified (``unreadable``: as for `committed_index`)."""
+        index = self.committed_index(unreadable)
         out = SideOutputStatus()
         for e in sorted(self.store.storage.list_tree(SIDE_DIR), key=lambda e: e.name):
             rec = index.get(e.name)
@@ -341,8 +355,17 @@ class SideOutputs:
         return out
 
     def discard_uncommitted(self, *, dry_run: bool = False) -> list[str]:
-        """Delete side outputs no committed checkpoint lists (a crashed run's leftovers)."""
-        gone = self.status().uncommitted
+        """Delete side outputs no committed checkpoint lists (a crashed run's leftovers).
+        Nothing is deleted while a committed checkpoint's manifest cannot be read (it may list
+        them): logged."""
+        unreadable: list[int] = []
+        gone = self.status(unreadable=unreadable).uncommitted
+        if unreadable and gone:
+            log.warning("side outputs: %d not listed by a readable checkpoint are kept, since "
+                        "step(s) %s at %s cannot be read and may list them (delete or repair "
+                        "those steps, then resume again)", len(gone),
+                        ", ".join(map(str, unreadable)), self.store.url)
+            gone = []
         if not dry_run:
             for p in gone:
                 self.store.storage.delete(p)

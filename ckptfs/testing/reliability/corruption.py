@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from ckptfs.errors import CkptfsError, CorruptCheckpointError
+from ckptfs.errors import CkptfsError, CorruptCheckpointError, FormatVersionError
 from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
 from ckptfs.format.versions import SHARDED, features
@@ -21,7 +21,13 @@ from ckptfs.testing.reliability.common import (
     states_equal,
     store_on,
 )
-from ckptfs.testing.reliability.paths import V1, WritePath
+from ckptfs.testing.reliability.paths import (
+    V1,
+    WritePath,
+    read_part,
+    rollback_read,
+    rollback_reads,
+)
 
 
 def _flip(data: bytes, pos: int, bit: int = 0) -> bytes:
@@ -187,6 +193,31 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
             sweep.count("latest_raised")
         except Exception as exc:
             sweep.bad(name, f"load() of the latest raised {type(exc).__name__}: {exc}")
+        # the rollback reads skip the damaged newest for the previous step (a typed error
+        # only when that one is damaged too: a file of it the newest references), and never
+        # return damaged bytes
+        for how in rollback_reads(path):
+            sweep.count("rollback_tried")
+            try:
+                got = rollback_read(how, reader, state(t_step))
+            except FormatVersionError:  # "written by a newer ckptfs": never rolled back over
+                sweep.count("rollback_newer_format")
+            except CkptfsError as exc:
+                if rel.startswith(info1.path + "/") or rel == marker_rel:
+                    sweep.bad(name, f"{how} raised instead of rolling back to step {o_step}: "
+                              f"{type(exc).__name__}: {exc}")
+                else:
+                    sweep.count("rollback_raised")
+            except Exception as exc:
+                sweep.bad(name, f"{how} raised untyped {type(exc).__name__}: {exc}")
+            else:
+                if states_equal(got, read_part(state(o_step), how)):
+                    sweep.count("rollback_previous")
+                elif states_equal(got, read_part(state(t_step), how)):
+                    sweep.count("rollback_newest_intact")  # the damage is not in what it reads
+                else:
+                    sweep.bad(name, f"{how} returned neither step {o_step}'s nor step "
+                              f"{t_step}'s state")
         if sized:
             quick_tried += 1
             try:

@@ -37,7 +37,19 @@ exactly what the single-process save gives it:
            scratch local tier kept for the run root (`local_tier_for`), ``save`` then
            ``wait_replicated``; the store under test is the remote tier (what is read)
 ``replica-v3`` the same with ``incremental=True`` (format v3 on both tiers)
+``replica-v2`` the same for the collective save (format v2): the state's tensors as DTensors
+           on a one-rank mesh under a one-rank gloo process group (`world_of_one`), saved
+           collectively on the local tier and replicated as a sharded step
+``replica-v4`` the same on incremental tiers (format v4; the frozen model's DTensors kept
+           between saves, as for ``async-v4``)
 =========  ====================================================================================
+
+Rollback reads (`ROLLBACK_READS`, `rollback_read`): ``load(allow_rollback=True)``,
+``load(into=, allow_rollback=True)`` (sharded cells only) and the manager's
+``restore_latest(allow_rollback=True)``: each reads the newest checkpoint, skipping one that
+fails for the next older one.  A sweep damages the newest and checks that each returns the
+previous step's state (or raises a typed error when that one is damaged too), never the
+damaged bytes.
 
 A sweep takes a `WritePath` and a `Backend`; it writes
 ``path.state(step)`` through ``path.save(store, step, state)`` on the store of
@@ -159,9 +171,10 @@ class WritePath:
         if self.name in ("cp-v3", "cp-v4"):
             return copy_kept_source(store, step, state, metadata=metadata,
                                     version=self.format_version)
-        if self.name in ("replica-v1", "replica-v3"):
+        if self.name.startswith("replica-"):
             return save_replicated(store, step, state, metadata=metadata,
-                                   incremental=self.references)
+                                   incremental=self.references,
+                                   sharded=SHARDED in FEATURES[self.format_version])
         raise ValueError(f"unknown write path {self.name!r}")  # pragma: no cover
 
     def __str__(self) -> str:
@@ -357,14 +370,17 @@ def copy_kept_source(store: CheckpointStore, step: int, state: Mapping[str, Any]
 
 def save_replicated(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                     metadata: Mapping[str, Any] | None = None,
-                    incremental: bool = False) -> CheckpointInfo:
+                    incremental: bool = False, sharded: bool = False) -> CheckpointInfo:
     """``ckptfs.tiered(local, store)`` with the local tier kept for ``store``'s run root
     (`kept_root`), ``save`` then ``wait_replicated``: ``store`` is the remote tier, and the
     checkpoint returned is its copy.  A step the local tier already holds (a retry of a
-    refused replication) is saved there again first."""
+    refused replication) is saved there again first.  ``sharded``: the state's tensors as
+    DTensors under a one-rank process group (`world_of_one`), saved collectively (format v2;
+    v4 with ``incremental``, with the run root's reuse memory)."""
     from ckptfs.protocol.tiers import tiered
 
-    local = CheckpointStore(FsspecStorage(kept_root(store, "replica-local")),
+    kind = "replica-local-sharded" if sharded else "replica-local"
+    local = CheckpointStore(FsspecStorage(kept_root(store, kind)),
                             algorithm=store.algorithm, threads=store.threads,
                             shard_bytes=store.shard_bytes, incremental=incremental)
     if step in local.steps():
@@ -372,8 +388,15 @@ def save_replicated(store: CheckpointStore, step: int, state: Mapping[str, Any],
     two = tiered(local, store, algorithm=store.algorithm, durable=store.durable,
                  threads=store.threads, incremental=incremental, replicate_threads=1,
                  max_attempts=1)
+    if sharded and incremental:
+        two.reuse = reuse_memory(local)
     try:
-        two.save(step, state, metadata=metadata)
+        if sharded:
+            with world_of_one() as mesh:
+                memo = _DTENSORS if incremental else {}
+                two.save(step, as_dtensors(dict(state), mesh, memo), metadata=metadata)
+        else:
+            two.save(step, state, metadata=metadata)
         two.wait_replicated(timeout=120)
     finally:
         two.close()
@@ -419,8 +442,78 @@ CP_V3 = WritePath("cp-v3", 3, references=True)
 CP_V4 = WritePath("cp-v4", 4, references=True)
 REPLICA_V1 = WritePath("replica-v1")
 REPLICA_V3 = WritePath("replica-v3", 3, references=True)
+REPLICA_V2 = WritePath("replica-v2", 2)
+REPLICA_V4 = WritePath("replica-v4", 4, references=True)
 
 #: Every in-process write path, by name.
 WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (
     V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V3, ASYNC_V4, CP_V3, CP_V4, REPLICA_V1,
-    REPLICA_V3)}
+    REPLICA_V3, REPLICA_V2, REPLICA_V4)}
+
+
+# -- rollback reads ----------------------------------------------------------------------------
+
+#: The reads of "the newest checkpoint that is good" (module docstring).
+ROLLBACK_READS = ("load-rollback", "load-into-rollback", "restore-rollback")
+
+
+def rollback_reads(path: WritePath) -> tuple[str, ...]:
+    """The rollback reads of a checkpoint of ``path``: ``load(into=)`` fills a state from a
+    sharded checkpoint only."""
+    sharded = SHARDED in FEATURES[path.format_version]
+    return tuple(r for r in ROLLBACK_READS if sharded or r != "load-into-rollback")
+
+
+def _zeros_like(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {k: _zeros_like(v) for k, v in value.items()}
+    return value
+
+
+class _StateModule:
+    """A module whose parameters are a state's ``"model"`` tensors (what the manager restores
+    into), built lazily so that importing this module does not need torch.nn."""
+
+    @staticmethod
+    def of(model: Mapping[str, Any]) -> Any:
+        import torch
+
+        module = torch.nn.Module()
+        for name, t in model.items():
+            module.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t),
+                                                               requires_grad=False))
+        return module
+
+
+def rollback_read(how: str, store: CheckpointStore, template: Mapping[str, Any]) -> Any:
+    """Read the newest good checkpoint of ``store`` through the rollback read ``how``; the
+    state it returned, in the sweeps' shape (``template``: a state of the run, whose shapes
+    the targets take): the whole state (``load-rollback``), the ``model`` and ``optimizer``
+    filled (``load-into-rollback``), the ``model`` restored into a module
+    (``restore-rollback``).  Raises what the read raises."""
+    if how == "load-rollback":
+        return store.load(allow_rollback=True)
+    if how == "load-into-rollback":
+        into = {k: _zeros_like(template[k]) for k in ("model", "optimizer")}
+        store.load(into=into, allow_rollback=True)
+        return into
+    if how == "restore-rollback":
+        from ckptfs.lifecycle.manager import CheckpointManager
+
+        module = _StateModule.of(template["model"])
+        CheckpointManager(store).restore_latest(model=module, allow_rollback=True)
+        return {"model": {k: v.detach() for k, v in module.named_parameters()}}
+    raise ValueError(f"unknown rollback read {how!r}")  # pragma: no cover
+
+
+def read_part(state: Mapping[str, Any], how: str) -> dict[str, Any]:
+    """The part of ``state`` the rollback read ``how`` returns (`rollback_read`)."""
+    if how == "load-rollback":
+        return dict(state)
+    if how == "load-into-rollback":
+        return {k: state[k] for k in ("model", "optimizer")}
+    return {"model": dict(state["model"])}
