@@ -9,8 +9,9 @@ allowlist entry that is no longer needed fails its own test, so the lists only s
 - no private (``_name``) import across modules inside ``ckptfs/`` (no friend modules);
 - no storage probe outside ``ckptfs/storage/`` (the storage interface is declared);
 - one place creates commit markers;
-- messages between ranks are JSON through ``protocol/group.py``, never pickle, and ckptfs's own
-  process groups come from its one factory;
+- messages between ranks are JSON through ``protocol/group.py`` (no module sends its own),
+  never pickle (imported only where it is tested or measured), and ckptfs's own process groups come
+  from its one factory;
 - module size as a smell only, far above today's largest, with a named allowlist.
 """
 
@@ -456,6 +457,67 @@ def test_no_pickle_between_ranks(name: str) -> None:
     assert uses_of(name, OBJECT_COLLECTIVES) == [], (
         f"{name} uses a pickling object collective: send a JSON document with "
         "ckptfs.protocol.group (Group.broadcast / all_gather)")
+
+
+#: torch.distributed's collectives that move a payload from rank to rank: a message between
+#: ranks.  (A reduction, ``all_reduce``, is arithmetic, not a message.)
+MESSAGE_COLLECTIVES = frozenset({"all_gather", "all_gather_into_tensor", "broadcast", "gather",
+                                 "scatter", "send", "recv", "isend", "irecv"})
+
+
+def dist_uses(name: str, members: frozenset[str]) -> list[str]:
+    """``line: member`` for each use of torch.distributed's ``members`` in module ``name``:
+    ``dist.x`` / ``torch.distributed.x`` (not a method of the same name, ``group.broadcast``),
+    or an import of it (``from torch.distributed import x``)."""
+    found = []
+    for node in ast.walk(tree_of(name)):
+        if isinstance(node, ast.Attribute) and node.attr in members and (
+                (isinstance(node.value, ast.Name) and node.value.id == "dist")
+                or (isinstance(node.value, ast.Attribute) and node.value.attr == "distributed")):
+            found.append(f"{node.lineno}: {node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [f"{node.lineno}: {a.name}" for a in node.names if a.name in members]
+    return found
+
+
+@pytest.mark.parametrize("name", list(modules()))
+def test_messages_between_ranks_go_through_the_group(name: str) -> None:
+    """One way to send a message between ranks, ``ckptfs.protocol.group``: a module that packs
+    its own payload into tensors for ``dist.all_gather``/``broadcast`` has its own encoding,
+    its own size exchange and its own choice of process group and device (the RNG gather once
+    gathered msgpack in CUDA tensors on the default NCCL group); through the group it is a
+    JSON document on ckptfs's gloo group."""
+    if name == GROUP_MODULE:
+        assert dist_uses(name, MESSAGE_COLLECTIVES), "the group no longer sends messages"
+        return
+    assert dist_uses(name, MESSAGE_COLLECTIVES) == [], (
+        f"{name} sends a message between ranks itself: send a JSON document with "
+        "ckptfs.protocol.group (Group.broadcast / all_gather)")
+
+
+#: Modules that import ``pickle``, and why: none of them sends anything between ranks.
+PICKLE_IMPORTERS = {
+    "ckptfs.testing.reliability.hostile": "plants pickles in checkpoints to show that no load "
+                                          "unpickles them",
+    "ckptfs.testing.reliability.hostile_v2": "the same, for the sharded layout",
+    "ckptfs.bench.scale": "measures what DCP's own object collectives pickle, to compare with "
+                          "ckptfs's JSON",
+}
+
+
+@pytest.mark.parametrize("name", list(modules()))
+def test_pickle_only_where_it_is_tested_or_measured(name: str) -> None:
+    """No pickle between ranks (nor in a checkpoint): ``pickle`` is imported only where it is
+    what is tested or measured (hostile checkpoints that plant pickles to prove they are never
+    loaded; the benchmark of DCP's pickled plans)."""
+    imported = [node.lineno for node in ast.walk(tree_of(name))
+                if (isinstance(node, ast.Import) and any(a.name == "pickle" for a in node.names))
+                or (isinstance(node, ast.ImportFrom) and node.module == "pickle")]
+    if name in PICKLE_IMPORTERS:
+        assert imported, f"{name} no longer imports pickle: drop its PICKLE_IMPORTERS entry"
+        return
+    assert imported == [], (f"{name} imports pickle (line(s) {imported}): messages between "
+                            "ranks are JSON through ckptfs.protocol.group")
 
 
 @pytest.mark.parametrize("name", list(modules()))

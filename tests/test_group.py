@@ -74,6 +74,12 @@ def test_typed_errors_are_rebuilt_as_the_same_class() -> None:
     assert grp.rebuild(alien) is None
     err = grp.carried(alien, ReplicationError)
     assert type(err) is ReplicationError and str(err) == "join: m"
+    # A message of the caller's (naming every failing rank, say), whichever class comes back.
+    err = grp.carried(alien, ReplicationError, message="rank 0: m; rank 1: m")
+    assert type(err) is ReplicationError and str(err) == "rank 0: m; rank 1: m"
+    back = grp.carried(grp.describe(corrupt), ReplicationError, message="on rank(s) [0, 1]")
+    assert type(back) is TierMismatchError and str(back) == "on rank(s) [0, 1]"
+    assert back.step == 3
 
 
 def test_importing_the_group_never_imports_dcp() -> None:

@@ -3,12 +3,16 @@ process (local and memory)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from dist_util import run_ranks
 
 import ckptfs
 from ckptfs.errors import RngStateError
@@ -162,3 +166,47 @@ def test_cuda_states_per_device_logic(monkeypatch: pytest.MonkeyPatch,
     with caplog.at_level(logging.WARNING, logger="ckptfs"):
         rng.restore(st)
     assert sorted(restored) == [0] and "CUDA RNG states for 2 devices" in caplog.text
+
+
+# ----------------------------------------------------------------------------------------------
+# The gather of every rank's state (the transformers and accelerate integrations): JSON through
+# the group, on ckptfs's gloo group
+
+
+def test_a_state_crosses_ranks_as_a_json_document() -> None:
+    st = rank_state(2)
+    st["cuda"] = [torch.full((16,), 7, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+    data = rng.encode_rng(st)
+    assert json.loads(data)["torch"].keys() == {"__u8__"}  # JSON, the tensor as base64
+    back = rng.decode_rng(data)
+    assert back["python"] == st["python"] and back["numpy"] == st["numpy"]
+    for a, b in zip([back["torch"], *back["cuda"]], [st["torch"], *st["cuda"]], strict=True):
+        assert a.dtype == torch.uint8 and torch.equal(a, b)
+    with pytest.raises(RngStateError, match="not a mapping"):
+        rng.decode_rng(b"[1]")
+
+
+def job_gather(rank: int, world: int) -> dict[str, Any]:
+    mine = rank_state(rank)
+    return {"mine": mine, "gathered": rng.dist_gather(mine, world)}
+
+
+def test_dist_gather_over_two_gloo_ranks_stores_the_same_bytes(tmp_path: Path) -> None:
+    """Every rank gets every rank's state, as it was captured; a checkpoint of the gathered
+    states is byte for byte the one of the states themselves."""
+    got = run_ranks(job_gather, 2, timeout=180)
+    mine = {r: g["mine"] for r, g in enumerate(got)}
+    store = ckptfs.open(str(tmp_path / "run"))
+    store.save(1, {"rng": rng.pack_ranks(mine, 2)})
+    for step, g in enumerate(got, start=2):
+        assert sorted(g["gathered"]) == [0, 1]
+        for r, state in g["gathered"].items():
+            assert state["python"] == mine[r]["python"] and state["numpy"] == mine[r]["numpy"]
+            assert state["torch"].dtype == torch.uint8
+            assert torch.equal(state["torch"], mine[r]["torch"])
+        store.save(step, {"rng": rng.pack_ranks(g["gathered"], 2)})
+
+    def files(step: int) -> list[tuple[str, str]]:
+        return [(f.path, f.digest) for f in store.info(step).manifest.files]
+
+    assert files(1) == files(2) == files(3)

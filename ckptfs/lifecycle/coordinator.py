@@ -57,7 +57,7 @@ it writes nothing, and its metrics are not recorded (logged).
 
 The messages of `ProcessGroup` are the group's (``ckptfs.protocol.group``: JSON in uint8
 tensors, no pickle, a few hundred bytes per rank; an error crosses ranks as
-``group.describe``/``group.rebuild``) on ckptfs's dedicated gloo group
+``group.describe``/``group.carried``) on ckptfs's dedicated gloo group
 (``ckptfs.protocol.sharded.collective_group``, its timeout ``COLLECTIVE_TIMEOUT``);
 ``ckptfs.protocol.sharded`` (and so DCP, seconds to import) is imported only when a process
 group coordinates.
@@ -67,10 +67,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from ckptfs.errors import CheckpointDeletedError, ShardedCheckpointError
-from ckptfs.protocol.group import RankGroup, describe, rebuild
+from ckptfs.protocol.group import RankGroup, carried, describe
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed
 from ckptfs.storage.base import Storage
 
@@ -369,34 +369,44 @@ class ProcessGroup:
                     own = exc
                 continue
             if "error" in msg:  # the writer's verdict, with its own message
-                doc = msg["error"]
-                err = rebuild(doc, str(doc.get("message")))
-                if err is None:
-                    if own is not None:
-                        raise own
-                    raise error(f"{what} failed on the writer rank: {doc.get('name')}: "
-                                f"{doc.get('message')}", failures={self.writer: str(
-                                    doc.get("message"))})
-                raise err from own
+                self._verdict(msg["error"], own, what, error)
             done = msg.get("done")
             if done is None:
                 return None
             return _chosen(last, Candidate.from_doc(done), what, error)
+
+    def _verdict(self, doc: dict[str, Any], own: Exception | None, what: str,
+                 error: ErrorClass) -> NoReturn:
+        """Raise the writer's error (``doc``) here, as its class (`group.carried`); a class
+        only the writer can rebuild: this rank's own error of the same candidate, if it failed
+        too, else ``error``."""
+        def default(text: str) -> BaseException:
+            if own is not None:
+                return own
+            return error(f"{what} failed on the writer rank: {text}",
+                         failures={self.writer: str(doc.get("message"))})
+
+        err = carried(doc, default)
+        if err is own:
+            raise err
+        raise err from own
 
     def _raise(self, failures: dict[int, dict[str, Any]], own: Exception | None, what: str,
                error: ErrorClass) -> None:
         classes = {(d.get("module"), d.get("name")) for d in failures.values()}
         if own is not None and len(classes) == 1 and len(failures) == len(self.ranks):
             raise own  # every rank failed the same way: its own error, unchanged
-        parts = "; ".join(f"rank {r}: {d.get('name')}: {d.get('message')}"
-                          for r, d in sorted(failures.items()))
-        msg = f"{what} failed on rank(s) {sorted(failures)}: {parts}"
-        if len(classes) == 1:
-            err = rebuild(failures[min(failures)], msg)
-            if err is not None:
-                raise err from own
-        raise error(msg, failures={r: f"{d.get('name')}: {d.get('message')}"
-                                   for r, d in failures.items()}) from own
+        summary = {r: f"{d.get('name')}: {d.get('message')}" for r, d in failures.items()}
+        msg = (f"{what} failed on rank(s) {sorted(failures)}: "
+               + "; ".join(f"rank {r}: {summary[r]}" for r in sorted(summary)))
+
+        def default(text: str) -> BaseException:
+            return error(text, failures=summary)
+
+        if len(classes) != 1:
+            raise default(msg) from own
+        # one class everywhere: that class, its message naming every failing rank
+        raise carried(failures[min(failures)], default, message=msg) from own
 
 
 __all__ = ["Candidate", "Coordinator", "ProcessGroup", "Solo", "check_ranks"]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ckptfs.errors import RngStateError
+from ckptfs.protocol.group import RankGroup, decode, decode_bytes, encode, encode_bytes
 
 log = logging.getLogger("ckptfs")
 
@@ -251,59 +252,72 @@ def _batch_change(old: int, new: int, per_rank: int | None) -> str:
             "per_rank_batch_size to see the numbers)")
 
 
-# -- torch.distributed gather of RNG states (tensor collectives: no pickle) ---------------------
+# -- the RNG states of every rank, gathered through the group (JSON: no pickle, no device tensor)
+
+#: The key of a tensor in an RNG state's message: ``{"__u8__": base64 of its bytes}``.
+_U8 = "__u8__"
 
 
-def encode_rng(state: Mapping[str, Any]) -> bytes:
-    """An RNG state as msgpack bytes (tensors as raw bytes), for a tensor collective."""
-    import msgpack
-
+def state_doc(state: Mapping[str, Any]) -> dict[str, Any]:
+    """An RNG state as a JSON document, for a message between ranks: each tensor as
+    ``{"__u8__": base64 of its bytes}`` (`group.encode_bytes`), tuples as lists, every other
+    value as it is."""
     def enc(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            return {"__u8__": v.cpu().contiguous().numpy().tobytes()}
-        if isinstance(v, dict):
+            return {_U8: encode_bytes(v.cpu().contiguous().numpy().tobytes())}
+        if isinstance(v, Mapping):
             return {k: enc(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
             return [enc(x) for x in v]
         return v
 
-    return bytes(msgpack.packb(enc(dict(state)), use_bin_type=True))
+    return {k: enc(x) for k, x in state.items()}
 
 
-def decode_rng(data: bytes) -> dict[str, Any]:
-    import msgpack
-
+def state_of(doc: Any) -> dict[str, Any]:
+    """The RNG state of `state_doc`'s document: its tensors uint8 CPU tensors again;
+    `RngStateError` for a document that is not a map."""
     def dec(v: Any) -> Any:
         if isinstance(v, dict):
-            if set(v) == {"__u8__"}:
-                return torch.frombuffer(bytearray(v["__u8__"]), dtype=torch.uint8).clone()
+            if set(v) == {_U8}:
+                data = decode_bytes(v[_U8])
+                if not data:
+                    return torch.empty(0, dtype=torch.uint8)
+                return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
             return {k: dec(x) for k, x in v.items()}
         if isinstance(v, list):
             return [dec(x) for x in v]
         return v
 
-    out = dec(msgpack.unpackb(data, raw=False, strict_map_key=False))
-    if not isinstance(out, dict):
+    if not isinstance(doc, dict):
         raise RngStateError("gathered RNG state is not a mapping")
+    out: dict[str, Any] = dec(doc)
     return out
 
 
-def dist_gather(mine: dict[str, Any], world_size: int) -> dict[int, dict[str, Any]]:
-    dist = torch.distributed
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    data = encode_rng(mine)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
-    longest = int(max(int(s.item()) for s in sizes))
-    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    bufs = [torch.zeros_like(buf) for _ in range(world_size)]
-    dist.all_gather(bufs, buf)
-    return {r: decode_rng(bytes(b[:int(sizes[r].item())].cpu().numpy().tobytes()))
-            for r, b in enumerate(bufs)}
+def encode_rng(state: Mapping[str, Any]) -> bytes:
+    """An RNG state as the bytes of its message between ranks (`state_doc`, JSON)."""
+    return encode(state_doc(state))
+
+
+def decode_rng(data: bytes) -> dict[str, Any]:
+    """`encode_rng`'s inverse."""
+    return state_of(decode(data))
+
+
+def dist_gather(mine: Mapping[str, Any], world_size: int) -> dict[int, dict[str, Any]]:
+    """Every rank's RNG state (rank -> state), on every rank; collective: every rank calls it.
+    Each rank's `state_doc` is gathered as JSON through a `RankGroup` on ckptfs's dedicated
+    gloo group (``protocol.sharded.collective_group``), so no tensor goes to a device, whatever
+    the default group's backend (NCCL included)."""
+    from ckptfs.protocol import sharded  # lazily: DCP takes seconds to import
+
+    group = RankGroup(sharded.collective_group(None, what="gathering the RNG states"))
+    if world_size != group.world_size:
+        raise ValueError(f"world_size={world_size}, but torch.distributed has "
+                         f"{group.world_size} ranks")
+    docs = group.all_gather(state_doc(mine))
+    return {r: state_of(d) for r, d in zip(group.ranks, docs, strict=True)}
 
 
 def states_for_save(*, collective: bool, rank: int, world_size: int,

@@ -13,8 +13,8 @@ documents of their own (``to_doc``/``from_doc``), bytes as base64 (`encode_bytes
 
 A typed error crosses ranks one way: `describe` (on the rank that raised it: its class, its
 message and the attributes ckptfs's errors carry) and `rebuild` / `carried` (on every other
-rank: the same class with the same message; only ckptfs's own and builtin classes are
-rebuilt, anything else becomes the caller's default class).
+rank: the same class with the same message, or with one the caller gives; only ckptfs's own
+and builtin classes are rebuilt, anything else becomes the caller's default class).
 
 ckptfs's own dedicated gloo groups (one per purpose: collective saves and loads, async saves,
 replication) are created by one factory, `gloo_group`, whose timeout bounds the creation too;
@@ -229,12 +229,17 @@ def rebuild(doc: Mapping[str, Any], message: str | None = None) -> BaseException
         return None
 
 
-def carried(doc: Mapping[str, Any], default: Callable[[str], BaseException]) -> BaseException:
+def carried(doc: Mapping[str, Any], default: Callable[[str], BaseException], *,
+            message: str | None = None) -> BaseException:
     """The error another rank described (`describe`), as the same class here, or
-    ``default(its message)`` when that class cannot be rebuilt."""
-    err = rebuild(doc)
-    return err if err is not None else default(
-        f"{doc.get('name')}: {doc.get('message')}")
+    ``default(its class name: its message)`` when that class cannot be rebuilt.  With
+    ``message`` (one that names every failing rank, say), the error has that message instead,
+    whichever class it is."""
+    err = rebuild(doc, message)
+    if err is not None:
+        return err
+    return default(message if message is not None else
+                   f"{doc.get('name')}: {doc.get('message')}")
 
 
 # ----------------------------------------------------------------------------------------------
