@@ -29,6 +29,10 @@ that interface keeps the refusal.  Directory links are looked for where director
 
 ``files``: the files a selective load will read (``keys=``); a missing or resized file it will
 not read does not stop it (verify still reports it).
+
+The write side's check is here too (`check_written`): before a sharded save commits, its
+coordinator, and each rank for its own file, list the attempt and find every file written
+with its size, and none a link.
 """
 
 from __future__ import annotations
@@ -228,3 +232,21 @@ def listing_report(storage: Storage, info: CheckpointInfo
     """For verify: the listing and every finding."""
     listing = list_attempt(storage, info)
     return listing, problems(info, listing) + reference_problems(storage, info)
+
+
+def check_written(storage: Storage, write_dir: str, files: list[tuple[str, int, int | None]],
+                  *, step: int, who: str, hint: str = "", under: str = "") -> None:
+    """The write side's listing check, before a sharded save commits: one listing of
+    ``write_dir`` (only its subdirectory ``under`` if given), every file of ``files`` (path
+    in the attempt, declared size, rank) there with that size, and not a link; else
+    `CorruptCheckpointError` (nothing is committed).  Used by the coordinator of a sharded
+    save and by each rank for its own file (``who``: who looked)."""
+    prefix = write_dir + "/"
+    listed = f"{write_dir}/{under}" if under else write_dir
+    found = {e.name[len(prefix):]: e.size for e in storage.list_tree(listed)
+             if e.name.startswith(prefix) and not e.is_link}
+    for path, size, rank in files:
+        if found.get(path) != size:
+            raise CorruptCheckpointError(
+                f"{storage_url(storage, prefix + path)}: rank {rank} reported {size} B, {who} "
+                f"{found.get(path, 'no file')}{hint}", step=step)

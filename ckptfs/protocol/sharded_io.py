@@ -92,6 +92,7 @@ from ckptfs.protocol.incremental import (
     references,
     reuse_index,
 )
+from ckptfs.protocol.listing import check_written
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.protocol.sharded_read import check_checkpoint_id, read_document, sharded_manifest
 from ckptfs.storage.base import Storage
@@ -503,24 +504,6 @@ class ShardedWriter(StorageWriter):
                       who="the coordinator sees",
                       hint="" if self.node_local else "; every rank must write to storage the "
                       "coordinator shares (not a node-local disk)")
-
-
-def check_written(storage: Storage, write_dir: str, files: list[tuple[str, int, int | None]],
-                  *, step: int, who: str, hint: str = "", under: str = "") -> None:
-    """One listing of ``write_dir`` (only its subdirectory ``under`` if given): every file of
-    ``files`` (path in the attempt, declared size, rank) is there with that size, and not a
-    link; else `CorruptCheckpointError` (nothing is committed).  Used by the
-    coordinator of a sharded save, by each rank for its own file (``who``: who looked), and
-    by each rank for its upload of a sharded replica."""
-    prefix = write_dir + "/"
-    listed = f"{write_dir}/{under}" if under else write_dir
-    found = {e.name[len(prefix):]: e.size for e in storage.list_tree(listed)
-             if e.name.startswith(prefix) and not e.is_link}
-    for path, size, rank in files:
-        if found.get(path) != size:
-            raise CorruptCheckpointError(
-                f"{storage_url(storage, prefix + path)}: rank {rank} reported {size} B, {who} "
-                f"{found.get(path, 'no file')}{hint}", step=step)
 
 
 def sharded_index_of(storage: Storage, info: CheckpointInfo) -> ReuseIndex | None:
