@@ -627,3 +627,60 @@ def test_no_version_or_manifest_class_test_outside_format(name: str) -> None:
     assert version_tests(name) == [], (
         f"{name} tests a format version or a manifest class: ask the manifest's features "
         "(ckptfs.format.versions.features)")
+
+
+# -- one verified chunk reader --------------------------------------------------------------------
+
+CHUNK_READER = "ckptfs.protocol.chunks"
+#: Protocol functions that read part of a checkpoint's file other than through the chunk reader,
+#: with the reason.
+RANGED_READERS = {
+    ("ckptfs.protocol.reader", "read_header"): "a format v1 tensor file has no chunk digests: "
+    "its safetensors header is read (length, then header) and bound-checked, and its digest "
+    "is the whole file's, checked when the file is loaded or verified",
+}
+
+
+def ranged_reads(name: str) -> list[tuple[str, int]]:
+    """``(enclosing function, line)`` of each call of ``read_range`` (the storage helper or a
+    storage's method) in module ``name``."""
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                else function
+            if isinstance(child, ast.Call):
+                f = child.func
+                if (isinstance(f, ast.Name) and f.id == "read_range") or \
+                        (isinstance(f, ast.Attribute) and f.attr == "read_range"):
+                    found.append((function, child.lineno))
+            visit(child, inner)
+
+    visit(tree_of(name), "<module>")
+    return found
+
+
+@pytest.mark.parametrize("name", [n for n in modules() if n.startswith("ckptfs.protocol.")])
+def test_chunks_are_read_by_the_chunk_reader(name: str) -> None:
+    """Every protocol module reads stored chunks through the one verified chunk reader
+    (``protocol/chunks.py``): a ranged read of a run of whole chunks, each checked against the
+    digest its manifest binds, with one wording for a missing file, a short read and a chunk
+    that differs, naming the file, the step and whose bytes they are.  A second reader (the
+    v3 references, the reuse checks and a copy's materialized references each had one) drifts:
+    it forgets the short-read check, lets ``FileNotFoundError`` through untyped, or names the
+    file differently.  So no protocol module but the chunk reader calls ``read_range``, except
+    the functions of ``RANGED_READERS``, which read no chunks."""
+    if name == CHUNK_READER:
+        assert ranged_reads(name), "the chunk reader no longer reads ranges"
+        return
+    stray = [f"line {line}: {function}" for function, line in ranged_reads(name)
+             if (name, function) not in RANGED_READERS]
+    assert stray == [], (f"{name} reads ranges of a checkpoint's file itself: read chunks "
+                         "through ckptfs.protocol.chunks (read_run, read_chunk, chunk_pieces)")
+
+
+def test_ranged_readers_still_read_ranges() -> None:
+    for name, function in RANGED_READERS:
+        assert any(f == function for f, _ in ranged_reads(name)), (
+            f"{name}.{function} no longer calls read_range: drop its entry")

@@ -40,7 +40,7 @@ from ckptfs.errors import (
 from ckptfs.format import versions
 from ckptfs.format.sharded_metadata import check_cover
 from ckptfs.format.versions import decode_manifest, is_sharded
-from ckptfs.protocol import sharded_read
+from ckptfs.protocol import chunks as chunk_reader
 from ckptfs.protocol.commit import Attempt
 from ckptfs.protocol.sharded import save_sharded
 from ckptfs.testing.conformance import assert_state_equal
@@ -270,8 +270,8 @@ def test_declared_chunk_of_2_45_bytes_is_never_requested(
     edit_dcp(root, 20, attempt, grow_item)
     reseal(root, 20, attempt, grow_chunk)
     asked: list[int] = []
-    real = sharded_read.read_range
-    monkeypatch.setattr(sharded_read, "read_range",
+    real = chunk_reader.read_range
+    monkeypatch.setattr(chunk_reader, "read_range",
                         lambda s, p, start, n: asked.append(n) or real(s, p, start, n))
     into = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
             for k, v in sharded_state().items()}

@@ -101,7 +101,7 @@ from ckptfs.errors import (
     StorageError,
 )
 from ckptfs.format.content import same_content as same_content  # shared: cp, tiers, walk
-from ckptfs.format.hashing import ALGORITHMS, format_digest, new_hasher
+from ckptfs.format.hashing import ALGORITHMS, format_digest
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
     Reference,
@@ -113,6 +113,7 @@ from ckptfs.format.manifest import FileEntry, Manifest
 from ckptfs.format.serialize import HeaderEntry, tensor_memoryview
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
 from ckptfs.format.versions import REFERENCES, features, is_sharded
+from ckptfs.protocol.chunks import StoredChunks, check_digest, check_streamed, chunk_pieces
 from ckptfs.protocol.commit import (
     Attempt,
     Lease,
@@ -143,7 +144,7 @@ from ckptfs.protocol.resolve import (
     resolve_latest,
     storage_url,
 )
-from ckptfs.storage.base import Storage, read_range
+from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
 
@@ -879,58 +880,43 @@ def _materialized(ref: Reference, located: dict[str, tuple[HeaderEntry, Chunk]]
 
 def _materialized_chunks(src: Storage, info: CheckpointInfo, m: _Materialized,
                          progress: Progress | None) -> Callable[[], Iterator[memoryview]]:
-    """The new header, then each tensor's bytes read from the referenced file (ranged reads of
-    at most `COPY_CHUNK`)."""
-    loc = m.ref.location
+    """The new header, then each tensor's bytes read from the referenced file by the chunk
+    reader (ranged reads of at most `COPY_CHUNK`, each a buffer of its own); its error says
+    that nothing was committed."""
+    source = StoredChunks.of_reference(info, m.ref)
 
     def chunks() -> Iterator[memoryview]:
         yield memoryview(m.prefix)
         for _, c in m.tensors:
-            end = c.offset + c.length
-            for off in range(c.offset, end, COPY_CHUNK):
-                n = min(COPY_CHUNK, end - off)
-                try:
-                    data = read_range(src, loc, off, n)
-                except FileNotFoundError:
-                    raise CorruptCheckpointError(
-                        f"{storage_url(src, loc)}: referenced by step {info.step} as "
-                        f"{m.ref.path} but missing; nothing was committed",
-                        step=info.step, path=loc) from None
-                if len(data) != n:
-                    raise CorruptCheckpointError(
-                        f"{storage_url(src, loc)}: shorter than step {info.step} references; "
-                        "nothing was committed", step=info.step, path=loc)
-                yield memoryview(data)
-                if progress is not None:
-                    progress(n)
+            try:
+                for piece in chunk_pieces(src, source, c, bound=COPY_CHUNK):
+                    yield piece
+                    if progress is not None:
+                        progress(len(piece))
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(f"{exc}; nothing was committed", step=exc.step,
+                                             path=exc.path) from None
 
     return chunks
 
 
 def _check_materialized(src: Storage, dst: Storage, info: CheckpointInfo, m: _Materialized,
                         pieces: list[str], algorithm: str) -> None:
-    """Every tensor written from a referenced file hashed, while written, to the digest the
-    source's manifest binds for its chunk."""
-    if m.ref.algorithm == algorithm:
-        got = pieces[1:]
-    else:  # the reference's own algorithm: read the chunks again (never written so)
-        got = [_digest_range(src, m.ref, c) for _, c in m.tensors]
-    for (name, c), actual in zip(m.tensors, got, strict=True):
-        if actual != c.digest:
+    """Every tensor written from a referenced file hashes to the digest the source's manifest
+    binds for its chunk: the digest taken while it was written when the destination's
+    algorithm is the reference's, else its chunk read again and checked by the chunk reader
+    (reads of at most `COPY_CHUNK`)."""
+    source = StoredChunks.of_reference(info, m.ref)
+    for i, (name, c) in enumerate(m.tensors):
+        try:
+            if m.ref.algorithm == algorithm:
+                check_digest(src, source, c, pieces[1 + i])
+            else:
+                check_streamed(src, source, c, bound=COPY_CHUNK)
+        except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(
-                f"{storage_url(src, m.ref.location)}: bytes {c.offset}..{c.offset + c.length} "
-                f"(tensor {name!r}), referenced by step {info.step} as {m.ref.path}, differ "
-                f"from their digest in its manifest (expected {c.digest}, got {actual}): the "
-                f"source is corrupt; nothing was committed at {dst.url}",
-                step=info.step, path=m.ref.location)
-
-
-def _digest_range(src: Storage, ref: Reference, c: Chunk) -> str:
-    h = new_hasher(ref.algorithm)
-    end = c.offset + c.length
-    for off in range(c.offset, end, COPY_CHUNK):
-        h.update(read_range(src, ref.location, off, min(COPY_CHUNK, end - off)))
-    return h.hexdigest()
+                f"{exc} (tensor {name!r}): the source is corrupt; nothing was committed at "
+                f"{dst.url}", step=exc.step, path=exc.path) from None
 
 
 def _destination_index(dst: Storage, algorithm: str) -> ReuseIndex | None:

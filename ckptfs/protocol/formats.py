@@ -97,12 +97,8 @@ def check_sharded(storage: Storage, info: CheckpointInfo) -> DcpDocument:
     from ckptfs.format.sharded import METADATA_NAME, decode_value
     from ckptfs.format.sharded_metadata import check_rank_header, items_by_file
     from ckptfs.format.sharded_tree import restore
-    from ckptfs.protocol.sharded_read import (
-        entry_location,
-        read_chunks,
-        read_document,
-        sharded_manifest,
-    )
+    from ckptfs.protocol.chunks import entry_location, read_chunks
+    from ckptfs.protocol.sharded_read import read_document, sharded_manifest
 
     manifest = sharded_manifest(info)
     check_listing(storage, info)

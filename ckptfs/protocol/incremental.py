@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ckptfs.errors import CkptfsError, CorruptCheckpointError
-from ckptfs.format.hashing import ALGORITHMS, digest_bytes, new_hasher
+from ckptfs.format.hashing import ALGORITHMS, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
     Reference,
@@ -49,6 +49,7 @@ from ckptfs.format.serialize import (
 )
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry
 from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED, features
+from ckptfs.protocol.chunks import StoredChunks, read_chunk
 from ckptfs.protocol.commit import (
     ProtectorGoneError,
     default_threads,
@@ -57,7 +58,7 @@ from ckptfs.protocol.commit import (
 )
 from ckptfs.protocol.reader import local_header, reference_chunks
 from ckptfs.protocol.resolve import CheckpointInfo, resolve_latest
-from ckptfs.storage.base import Storage, read_range
+from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")
 
@@ -195,21 +196,21 @@ def latest_index(storage: Storage, indexer: Indexer = index_of) -> ReuseIndex | 
         return None
 
 
-def _chunk_intact(storage: Storage, path: str, chunk: Chunk, algorithm: str,
-                  memory: ReuseMemory) -> bool:
-    chunk_id = (path, chunk.offset, chunk.length)
+def _chunk_intact(storage: Storage, st: Stored, chunk: Chunk, memory: ReuseMemory) -> bool:
+    """Whether ``chunk`` of the file holding ``st`` holds its digest's bytes: known in this
+    process (``memory.checked``), or read and checked now by the chunk reader, whose error
+    (missing, short, differs) means no."""
+    chunk_id = (st.path, chunk.offset, chunk.length)
     if chunk_id in memory.checked:
         return True
     try:
-        data = read_range(storage, path, chunk.offset, chunk.length)
-        good = len(data) == chunk.length and \
-            digest_bytes(algorithm, data).split(":", 1)[1] == chunk.digest
-    except (FileNotFoundError, CkptfsError):
-        good = False
-    if good:
-        with memory.lock:
-            memory.checked.add(chunk_id)
-    return good
+        read_chunk(storage, StoredChunks(st.path, st.size, st.algorithm, (chunk,), st.step),
+                   chunk)
+    except CkptfsError:
+        return False
+    with memory.lock:
+        memory.checked.add(chunk_id)
+    return True
 
 
 def stored_chunk_intact(storage: Storage, st: Stored, memory: ReuseMemory, *,
@@ -218,8 +219,8 @@ def stored_chunk_intact(storage: Storage, st: Stored, memory: ReuseMemory, *,
     read and checked now (once).  ``header``: its file's header chunk too (a sharded save's
     index is built from ``dcp.msgpack`` without reading the rank files' headers).  A chunk
     that is missing or differs is never reused (logged: the file it is in is damaged)."""
-    if (not header or _chunk_intact(storage, st.path, st.header, st.algorithm, memory)) \
-            and _chunk_intact(storage, st.path, st.chunk, st.algorithm, memory):
+    if (not header or _chunk_intact(storage, st, st.header, memory)) \
+            and _chunk_intact(storage, st, st.chunk, memory):
         return True
     log.warning("%s: bytes %d..%d of %s (or its header) differ from their digest or are "
                 "missing: tensor %r is written again instead of referenced (run 'ckptfs "

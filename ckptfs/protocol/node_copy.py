@@ -52,13 +52,14 @@ from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
 from ckptfs.format.manifest import Manifest
 from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry
+from ckptfs.protocol.chunks import entry_location, read_chunks
 from ckptfs.protocol.copy import committed_at, own_files, settle_node_attempt
 from ckptfs.protocol.formats import VerifyReport
 from ckptfs.protocol.group import Group, carried, decode_bytes, describe, encode_bytes
 from ckptfs.protocol.listing import list_attempt, problems
 from ckptfs.protocol.resolve import CheckpointInfo, list_step_dirs
 from ckptfs.protocol.sharded import load_into
-from ckptfs.protocol.sharded_read import ShardedReader, entry_location, read_chunks
+from ckptfs.protocol.sharded_read import ShardedReader
 from ckptfs.storage.base import Storage
 
 log = logging.getLogger("ckptfs")

@@ -33,7 +33,6 @@ from ckptfs.format.hashing import (
     BackgroundHasher,
     Hasher,
     PieceHasher,
-    digest_bytes,
     format_digest,
     new_hasher,
     read_chunk_size,
@@ -55,6 +54,13 @@ from ckptfs.format.serialize import (
 )
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, chunk_list_digest
 from ckptfs.format.versions import SHARDED, features
+from ckptfs.protocol.chunks import (
+    StoredChunks,
+    check_chunk,
+    check_streamed,
+    read_chunk,
+    read_run,
+)
 from ckptfs.protocol.listing import check_listing, check_references, problems
 from ckptfs.protocol.load_options import (
     KeyPath,
@@ -349,61 +355,21 @@ def references_of(info: CheckpointInfo) -> dict[str, Reference]:
     return {r.path: r for r in info.manifest.references}
 
 
-def _check_ref_chunk(storage: Storage, info: CheckpointInfo, ref: Reference, chunk: Chunk,
-                     data: bytes | bytearray | memoryview) -> None:
-    actual = digest_bytes(ref.algorithm, data).split(":", 1)[1]
-    if actual != chunk.digest:
-        raise CorruptCheckpointError(
-            f"{storage_url(storage, ref.location)}: bytes {chunk.offset}.."
-            f"{chunk.offset + chunk.length}, referenced by step {info.step} as {ref.path}, "
-            f"differ from their digest in its manifest (expected {chunk.digest}, got "
-            f"{actual}): the file was modified or corrupted after commit",
-            step=info.step, path=ref.location)
-
-
-def _read_ref(storage: Storage, info: CheckpointInfo, ref: Reference, start: int,
-              length: int) -> bytes:
-    try:
-        data = read_range(storage, ref.location, start, length)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"{storage_url(storage, ref.location)}: referenced by step {info.step} as "
-            f"{ref.path} but missing", step=info.step, path=ref.location) from None
-    if len(data) != length:
-        raise CorruptCheckpointError(
-            f"{storage_url(storage, ref.location)}: {len(data)} B at offset {start}, step "
-            f"{info.step} references {length} B: the file is shorter than committed",
-            step=info.step, path=ref.location)
-    return data
-
-
-def _parsed_header(storage: Storage, info: CheckpointInfo, path: str, head: Chunk,
-                   algorithm: str, size: int, *, verify: bool, whose: str
-                   ) -> tuple[int, dict[str, HeaderEntry]]:
-    """The safetensors header of the chunked file at ``path`` (from the run root; ``size``
-    bytes): its header chunk ``head`` read, checked against its digest (``verify``), its length
-    prefix against the chunk, and parsed with the bounds of §2.4.  ``whose``: how the errors
-    name the chunk ("its header chunk", "the header chunk step N references")."""
-    where = storage_url(storage, path)
+def _parsed_header(storage: Storage, info: CheckpointInfo, src: StoredChunks, head: Chunk, *,
+                   verify: bool, whose: str) -> tuple[int, dict[str, HeaderEntry]]:
+    """The safetensors header of the chunked file ``src``: its header chunk ``head`` read and
+    checked against its digest (``verify``) by the chunk reader, its length prefix against the
+    chunk, and parsed with the bounds of §2.4.  ``whose``: how the errors name the chunk ("its
+    header chunk", "the header chunk step N references")."""
+    where = storage_url(storage, src.location)
     if head.length < 8 or head.length - 8 > MAX_HEADER_BYTES:
         raise UnsafeCheckpointError(f"{where}: {whose} ({head.length} B) is not a safetensors "
-                                    "header", step=info.step, path=path)
-    try:
-        data = read_range(storage, path, 0, head.length)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: {whose} is missing (the file is not there)",
-                                     step=info.step, path=path) from None
-    if len(data) != head.length:
-        raise CorruptCheckpointError(f"{where}: shorter than {whose} ({head.length} B)",
-                                     step=info.step, path=path)
-    if verify and digest_bytes(algorithm, data).split(":", 1)[1] != head.digest:
-        raise CorruptCheckpointError(f"{where}: {whose} differs from its digest in the "
-                                     f"manifest of step {info.step}: the file was modified or "
-                                     "corrupted after commit", step=info.step, path=path)
+                                    "header", step=info.step, path=src.location)
+    data = read_chunk(storage, src, head, verify=verify)
     if int.from_bytes(data[:8], "little") + 8 != head.length:
         raise CorruptCheckpointError(f"{where}: its header length differs from {whose}",
-                                     step=info.step, path=path)
-    return parse_safetensors_header(cast(Any, _HeaderOnly(data, size)), where=where)
+                                     step=info.step, path=src.location)
+    return parse_safetensors_header(cast(Any, _HeaderOnly(data, src.size)), where=where)
 
 
 def local_header(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry
@@ -411,8 +377,8 @@ def local_header(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry
     """The safetensors header of a chunked file of the checkpoint (format v3), its header chunk
     checked against its digest (`_parsed_header`)."""
     head = entry.chunks[0] if entry.chunks else Chunk(0, 0, "")
-    return _parsed_header(storage, info, f"{info.path}/{entry.path}", head, entry.algorithm,
-                          entry.size, verify=True, whose="its header chunk")
+    return _parsed_header(storage, info, StoredChunks.of_entry(info, entry, by_rank=False), head,
+                          verify=True, whose="its header chunk")
 
 
 def reference_header(storage: Storage, info: CheckpointInfo, ref: Reference, *,
@@ -420,7 +386,7 @@ def reference_header(storage: Storage, info: CheckpointInfo, ref: Reference, *,
     """The safetensors header of a referenced file, its header chunk checked against the
     digest in this checkpoint's manifest (`_parsed_header`, against the referenced
     file's size)."""
-    return _parsed_header(storage, info, ref.location, ref.chunks[0], ref.algorithm, ref.size,
+    return _parsed_header(storage, info, StoredChunks.of_reference(info, ref), ref.chunks[0],
                           verify=verify,
                           whose=f"the header chunk step {info.step} references as {ref.path}")
 
@@ -465,16 +431,17 @@ def load_reference(storage: Storage, info: CheckpointInfo, ref: Reference, names
                 groups[-1].append(item)
                 continue
         groups.append([item])
+    src = StoredChunks.of_reference(info, ref)
     out: dict[str, torch.Tensor] = {}
     for group in groups:
         first, last = group[0][1][1], group[-1][1][1]
         length = last.offset + last.length - first.offset
-        buf = bytearray(_read_ref(storage, info, ref, first.offset, length)) if length \
+        buf = bytearray(read_run(storage, src, first.offset, length, verify=False)) if length \
             else bytearray()
         for name, (e, chunk) in group:
             lo = chunk.offset - first.offset
             if verify:
-                _check_ref_chunk(storage, info, ref, chunk, memoryview(buf)[lo:lo + chunk.length])
+                check_chunk(storage, src, chunk, memoryview(buf)[lo:lo + chunk.length])
             dtype = CODE_DTYPES[e.dtype]
             if chunk.length == 0:
                 out[name] = torch.empty(e.shape, dtype=dtype)
@@ -491,30 +458,22 @@ def verify_reference(storage: Storage, info: CheckpointInfo, ref: Reference) -> 
     """Every chunk a reference binds read and checked (its header chunk and each tensor's,
     in reads of at most 64 MiB)."""
     reference_header(storage, info, ref, verify=True)
+    src = StoredChunks.of_reference(info, ref)
     for chunk in ref.chunks[1:]:
-        hasher = new_hasher(ref.algorithm)
-        end = chunk.offset + chunk.length
-        for off in range(chunk.offset, end, _COALESCE):
-            hasher.update(_read_ref(storage, info, ref, off, min(_COALESCE, end - off)))
-        if hasher.hexdigest() != chunk.digest:
-            raise CorruptCheckpointError(
-                f"{storage_url(storage, ref.location)}: bytes {chunk.offset}..{end}, "
-                f"referenced by step {info.step} as {ref.path}, differ from their digest in "
-                "its manifest: the file was modified or corrupted after commit",
-                step=info.step, path=ref.location)
+        check_streamed(storage, src, chunk, bound=_COALESCE)
 
 
 class _HeaderOnly:
     """The first bytes of a safetensors file posing as the whole file (its size known from the
     manifest), so `parse_safetensors_header` checks the header without the data."""
 
-    def __init__(self, head: bytes, size: int) -> None:
+    def __init__(self, head: bytes | memoryview, size: int) -> None:
         self.head, self.size = head, size
 
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, item: slice) -> bytes:
+    def __getitem__(self, item: slice) -> bytes | memoryview:
         if item.stop is not None and item.stop > len(self.head):
             raise IndexError("beyond the header")  # pragma: no cover - bounded by the parser
         return self.head[item]

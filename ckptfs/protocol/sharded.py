@@ -74,6 +74,7 @@ from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, decode_value
 from ckptfs.format.sharded_metadata import DcpDocument, check_rank_header, items_by_file
 from ckptfs.format.sharded_tree import dcp_view, restore, write_back
 from ckptfs.format.versions import SHARDED, features
+from ckptfs.protocol.chunks import entry_location, read_chunks
 from ckptfs.protocol.collective import is_distributed
 from ckptfs.protocol.commit import write_again_if_gone
 from ckptfs.protocol.group import LIVENESS_WAIT, Liveness, collective_failure, gloo_group
@@ -93,8 +94,6 @@ from ckptfs.protocol.sharded_plan import (
 from ckptfs.protocol.sharded_read import (
     MAX_RANGE,
     ShardedReader,
-    entry_location,
-    read_chunks,
     read_document,
     sharded_manifest,
 )

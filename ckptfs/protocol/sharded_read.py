@@ -4,24 +4,23 @@ planner sees it) and the full verification of a sharded checkpoint.
 A rank reads exactly the stored chunks its read items overlap: one ranged read per run of
 adjacent chunks (at most `MAX_RANGE` bytes), each chunk
 hashed and compared with the manifest before any of its bytes are copied into a tensor or
-decoded.  A chunk a rank needs only part of is still read whole: its digest covers all of it.
+decoded (`ckptfs.protocol.chunks`, the verified chunk reader).  A chunk a rank needs only
+part of is still read whole: its digest covers all of it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import io
 import os
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -34,12 +33,9 @@ from ckptfs.errors import (
     CorruptCheckpointError,
     InvalidStepError,
     LoadOptionError,
-    StorageError,
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from ckptfs.format.hashing import digest_bytes
-from ckptfs.format.incremental import ReferencedFile
 from ckptfs.format.layout import StepPaths, check_step
 from ckptfs.format.limits import MAX_METADATA_BYTES
 from ckptfs.format.manifest import Manifest
@@ -59,20 +55,17 @@ from ckptfs.format.sharded_metadata import (
     items_by_file,
 )
 from ckptfs.format.versions import is_sharded
+from ckptfs.protocol.chunks import entry_location, read_chunks, read_chunks_into
 from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
-from ckptfs.storage.base import LocalFiles, Storage, read_range, supports
+from ckptfs.storage.base import Storage
 from ckptfs.torch_compat import narrow_tensor_by_index
 
 Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
 
 #: Largest ranged read: adjacent chunks a rank needs are fetched together up to this size.
 MAX_RANGE = 64 * 1024 * 1024
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def sharded_manifest(info: CheckpointInfo) -> Manifest:
@@ -86,150 +79,12 @@ def sharded_manifest(info: CheckpointInfo) -> Manifest:
     return info.manifest
 
 
-def entry_location(info: CheckpointInfo, entry: ChunkedFileEntry) -> str:
-    """Where ``entry``'s bytes are, from the run root: its attempt's file, or for a reference
-    (format v4) the file of the attempt it names."""
-    if isinstance(entry, ReferencedFile):
-        return entry.location
-    return f"{info.path}/{entry.path}"
-
-
-def read_chunks(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry, start: int,
-                length: int, *, verify: bool = True) -> memoryview:
-    """``length`` bytes at ``start`` of ``entry`` (a run of whole chunks), every chunk of it
-    checked against its digest.  `CorruptCheckpointError` names the file and the rank
-    reading it.  The caller has compared the file's size with the listing (§5: nothing is
-    requested or allocated beyond what the storage holds)."""
-    path = entry_location(info, entry)
-    where = storage_url(storage, path)
-    if start < 0 or length < 0 or start + length > entry.size:  # pragma: no cover - tiling
-        raise CorruptCheckpointError(f"{where}: bytes {start}..{start + length} are outside "
-                                     f"its {entry.size} B", step=info.step, path=path)
-    try:
-        data = read_range(storage, path, start, length)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: listed in the manifest but missing (read by "
-                                     f"rank {_rank()})", step=info.step, path=path) from None
-    if len(data) != length:
-        raise CorruptCheckpointError(
-            f"{where}: {len(data)} B at offset {start}, the manifest declares {length} B: the "
-            f"file is shorter than committed (read by rank {_rank()})", step=info.step, path=path)
-    view = memoryview(data)
-    if verify:
-        pos = start
-        while pos < start + length:
-            chunk = _chunk_starting(entry, pos)
-            check_chunk(info, entry, chunk, view[pos - start:pos - start + chunk.length],
-                        where=where)
-            pos += chunk.length
-            if chunk.length == 0:
-                break
-    return view
-
-
-def check_chunk(info: CheckpointInfo, entry: ChunkedFileEntry, chunk: Chunk,
-                data: memoryview, *, where: str) -> None:
-    """`CorruptCheckpointError` unless ``data`` (the bytes of ``chunk`` of ``entry``)
-    has the chunk's digest."""
-    actual = digest_bytes(entry.algorithm, data).split(":", 1)[1]
-    if actual != chunk.digest:
-        raise CorruptCheckpointError(
-            f"{where}: bytes {chunk.offset}..{chunk.offset + chunk.length} differ from their "
-            f"digest in the manifest (expected {chunk.digest}, got {actual}; read by rank "
-            f"{_rank()}): the file was modified or corrupted after commit",
-            step=info.step, path=entry_location(info, entry))
-
-
-def read_chunks_into(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry,
-                     start: int, chunks: list[tuple[Chunk, memoryview]], *,
-                     verify: bool = True) -> None:
-    """Read the adjacent ``chunks`` of ``entry`` (the first at ``start``) straight into their
-    buffers (one positional read per buffer on local disk, else one ranged read copied into
-    them) and, with ``verify``, check each against its digest.  Errors as `read_chunks`;
-    the buffers hold unverified bytes when it raises."""
-    path = entry_location(info, entry)
-    where = storage_url(storage, path)
-    length = sum(c.length for c, _ in chunks)
-    if supports(storage, LocalFiles) and hasattr(os, "preadv"):
-        _pread_into(cast(LocalFiles, storage).local_path(path), start,
-                    [v for _, v in chunks], info=info, path=path, where=where)
-    else:
-        data = memoryview(read_chunks(storage, info, entry, start, length, verify=False))
-        pos = 0
-        for c, v in chunks:
-            if c.length:
-                v[:] = data[pos:pos + c.length]
-            pos += c.length
-    if verify:
-        for c, v in chunks:
-            check_chunk(info, entry, c, v, where=where)
-
-
-def _pread_into(local: str, start: int, views: list[memoryview], *, info: CheckpointInfo,
-                path: str, where: str) -> None:
-    """Fill ``views`` with the bytes of the local file ``local`` from ``start`` on, in order
-    (``preadv``: the kernel copies straight into them).  ``O_NOFOLLOW``: a file replaced by a
-    link after the listing is refused."""
-    try:
-        fd = os.open(local, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: listed in the manifest but missing (read by "
-                                     f"rank {_rank()})", step=info.step, path=path) from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeCheckpointError(
-                f"{where} is a symbolic link; a checkpoint may not contain links. Refusing to "
-                "read it", step=info.step, path=path) from None
-        raise StorageError(f"{where}: cannot open: {exc}") from exc
-    try:
-        pos = start
-        todo = [v for v in views if len(v)]
-        while todo:
-            try:
-                n = os.preadv(fd, todo[:_IOV_MAX], pos)
-            except OSError as exc:
-                raise StorageError(f"read {where} failed: {exc}") from exc
-            if n <= 0:
-                raise CorruptCheckpointError(
-                    f"{where}: ends at {pos} B, the manifest declares more: the file is "
-                    f"shorter than committed (read by rank {_rank()})", step=info.step,
-                    path=path)
-            pos += n
-            while todo and n >= len(todo[0]):
-                n -= len(todo.pop(0))
-            if n:
-                todo[0] = todo[0][n:]
-    finally:
-        os.close(fd)
-
-
-#: Buffers per ``preadv`` call (Linux's IOV_MAX).
-_IOV_MAX = 1024
-
-
 def _stored_chunk(info: CheckpointInfo, entry: ChunkedFileEntry, key: Key) -> Chunk:
     chunk = entry.chunk_at(key[1], key[2])
     if chunk is None:  # pragma: no cover - check_locations: every item is one chunk
         raise CorruptCheckpointError(f"{info.url}: {entry.path} has no chunk of {key[2]} B at "
                                      f"{key[1]}", step=info.step)
     return chunk
-
-
-def _chunk_starting(entry: ChunkedFileEntry, offset: int) -> Chunk:
-    lo, hi = 0, len(entry.chunks)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if entry.chunks[mid].offset < offset:
-            lo = mid + 1
-        else:
-            hi = mid
-    # Zero-length chunks share their offset with the next one: take the longest.
-    while lo + 1 < len(entry.chunks) and entry.chunks[lo].length == 0 and \
-            entry.chunks[lo + 1].offset == offset:
-        lo += 1
-    if lo >= len(entry.chunks) or entry.chunks[lo].offset != offset:
-        raise CorruptCheckpointError(f"{entry.path}: no chunk starts at {offset}")
-    return entry.chunks[lo]
 
 
 def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
