@@ -44,7 +44,6 @@ from ckptfs.format.layout import MAX_STEP
 from ckptfs.lifecycle.records import CorruptRecordError, RecordLog
 from ckptfs.protocol.resolve import committed_steps
 from ckptfs.protocol.store import CheckpointStore
-from ckptfs.protocol.tiers import TieredStore
 
 log = logging.getLogger("ckptfs")
 
@@ -183,10 +182,9 @@ def prune(store: CheckpointStore, policy: RetentionPolicy, *, best: Iterable[int
 
     ``hold``: steps to keep as well, asked right after each listing (the remote tier's prune
     keeps every step the local tier holds: read after the remote was listed, a step the local
-    tier still holds then is never a candidate).  A two-tier store's `TieredStore.holds`
-    (its local steps not replicated yet) are kept too."""
-    holds = store.holds if isinstance(store, TieredStore) else frozenset()
-    best, protected = list(best), [*protected, *holds]
+    tier still holds then is never a candidate).  The store's `CheckpointStore.holds` (a
+    two-tier store: its local steps not replicated yet) are kept too."""
+    best, protected = list(best), [*protected, *store.holds]
     for _ in range(5):
         steps = committed_steps(store.storage)  # the tier it deletes from (two tiers: local)
         held = [*protected, *(hold() if hold is not None else ())]

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ckptfs.errors import CorruptCheckpointError
+from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptfs.format.incremental import references_of
 from ckptfs.format.limits import MAX_DEPTH
 from ckptfs.format.sharded_metadata import DcpDocument
@@ -48,7 +48,7 @@ from ckptfs.protocol.reader import (
     load_single_process,
     verify_single_process,
 )
-from ckptfs.protocol.resolve import CheckpointInfo, storage_url
+from ckptfs.protocol.resolve import CheckpointInfo, check_still_committed, storage_url
 from ckptfs.storage.base import Storage
 
 Loader = Callable[..., dict[Any, Any]]
@@ -201,6 +201,21 @@ def verify_checkpoint(storage: Storage, info: CheckpointInfo, *, quick: bool = F
     return report
 
 
+def verified(storage: Storage, info: CheckpointInfo, *, quick: bool = False,
+             threads: int = 4) -> VerifyReport:
+    """`verify_checkpoint`, raising if the copy fails: `CorruptCheckpointError`
+    (`UnsafeCheckpointError` for a link) listing every problem, or
+    `CheckpointDeletedError` if the step was deleted or replaced while it was verified
+    (``store.verify``'s check of one copy)."""
+    report = verify_checkpoint(storage, info, quick=quick, threads=threads)
+    if not report.ok:
+        check_still_committed(storage, info.step, info.dir_name, info.attempt)
+        cls = UnsafeCheckpointError if report.unsafe else CorruptCheckpointError
+        raise cls(f"step {info.step} at {info.url} fails {report.mode} verification: "
+                  + "; ".join(report.problems), step=info.step, path=info.path)
+    return report
+
+
 def check_checkpoint(storage: Storage, info: CheckpointInfo) -> Any:
     """Raise what a load of ``info`` would raise (the same typed error), reading every document
     and every tensor file's header but no tensor data.  What it cannot know: the bytes of the
@@ -212,4 +227,4 @@ def check_checkpoint(storage: Storage, info: CheckpointInfo) -> Any:
 
 __all__ = ["FORMATS", "SHARDED_READER", "SINGLE_PROCESS_READER", "FormatOps", "VerifyReport",
            "check_checkpoint", "check_listing", "load_checkpoint", "ops_for",
-           "verify_checkpoint"]
+           "verified", "verify_checkpoint"]

@@ -356,7 +356,8 @@ def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T
 
     The tiers are asked one at a time: a later tier is not even listed while an earlier copy
     passes (a step the local tier serves costs the remote nothing, and an unreachable remote
-    delays nothing).  ``group``: as for `walk_tiers`."""
+    delays nothing).  A plain store's one tier (`one_store`): its committed copy
+    (`committed_info`), and ``use``'s own error.  ``group``: as for `walk_tiers`."""
     def walk(run: Callable[[CheckpointInfo], T]) -> tuple[CheckpointInfo, T]:
         return _use_one_step(tiers, step, run)
 
@@ -367,8 +368,26 @@ def use_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T
     return walk(use)
 
 
+def one_store(tiers: Sequence[Tier]) -> bool:
+    """Whether ``tiers`` is a plain store's one unnamed tier: no other copy can stand in for
+    a failing one, so a copy's own error is the answer."""
+    return len(tiers) == 1 and not tiers[0][0]
+
+
+def committed_info(storage: Storage, step: int) -> CheckpointInfo:
+    """`read_committed` of ``step``; one that is not committed raises
+    `CheckpointNotFoundError` listing the committed steps (`existing_summary`)."""
+    try:
+        return read_committed(storage, step)
+    except CheckpointNotFoundError as exc:
+        raise type(exc)(f"{exc}; {existing_summary(storage)}") from None
+
+
 def _use_one_step(tiers: Sequence[Tier], step: int, use: Callable[[CheckpointInfo], T]
                   ) -> tuple[CheckpointInfo, T]:
+    if one_store(tiers):  # nothing stands in: the copy's own errors, as they are
+        info = committed_info(tiers[0][1], step)
+        return info, use(info)
     problems: list[tuple[Tier, Exception]] = []
     failed: list[tuple[Tier, CheckpointInfo | None]] = []
     unusable: list[Exception] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeVar, overload
@@ -11,7 +12,7 @@ from ckptfs.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     LoadOptionError,
-    UnsafeCheckpointError,
+    StorageError,
 )
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
@@ -19,7 +20,7 @@ from ckptfs.format.layout import StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES
 from ckptfs.protocol import async_save
 from ckptfs.protocol.commit import default_threads
-from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verify_checkpoint
+from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verified
 from ckptfs.protocol.incremental import ReuseMemory
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
 from ckptfs.protocol.prepare import prepare
@@ -30,11 +31,13 @@ from ckptfs.protocol.resolve import (
     CheckpointInfo,
     Tier,
     check_still_committed,
+    committed_info,
     committed_steps,
-    existing_summary,
     list_step_dirs,
-    read_committed,
+    one_store,
+    resolve_latest,
     step_dirs,
+    use_step,
     walk_tiers,
 )
 from ckptfs.storage.base import Capabilities, Storage
@@ -45,18 +48,172 @@ log = logging.getLogger("ckptfs")
 T = TypeVar("T")
 
 
+class Tiers(abc.ABC):
+    """The tiers a `CheckpointStore` is a store over: what its reads resolve across, and what
+    it tells of each commit and delete (docs/architecture.md "Tiers").  A plain store's are
+    `OneTier` (its own storage); a two-tier store's are `ckptfs.protocol.tiers.TwoTiers`
+    (the local tier, the remote one, and the replicator between them).  The store's methods
+    are written once, over these; every method has an answer in both (one tier's is trivial
+    where there is nothing else to do)."""
+
+    #: Each rank's storage is its own node's (a sharded two-tier store's local tier): a sharded
+    #: save checks each rank's file on its own node, a collective read walks only the tiers
+    #: every rank reads whole (``read_tiers(collective=True)``), and a collective manager's
+    #: prune has every node remove its files of the steps it deleted (docs/tiers.md
+    #: "Sharded").  False: every rank sees one storage.
+    node_local: bool = False
+
+    @abc.abstractmethod
+    def read_tiers(self, *, collective: bool = False) -> list[Tier]:
+        """The tiers a read resolves across, in order of preference (the last one is the
+        outermost: the copy ``verify(remote=True)`` checks).  ``collective``: those every rank
+        of a process group can read a complete copy from."""
+
+    @property
+    @abc.abstractmethod
+    def holds(self) -> frozenset[int]:
+        """The steps that must not be deleted yet (`check_delete` refuses them; retention
+        keeps them)."""
+
+    @abc.abstractmethod
+    def storage_of(self, info: CheckpointInfo) -> Storage:
+        """The storage of the tier ``info`` was read from."""
+
+    @abc.abstractmethod
+    def before_collective_read(self, store: CheckpointStore) -> None:
+        """Before a read over ``read_tiers(collective=True)``: what those tiers must hold
+        first."""
+
+    @abc.abstractmethod
+    def node_save(self, state: Mapping[str, Any], process_group: Any) -> bool:
+        """Whether a save of ``state`` writes each rank's files on its own node (then
+        `committed` gives them their committed path); a save these tiers cannot take raises
+        here, before anything is written."""
+
+    @abc.abstractmethod
+    def hold(self) -> None:
+        """A save is writing: background work on the tiers pauses until `release`."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """The save that `hold` announced is done writing."""
+
+    @abc.abstractmethod
+    def committed(self, info: CheckpointInfo, node: bool) -> None:
+        """``info`` committed (``node``: as `node_save` answered for it)."""
+
+    @abc.abstractmethod
+    def future(self, inner: async_save.SaveFuture, node: bool) -> async_save.SaveFuture:
+        """The future ``save_async`` returns for ``inner``, submitted after `hold`: once it
+        is done the tiers `release`, and if it committed they are told (`committed`)."""
+
+    @abc.abstractmethod
+    def check_delete(self, step: int) -> None:
+        """Raise if ``step`` may not be deleted now."""
+
+    @abc.abstractmethod
+    def deleted(self, step: int) -> None:
+        """``step`` was deleted."""
+
+    @abc.abstractmethod
+    def check_load(self, *, into: dict[str, Any] | None, process_group: Any,
+                   keys: Iterable[str | KeyPath] | None, mmap: bool) -> None:
+        """Raise `LoadOptionError` for load options these tiers cannot honour (before the
+        store's own checks)."""
+
+    @abc.abstractmethod
+    def load_into(self, step: int | None, into: dict[str, Any], process_group: Any, *,
+                  verify: bool, allow_rollback: bool, threads: int) -> dict[Any, Any]:
+        """``load(into=...)``: fill ``into`` in place from a sharded checkpoint."""
+
+    @abc.abstractmethod
+    def verify_copy(self, info: CheckpointInfo, *, quick: bool, threads: int
+                    ) -> VerifyReport:
+        """Verify the copy ``info`` names (`ckptfs.protocol.formats.verified`)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """The store is closed: stop what runs in the background."""
+
+
+class OneTier(Tiers):
+    """A plain store's tiers: its own storage, nothing to tell."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def read_tiers(self, *, collective: bool = False) -> list[Tier]:
+        return [("", self.storage)]
+
+    @property
+    def holds(self) -> frozenset[int]:
+        return frozenset()
+
+    def storage_of(self, info: CheckpointInfo) -> Storage:
+        return self.storage
+
+    def before_collective_read(self, store: CheckpointStore) -> None:
+        pass  # every rank reads the one storage
+
+    def node_save(self, state: Mapping[str, Any], process_group: Any) -> bool:
+        return False
+
+    def hold(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def committed(self, info: CheckpointInfo, node: bool) -> None:
+        pass
+
+    def future(self, inner: async_save.SaveFuture, node: bool) -> async_save.SaveFuture:
+        return inner
+
+    def check_delete(self, step: int) -> None:
+        pass
+
+    def deleted(self, step: int) -> None:
+        pass
+
+    def check_load(self, *, into: dict[str, Any] | None, process_group: Any,
+                   keys: Iterable[str | KeyPath] | None, mmap: bool) -> None:
+        pass  # the store's own checks are all there is
+
+    def load_into(self, step: int | None, into: dict[str, Any], process_group: Any, *,
+                  verify: bool, allow_rollback: bool, threads: int) -> dict[Any, Any]:
+        from ckptfs.protocol import sharded
+        return sharded.load_into(self.storage, step, into, process_group=process_group,
+                                 verify=verify, threads=threads,
+                                 allow_rollback=allow_rollback)
+
+    def verify_copy(self, info: CheckpointInfo, *, quick: bool, threads: int
+                    ) -> VerifyReport:
+        return verified(self.storage, info, quick=quick, threads=threads)
+
+    def close(self) -> None:
+        pass
+
+
 class CheckpointStore:
     """Checkpoints of one training run, under ``<root>/checkpoints/``.
 
     Thread-safe for concurrent readers; concurrent writers of the same step are resolved by the
-    commit protocol (one wins, the others get `CheckpointExistsError`)."""
+    commit protocol (one wins, the others get `CheckpointExistsError`).
+
+    A store over its tiers (`Tiers`): ``storage`` alone for a plain store, the local and the
+    remote tier for a two-tier one (`ckptfs.tiered`); every method below is written once
+    over them."""
 
     def __init__(self, storage: Storage, *, algorithm: str = DEFAULT_ALGORITHM,
                  durable: bool = True, threads: int | None = None,
                  shard_bytes: int = DEFAULT_SHARD_BYTES, incremental: bool = False,
-                 lease_s: float = DEFAULT_LEASE_S) -> None:
+                 lease_s: float = DEFAULT_LEASE_S, tiers: Tiers | None = None) -> None:
         new_hasher(algorithm)
         self.storage = storage
+        #: What reads resolve across and what is told of commits and deletes (default: this
+        #: store's ``storage`` alone).
+        self.tiers: Tiers = OneTier(storage) if tiers is None else tiers
         #: Single-process saves write format v3, referencing bytes an earlier checkpoint
         #: holds instead of writing them again (docs/incremental.md); sharded saves write
         #: format v4, each rank referencing its own unchanged items (docs/protocol.md §9.6).
@@ -71,12 +228,6 @@ class CheckpointStore:
         #: keeps what its manifest references (docs/protocol.md §9.5).  Exceeds the lease by
         #: the default margin for clock skew (1 h against the default 30 min lease).
         self.grace_s: float = max(DEFAULT_GRACE_S, lease_s + DEFAULT_GRACE_S - DEFAULT_LEASE_S)
-        #: Each rank's ``storage`` is its own node's (a sharded two-tier store's local tier): a
-        #: sharded save checks each rank's file on its own node, a collective read walks only
-        #: the tiers every rank reads whole (``read_tiers(collective=True)``), and a
-        #: collective manager's prune has every node remove its files of the steps it deleted
-        #: (docs/tiers.md "Sharded").  False: every rank sees one storage.
-        self.node_local = False
         caps = storage.capabilities
         if caps.exclusive_create == "none":
             log.warning("%s: %s", storage.url, caps.caveat or "no exclusive create on this "
@@ -90,6 +241,18 @@ class CheckpointStore:
     def capabilities(self) -> Capabilities:
         return self.storage.capabilities
 
+    @property
+    def node_local(self) -> bool:
+        """Each rank's ``storage`` is its own node's (`Tiers.node_local`)."""
+        return self.tiers.node_local
+
+    @property
+    def holds(self) -> frozenset[int]:
+        """The steps that must not be deleted yet: `delete` refuses them and retention
+        (`ckptfs.lifecycle.retention.prune`) keeps them whatever its policy says (a two-tier
+        store: its local steps not replicated yet; a plain store: none)."""
+        return self.tiers.holds
+
     # -- writing -------------------------------------------------------------------------------
 
     def save(self, step: int, state: Mapping[str, Any], *,
@@ -101,10 +264,19 @@ class CheckpointStore:
         `UnsupportedValueError` (before writing anything) for values the format
         cannot hold, `CheckpointExistsError` if the step is already committed
         (or another writer commits it first).  Pending `save_async` saves are waited for
-        first (and an uncollected failure of one raises here)."""
-        async_save.before_sync_save(self)
-        return prepare(self, step, state, metadata=metadata,
-                       process_group=process_group).write()  # the save save_async runs
+        first (and an uncollected failure of one raises here).  A two-tier store commits on
+        the local tier and returns; the step is replicated in the background
+        (``replication``, ``wait_replicated``)."""
+        node = self.tiers.node_save(state, process_group)
+        self.tiers.hold()  # a two-tier store's copying pauses while this save writes
+        try:
+            async_save.before_sync_save(self)
+            info = prepare(self, step, state, metadata=metadata,
+                           process_group=process_group).write()  # the save save_async runs
+        finally:
+            self.tiers.release()
+        self.tiers.committed(info, node)
+        return info
 
     def delete(self, step: int) -> None:
         """Delete a checkpoint: the marker first, so a half-deleted checkpoint never reads as
@@ -116,8 +288,13 @@ class CheckpointStore:
         marker (*retired*, logged); garbage collection removes it once nothing references it
         (docs/protocol.md §9.5).  If a committed checkpoint's manifest cannot be read, the
         step is still deleted (no marker) but its v3 attempts are all kept, with a warning
-        naming the unreadable checkpoint."""
+        naming the unreadable checkpoint.
+
+        A two-tier store deletes the local copy (the remote tier is left alone: use
+        ``store.remote.delete``), and refuses with `UnreplicatedCheckpointError` while the
+        step has not reached the remote tier, unless it allows it (``delete_unreplicated``)."""
         check_step(step)
+        self.tiers.check_delete(step)
         names = list_step_dirs(self.storage).get(step) or [step_dir_name(step)]
         for name in names:
             paths = StepPaths(step, name)
@@ -133,12 +310,30 @@ class CheckpointStore:
             except CorruptCheckpointError as exc:
                 log.warning("step %d at %s is deleted (its marker is gone) but its files are "
                             "kept: %s; then run 'ckptfs gc'", step, self.url, exc)
+        self.tiers.deleted(step)
 
     # -- reading -------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps (marker present), ascending by integer value."""
-        return committed_steps(self.storage)
+        """Committed steps (marker present), ascending by integer value.  A two-tier store:
+        the steps committed in either tier (the steps `latest` and `load` choose from; a
+        tier that cannot be listed is left out, logged, as the walk leaves it out; if
+        neither can be, the local tier's error is raised)."""
+        tiers = self.read_tiers()
+        found: set[int] = set()
+        errors: list[StorageError] = []
+        for name, storage in tiers:
+            try:
+                found.update(committed_steps(storage))
+            except StorageError as exc:
+                if len(tiers) == 1:
+                    raise
+                log.warning("the %s tier %s cannot be listed (%s): steps() lists the other "
+                            "tier only", name, storage.url, exc)
+                errors.append(exc)
+        if len(errors) == len(tiers):
+            raise errors[0]
+        return sorted(found)
 
     def all_steps(self) -> list[int]:
         """Every step with a directory, committed or not."""
@@ -153,11 +348,7 @@ class CheckpointStore:
 
     def info(self, step: int) -> CheckpointInfo:
         """The committed checkpoint of ``step`` (its directory found by listing)."""
-        check_step(step)
-        try:
-            return read_committed(self.storage, step)
-        except CheckpointNotFoundError as exc:
-            raise type(exc)(f"{exc}; {existing_summary(self.storage)}") from None
+        return self.use_step(step, lambda info: info)[0]
 
     def load(self, step: int | None = None, *, map_location: MapLocation = None,
              verify: bool = True, allow_rollback: bool = False,
@@ -177,17 +368,20 @@ class CheckpointStore:
         ``keys``: load only these key paths (``["model"]``, ``["model/layer.weight"]``,
         ``[("model", 0)]`` for non-str keys); only the files holding them are read and verified.
         ``map_location``: every form ``torch.load`` accepts (str, torch.device, dict, callable).
-        ``mmap``: local disk only, tensors view memory-mapped files.  See docs/loading.md."""
+        ``mmap``: local disk only, tensors view memory-mapped files.  See docs/loading.md.
+
+        A two-tier store: the newest step in either tier (or ``step``), from the local copy
+        when it loads and verifies, else from the remote copy (logged).  A step bad in both
+        tiers raises (``allow_rollback``: the next older)."""
+        self.tiers.check_load(into=into, process_group=process_group, keys=keys, mmap=mmap)
         tensor_map(map_location)  # bad options fail before any I/O (LoadOptionError)
         paths = parse_keys(keys)  # malformed keys fail before any I/O
         if into is not None and (keys is not None or mmap):
             raise LoadOptionError("load(into=...) fills the given state dict in place: keys "
                                   "and mmap do not apply (the state dict selects what is read)")
         if into is not None:
-            from ckptfs.protocol import sharded
-            return sharded.load_into(self.storage, step, into, process_group=process_group,
-                                     verify=verify, threads=self.threads,
-                                     allow_rollback=allow_rollback)
+            return self.tiers.load_into(step, into, process_group, verify=verify,
+                                        allow_rollback=allow_rollback, threads=self.threads)
 
         def use(info: CheckpointInfo) -> dict[Any, Any]:
             return self.load_info(info, verify=verify, map_location=map_location, keys=paths,
@@ -205,12 +399,12 @@ class CheckpointStore:
         return found[1]
 
     def read_tiers(self, *, collective: bool = False) -> list[Tier]:
-        """The tiers a read resolves across, in order of preference: this store's storage
-        (a two-tier store: the local tier, then the remote one; docs/tiers.md).
-        ``collective``: the tiers of a read by every rank of a process group together, each
-        one every rank can read a complete copy from (the same here; a store whose own
-        storage is each node's own, `node_local`, leaves that tier out)."""
-        return [("", self.storage)]
+        """The tiers a read resolves across, in order of preference (`Tiers.read_tiers`):
+        this store's storage (a two-tier store: the local tier, then the remote one;
+        docs/tiers.md).  ``collective``: the tiers of a read by every rank of a process group
+        together, each one every rank can read a complete copy from (the same here; a store
+        whose own storage is each node's own, `node_local`, leaves that tier out)."""
+        return self.tiers.read_tiers(collective=collective)
 
     def walk(self, use: Callable[[CheckpointInfo], T], *, allow_rollback: bool = False,
              skipped: list[str] | None = None, collective: bool = False
@@ -219,31 +413,40 @@ class CheckpointStore:
         ``None`` if there is none: the one walk behind `load` and the manager's
         restore, over `read_tiers` (`ckptfs.protocol.resolve.walk_tiers`).
         ``use`` gets the `CheckpointInfo` of one tier's copy; `load_info` loads
-        it from that tier.  ``collective``: over ``read_tiers(collective=True)``."""
+        it from that tier.  ``collective``: over ``read_tiers(collective=True)``, once the
+        tiers hold what it reads (`Tiers.before_collective_read`: a node-local two-tier
+        store first waits, at most ``RESTORE_WAIT_S``, for its local steps to reach the
+        remote tier; a step that cannot is not a candidate, logged)."""
+        if collective:
+            self.tiers.before_collective_read(self)
         return walk_tiers(self.read_tiers(collective=collective), use,
                           allow_rollback=allow_rollback, skipped=skipped)
 
     def use_step(self, step: int, use: Callable[[CheckpointInfo], T], *,
                  collective: bool = False) -> tuple[CheckpointInfo, T]:
-        """``use`` on the committed checkpoint of ``step`` (`info`), with it: the
-        walk's rule for a step asked by number (a two-tier store tries the remote copy when
-        the local one fails ``use``).  ``collective``: as for `walk` (one tier here)."""
-        info = self.info(step)
-        return info, use(info)
+        """``use`` on the committed checkpoint of ``step``, with it: the walk's rule for a
+        step asked by number (`ckptfs.protocol.resolve.use_step`: a two-tier store tries
+        the remote copy when the local one is missing or fails ``use``, logged; a step bad
+        in both tiers raises naming each tier's error).  ``collective``: as for `walk`."""
+        check_step(step)
+        if collective:
+            self.tiers.before_collective_read(self)
+        return use_step(self.read_tiers(collective=collective), step, use)
 
     def load_info(self, info: CheckpointInfo, *, verify: bool = True,
                   map_location: MapLocation = None,
                   keys: Iterable[str | KeyPath] | None = None, mmap: bool = False
                   ) -> dict[Any, Any]:
         """Load exactly the committed attempt ``info`` names (as resolved by `info` or
-        `latest`, or agreed by several ranks), never a newer one.  A file that went
-        missing is corruption only if the marker still names this attempt; else the checkpoint
-        was deleted while it was read (`CheckpointDeletedError`)."""
+        `latest`, or agreed by several ranks), never a newer one, from the tier it was read
+        from.  A file that went missing is corruption only if the marker still names this
+        attempt; else the checkpoint was deleted while it was read (`CheckpointDeletedError`)."""
+        storage = self.tiers.storage_of(info)
         try:
-            return load_checkpoint(self.storage, info, verify=verify, map_location=map_location,
+            return load_checkpoint(storage, info, verify=verify, map_location=map_location,
                                    threads=self.threads, keys=keys, mmap=mmap)
         except CorruptCheckpointError:
-            check_still_committed(self.storage, info.step, info.dir_name, info.attempt)
+            check_still_committed(storage, info.step, info.dir_name, info.attempt)
             raise
 
     @overload
@@ -261,39 +464,49 @@ class CheckpointStore:
         Full (default) re-hashes every file and checks the documents as a load does (what a
         load refuses, a full verify refuses); ``quick`` compares names and sizes from one
         listing.  Returns the report if everything matches, else raises
-        `CorruptCheckpointError` listing every problem.
+        `CorruptCheckpointError` listing every problem.  A two-tier store verifies the copy
+        a load would use: the local one if it verifies, else the remote one (logged); it
+        raises if no tier holds a good copy (``store.local.verify`` / ``store.remote.verify``
+        check one tier).
 
         ``remote``: compare each file with the object store's own stored checksum, from
         metadata requests alone, reading no data (docs/remote-verify.md): raises
         `RemoteChecksumMismatchError` on a mismatch; files the store cannot
-        vouch for are reported ``not available`` (``report.complete`` is then False)."""
+        vouch for are reported ``not available`` (``report.complete`` is then False).  A
+        two-tier store checks its remote tier's copy."""
+        tiers = self.read_tiers()
         if remote:
-            info = self.info(step) if step is not None else self.latest()
+            storage = tiers[-1][1]  # the outermost tier (a plain store's own)
+            if step is not None:
+                check_step(step)
+            info = committed_info(storage, step) if step is not None else \
+                resolve_latest(storage)
             if info is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint at {self.url}")
-            return verify_remote(self.storage, info)
+                raise CheckpointNotFoundError(f"no committed checkpoint at {storage.url}")
+            return verify_remote(storage, info)
+
+        def use(info: CheckpointInfo) -> VerifyReport:
+            return self.tiers.verify_copy(info, quick=quick, threads=self.threads)
+
         if step is not None:
-            return self._verify_info(self.info(step), quick)
-        for _ in range(MAX_RESOLVE_PASSES):
+            return self.use_step(step, use)[1]
+        where = " or ".join(st.url for _, st in tiers)
+        if not one_store(tiers):  # a later tier's copy may stand in: the walk's rule
+            found = self.walk(use)
+            if found is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint at {where}")
+            return found[1]
+        for _ in range(MAX_RESOLVE_PASSES):  # one store: the newest copy's own error
             info = self.latest()
             if info is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint at {self.url}")
+                raise CheckpointNotFoundError(f"no committed checkpoint at {where}")
             try:
-                return self._verify_info(info, quick)
+                return use(info)
             except CheckpointDeletedError as exc:
                 log.info("%s; resolving the latest again", exc)
         raise CheckpointDeletedError(
             f"the latest checkpoint at {self.url} kept being deleted while it was verified; "
             "retry")
-
-    def _verify_info(self, info: CheckpointInfo, quick: bool) -> VerifyReport:
-        report = verify_checkpoint(self.storage, info, quick=quick, threads=self.threads)
-        if not report.ok:
-            check_still_committed(self.storage, info.step, info.dir_name, info.attempt)
-            cls = UnsafeCheckpointError if report.unsafe else CorruptCheckpointError
-            raise cls(f"step {info.step} at {info.url} fails {report.mode} verification: "
-                      + "; ".join(report.problems), step=info.step, path=info.path)
-        return report
 
     # -- asynchronous saves: thin hooks into ckptfs.protocol.async_save (docs/async.md) -------
 
@@ -322,9 +535,21 @@ class CheckpointStore:
         `save_async`, `wait` or `close`, one per call, oldest first (each with a note naming
         those still to come).
         With ``max_in_flight`` saves pending, this call first waits (logged, counted in
-        `async_stats`).  Invalid values raise here, naming their key path."""
-        return async_save.saver_for(self).submit(self, step, state, metadata=metadata,
-                                                 max_in_flight=max_in_flight)
+        `async_stats`).  Invalid values raise here, naming their key path.
+
+        A two-tier store queues the step for replication once it committed locally; a
+        sharded state (on every rank of a store opened on every rank): each rank writes its
+        file on its own node, and the future is done once this node's files have their
+        committed path too."""
+        node = self.tiers.node_save(state, None)  # refuses before anything is written
+        self.tiers.hold()  # a two-tier store's copying pauses until the write is done
+        try:
+            inner = async_save.saver_for(self).submit(self, step, state, metadata=metadata,
+                                                      max_in_flight=max_in_flight)
+        except BaseException:
+            self.tiers.release()
+            raise
+        return self.tiers.future(inner, node)
 
     def wait(self) -> None:
         """Wait for every pending `save_async`; raise a failure nobody collected."""
@@ -332,8 +557,13 @@ class CheckpointStore:
 
     def close(self) -> None:
         """`wait`, then release the background thread and the staging buffers (a later
-        `save_async` starts them again)."""
-        async_save.close(self)
+        `save_async` starts them again).  A two-tier store then stops its replicator after
+        its current copy attempt; what is not replicated yet is queued again by the next open
+        (an interrupted remote attempt is never committed; gc removes it)."""
+        try:
+            async_save.close(self)
+        finally:
+            self.tiers.close()
 
     @property
     def async_stats(self) -> async_save.AsyncStats:
@@ -345,7 +575,10 @@ class CheckpointStore:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        async_save.exit_context(self, exc_type is not None)
+        try:
+            async_save.exit_context(self, exc_type is not None)
+        finally:
+            self.tiers.close()
 
     # -- end of the async hooks ----------------------------------------------------------------
 

@@ -46,11 +46,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from datetime import timedelta
-from typing import Any, Literal, TypeVar, overload
+from typing import Any
 
 from ckptfs.errors import (
     CheckpointNotFoundError,
@@ -72,10 +72,9 @@ from ckptfs.format.layout import check_step
 from ckptfs.format.versions import is_sharded
 from ckptfs.protocol import async_save
 from ckptfs.protocol.collective import wants_sharded_save, world_size
-from ckptfs.protocol.formats import VerifyReport
+from ckptfs.protocol.formats import VerifyReport, verified
 from ckptfs.protocol.group import Group, RankGroup
-from ckptfs.protocol.load_options import KeyPath, MapLocation
-from ckptfs.protocol.remote_verify import RemoteVerifyReport
+from ckptfs.protocol.load_options import KeyPath
 from ckptfs.protocol.replication import ReplicationStatus, Replicator
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
@@ -86,9 +85,9 @@ from ckptfs.protocol.resolve import (
 )
 from ckptfs.protocol.resolve import Tier as ReadTier
 from ckptfs.protocol.resolve import tier_of as resolve_tier
-from ckptfs.protocol.store import CheckpointStore
+from ckptfs.protocol.store import CheckpointStore, Tiers
 from ckptfs.protocol.store import open as open_store
-from ckptfs.storage.base import check_tier_roots
+from ckptfs.storage.base import Storage, check_tier_roots
 
 log = logging.getLogger("ckptfs")
 
@@ -101,20 +100,16 @@ SCAN_TIMEOUT_S = 10.0
 #: (``walk(collective=True)``).
 RESTORE_WAIT_S = 300.0
 
-T = TypeVar("T")
-Tier = tuple[str, CheckpointStore]
-
-
 def check_tiers(local: CheckpointStore, remote: CheckpointStore) -> None:
     """Refuse two tiers that are the same run root or nested (`TierOverlapError`)."""
     check_tier_roots(local.storage, remote.storage)
 
 
-class TieredStore(CheckpointStore):
-    """A store with a local tier (its own ``storage``) and a remote tier replicated in the
-    background (module docstring; docs/tiers.md).  Opened on every rank of a process group
-    (each rank with its own node's local tier), it saves, replicates and loads sharded
-    checkpoints (docs/tiers.md "Sharded")."""
+class TwoTiers(Tiers):
+    """The tiers of a two-tier store (module docstring; docs/tiers.md): ``local`` (the
+    store's own storage) and ``remote``, with the `Replicator` between them.  Opened on
+    every rank of a process group (each rank with its own node's local tier), it saves,
+    replicates and loads sharded checkpoints (docs/tiers.md "Sharded")."""
 
     def __init__(self, local: CheckpointStore, remote: CheckpointStore, *,
                  delete_unreplicated: bool = False, replicate_threads: int = 2,
@@ -122,11 +117,8 @@ class TieredStore(CheckpointStore):
                  retry_max_s: float = 60.0, max_attempts: int | None = None,
                  sharded: bool | None = None,
                  replicate_timeout: timedelta | None = None) -> None:
-        super().__init__(local.storage, algorithm=local.algorithm, durable=local.durable,
-                         threads=local.threads, shard_bytes=local.shard_bytes,
-                         incremental=local.incremental, lease_s=local.lease_s)
         check_tiers(local, remote)
-        #: Plain one-tier stores of each tier (the local one shares this store's storage).
+        #: Plain one-tier stores of each tier (the local one shares the store's storage).
         self.local = local
         self.remote = remote
         #: Allow deleting (and retention to delete) a local checkpoint that has not reached
@@ -136,41 +128,40 @@ class TieredStore(CheckpointStore):
         #: sharded saves, per-rank replication, loads across tiers (docs/tiers.md "Sharded").
         self.sharded = world_size() > 1 if sharded is None else sharded
         self.node_local = self.sharded
-        self._copier: Any = None
+        self.copier: Any = None
         if self.sharded:
             from ckptfs.protocol.copy import StepCopier
             from ckptfs.protocol.replication import REPLICATE_TIMEOUT, replication_group
-            self._copier = StepCopier(
+            self.copier = StepCopier(
                 local.storage, remote.storage,
                 replication_group(replicate_timeout or REPLICATE_TIMEOUT),
                 durable=remote.durable, threads=replicate_threads)
         self.replicator = Replicator(local.storage, remote.storage, durable=remote.durable,
                                      threads=replicate_threads, bytes_per_s=bytes_per_s,
                                      retry_base_s=retry_base_s, retry_max_s=retry_max_s,
-                                     max_attempts=max_attempts, copier=self._copier)
+                                     max_attempts=max_attempts, copier=self.copier)
         try:
             self._scan()
         except BaseException:  # refused at open (credentials): stop what was started
             self.replicator.close()
             raise
 
-    def _tiers(self) -> list[Tier]:
-        return [("local", self.local), ("remote", self.remote)]
+    # -- opening: what is left to replicate ------------------------------------------------------
 
     def _scan(self) -> None:
         """Queue every step committed locally but not at the remote (oldest first).  Sharded:
         the coordinator's scan (its node holds the markers), broadcast to every rank, so every
         rank's replicator processes the same steps in the same order."""
-        if self._copier is None:
+        if self.copier is None:
             found = self._scan_tiers()
         else:  # the coordinator's refusal (credentials) is every rank's, never a rank left waiting
             scan: Any = None
-            if self._copier.coordinator:
+            if self.copier.coordinator:
                 try:
                     scan = self._scan_tiers()
                 except StorageAccessError as exc:
                     scan = str(exc)
-            scan = self._copier.broadcast_scan(scan)
+            scan = self.copier.broadcast_scan(scan)
             if isinstance(scan, str):
                 raise StorageAccessError(scan)
             found = scan
@@ -183,7 +174,7 @@ class TieredStore(CheckpointStore):
                 self.replicator.enqueue(step, nbytes)
         if queued:
             log.info("%s: %d local checkpoints not at %s yet, queued for replication: %s",
-                     self.url, len(queued), self.remote.url, queued)
+                     self.local.url, len(queued), self.remote.url, queued)
 
     def _scan_tiers(self) -> list[tuple[int, int, bool]]:
         """(step, bytes, replicated) of every step committed locally.  Replicated means the
@@ -193,10 +184,10 @@ class TieredStore(CheckpointStore):
         delete its only copy.  Else the step is queued, and the copy decides (``identical``,
         or ``failed`` with CheckpointExistsError, kept locally)."""
         try:
-            local = committed_steps(self.storage)
+            local = committed_steps(self.local.storage)
         except StorageError as exc:
-            log.warning("local tier %s cannot be listed (%s): nothing to replicate", self.url,
-                        exc)
+            log.warning("local tier %s cannot be listed (%s): nothing to replicate",
+                        self.local.url, exc)
             return []
         try:
             remote = self._remote_steps()
@@ -210,7 +201,7 @@ class TieredStore(CheckpointStore):
         found = []
         for step in local:
             try:
-                info: CheckpointInfo | None = read_committed(self.storage, step)
+                info: CheckpointInfo | None = read_committed(self.local.storage, step)
             except (CheckpointNotFoundError, CorruptCheckpointError, StorageError):
                 info = None  # the copy reports what is wrong with it
             nbytes = 0 if info is None else info.bytes
@@ -245,42 +236,109 @@ class TieredStore(CheckpointStore):
         except CkptfsError:
             return False
 
+    # -- reading across tiers --------------------------------------------------------------------
+
+    def read_tiers(self, *, collective: bool = False) -> list[ReadTier]:
+        """``[("local", local storage), ("remote", remote storage)]``: every read
+        (``latest``, ``load``, ``verify``, the manager's restore through ``walk``)
+        resolves across both, the local copy first.  ``collective`` on tiers whose local
+        one is each node's own (``node_local``): the remote tier alone, the one copy every
+        rank can read whole."""
+        if collective and self.node_local:
+            return [("remote", self.remote.storage)]
+        return [("local", self.local.storage), ("remote", self.remote.storage)]
+
+    def tier_of(self, info: CheckpointInfo) -> ReadTier:
+        return resolve_tier(self.read_tiers(), info)
+
+    def storage_of(self, info: CheckpointInfo) -> Storage:
+        return self.tier_of(info)[1]
+
+    def before_collective_read(self, store: CheckpointStore) -> None:
+        """A collective read on node-local tiers first waits (at most `RESTORE_WAIT_S`)
+        for the steps the local tiers hold to reach the remote tier it reads (a job restarted
+        on its nodes replicates at open what its last run left); a step that cannot reach it
+        (its files lost with a node, or the remote down) is not a candidate: logged."""
+        if not self.node_local:
+            return
+        try:
+            store.wait()  # pending save_async: committed locally and queued first
+            self.replicator.wait(RESTORE_WAIT_S)
+        except (ReplicationError, TimeoutError) as exc:
+            log.warning("a collective read at %s: the local steps did not all reach %s (%s); "
+                        "it resumes from the newest step the remote tier holds",
+                        self.local.url, self.remote.url, exc)
+
+    def check_load(self, *, into: dict[str, Any] | None, process_group: Any,
+                   keys: Iterable[str | KeyPath] | None, mmap: bool) -> None:
+        if process_group is not None or (into is not None and (keys is not None or mmap)):
+            raise LoadOptionError(
+                "a tiered store loads a sharded checkpoint with load(into=state) on every rank "
+                "of the default process group (no process_group=, keys or mmap)")
+
+    def load_into(self, step: int | None, into: dict[str, Any], process_group: Any, *,
+                  verify: bool, allow_rollback: bool, threads: int) -> dict[Any, Any]:
+        """``load(into=...)`` on every rank: the one walk over both tiers (on a sharded store,
+        over the group: the same decision on every rank), each candidate loaded into
+        ``into``; the local copy of node-local tiers is spread over the nodes
+        (`ckptfs.protocol.node_copy`; docs/tiers.md "Sharded")."""
+        from ckptfs.protocol import sharded
+        from ckptfs.protocol.sharded_read import ShardedReader
+        group: Group | None = None
+        if self.sharded:
+            group = RankGroup(sharded.collective_group(
+                None, what=f"a sharded load across tiers at {self.local.url}",
+                default=ShardedLoadError))
+
+        def use(info: CheckpointInfo) -> dict[str, Any]:
+            if not is_sharded(info.manifest):
+                raise LoadOptionError(
+                    f"step {info.step} at {info.url} is a single-process (format "
+                    f"v{info.manifest.format_version}) checkpoint: load(into=) fills a state "
+                    f"dict from a sharded one; load it with store.load({info.step})")
+            if self.node_local and group is not None and self.tier_of(info)[0] == "local":
+                from ckptfs.protocol.node_copy import load_node_copy
+                return load_node_copy(self.local.storage, self.remote.storage, info, into,
+                                      group, verify=verify, threads=threads,
+                                      durable=self.local.durable)
+            storage = self.storage_of(info)
+            reader = ShardedReader(storage, info.step, verify=verify, threads=threads)
+            reader.info = info
+            return sharded.load_into(storage, info.step, into, verify=verify,
+                                     threads=threads, reader=reader)
+
+        tiers = self.read_tiers()
+        if step is not None:
+            check_step(step)
+            return use_step(tiers, step, use, group=group)[1]
+        found = walk_tiers(tiers, use, allow_rollback=allow_rollback, group=group)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint to load at {self.local.url} or {self.remote.url}")
+        return found[1]
+
+    def verify_copy(self, info: CheckpointInfo, *, quick: bool, threads: int
+                    ) -> VerifyReport:
+        """The copy ``info`` names, from its tier; a quick verify of the local copy of a
+        sharded step on sharded tiers checks this node's part of it (`verify_node_copy`)."""
+        if quick and self.copier is not None and is_sharded(info.manifest) \
+                and self.tier_of(info)[0] == "local":  # this node's part of the local copy
+            from ckptfs.protocol.node_copy import verify_node_copy
+            return verify_node_copy(self.local.storage, info, self.copier.rank,
+                                    self.copier.coordinator)
+        return verified(self.storage_of(info), info, quick=quick, threads=threads)
+
     # -- writing ---------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any], *,
-             metadata: Mapping[str, Any] | None = None,
-             process_group: Any = None) -> CheckpointInfo:
-        """Commit ``step`` on the local tier and return; it is replicated in the background
-        (`replication`, `wait_replicated`)."""
-        with self.replicator.foreground():  # copying pauses while this save writes
-            if wants_sharded_save(state, process_group) and self._node_sharded(process_group):
-                info = self._save_sharded(step, state, metadata, process_group)
-            else:  # the plain store's save: collective or not, as the group says
-                info = super().save(step, state, metadata=metadata,
-                                    process_group=process_group)
-        self.replicator.enqueue(info.step, info.bytes)
-        return info
-
-    def _save_sharded(self, step: int, state: Mapping[str, Any],
-                      metadata: Mapping[str, Any] | None, process_group: Any) -> CheckpointInfo:
-        """Every rank writes its file on its own node's local tier; the coordinator commits
-        there (docs/tiers.md "Sharded")."""
-        async_save.before_sync_save(self)
-        from ckptfs.protocol import sharded
-        info = sharded.save_sharded(self.storage, step, state, algorithm=self.algorithm,
-                                    durable=self.durable, threads=self.threads,
-                                    metadata=metadata, memory=self.reuse, lease_s=self.lease_s,
-                                    node_local=True)
-        self._settle(info)
-        return info
-
-    def _node_sharded(self, process_group: Any) -> bool:
+    def node_save(self, state: Mapping[str, Any], process_group: Any) -> bool:
         """Whether a collective save takes the per-node path (each rank's file on its own
-        node's local tier, replicated per rank): on a store opened sharded (by default: a
+        node's local tier, replicated per rank): on tiers opened sharded (by default: a
         world of more than one rank).  A world of one saves collectively as a plain store
         does, onto the local tier, and replicates like any other step.  Refused
         (`ShardedSaveError`): another ``process_group`` on a sharded store, and a collective
         save of several ranks on a store opened with ``sharded=False``."""
+        if not wants_sharded_save(state, process_group):
+            return False
         if self.sharded:
             if process_group is not None:
                 raise ShardedSaveError(
@@ -295,34 +353,30 @@ class TieredStore(CheckpointStore):
                 "local tier)")
         return False
 
-    def _settle(self, info: CheckpointInfo) -> None:
-        """This rank's files of a committed sharded save get their committed path on its own
-        node (the coordinator's commit renamed only its node's attempt)."""
-        from ckptfs.protocol.copy import settle_node_attempt
-        settle_node_attempt(self.storage, info.step, info.attempt, durable=self.durable)
+    def hold(self) -> None:
+        self.replicator.hold()  # copying pauses while a save writes (Replicator.foreground)
 
-    def save_async(self, step: int, state: Mapping[str, Any], *,
-                   metadata: Mapping[str, Any] | None = None,
-                   max_in_flight: int = 1) -> async_save.SaveFuture:
-        """`CheckpointStore.save_async`; the step is queued for replication once it
-        committed locally.  A sharded state (on every rank of a store opened on every rank):
-        the collective async save of a plain store (format v2), each rank writing its file on
-        its own node; the future returned is done once this node's files have their committed
-        path too."""
-        node = wants_sharded_save(state, None) and self._node_sharded(None)  # refuses early
-        self.replicator.hold()  # copying pauses until this save's local write is done
-        try:
-            inner = super().save_async(step, state, metadata=metadata,
-                                       max_in_flight=max_in_flight)
-        except BaseException:
-            self.replicator.release()
-            raise
+    def release(self) -> None:
+        self.replicator.release()
+
+    def committed(self, info: CheckpointInfo, node: bool) -> None:
+        """A per-node save's files get their committed path on this node (the coordinator's
+        commit renamed only its node's attempt); then the step is queued for replication."""
+        if node:
+            from ckptfs.protocol.copy import settle_node_attempt
+            settle_node_attempt(self.local.storage, info.step, info.attempt,
+                                durable=self.local.durable)
+        self.replicator.enqueue(info.step, info.bytes)
+
+    def future(self, inner: async_save.SaveFuture, node: bool) -> async_save.SaveFuture:
+        """``inner``, or for a per-node save a future done once this node's files have their
+        committed path too (`_Settled`)."""
         outer = _Settled(inner) if node else None
         inner.add_done_callback(lambda _: self._committed_async(inner, outer))
         return inner if outer is None else outer
 
     def _committed_async(self, future: async_save.SaveFuture, outer: _Settled | None) -> None:
-        self.replicator.release()
+        self.release()
         if future.cancelled():  # pragma: no cover - a save's future is never cancelled
             if outer is not None:
                 outer.cancel()
@@ -333,40 +387,96 @@ class TieredStore(CheckpointStore):
                 outer.set_exception(failure)
             return
         info = future.result()
-        if outer is not None:
-            try:
-                self._settle(info)
-            except BaseException as exc:  # the step is committed: the settling failed
-                outer.set_exception(exc)
-                return
-        self.replicator.enqueue(info.step, info.bytes)
+        try:
+            self.committed(info, outer is not None)
+        except BaseException as exc:  # the step is committed: the settling failed
+            if outer is None:
+                raise
+            outer.set_exception(exc)
+            return
         if outer is not None:
             outer.set_result(info)
 
-    def delete(self, step: int) -> None:
-        """Delete the local copy of ``step`` (the remote tier is left alone: use
-        ``store.remote.delete``).  Refused with
-        `UnreplicatedCheckpointError` while the step has not reached the
-        remote tier, unless the store allows it (``delete_unreplicated``)."""
-        check_step(step)
+    def check_delete(self, step: int) -> None:
+        """Refuse (`UnreplicatedCheckpointError`) a step that has not reached the remote
+        tier, unless deleting it is allowed (``delete_unreplicated``)."""
         if step in self.holds:
             state = self.replicator.status().steps[step]
             raise UnreplicatedCheckpointError(
-                f"step {step} at {self.url} is not replicated to {self.remote.url} yet "
+                f"step {step} at {self.local.url} is not replicated to {self.remote.url} yet "
                 f"({state.state}{': ' + state.error if state.error else ''}): deleting it "
                 "would lose its only copy. Wait for store.wait_replicated(), or open the store "
                 "with delete_unreplicated=True to allow it")
-        super().delete(step)
+
+    def deleted(self, step: int) -> None:
         self.replicator.forget(step)
 
     @property
     def holds(self) -> frozenset[int]:
         """The local steps that must not be deleted yet: those the replicator reports not
-        replicated (none with ``delete_unreplicated``).  `delete` refuses them and retention
-        (`ckptfs.lifecycle.retention.prune`) keeps them whatever its policy says."""
+        replicated (none with ``delete_unreplicated``)."""
         if self.delete_unreplicated:
             return frozenset()
         return frozenset(self.replicator.unreplicated())
+
+    def close(self) -> None:
+        self.replicator.close()
+
+
+class TieredStore(CheckpointStore):
+    """A `CheckpointStore` over two tiers (`TwoTiers`): the local tier (its own
+    ``storage``) and a remote tier replicated in the background (module docstring;
+    docs/tiers.md).  It only opens the store over them and adds the replication accessors:
+    every store method is `CheckpointStore`'s.  Opened on every rank of a process group
+    (each rank with its own node's local tier), it saves, replicates and loads sharded
+    checkpoints (docs/tiers.md "Sharded")."""
+
+    tiers: TwoTiers
+
+    def __init__(self, local: CheckpointStore, remote: CheckpointStore, *,
+                 delete_unreplicated: bool = False, replicate_threads: int = 2,
+                 bytes_per_s: float | None = None, retry_base_s: float = 1.0,
+                 retry_max_s: float = 60.0, max_attempts: int | None = None,
+                 sharded: bool | None = None,
+                 replicate_timeout: timedelta | None = None) -> None:
+        tiers = TwoTiers(local, remote, delete_unreplicated=delete_unreplicated,
+                         replicate_threads=replicate_threads, bytes_per_s=bytes_per_s,
+                         retry_base_s=retry_base_s, retry_max_s=retry_max_s,
+                         max_attempts=max_attempts, sharded=sharded,
+                         replicate_timeout=replicate_timeout)
+        super().__init__(local.storage, algorithm=local.algorithm, durable=local.durable,
+                         threads=local.threads, shard_bytes=local.shard_bytes,
+                         incremental=local.incremental, lease_s=local.lease_s, tiers=tiers)
+
+    @property
+    def local(self) -> CheckpointStore:
+        """A plain one-tier store of the local tier (it shares this store's storage)."""
+        return self.tiers.local
+
+    @property
+    def remote(self) -> CheckpointStore:
+        """A plain one-tier store of the remote tier."""
+        return self.tiers.remote
+
+    @property
+    def replicator(self) -> Replicator:
+        return self.tiers.replicator
+
+    @property
+    def sharded(self) -> bool:
+        """Opened on every rank of a process group (each with its own node's local tier):
+        sharded saves, per-rank replication, loads across tiers (docs/tiers.md "Sharded")."""
+        return self.tiers.sharded
+
+    @property
+    def delete_unreplicated(self) -> bool:
+        """Allow deleting (and retention to delete) a local checkpoint that has not reached
+        the remote tier: for a local disk about to fill up (docs/tiers.md)."""
+        return self.tiers.delete_unreplicated
+
+    @delete_unreplicated.setter
+    def delete_unreplicated(self, allow: bool) -> None:
+        self.tiers.delete_unreplicated = allow
 
     # -- replication -----------------------------------------------------------------------------
 
@@ -382,203 +492,18 @@ class TieredStore(CheckpointStore):
         self.wait()  # pending save_async: committed locally and queued first
         return self.replicator.wait(timeout)
 
-    def close(self) -> None:
-        """Wait for pending async saves, then stop the replicator after its current copy
-        attempt; what is not replicated yet is queued again by the next open (an interrupted
-        remote attempt is never committed; gc removes it)."""
-        try:
-            super().close()
-        finally:
-            self.replicator.close()
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        try:
-            super().__exit__(exc_type, exc, tb)
-        finally:
-            self.replicator.close()
-
     # -- reading across tiers --------------------------------------------------------------------
 
     def tier_steps(self) -> dict[str, list[int]]:
         """The committed steps of each tier (``steps()`` is their union)."""
-        return {name: committed_steps(st.storage) for name, st in self._tiers()}
-
-    def steps(self) -> list[int]:
-        """The steps committed in either tier, ascending: the steps `latest` and `load`
-        choose from (one only the remote holds, after the local copy was lost or pruned,
-        included).  A tier that cannot be listed (the remote is down) is left out, logged, as
-        the walk leaves it out; if neither can be, the local tier's error is raised.
-        ``store.local.steps()`` is the local tier's (what local retention prunes);
-        `tier_steps` lists each tier's."""
-        found: set[int] = set()
-        errors: list[StorageError] = []
-        for name, st in self._tiers():
-            try:
-                found.update(committed_steps(st.storage))
-            except StorageError as exc:
-                log.warning("the %s tier %s cannot be listed (%s): steps() lists the other "
-                            "tier only", name, st.url, exc)
-                errors.append(exc)
-        if len(errors) == 2:
-            raise errors[0]
-        return sorted(found)
-
-    def read_tiers(self, *, collective: bool = False) -> list[ReadTier]:
-        """``[("local", local storage), ("remote", remote storage)]``: every read
-        (``latest``, ``load``, ``verify``, the manager's restore through `walk`)
-        resolves across both, the local copy first.  ``collective`` on a store whose local
-        tier is each node's own (``node_local``): the remote tier alone, the one copy every
-        rank can read whole."""
-        if collective and self.node_local:
-            return [("remote", self.remote.storage)]
-        return [(name, st.storage) for name, st in self._tiers()]
-
-    def walk(self, use: Callable[[CheckpointInfo], T], *, allow_rollback: bool = False,
-             skipped: list[str] | None = None, collective: bool = False
-             ) -> tuple[CheckpointInfo, T] | None:
-        """`CheckpointStore.walk`; ``collective`` on a node-local store first waits (at most
-        `RESTORE_WAIT_S`) for the steps the local tiers hold to reach the remote tier it
-        reads (a job restarted on its nodes replicates at open what its last run left); a
-        step that cannot reach it (its files lost with a node, or the remote down) is not a
-        candidate: logged."""
-        if collective:
-            self._await_remote()
-        return super().walk(use, allow_rollback=allow_rollback, skipped=skipped,
-                            collective=collective)
-
-    def _await_remote(self) -> None:
-        if not self.node_local:
-            return
-        try:
-            self.wait_replicated(timeout=RESTORE_WAIT_S)
-        except (ReplicationError, TimeoutError) as exc:
-            log.warning("a collective read at %s: the local steps did not all reach %s (%s); "
-                        "it resumes from the newest step the remote tier holds", self.url,
-                        self.remote.url, exc)
+        return {name: committed_steps(st) for name, st in self.read_tiers()}
 
     def tier_of(self, info: CheckpointInfo) -> str:
         """``"local"`` or ``"remote"``: the tier ``info`` was read from."""
-        return resolve_tier(self.read_tiers(), info)[0]
-
-    def _store_of(self, info: CheckpointInfo) -> CheckpointStore:
-        return self.local if self.tier_of(info) == "local" else self.remote
-
-    def use_step(self, step: int, use: Callable[[CheckpointInfo], T], *,
-                 collective: bool = False) -> tuple[CheckpointInfo, T]:
-        """``use`` on the first copy of ``step`` that passes it, the local one first (the
-        remote one when the local one is missing or fails, logged); a step bad in both tiers
-        raises naming each tier's error.  ``collective``: as for `walk`."""
-        check_step(step)
-        if collective:
-            self._await_remote()
-        return use_step(self.read_tiers(collective=collective), step, use)
+        return self.tiers.tier_of(info)[0]
 
     # latest(): CheckpointStore.latest, through walk() over read_tiers(): the newest step
     # committed in either tier, the local copy when it passes; ``tier_of(info)`` says which.
-
-    def info(self, step: int) -> CheckpointInfo:
-        return self.use_step(step, lambda info: info)[0]
-
-    def load(self, step: int | None = None, *, map_location: MapLocation = None,
-             verify: bool = True, allow_rollback: bool = False,
-             into: dict[str, Any] | None = None, process_group: Any = None,
-             keys: Iterable[str | KeyPath] | None = None, mmap: bool = False
-             ) -> dict[Any, Any]:
-        """`CheckpointStore.load` across tiers: the newest step in either tier (or
-        ``step``), from the local copy when it loads and verifies, else from the remote copy
-        (logged).  A step bad in both tiers raises (``allow_rollback``: the next older)."""
-        if into is not None or process_group is not None:
-            return self._load_sharded(step, into, process_group, verify=verify,
-                                      allow_rollback=allow_rollback, keys=keys, mmap=mmap)
-        return super().load(step, map_location=map_location, verify=verify,
-                            allow_rollback=allow_rollback, keys=keys, mmap=mmap)
-
-    def _load_sharded(self, step: int | None, into: dict[str, Any] | None, process_group: Any,
-                      *, verify: bool, allow_rollback: bool, keys: Any, mmap: bool
-                      ) -> dict[Any, Any]:
-        """``load(into=...)`` on every rank: the one walk over both tiers (on a sharded store,
-        over the group: the same decision on every rank), each candidate loaded into
-        ``into``; the local copy of a node-local store is spread over the nodes
-        (`ckptfs.protocol.node_copy`; docs/tiers.md "Sharded")."""
-        if into is None or keys is not None or mmap or process_group is not None:
-            raise LoadOptionError(
-                "a tiered store loads a sharded checkpoint with load(into=state) on every rank "
-                "of the default process group (no process_group=, keys or mmap)")
-        from ckptfs.protocol import sharded
-        from ckptfs.protocol.sharded_read import ShardedReader
-        group: Group | None = None
-        if self.sharded:
-            group = RankGroup(sharded.collective_group(
-                None, what=f"a sharded load across tiers at {self.url}",
-                default=ShardedLoadError))
-
-        def use(info: CheckpointInfo) -> dict[str, Any]:
-            if not is_sharded(info.manifest):
-                raise LoadOptionError(
-                    f"step {info.step} at {info.url} is a single-process (format "
-                    f"v{info.manifest.format_version}) checkpoint: load(into=) fills a state "
-                    f"dict from a sharded one; load it with store.load({info.step})")
-            if self.node_local and group is not None and self.tier_of(info) == "local":
-                from ckptfs.protocol.node_copy import load_node_copy
-                return load_node_copy(self.storage, self.remote.storage, info, into, group,
-                                      verify=verify, threads=self.threads,
-                                      durable=self.durable)
-            storage = self._store_of(info).storage
-            reader = ShardedReader(storage, info.step, verify=verify, threads=self.threads)
-            reader.info = info
-            return sharded.load_into(storage, info.step, into, verify=verify,
-                                     threads=self.threads, reader=reader)
-
-        tiers = self.read_tiers()
-        if step is not None:
-            check_step(step)
-            return use_step(tiers, step, use, group=group)[1]
-        found = walk_tiers(tiers, use, allow_rollback=allow_rollback, group=group)
-        if found is None:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint to load at {self.url} or {self.remote.url}")
-        return found[1]
-
-    def load_info(self, info: CheckpointInfo, *, verify: bool = True,
-                  map_location: MapLocation = None,
-                  keys: Iterable[str | KeyPath] | None = None, mmap: bool = False
-                  ) -> dict[Any, Any]:
-        """Load exactly ``info``, from the tier it was read from."""
-        return self._store_of(info).load_info(info, verify=verify, map_location=map_location,
-                                              keys=keys, mmap=mmap)
-
-    @overload
-    def verify(self, step: int | None = None, *, quick: bool = False,
-               remote: Literal[False] = False) -> VerifyReport: ...
-
-    @overload
-    def verify(self, step: int | None = None, *, quick: bool = False,
-               remote: Literal[True]) -> RemoteVerifyReport: ...
-
-    def verify(self, step: int | None = None, *, quick: bool = False,
-               remote: bool = False) -> VerifyReport | RemoteVerifyReport:
-        """Verify the copy a load would use: the local one if it verifies, else the remote
-        one (logged); raises if no tier holds a good copy.  ``store.local.verify`` /
-        ``store.remote.verify`` check one tier.  ``remote``: the remote tier's copy from the
-        object store's checksums alone (``CheckpointStore.verify(remote=True)``)."""
-        if remote:
-            return self.remote.verify(step, remote=True)
-
-        def use(info: CheckpointInfo) -> VerifyReport:
-            if quick and self._copier is not None and is_sharded(info.manifest) \
-                    and self.tier_of(info) == "local":  # this node's part of the local copy
-                from ckptfs.protocol.node_copy import verify_node_copy
-                return verify_node_copy(self.storage, info, self._copier.rank,
-                                        self._copier.coordinator)
-            return self._store_of(info).verify(info.step, quick=quick)
-
-        if step is not None:
-            return self.use_step(step, use)[1]
-        found = self.walk(use, allow_rollback=False)
-        if found is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint at {self.url} or "
-                                          f"{self.remote.url}")
-        return found[1]
 
     def __repr__(self) -> str:
         return f"TieredStore({self.url!r}, remote={self.remote.url!r})"
