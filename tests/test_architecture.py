@@ -684,3 +684,61 @@ def test_ranged_readers_still_read_ranges() -> None:
     for name, function in RANGED_READERS:
         assert any(f == function for f, _ in ranged_reads(name)), (
             f"{name}.{function} no longer calls read_range: drop its entry")
+#: The one store class; its subclasses may only construct it (over other tiers) and name it.
+STORE_CLASS = ("ckptfs.protocol.store", "CheckpointStore")
+STORE_CONSTRUCTION = {"__init__", "__repr__"}
+
+
+def class_defs() -> Iterator[tuple[str, ast.ClassDef]]:
+    for name in modules():
+        for node in ast.walk(tree_of(name)):
+            if isinstance(node, ast.ClassDef):
+                yield name, node
+
+
+def members(cls: ast.ClassDef) -> set[str]:
+    """The names a class body defines: methods and properties (a property's setter too)."""
+    return {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def store_subclasses() -> list[tuple[str, ast.ClassDef]]:
+    """Every class in ``ckptfs/`` that derives from the store class, directly or through
+    another such class (bases matched by name)."""
+    names = {STORE_CLASS[1]}
+    found: dict[tuple[str, str], ast.ClassDef] = {}
+    grew = True
+    while grew:
+        grew = False
+        for module, cls in class_defs():
+            if (module, cls.name) == STORE_CLASS or (module, cls.name) in found:
+                continue
+            bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")
+                     for b in cls.bases}
+            if bases & names:
+                found[(module, cls.name)] = cls
+                names.add(cls.name)
+                grew = True
+    return [(module, cls) for (module, _), cls in sorted(found.items())]
+
+
+def test_store_subclasses_override_no_store_method() -> None:
+    """A store is a store over its tiers (``protocol/store.py``'s ``Tiers``: a plain store's
+    own storage, or a two-tier store's local and remote tiers with the replicator), not a
+    subclass overriding the store's methods.  Each operation of ``CheckpointStore`` (save,
+    delete, the reads across tiers, close) is written once and asks its tiers where the cases
+    differ, so a fix or a guarantee added to one is every store's: when ``TieredStore``
+    overrode them, each override carried its own copy of the store's rules (which errors, in
+    which order, what a collective read waits for) and the copies drifted.  A subclass may
+    only construct the store over other tiers (``__init__``, ``__repr__``) and add accessors
+    of its own."""
+    store_methods = members(next(cls for module, cls in class_defs()
+                                 if (module, cls.name) == STORE_CLASS))
+    assert "save" in store_methods and "load" in store_methods  # the rule still sees them
+    subclasses = store_subclasses()
+    assert any(cls.name == "TieredStore" for _, cls in subclasses)  # the rule still sees it
+    overrides = {f"{module}.{cls.name}": sorted((members(cls) & store_methods)
+                                                 - STORE_CONSTRUCTION)
+                 for module, cls in subclasses}
+    assert {k: v for k, v in overrides.items() if v} == {}, (
+        "a CheckpointStore subclass overrides store methods: give the store's one method the "
+        "answer it needs from its tiers (ckptfs.protocol.store.Tiers) instead")

@@ -9,7 +9,8 @@ reads of the state (``Prepared.reads``; one snapshot for every layout:
 on one background thread per store.  One commit protocol and one proof: a background failure
 leaves no marker, exactly as a failed synchronous save does.  What only the async save adds:
 a collective save's collectives run on the store's own gloo group (`AsyncSaver.
-collective_group`).  A two-tier store settles its own future (`ckptfs.protocol.tiers`).
+collective_group`).  A two-tier store's tiers settle the future it returns
+(`ckptfs.protocol.tiers.TwoTiers.future`).
 
 ::
 

@@ -1,23 +1,30 @@
 """Two tiers: save at local-disk speed, replicate to a remote store in the background, resume
 from whichever tier holds the newest good checkpoint (docs/tiers.md).
 
-`tiered` opens a `TieredStore`, a `CheckpointStore`
-whose own storage is the local tier: ``save`` commits there and returns; the step is then
-queued for the `Replicator`, which copies it to the remote
-tier with ``ckptfs cp``'s copy (one commit object, every byte verified, marker last).
+`tiered` opens a `TieredStore`, a `CheckpointStore` over two tiers (`TwoTiers`) whose own
+storage is the local tier: ``save`` commits there and returns; the step is then queued for the
+`Replicator`, which copies it to the remote tier with ``ckptfs cp``'s copy (one commit object,
+every byte verified, marker last).
 
 Design decisions (argued in docs/tiers.md):
 
-* **Tiers by composition.**  A `TieredStore` holds its two tier stores (``local``,
-  ``remote``) and a `Replicator`; it is still a `CheckpointStore` (its own
-  ``storage`` is the local tier's), because every call a user, the manager or an integration
-  makes on a store must work on it and ``isinstance(store, ckptfs.CheckpointStore)`` holds
-  for it.  It overrides public operations only (``save``/``save_async``, to queue
-  replication and, sharded, to give each node's files their committed path once the save
-  committed, wrapping the save's own result; ``delete``; the reads, across ``read_tiers``),
-  never a store internal through a hook only it implements.  What the layers above ask of it
-  are declared properties: `holds` (the steps retention keeps: not replicated yet),
-  ``node_local`` (each rank's local tier is its own node's) and
+* **Tiers by composition.**  A store is a store over its tiers
+  (`ckptfs.protocol.store.Tiers`): a plain store's are its own storage (``OneTier``), a
+  two-tier store's are `TwoTiers`: the two tier stores (``local``, ``remote``) and the
+  `Replicator`.  Every operation (``save``/``save_async``, ``delete``, the reads across
+  ``read_tiers``, ``close``) is `CheckpointStore`'s one method, which asks the tiers where
+  the two cases differ: whether a save writes each rank's files on its own node
+  (``node_save``) and what follows its commit (``committed``: the node's files settled, the
+  step queued; the async future, ``future``), whether a step may be deleted
+  (``check_delete``) and that it was (``deleted``), what a collective read waits for
+  (``before_collective_read``), how a copy is verified (``verify_copy``: the node's part of
+  a node-spread local copy) and a sharded state loaded (``load_into``).  `TieredStore` only
+  opens the store over two tiers and adds the replication accessors (``replication``,
+  ``wait_replicated``, ``tier_steps``, ``tier_of``): it overrides no store method, so
+  ``isinstance(store, ckptfs.CheckpointStore)`` holds and every call a user, the manager or
+  an integration makes on a store works on it.  What the layers above ask are the tiers'
+  answers, through the store: `CheckpointStore.holds` (the steps retention keeps: not
+  replicated yet), ``node_local`` (each rank's local tier is its own node's) and
   ``read_tiers(collective=True)`` (the tiers every rank reads a complete copy from).
 * **One walk.**  Every read is a use of the store's one walk
   (`ckptfs.protocol.resolve.walk_tiers` over `read_tiers`), ``load(into=)`` included: on
