@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 def _generator() -> ModuleType:

@@ -14,7 +14,7 @@ import torch
 from ckptfs import torch_compat
 from ckptfs.torch_compat import MIN_TORCH, TorchCompatError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "ckptfs"
 #: Modules still reaching DTensor internals directly, to be switched to
 #: ``torch_compat.dtensor_local`` / ``dtensor_like`` by their owner (the async save's).

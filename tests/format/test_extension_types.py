@@ -27,7 +27,7 @@ from ckptfs.format import extensions
 from ckptfs.format.layout import StepPaths
 from ckptfs.format.serialize import build_tree, decode_state_doc, plan_state
 
-SPEC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+SPEC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
 
 class Color(enum.Enum):

@@ -51,7 +51,7 @@ from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal, small_state
 from ckptfs.testing.servers import ServerInfo
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "backends.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "backends.md"
 
 
 class PlainMemoryFS(MemoryFileSystem):  # type: ignore[misc]

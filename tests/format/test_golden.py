@@ -29,7 +29,7 @@ import torch
 
 import ckptfs
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 def _recipe() -> ModuleType:

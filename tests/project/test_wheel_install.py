@@ -25,7 +25,7 @@ import pytest
 
 import ckptfs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: What the wheel is built from (a copy: a stale build/ of the tree never leaks into it).
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "ckptfs")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "ckptfs"
+PKG = Path(__file__).resolve().parents[2] / "ckptfs"
 
 # Rank of each layer: a module may import its own layer and any layer of lower rank.
 RANK = {"errors": 0, "torch_compat": 0, "format": 1, "storage": 1, "protocol": 2,

@@ -46,7 +46,7 @@ from ckptfs.testing.conformance import assert_state_equal
 from ckptfs.testing.faults import FaultyStorage, SimulatedCrash
 from ckptfs.testing.reliability.common import raw_storage, state_for, store_on
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Gate:

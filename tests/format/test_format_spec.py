@@ -20,7 +20,7 @@ import ckptfs
 from ckptfs.errors import CorruptCheckpointError
 from ckptfs.format.layout import StepPaths
 
-SPEC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+SPEC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
 
 def checker_source() -> str:
