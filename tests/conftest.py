@@ -1,5 +1,5 @@
 """Shared fixtures.  Backends that need a server start it once per session (see
-tests/test_backend_*.py); local and memory need nothing."""
+tests/storage/test_backend_*.py); local and memory need nothing."""
 
 from __future__ import annotations
 

@@ -25,12 +25,12 @@ Read paths (:func:`read`): ``load``, ``load-unverified``, ``load-into`` (``load(
 zero tensors of the state's shapes), ``verify``, ``verify-quick``, ``inspect`` (``ckptfs
 inspect``'s reader) and ``cp`` (``copy_step`` into a fresh root, which must commit nothing
 when it refuses: :func:`copy_into_scratch`).  ``load(into=, allow_rollback=True)``, the
-manager's restore of an incremental run: tests/test_hardening_read.py.  The rollback reads
-(``load(allow_rollback=True)``, ``load(into=, allow_rollback=True)`` on the sharded cells, the
-manager's ``restore_latest(allow_rollback=True)``:
+manager's restore of an incremental run: tests/reliability/test_hardening_read.py.  The
+rollback reads (``load(allow_rollback=True)``, ``load(into=, allow_rollback=True)`` on the
+sharded cells, the manager's ``restore_latest(allow_rollback=True)``:
 :data:`ckptfs.testing.reliability.paths.ROLLBACK_READS`) run in the corruption matrix on every
-cell (tests/test_corruption.py): each damage of the newest step rolls back to the previous
-one.
+cell (tests/reliability/test_corruption.py): each damage of the newest step rolls back to the
+previous one.
 
 Known defects (:data:`DEFECTS`): a cell that breaks a hardening test is marked there with
 :func:`known_defect` (strict: the mark fails once the defect is fixed, and is then removed).

@@ -4,7 +4,8 @@ A reader refuses a checkpoint beyond any of these bounds (hostile or corrupt met
 make it allocate, recurse or parse without limit), so the writer checks the same bounds, with the
 same constants, *before it writes anything*: a save either fails with a typed error naming what
 is too large, or commits a checkpoint every reader accepts.  docs/protocol.md (section 2.5,
-"Limits") lists them; tests/test_hardening_format.py checks writer and reader agree on each.
+"Limits") lists them; tests/reliability/test_hardening_format.py checks writer and reader agree
+on each.
 """
 
 from __future__ import annotations

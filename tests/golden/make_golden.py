@@ -5,8 +5,9 @@ incremental: both steps by 2 gloo ranks, step 2 referencing step 1's rank files)
 keep them).
 
 The golden files are fixed bytes committed to the repository: every future ckptfs must load them
-bit-exact (tests/test_golden.py), so a format change that breaks old checkpoints fails CI.  Attempt
-names contain a time and random bits, so rerunning this script gives *different* bytes: do not
+bit-exact (tests/format/test_golden.py), so a format change that breaks old checkpoints fails
+CI.  Attempt names contain a time and random bits, so rerunning this script gives *different*
+bytes: do not
 regenerate a version that exists; a new format version gets a new recipe and directory beside
 the others.  Usage::
 

@@ -4,7 +4,7 @@ of ckptfs produces the same bytes, file for file, manifest and marker included.
 tests/golden/writers/<writer>.json holds, per writer, ``{path under the run root: sha256}`` of
 everything the writer leaves on storage.  The states are the recipes of
 tests/golden/make_golden.py (plain arithmetic: any torch on any platform builds the same
-values).  tests/test_writer_golden.py runs every writer again and compares: a change of the
+values).  tests/format/test_writer_golden.py runs every writer again and compares: a change of the
 write side that changes a byte fails there, naming the writer and the first differing file.
 A change that means to change the bytes (a fix of what a writer stores) regenerates the
 digests, deliberately, and says so in its commit::

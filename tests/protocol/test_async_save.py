@@ -219,8 +219,8 @@ def _sample(dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
 
 
 def every_value(seed: int) -> dict[str, Any]:
-    """Every kind of value the synchronous save accepts (tests/test_roundtrip.py,
-    tests/test_extension_types.py), built the same way each call."""
+    """Every kind of value the synchronous save accepts (tests/format/test_roundtrip.py,
+    tests/format/test_extension_types.py), built the same way each call."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:
@@ -447,7 +447,7 @@ def test_sharded_state_is_refused_by_name(monkeypatch: pytest.MonkeyPatch,
     """A DTensor (stood in for by a meta tensor here, which the serializer refuses as it
     refuses a DTensor) without torch.distributed initialized cannot be saved collectively:
     save_async refuses it, naming the key path and why, rather than writing one rank's shards
-    as a full state (the collective form: tests/test_async_collective.py)."""
+    as a full state (the collective form: tests/protocol/test_async_collective.py)."""
     monkeypatch.setattr(collective, "is_dtensor", lambda t: t.device.type == "meta")
     store = memory_backend.open()
     with pytest.raises(UnsupportedValueError, match=r"'model/layers/1/w'.*not initialized"):

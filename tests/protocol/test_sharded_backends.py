@@ -1,5 +1,5 @@
 """Sharded checkpoints (format v2) on GCS (fake-gcs-server) and Azure (azurite): the
-backends tests/test_sharded.py does not cover (it runs local disk and S3).
+backends tests/protocol/test_sharded.py does not cover (it runs local disk and S3).
 
 One W=2 gloo job serves both backends (spawning ranks is the expensive part).  On each backend
 it saves an FSDP2 MLP with AdamW plus uneven DTensors twice (steps 10 and 12), loads step 10

@@ -247,7 +247,7 @@ def test_commit_syncs_every_directory_once_after_the_rename_before_the_marker(
         tmp_path: Path) -> None:
     """The attempt's directory, the step's, checkpoints/ and the run root are fsynced once
     each, after the rename and before the marker (the power-cut sweep proves the result
-    durable: tests/test_power_cut.py); nothing is synced at open."""
+    durable: tests/reliability/test_power_cut.py); nothing is synced at open."""
     storage = _Recording(str(tmp_path / "run"))
     info = commit.save_checkpoint(storage, 1, {"w": torch.ones(3)})
     step_dir = info.paths.dir

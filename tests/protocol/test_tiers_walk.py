@@ -4,7 +4,7 @@ candidate, a failure on any rank is the candidate's failure on every rank, the r
 stands in for a failing local copy only if it is the same checkpoint, and every rank logs what
 it used and why.  Two ranks are two threads over an in-process group (the same JSON documents
 a process group carries), so the walk's decisions are tested here without gloo;
-tests/test_tiers_sharded.py runs them on real ranks."""
+tests/protocol/test_tiers_sharded.py runs them on real ranks."""
 
 from __future__ import annotations
 

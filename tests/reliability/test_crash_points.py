@@ -87,7 +87,7 @@ def _path_params() -> list[object]:
     """save_async and ckptfs cp on local disk and memory, the sub-storage and the copy of a
     sharded checkpoint on memory; every other combination, and the object stores, with
     --runslow.  The sharded save (two simulated ranks driving DCP's call sequence) has its own
-    sweep in tests/test_sharded_crash.py."""
+    sweep in tests/reliability/test_sharded_crash.py."""
     default = {("memory", "async"), ("memory", "cp"), ("local", "async"), ("local", "cp"),
                ("memory", "sub"), ("memory", "cp-v2"), ("memory", "v3"), ("local", "v3"),
                ("memory", "v4"), ("memory", "async-v3")}

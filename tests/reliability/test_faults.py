@@ -14,7 +14,7 @@ from ckptfs.testing.reliability import raw_storage, state_for, store_on
 
 def test_is_a_storage_and_keeps_the_capabilities(local_backend: Backend) -> None:
     """An explicit wrapper (no ``__getattr__``): the capabilities data and every optional
-    capability of the storage it wraps (the full check: tests/test_storage_wrappers.py)."""
+    capability of the storage it wraps (the full check: tests/storage/test_storage_wrappers.py)."""
     raw = raw_storage(local_backend)
     fs = FaultyStorage(raw)
     assert isinstance(fs, Storage)

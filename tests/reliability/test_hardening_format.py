@@ -48,7 +48,7 @@ def roundtrip(backend: Backend, state: dict[str, Any], step: int = 1) -> dict[An
 
 #: The write paths every "refused before writing" case runs through (tests/paths.py); the
 #: ``cp`` cells are not among them: their source cannot hold these values (its hostile sources
-#: are in tests/test_hostile.py).
+#: are in tests/reliability/test_hostile.py).
 _WRITER_NAMES = [n for n in paths.EVERY if not n.startswith("cp")]
 WRITERS = paths.params(_WRITER_NAMES, slow=paths.REPLICAS)
 #: The same, the two-tier remote copies included by default (a test of one case per path).

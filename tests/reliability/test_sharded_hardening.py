@@ -2,7 +2,7 @@
 reader's own checks must catch, with the same typed error through ``store.load(step)``,
 ``store.load(into=...)`` and ``store.verify``, a rollback with ``allow_rollback=True``, and the
 by-hand checker of docs/protocol.md rejecting the same checkpoint.  In one process (DCP without
-collectives); tests/test_sharded_ranks.py runs the collective cases on 2 gloo ranks."""
+collectives); tests/protocol/test_sharded_ranks.py runs the collective cases on 2 gloo ranks."""
 
 from __future__ import annotations
 

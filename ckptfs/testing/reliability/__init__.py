@@ -1,6 +1,6 @@
-"""The reliability sweeps behind tests/test_crash_points.py, test_power_cut.py, test_concurrency.py,
-test_corruption.py, test_hostile.py and test_transient.py, and the command that publishes their
-figures in docs/reliability.md::
+"""The reliability sweeps behind tests/reliability/ (test_crash_points.py, test_power_cut.py,
+test_concurrency.py, test_corruption.py, test_hostile.py) and tests/storage/test_transient.py,
+and the command that publishes their figures in docs/reliability.md::
 
     python -m ckptfs.testing.reliability                # all backends, writes the JSON + table
     python -m ckptfs.testing.reliability --backends local memory
@@ -47,7 +47,9 @@ from ckptfs.testing.reliability.crash import (
     sweep_shared_gc_crashes,
 )
 from ckptfs.testing.reliability.hostile import HOSTILE_MEMORY_LIMIT, hostile_cases, hostile_sweep
-from ckptfs.testing.reliability.hostile import Planter as Planter  # used by tests/test_hostile.py
+from ckptfs.testing.reliability.hostile import (
+    Planter as Planter,  # used by tests/reliability/test_hostile.py
+)
 from ckptfs.testing.reliability.paths import WRITE_PATHS, SubBackend, WritePath
 from ckptfs.testing.reliability.power import sweep_power_cut_delete, sweep_power_cuts
 from ckptfs.testing.reliability.races import (

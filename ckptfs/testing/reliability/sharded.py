@@ -10,7 +10,7 @@ every rank ``set_up_planner`` / ``set_up_storage_writer`` / ``create_local_plan`
 items and spreads them over the ranks, so every rank writes a file) and
 ``prepare_global_plan`` (the attempt is chosen once); every rank ``finish_plan`` and
 ``write_data``; the coordinator ``finish`` (metadata, manifest, marker).  A real multi-process
-save with a rank killed by SIGKILL is in tests/test_sharded_crash.py.
+save with a rank killed by SIGKILL is in tests/reliability/test_sharded_crash.py.
 
 Two families of crash points:
 
