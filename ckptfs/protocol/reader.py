@@ -176,12 +176,7 @@ def read_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry,
             f"{where}: size differs from the manifest (declared {entry.size} B, found "
             f"{'more' if extra else pos})", step=info.step, path=path)
     if hasher is not None:
-        actual = format_digest(entry.algorithm, hasher.hexdigest())
-        if actual != entry.digest:
-            raise CorruptCheckpointError(
-                f"{where}: content digest differs from the manifest (expected {entry.digest}, "
-                f"got {actual}): the file was modified or corrupted after commit",
-                step=info.step, path=path)
+        check_file_digest(info, entry, hasher.hexdigest(), where=where)
     return view
 
 
@@ -234,13 +229,20 @@ def map_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry, 
         step = read_chunk_size(size)
         for pos in range(0, size, step):
             hasher.update(view[pos:pos + step])
-        actual = format_digest(entry.algorithm, hasher.hexdigest())
-        if actual != entry.digest:
-            raise CorruptCheckpointError(
-                f"{where}: content digest differs from the manifest (expected {entry.digest}, "
-                f"got {actual}): the file was modified or corrupted after commit",
-                step=info.step, path=path)
+        check_file_digest(info, entry, hasher.hexdigest(), where=where)
     return view
+
+
+def check_file_digest(info: CheckpointInfo, entry: FileEntry, hexdigest: str, *,
+                      where: str) -> None:
+    """`CorruptCheckpointError` unless ``hexdigest`` (of the whole file ``entry``, read
+    whole) is the digest the manifest records for it."""
+    actual = format_digest(entry.algorithm, hexdigest)
+    if actual != entry.digest:
+        raise CorruptCheckpointError(
+            f"{where}: content digest differs from the manifest (expected {entry.digest}, "
+            f"got {actual}): the file was modified or corrupted after commit",
+            step=info.step, path=f"{info.path}/{entry.path}")
 
 
 def check_mmap_storage(storage: Storage, info: CheckpointInfo) -> None:
