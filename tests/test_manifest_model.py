@@ -147,7 +147,7 @@ def test_check_committable_refuses_as_before() -> None:
     m = manifest(V4)
     check_committable(m, m.to_bytes(), where="m")
     bad = dataclasses.replace(m, **file_changed(0, digest=f"{ALGO}:{HEX}")(m))
-    with pytest.raises(UnsupportedValueError, match="would not be readable.*does not match"):
+    with pytest.raises(UnsupportedValueError, match=r"would not be readable.*does not match"):
         check_committable(bad, bad.to_bytes(), where="m")
 
 
