@@ -25,6 +25,9 @@ here                                torch's private API                         
                                     _timeout``                                      wait bound
 `dtensor_local`,              ``DTensor._local_tensor``, ``DTensor._spec``,   async
 `dtensor_like`                ``DTensor(local, spec, requires_grad=)``        snapshot
+`SavePlanner`'s hooks         ``DefaultSavePlanner._create_global_plan``,     sharded
+                                    ``DefaultSavePlanner._dedup_save_plans``        save's
+                                    (overridden, called: ckptfs checks the plan)    global plan
 `FsspecWriter`,               ``checkpoint._fsspec_filesystem``               benchmark
 `FsspecReader`                (optional: an error when used, if missing)      baseline
 ==================================  ==============================================  ==========
@@ -106,6 +109,11 @@ _DTensor = lookup("torch.distributed.tensor", "DTensor")
 for _attr in ("_local_tensor", "_spec"):  # slots: descriptors on the class
     if not hasattr(_DTensor, _attr):
         raise _need(f"torch.distributed.tensor.DTensor.{_attr}")
+_DefaultSavePlanner = lookup("torch.distributed.checkpoint.default_planner",
+                             "DefaultSavePlanner")
+for _attr in ("_create_global_plan", "_dedup_save_plans"):  # the save planner's hooks
+    if not hasattr(_DefaultSavePlanner, _attr):
+        raise _need(f"torch.distributed.checkpoint.default_planner.DefaultSavePlanner.{_attr}")
 if not hasattr(torch.distributed.ProcessGroup, "_get_backend"):
     raise _need("torch.distributed.ProcessGroup._get_backend")
 

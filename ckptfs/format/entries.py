@@ -127,8 +127,22 @@ def make_entry(path: str, size: int, algorithm: str, chunks: list[Chunk],
     ``store_checksums``: what the writer computed of the store's own checksums
     (docs/remote-verify.md)."""
     check_tiling(chunks, size, where=path)
-    return ChunkedFileEntry(path, size, chunk_list_digest(algorithm, chunks), tuple(chunks), rank,
-                            store_checksums=store_checksums)
+    entry = ChunkedFileEntry(path, size, chunk_list_digest(algorithm, chunks), tuple(chunks),
+                             rank, store_checksums=store_checksums)
+    object.__setattr__(entry, _BOUND, True)  # not a field: a copy or a replace() has no mark
+    return entry
+
+
+#: The mark `make_entry` leaves on the entries it makes (see `is_bound`).
+_BOUND = "_bound_by_make_entry"
+
+
+def is_bound(entry: FileEntry) -> bool:
+    """Whether ``entry`` was made by `make_entry` (not copied, replaced or built by hand):
+    its chunks tile it and its digest is their list's (`chunk_list_digest`), as a
+    decoder's `bound_entry` would find, so a writer's check of its own manifest skips
+    recomputing them."""
+    return bool(entry.__dict__.get(_BOUND, False))
 
 
 def check_tiling(chunks: list[Chunk] | tuple[Chunk, ...], size: int, *, where: str) -> None:

@@ -39,6 +39,7 @@ from ckptfs.format.entries import (
     bound_entry,
     decode_chunks,
     decode_store_checksums,
+    is_bound,
     store_checksums_doc,
 )
 from ckptfs.format.entries import FileEntry as FileEntry  # re-exported: the v1 entry
@@ -353,6 +354,87 @@ def _decode_chunked(doc: dict[str, Any], feats: frozenset[str], where: str) -> M
         raise manifest_error(exc, where, label) from None
     return Manifest(step, attempt, tuple(files), created, algo, metadata, feats,
                     world_size=world, references=tuple(refs))
+
+
+def check_model(manifest: Manifest, *, where: str) -> None:
+    """What the reader's decoder (`decode_doc` of ``load_json``) raises for
+    ``manifest.to_bytes()`` of a chunked format (v2, v3, v4), found on the model itself: a
+    writer checks the manifest it is about to commit without parsing it back.  The document
+    is the model's `Manifest.as_doc` (every key of its features, its version's schema), its
+    JSON is faithful but for ``metadata`` (decoded here, as the reader decodes it: duplicate
+    keys, depth, constants), and the checks run in the decoder's order, with its errors:
+    header, files (names, sizes, digests, ranks, each chunk a hex digest of the file's
+    algorithm, tiling and the file digest: already checked by `make_entry` for the entries it
+    made, `is_bound`), references."""
+    feats = manifest.features
+    label = f"v{version_of(feats)}"
+    if CHUNKED not in feats:
+        raise ValueError("check_model checks chunked manifests")  # pragma: no cover
+    sharded = SHARDED in feats
+    meta_doc = json.dumps({"metadata": manifest.metadata}, sort_keys=True,
+                          separators=(",", ":"), allow_nan=False).encode()
+    load_json(meta_doc, MAX_MANIFEST_BYTES, where)  # the same JSON, one level below the root
+    try:
+        step, attempt, world = manifest.step, manifest.attempt, manifest.world_size
+        if not _is_int(step) or not 0 <= step <= MAX_STEP:
+            raise TypeError(f"step {step!r:.40} is not an int in [0, {MAX_STEP}]")
+        if not isinstance(attempt, str) or not is_attempt_name(attempt):
+            raise TypeError(f"attempt {attempt!r:.80} is not an attempt name")
+        if sharded and (not _is_int(world) or world < 1):
+            raise TypeError(f"world_size {world!r:.40} is not a positive int")
+        if manifest.hash_algorithm not in ALGORITHMS:
+            raise TypeError(f"unknown hash_algorithm {manifest.hash_algorithm!r:.40}")
+        if not isinstance(manifest.metadata, dict) or not isinstance(manifest.created, str):
+            raise TypeError("'metadata' is not an object or 'created' not a string")
+        refs = manifest.references if REFERENCES in feats else ()
+        if len(manifest.files) + len(refs) > MAX_FILES:
+            raise TypeError(f"'files' and 'references' are not lists of at most "
+                            f"{MAX_FILES} entries in all")
+        seen: set[str] = set()
+        hexes: set[str] = set()
+        for entry in manifest.files:
+            _check_file(entry, seen, hexes, feats, world, where)
+        required = METADATA_NAME if sharded else STATE_NAME
+        if required not in seen:
+            raise KeyError(f"no {required} among the files")
+        decoded = [_decode_reference(r.as_doc(), seen, manifest.attempt, where) for r in refs]
+        for ref in decoded:
+            if sharded and rank_of_file(ref.source) is None:
+                raise UnsafeCheckpointError(
+                    f"{where}: reference {ref.path!r} names {ref.source!r}, not a rank "
+                    "file (rank-NNNNN/data-K.safetensors)")
+    except Exception as exc:
+        raise manifest_error(exc, where, label) from None
+
+
+def _check_file(entry: FileEntry, seen: set[str], hexes: set[str], feats: frozenset[str],
+                world: int, where: str) -> None:
+    """`_decode_file` on the model's entry (``hexes``: the chunk digests found good so far)."""
+    if not isinstance(entry, ChunkedFileEntry):
+        raise TypeError(f"{entry.path}: a chunked manifest lists chunked files only")
+    path = _name(entry.path, seen, where)
+    size = _size(entry.size, path, where)
+    algo, _ = parse_digest(entry.digest)
+    rank: Any = entry.rank
+    if SHARDED in feats:
+        if path == METADATA_NAME:
+            if rank is not None:
+                raise TypeError(f"file {path!r}: rank {rank!r:.20} (must be null)")
+        elif not _is_int(rank) or rank_of_file(path) != rank or not 0 <= rank < world:
+            raise TypeError(f"file {path!r} (rank {rank!r:.20}) is neither {METADATA_NAME} "
+                            f"nor the rank-NNNNN/data-K.safetensors file of its rank (0 <= "
+                            f"rank < world_size {world})")
+    for c in entry.chunks:
+        if not _is_int(c.offset) or not _is_int(c.length) or not isinstance(c.digest, str):
+            raise TypeError(f"file {path!r}: a chunk is not [offset, length, hex]")
+        key = f"{algo}:{c.digest}"
+        if key not in hexes:
+            parse_digest(key)
+            hexes.add(key)
+    store_checksums = decode_store_checksums(store_checksums_doc(entry), path)
+    if not is_bound(entry):
+        bound_entry(path, size, entry.digest, algo, list(entry.chunks), rank, where=where,
+                    store_checksums=store_checksums)
 
 
 def manifest_error(exc: Exception, where: str, version: str) -> Exception:

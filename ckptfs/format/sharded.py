@@ -24,6 +24,7 @@ each write item's bytes another (`ckptfs.format.entries`).
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Iterable
@@ -119,6 +120,7 @@ def plan_header(items: list[PlannedItem], rank: int) -> tuple[bytes, list[int]]:
     return prefix, offsets
 
 
+@functools.cache
 def element_size(code: str) -> int:
     return torch.empty((), dtype=CODE_DTYPES[code]).element_size()
 

@@ -26,11 +26,11 @@ background thread of an async save) goes through one object, an `Attempt`::
    written (on a helper thread), fsyncing it when durable (large files also along the way:
    `EarlyFlush`), repeated from its first byte under the storage's bounded retries
    (`Retrying`).  Nothing written is read back.
-4. ``commit`` checks the final manifest again with the reader's own decoder (so nothing is
-   committed that a reader refuses, for every writer), writes ``MANIFEST.json``, renames the
-   attempt into place (local disk), makes every directory entry leading to its files durable
-   (fsyncs of each subdirectory holding files, whichever rank or copy wrote them, of the
-   attempt's directory, the step's, ``checkpoints/`` and the run root), and creates
+4. ``commit`` checks the final manifest again by the reader's own decoder's rules (so
+   nothing is committed that a reader refuses, for every writer), writes ``MANIFEST.json``,
+   renames the attempt into place (local disk), makes every directory entry leading to its
+   files durable (fsyncs of each subdirectory holding files, whichever rank or copy wrote
+   them, of the attempt's directory, the step's, ``checkpoints/`` and the run root), and creates
    ``step-N/COMPLETE`` *exclusively* in one request (``link`` on local disk, ``If-None-Match:
    *`` on S3, ``ifGenerationMatch=0`` on GCS, ``If-None-Match`` on Azure).  The marker records
    the attempt and the manifest's digest, so it can only vouch for that manifest.
@@ -679,7 +679,8 @@ def placeholder_digest(algorithm: str) -> str:
 def check_manifest(manifest: Manifest, writer: Mapping[str, Any]) -> bytes:
     """Encode ``manifest`` and refuse it, with `UnsupportedValueError`, if a
     reader would refuse it or the marker that commits it (every limit of
-    `ckptfs.format.limits`, decoded by the reader's own decoder).  Returns its bytes."""
+    `ckptfs.format.limits`, by the reader's own decoder's rules: `check_committable`).
+    Returns its bytes."""
     mbytes = manifest.to_bytes()
     check_committable(manifest, mbytes, where=f"MANIFEST.json of step {manifest.step}")
     marker = Marker(manifest.step, manifest.attempt,

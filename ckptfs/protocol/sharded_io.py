@@ -16,7 +16,7 @@ How DCP drives the writer (torch.distributed.checkpoint, ``use_collectives=True`
    chunk to the coordinator;
 4. the coordinator: ``finish`` checks that the reported chunks tile every file and that every
    file is there with its size (one listing), writes ``dcp.msgpack``, and commits the attempt
-   (`commit`: ``MANIFEST.json`` checked by the reader's
+   (`commit`: ``MANIFEST.json`` checked by the rules of the reader's
    own decoder, then ``COMPLETE`` created exclusively, once).  Any rank failing before that
    means no marker.
 
