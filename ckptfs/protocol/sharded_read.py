@@ -65,7 +65,7 @@ from ckptfs.protocol.chunks import (
     read_chunks_into,
 )
 from ckptfs.protocol.commit import default_threads
-from ckptfs.protocol.group import Group, carried, describe
+from ckptfs.protocol.group import Group, describe
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
 from ckptfs.storage.base import Storage
@@ -289,7 +289,7 @@ class ShardedReader(StorageReader):
         shared = self._share(peers, manifest, keys) if peers is not None else None
         if shared is not None:
             assert peers is not None
-            self._read_shared(peers, shared, planner, manifest, groups, headers)
+            self._read_shared(peers, shared, planner, manifest, keys, groups, headers)
             fut: Future[None] = Future()
             fut.set_result(None)
             return fut
@@ -382,13 +382,24 @@ class ShardedReader(StorageReader):
         return plan_reads(needs, max_piece=MAX_RANGE, round_bytes=ROUND_BYTES)
 
     def _read_shared(self, peers: Group, shared: ReadPlan, planner: LoadPlanner,
-                     manifest: Manifest, groups: dict[Key, list[ReadItem]],
+                     manifest: Manifest, keys: list[Key], groups: dict[Key, list[ReadItem]],
                      headers: set[Key]) -> None:
         """Run ``shared`` (every rank, the same rounds): in each, read this rank's chunks
         (verified), then exchange them, each received chunk verified again before it is used.
-        Every rank reaches every exchange: a failure is reported in the next exchange of
-        documents (`_settle`) and raised there on every rank, the same typed error."""
+        Every rank reaches every exchange: each step's outcome is exchanged (`_settle`), and
+        once a rank failed, the rounds stop on every rank: it raises its error, and every other
+        rank reads what it still needs itself.  So the ranks that fail are the ones that need
+        the bad bytes, each with its own typed error naming the file, as without
+        cooperation (a chunk corrupted on storage fails every rank needing it; a read that
+        failed on one rank only, or a peer that sent other bytes, fails no other rank)."""
         me = peers.rank
+        done: set[Key] = set()
+
+        def use(key: Key, view: memoryview) -> None:
+            self._use(planner, manifest, groups, headers, key, view)
+            done.add(key)
+
+        stopped = False
         for transfers in shared.rounds:
             mine: dict[Key, memoryview] = {}
             error: Exception | None = None
@@ -397,10 +408,12 @@ class ShardedReader(StorageReader):
                                                     if t.reader == me], {}):
                     for key, view in views:
                         mine[key] = view
-                        self._use(planner, manifest, groups, headers, key, view)
+                        use(key, view)
             except Exception as exc:
                 error = exc
-            self._settle(peers, error)
+            if self._settle(peers, error):
+                stopped = True
+                break
             send: list[list[memoryview]] = [[] for _ in range(peers.world_size)]
             expect: list[list[Key]] = [[] for _ in range(peers.world_size)]
             for t in transfers:
@@ -411,7 +424,6 @@ class ShardedReader(StorageReader):
                 elif me in t.needers:
                     expect[t.reader].append(t.key)
             got = peers.exchange_bytes(send, [sum(k[2] for k in ks) for ks in expect])
-            error = None
             try:
                 for src, ks in enumerate(expect):
                     pos = 0
@@ -420,13 +432,16 @@ class ShardedReader(StorageReader):
                         pos += key[2]
                         self._check_received(manifest, key, view, peers.ranks[src])
                         self.bytes_received += key[2]
-                        self._use(planner, manifest, groups, headers, key, view)
+                        use(key, view)
             except Exception as exc:
                 error = exc
-            self._settle(peers, error)
-        for views in self._fetch(manifest, shared.alone[me], {}):
+            if self._settle(peers, error):
+                stopped = True
+                break
+        rest = [k for k in keys if k not in done] if stopped else shared.alone[me]
+        for views in self._fetch(manifest, rest, {}):
             for key, view in views:
-                self._use(planner, manifest, groups, headers, key, view)
+                use(key, view)
 
     def _check_received(self, manifest: Manifest, key: Key, view: memoryview,
                         src: int) -> None:
@@ -444,17 +459,13 @@ class ShardedReader(StorageReader):
                                          path=exc.path) from None
 
     @staticmethod
-    def _settle(peers: Group, error: Exception | None) -> None:
-        """Every rank's outcome so far (one exchange of documents): when any rank failed,
-        every rank raises, its own error or else the lowest failing rank's, rebuilt as the same
-        class (`carried`)."""
+    def _settle(peers: Group, error: Exception | None) -> bool:
+        """Every rank's outcome of a step (one exchange of documents): ``error`` is raised
+        here once every rank knows of it; else whether another rank failed."""
         docs = peers.all_gather(None if error is None else describe(error))
-        failed = [d for d in docs if d is not None]
-        if not failed:
-            return
         if error is not None:
             raise error
-        raise carried(failed[0], ShardedLoadError)
+        return any(d is not None for d in docs)
 
     def _direct(self, planner: LoadPlanner, groups: dict[Key, list[ReadItem]]
                 ) -> dict[Key, tuple[ReadItem, torch.Tensor]]:

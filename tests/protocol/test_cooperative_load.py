@@ -5,9 +5,10 @@ them and sent to the others, each of which checks its digest again before using 
 * 2 replicas x 2 shards and 4 replicas x 1: the bytes read from storage, summed over every
   rank, stay within 1.05x the checkpoint's data files (today's reader: once per replica), and
   every rank gets the saved values bit for bit;
-* a chunk corrupted on storage: every rank raises `CorruptCheckpointError` naming the file
-  (the one that read it, and the others from it), no hang; a peer that sends bytes other than
-  the stored ones is caught by each receiver's own check;
+* a chunk corrupted on storage: every rank raises `CorruptCheckpointError` naming the file,
+  no hang (the cooperation stops on every rank, and each rank needing the chunk reads it
+  itself); a peer that sends bytes other than the stored ones is caught by each receiver's own
+  check;
 * resharded loads 2 -> 1 and 2 -> 4 stay bit-exact;
 * `plan_reads` (pure): each shared chunk read once, by a rank needing it, balanced by bytes.
 """
