@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Key", "ReadPlan", "Transfer", "plan_reads"]
+__all__ = ["Key", "ReadPlan", "Transfer", "balance_writers", "plan_reads"]
 
 Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
 
@@ -119,3 +119,28 @@ def plan_reads(needs: Sequence[Sequence[Key]], *, max_piece: int, round_bytes: i
     if current:
         rounds.append(current)
     return ReadPlan(rounds, alone, loads)
+
+
+def balance_writers(items: Sequence[tuple[int, Sequence[int]]], world: int, *,
+                    fixed: Sequence[int] | None = None) -> list[int]:
+    """The writer of each of ``items`` (``(bytes, the ranks holding it)``; an item several
+    ranks hold is replicated, each copy equal), balancing the bytes each rank writes:
+    largest items first, each to the least loaded rank holding it (ties: the lowest rank),
+    counting ``fixed[r]`` bytes rank ``r`` writes anyway (its values, say).  Deterministic: the
+    same on every rank.  Returns the writers in ``items``' order.
+
+    The greedy "largest first" rule is within 4/3 of the best split in the worst case and,
+    for a replicated model's many items, within a few percent of an even split (DCP's own
+    deduplication assigns in the order items come, which on 4 or more replicas leaves ranks
+    10% to 100% above the mean: docs/sharded.md)."""
+    loads = list(fixed) if fixed is not None else [0] * world
+    writers = [-1] * len(items)
+    order = sorted(range(len(items)), key=lambda i: (-items[i][0], i))
+    for i in order:
+        size, holders = items[i]
+        if not holders:
+            raise ValueError(f"item {i} is held by no rank")
+        writer = min(holders, key=lambda r: (loads[r], r))
+        loads[writer] += size
+        writers[i] = writer
+    return writers

@@ -26,7 +26,7 @@ from dist_util import run_ranks
 from sharded_tamper import RANK_FILE, attempt_dir
 
 import ckptfs
-from ckptfs.protocol.balance import plan_reads
+from ckptfs.protocol.balance import balance_writers, plan_reads
 from ckptfs.protocol.sharded import load_into, save_sharded
 from ckptfs.protocol.sharded_read import ShardedReader
 
@@ -245,3 +245,35 @@ def test_plan_reads_alone_and_shared() -> None:
     assert plan is not None
     assert plan.alone == [[("a", 5, 50)], []]
     assert plan.loads == [55, 40]  # rank 1 reads the shared chunk: rank 0 has its own
+
+
+# -- balance_writers (replica-parallel save: who writes a replicated item) ---------------------
+
+
+def test_balance_writers_largest_first_least_loaded_holder() -> None:
+    items = [(10, [0, 1]), (40, [0, 1]), (30, [0, 1]), (20, [0, 1])]
+    writers = balance_writers(items, 2)
+    loads = [sum(s for (s, _), w in zip(items, writers, strict=True) if w == r) for r in (0, 1)]
+    assert loads == [50, 50] and writers == [0, 0, 1, 1]
+    assert balance_writers([(5, [1])], 2) == [1]  # only a holder writes
+    assert balance_writers([(5, [0, 1])], 2, fixed=[9, 0]) == [1]
+    with pytest.raises(ValueError):
+        balance_writers([(5, [])], 2)
+
+
+def test_balance_writers_hsdp_within_five_percent() -> None:
+    """4 replicas x 2 shards of 32 row-sharded tensors of assorted sizes: every rank writes
+    within 5% of the mean (DCP's dedup, assigning in item order, does not promise it)."""
+    world, shards = 8, 2
+    items = []
+    for i in range(32):
+        size = 1000 * (1 + i % 7) * (1 + i % 3)
+        for s in range(shards):
+            items.append((size, [r for r in range(world) if r % shards == s]))
+    writers = balance_writers(items, world)
+    loads = [0] * world
+    for (size, holders), w in zip(items, writers, strict=True):
+        assert w in holders
+        loads[w] += size
+    mean = sum(loads) / world
+    assert max(loads) <= 1.05 * mean and min(loads) >= 0.95 * mean
