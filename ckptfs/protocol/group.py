@@ -9,7 +9,10 @@ the same documents, so a path is tested once whatever the world size.
 Messages are JSON documents carried in uint8 tensors, never pickle: no rank ever unpickles
 what another sent (as no load ever unpickles what a save wrote).  A payload JSON cannot hold
 raises `TypeError` on the sender, before anything is sent; types with structure travel as
-documents of their own (``to_doc``/``from_doc``), bytes as base64 (`encode_bytes`).
+documents of their own (``to_doc``/``from_doc``), bytes as base64 (`encode_bytes`).  Bulk
+bytes (a cooperative load's chunks) travel raw, by `Group.exchange_bytes`, in a schedule both
+sides computed from documents exchanged first: they are data the receiver checks itself (a
+load checks every chunk against its digest), never decoded into objects.
 
 A typed error crosses ranks one way: `describe` (on the rank that raised it: its class, its
 message and the attributes ckptfs's errors carry) and `rebuild` / `carried` (on every other
@@ -30,7 +33,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -43,10 +46,11 @@ from ckptfs.errors import (
     ShardedCheckpointError,
     ShardedLoadError,
 )
+from ckptfs.format.serialize import tensor_memoryview
 from ckptfs.protocol.collective import is_distributed
 
-__all__ = ["LIVENESS_WAIT", "Group", "Liveness", "RankGroup", "WorldOfOne", "carried",
-           "collective_failure", "decode", "decode_bytes", "describe", "encode",
+__all__ = ["LIVENESS_WAIT", "Group", "Liveness", "RankGroup", "WorldOfOne", "bytes_group",
+           "carried", "collective_failure", "decode", "decode_bytes", "describe", "encode",
            "encode_bytes", "gloo_group", "group_of", "rebuild"]
 
 log = logging.getLogger("ckptfs")
@@ -120,6 +124,25 @@ class Group:
         """Every rank's ``doc``, in group-rank order (every rank gets them: `all_gather`)."""
         return self.all_gather(doc, default=default)
 
+    def exchange_bytes(self, send: Sequence[Sequence[memoryview]], sizes: Sequence[int]
+                       ) -> list[memoryview]:
+        """Raw bytes between every pair of ranks, in one collective every rank calls:
+        ``send[d]`` the buffers this rank sends to group rank ``d`` (concatenated, in order;
+        nothing to itself), ``sizes[s]`` how many bytes group rank ``s`` sends to this one.
+        Both sides know every size beforehand (a schedule each rank computed alike from
+        documents exchanged first); the result is, per source rank, the bytes it sent (a
+        writable view), never decoded here: the receiver checks them itself (a cooperative load
+        checks each chunk's digest before using it).  A world of one sends nothing."""
+        if any(len(b) for b in send[self.rank]) or sizes[self.rank]:
+            raise ValueError("exchange_bytes: a rank sends nothing to itself")
+        if self.world_size == 1:
+            return [memoryview(bytearray(0))]
+        return self._exchange(send, sizes)
+
+    def _exchange(self, send: Sequence[Sequence[memoryview]], sizes: Sequence[int]
+                  ) -> list[memoryview]:
+        raise NotImplementedError
+
 
 class WorldOfOne(Group):
     """This process alone: every collective is the identity (the document as a process group
@@ -173,6 +196,28 @@ class RankGroup(Group):
         return [decode(b[:int(n.item())].numpy().tobytes())
                 for b, n in zip(bufs, sizes, strict=True)]
 
+    def _exchange(self, send: Sequence[Sequence[memoryview]], sizes: Sequence[int]
+                  ) -> list[memoryview]:
+        # One all_to_all of uint8 tensors (uneven splits): the send buffers are copied once,
+        # into the one input tensor; what arrives is sliced, not copied.
+        splits = [sum(len(b) for b in bufs) for bufs in send]
+        inp = torch.empty(sum(splits), dtype=torch.uint8)
+        flat = tensor_memoryview(inp)
+        pos = 0
+        for bufs in send:
+            for b in bufs:
+                flat[pos:pos + len(b)] = memoryview(b).cast("B")
+                pos += len(b)
+        out = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.all_to_all_single(out, inp, [int(n) for n in sizes], splits,
+                               group=self.process_group)
+        got = tensor_memoryview(out)
+        views, pos = [], 0
+        for n in sizes:
+            views.append(got[pos:pos + n])
+            pos += n
+        return views
+
 
 def group_of(process_group: Any = None) -> Group:
     """The group of ``process_group`` (None: the default group), or `WorldOfOne` when
@@ -180,6 +225,22 @@ def group_of(process_group: Any = None) -> Group:
     if process_group is None and not is_distributed():
         return WorldOfOne()
     return RankGroup(process_group)
+
+
+def bytes_group(process_group: Any) -> Group | None:
+    """The group of ``process_group`` for `Group.exchange_bytes` (CPU tensors): a
+    `RankGroup` when it is a gloo group of more than one rank (ckptfs's own groups are),
+    ``None`` otherwise (not distributed, a world of one, or a group of another backend,
+    whose bytes would have to cross through its device)."""
+    if not is_distributed():
+        return None
+    try:
+        if dist.get_backend(process_group) != "gloo":
+            return None
+    except Exception:  # a group of a custom backend
+        return None
+    group = RankGroup(process_group)
+    return group if group.world_size > 1 else None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -109,6 +109,10 @@ class NodeReader(ShardedReader):
     node when it holds it, else a peer's node (through the group), else the remote copy
     (module docstring)."""
 
+    #: Each file is read where it lies (this node, a peer's, the remote copy): never shared
+    #: out as a cooperative load's chunks.
+    cooperative = False
+
     def __init__(self, local: Storage, info: CheckpointInfo, document: bytes,
                  holdings: list[set[str]], remote: Storage, remote_info: CheckpointInfo | None,
                  group: Group, *, verify: bool = True, threads: int | None = None) -> None:

@@ -77,7 +77,13 @@ from ckptfs.format.versions import SHARDED, features
 from ckptfs.protocol.chunks import entry_location, read_chunks
 from ckptfs.protocol.collective import is_distributed
 from ckptfs.protocol.commit import write_again_if_gone
-from ckptfs.protocol.group import LIVENESS_WAIT, Liveness, collective_failure, gloo_group
+from ckptfs.protocol.group import (
+    LIVENESS_WAIT,
+    Liveness,
+    bytes_group,
+    collective_failure,
+    gloo_group,
+)
 from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
@@ -451,6 +457,8 @@ def _load_once(storage: Storage, step: int | None, into: dict[str, Any], group: 
             deferred = exc
     if deferred is not None:
         reader.defer(deferred)
+    if reader.peers is None:  # chunks several ranks need are read once (docs/sharded.md)
+        reader.peers = bytes_group(group)
     planner = LoadPlanner()
     live.wrap(reader, "read_data")
     _run(lambda: _quiet(dcp_load, view, storage_reader=reader, planner=planner,

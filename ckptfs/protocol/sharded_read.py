@@ -33,6 +33,7 @@ from ckptfs.errors import (
     CorruptCheckpointError,
     InvalidStepError,
     LoadOptionError,
+    ShardedLoadError,
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
@@ -55,8 +56,16 @@ from ckptfs.format.sharded_metadata import (
     items_by_file,
 )
 from ckptfs.format.versions import is_sharded
-from ckptfs.protocol.chunks import entry_location, read_chunks, read_chunks_into
+from ckptfs.protocol.balance import ReadPlan, plan_reads
+from ckptfs.protocol.chunks import (
+    StoredChunks,
+    check_chunk,
+    entry_location,
+    read_chunks,
+    read_chunks_into,
+)
 from ckptfs.protocol.commit import default_threads
+from ckptfs.protocol.group import Group, describe
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
 from ckptfs.storage.base import Storage
@@ -111,6 +120,10 @@ def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
     return doc
 
 
+#: A cooperative load's exchange round: at most this many bytes read plus received per rank.
+ROUND_BYTES = 4 * MAX_RANGE
+
+
 class ShardedReader(StorageReader):
     """A DCP ``StorageReader`` for the committed step ``step`` of a ckptfs run (the newest
     committed one if ``None``, resolved by each rank and checked equal by the coordinator).
@@ -136,6 +149,10 @@ class ShardedReader(StorageReader):
        whole chunks straight into its tensors and checks them there.
     """
 
+    #: Whether chunks several ranks need are read once and sent to the others (with `peers`);
+    #: a reader whose own reads are already placed elsewhere (a node copy's) says False.
+    cooperative = True
+
     def __init__(self, storage: Storage, step: int | None = None, *, verify: bool = True,
                  threads: int | None = None, allow_rollback: bool = False,
                  fills_own_tensors: bool = False) -> None:
@@ -158,6 +175,12 @@ class ShardedReader(StorageReader):
         self._shapes: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
         self._by_file: dict[str, list[StoredItem]] = {}
         self._headers_ok: set[str] = set()
+        #: The ranks loading together (set by the collective load), through which chunks
+        #: several of them need are read once and shared (`cooperative`); None: read alone.
+        self.peers: Group | None = None
+        #: Bytes of data chunks this reader read from storage, and received from its peers.
+        self.bytes_read = 0
+        self.bytes_received = 0
 
     @property
     def checkpoint_id(self) -> str:
@@ -254,6 +277,40 @@ class ShardedReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         info = self.resolve()
         doc = self.load_document()
+        peers = self.peers if self.cooperative else None
+        try:
+            groups, headers = self._wanted(plan, planner, info, doc)
+        except Exception as exc:
+            if peers is not None:  # the peers wait for this rank's needs: tell them
+                peers.all_gather({"error": describe(exc)})
+            raise
+        manifest = sharded_manifest(info)
+        keys = sorted(set(groups) | headers)
+        shared = self._share(peers, manifest, keys) if peers is not None else None
+        if shared is not None:
+            assert peers is not None
+            self._read_shared(peers, shared, planner, manifest, keys, groups, headers)
+            fut: Future[None] = Future()
+            fut.set_result(None)
+            return fut
+        direct = self._direct(planner, groups) if self.fills_own_tensors else {}
+        dests = {k: tensor_memoryview(t) for k, (_, t) in direct.items()}
+        for views in self._fetch(manifest, keys, dests):
+            for key, view in views:
+                if key in direct:  # read into the tensor itself, and verified there
+                    planner.commit_tensor(*direct[key])
+                else:
+                    self._use(planner, manifest, groups, headers, key, view)
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+    def _wanted(self, plan: LoadPlan, planner: LoadPlanner, info: CheckpointInfo,
+                doc: DcpDocument) -> tuple[dict[Key, list[ReadItem]], set[Key]]:
+        """The plan's read items by the stored chunk each reads, and the header chunk of every
+        rank file read from that is not checked yet (usually adjacent to its first item, so
+        fetched in the same request): checked against dcp.msgpack before any item of it is
+        used (keys are sorted, so a file's header comes first)."""
         if any(r.type == LoadItemType.BYTE_IO for r in plan.items):
             fn = getattr(type(planner), "load_bytes", None)
             if fn in (DefaultLoadPlanner.load_bytes, LoadPlanner.load_bytes):
@@ -271,28 +328,144 @@ class ShardedReader(StorageReader):
                     step=info.step)
             groups.setdefault((loc.path, loc.offset, loc.length), []).append(req)
         manifest = sharded_manifest(info)
-        # The header chunk of every rank file read from (usually adjacent to its first item,
-        # so fetched in the same request): checked against dcp.msgpack before any item of it
-        # is used (keys are sorted, so a file's header comes first).
         headers = {(p, 0, manifest.chunked(p).chunks[0].length)
                    for p in {k[0] for k in groups} - self._headers_ok}
-        direct = self._direct(planner, groups) if self.fills_own_tensors else {}
-        dests = {k: tensor_memoryview(t) for k, (_, t) in direct.items()}
-        for views in self._fetch(manifest, sorted(set(groups) | headers), dests):
+        return groups, headers
+
+    def _use(self, planner: LoadPlanner, manifest: Manifest, groups: dict[Key, list[ReadItem]],
+             headers: set[Key], key: Key, view: memoryview) -> None:
+        """Use the verified chunk ``key``: a header is checked against dcp.msgpack, an item's
+        bytes copied into its tensor or decoded."""
+        info = self.resolve()
+        if key in headers:
+            entry = manifest.chunked(key[0])
+            check_rank_header(view, entry, self._by_file.get(key[0], []),
+                              where=storage_url(self.storage, entry_location(info, entry)))
+            self._headers_ok.add(key[0])
+        else:
+            self._apply(planner, groups[key], view, info)
+
+    # -- a cooperative load: each chunk read once, by one of the ranks needing it -------------
+
+    def _share(self, peers: Group, manifest: Manifest, keys: list[Key]) -> ReadPlan | None:
+        """Every rank's needs (one exchange of documents), and the plan sharing the chunks
+        several ranks need (`plan_reads`), or None: no chunk is shared, or a rank failed
+        before it could say what it needs (it raises its own error; the others read alone)."""
+        mine: dict[str, list[int]] = {}
+        for path, off, length in keys:
+            mine.setdefault(path, []).extend((off, length))
+        docs = peers.all_gather({"keys": mine})
+        if any("error" in d for d in docs):
+            return None
+        needs: list[list[Key]] = []
+        entries: dict[str, ChunkedFileEntry | None] = {}
+        for rank, d in enumerate(docs):
+            wanted: list[Key] = []
+            for path, flat in sorted(d["keys"].items()):
+                if (not isinstance(flat, list) or len(flat) % 2
+                        or not all(isinstance(v, int) for v in flat)):
+                    raise ShardedLoadError(f"rank {peers.ranks[rank]} sent a malformed list "
+                                           "of the chunks it needs")
+                if path not in entries:
+                    try:
+                        entries[path] = manifest.chunked(path)
+                    except KeyError:
+                        entries[path] = None
+                entry = entries[path]
+                for off, length in zip(flat[::2], flat[1::2], strict=True):
+                    if entry is None or entry.chunk_at(off, length) is None:
+                        raise ShardedLoadError(
+                            f"rank {peers.ranks[rank]} needs {length} B at {off} of {path}, "
+                            "which is no chunk of the checkpoint's manifest")
+                    wanted.append((path, off, length))
+            needs.append(sorted(set(wanted)))
+        return plan_reads(needs, max_piece=MAX_RANGE, round_bytes=ROUND_BYTES)
+
+    def _read_shared(self, peers: Group, shared: ReadPlan, planner: LoadPlanner,
+                     manifest: Manifest, keys: list[Key], groups: dict[Key, list[ReadItem]],
+                     headers: set[Key]) -> None:
+        """Run ``shared`` (every rank, the same rounds): in each, read this rank's chunks
+        (verified), then exchange them, each received chunk verified again before it is used.
+        Every rank reaches every exchange: each step's outcome is exchanged (`_settle`), and
+        once a rank failed, the rounds stop on every rank: it raises its error, and every other
+        rank reads what it still needs itself.  So the ranks that fail are the ones that need
+        the bad bytes, each with its own typed error naming the file, as without
+        cooperation (a chunk corrupted on storage fails every rank needing it; a read that
+        failed on one rank only, or a peer that sent other bytes, fails no other rank)."""
+        me = peers.rank
+        done: set[Key] = set()
+
+        def use(key: Key, view: memoryview) -> None:
+            self._use(planner, manifest, groups, headers, key, view)
+            done.add(key)
+
+        stopped = False
+        for transfers in shared.rounds:
+            mine: dict[Key, memoryview] = {}
+            error: Exception | None = None
+            try:
+                for views in self._fetch(manifest, [t.key for t in transfers
+                                                    if t.reader == me], {}):
+                    for key, view in views:
+                        mine[key] = view
+                        use(key, view)
+            except Exception as exc:
+                error = exc
+            if self._settle(peers, error):
+                stopped = True
+                break
+            send: list[list[memoryview]] = [[] for _ in range(peers.world_size)]
+            expect: list[list[Key]] = [[] for _ in range(peers.world_size)]
+            for t in transfers:
+                if t.reader == me:
+                    for r in t.needers:
+                        if r != me:
+                            send[r].append(mine[t.key])
+                elif me in t.needers:
+                    expect[t.reader].append(t.key)
+            got = peers.exchange_bytes(send, [sum(k[2] for k in ks) for ks in expect])
+            try:
+                for src, ks in enumerate(expect):
+                    pos = 0
+                    for key in ks:
+                        view = got[src][pos:pos + key[2]]
+                        pos += key[2]
+                        self._check_received(manifest, key, view, peers.ranks[src])
+                        self.bytes_received += key[2]
+                        use(key, view)
+            except Exception as exc:
+                error = exc
+            if self._settle(peers, error):
+                stopped = True
+                break
+        rest = [k for k in keys if k not in done] if stopped else shared.alone[me]
+        for views in self._fetch(manifest, rest, {}):
             for key, view in views:
-                if key in headers:
-                    entry = manifest.chunked(key[0])
-                    check_rank_header(view, entry, self._by_file.get(key[0], []),
-                                      where=storage_url(self.storage,
-                                                        entry_location(info, entry)))
-                    self._headers_ok.add(key[0])
-                elif key in direct:  # read into the tensor itself, and verified there
-                    planner.commit_tensor(*direct[key])
-                else:
-                    self._apply(planner, groups[key], view, info)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+                use(key, view)
+
+    def _check_received(self, manifest: Manifest, key: Key, view: memoryview,
+                        src: int) -> None:
+        """A chunk another rank sent, checked against its digest (with `verify`) like one read
+        here: a faulty peer cannot hand this rank bytes the manifest does not bind."""
+        if not self.verify:
+            return
+        info = self.resolve()
+        entry = manifest.chunked(key[0])
+        try:
+            check_chunk(self.storage, StoredChunks.of_entry(info, entry),
+                        _stored_chunk(info, entry, key), view)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{exc} (sent by rank {src})", step=exc.step,
+                                         path=exc.path) from None
+
+    @staticmethod
+    def _settle(peers: Group, error: Exception | None) -> bool:
+        """Every rank's outcome of a step (one exchange of documents): ``error`` is raised
+        here once every rank knows of it; else whether another rank failed."""
+        docs = peers.all_gather(None if error is None else describe(error))
+        if error is not None:
+            raise error
+        return any(d is not None for d in docs)
 
     def _direct(self, planner: LoadPlanner, groups: dict[Key, list[ReadItem]]
                 ) -> dict[Key, tuple[ReadItem, torch.Tensor]]:
@@ -350,9 +523,13 @@ class ShardedReader(StorageReader):
             for run in todo:
                 window.append(pool.submit(fetch, run))
                 if len(window) > self.threads:
-                    yield window.popleft().result()
+                    yield self._count(window.popleft().result())
             while window:
-                yield window.popleft().result()
+                yield self._count(window.popleft().result())
+
+    def _count(self, views: list[tuple[Key, memoryview]]) -> list[tuple[Key, memoryview]]:
+        self.bytes_read += sum(k[2] for k, _ in views)
+        return views
 
     def _apply(self, planner: LoadPlanner, reqs: list[ReadItem], view: memoryview,
                info: CheckpointInfo) -> None:

@@ -1,0 +1,279 @@
+"""Cooperative load on gloo ranks: a chunk several ranks need (data-parallel replicas, HSDP's
+replicate dimension, a resharded load splitting one stored chunk) is read from storage by one of
+them and sent to the others, each of which checks its digest again before using it.
+
+* 2 replicas x 2 shards and 4 replicas x 1: the bytes read from storage, summed over every
+  rank, stay within 1.05x the checkpoint's data files (today's reader: once per replica), and
+  every rank gets the saved values bit for bit;
+* a chunk corrupted on storage: every rank raises `CorruptCheckpointError` naming the file,
+  no hang (the cooperation stops on every rank, and each rank needing the chunk reads it
+  itself); a peer that sends bytes other than the stored ones is caught by each receiver's own
+  check;
+* resharded loads 2 -> 1 and 2 -> 4 stay bit-exact;
+* `plan_reads` (pure): each shared chunk read once, by a rank needing it, balanced by bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_util import run_ranks
+from sharded_tamper import RANK_FILE, attempt_dir
+
+import ckptfs
+from ckptfs.protocol.balance import balance_writers, plan_reads
+from ckptfs.protocol.sharded import load_into, save_sharded
+from ckptfs.protocol.sharded_read import ShardedReader
+
+STEP = 3
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(64, 32, generator=g), "u": torch.randn(48, 16, generator=g),
+            "i": torch.arange(256, dtype=torch.int64)}
+
+
+def _save(rank: int, world: int, url: str) -> None:
+    """Step `STEP` saved by a world of ``world`` ranks, tensors sharded by rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state: dict[str, Any] = {k: distribute_tensor(v, mesh, [Shard(0)])
+                             for k, v in _full().items()}
+    state["trainer"] = {"step": STEP, "names": ["a", "b"]}
+    save_sharded(ckptfs.open(url).storage, STEP, state)
+
+
+def job_save(rank: int, world: int, url: str) -> None:
+    _save(rank, world, url)
+
+
+def _targets(mesh: Any, placements: list[Any]) -> dict[str, Any]:
+    from torch.distributed.tensor import distribute_tensor
+
+    out: dict[str, Any] = {k: distribute_tensor(torch.zeros_like(v), mesh, placements)
+                           for k, v in _full().items()}
+    out["trainer"] = {"step": 0, "names": None}
+    return out
+
+
+def _load(url: str, into: dict[str, Any], reader: ShardedReader | None = None
+          ) -> dict[str, Any]:
+    store = ckptfs.open(url)
+    reader = reader or ShardedReader(store.storage, STEP)
+    load_into(store.storage, STEP, into, reader=reader)
+    exact = all(torch.equal(into[k].full_tensor(), v) for k, v in _full().items())
+    return {"exact": exact and into["trainer"] == {"step": STEP, "names": ["a", "b"]},
+            "read": reader.bytes_read, "received": reader.bytes_received}
+
+
+def job_load(rank: int, world: int, url: str, shape: list[int], cooperate: bool
+             ) -> dict[str, Any]:
+    """Load into a mesh of ``shape`` (replicate, shard) or (shard,): the last dimension
+    shards rows, the others replicate."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = init_device_mesh("cpu", tuple(shape))
+    placements = [Replicate()] * (len(shape) - 1) + [Shard(0)]
+    if shape[-1] == 1:
+        placements[-1] = Replicate()
+    reader = ShardedReader(ckptfs.open(url).storage, STEP)
+    reader.cooperative = cooperate
+    return _load(url, _targets(mesh, placements), reader)
+
+
+def _outcome(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as exc:  # what every rank sees
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def job_corrupt(rank: int, world: int, url: str) -> tuple[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    mesh = init_device_mesh("cpu", (world,))
+    return _outcome(lambda: _load(url, _targets(mesh, [Replicate()])))
+
+
+class LyingReader(ShardedReader):
+    """A faulty peer: what it reads (and verifies) is altered before it is used or sent."""
+
+    def _fetch(self, *args: Any, **kwargs: Any) -> Iterator[list[tuple[Any, memoryview]]]:
+        for views in super()._fetch(*args, **kwargs):
+            out = []
+            for key, view in views:
+                data = bytearray(view)
+                if key[1] > 0 and data:  # an item, not a header
+                    data[-1] ^= 0xFF
+                out.append((key, memoryview(data)))
+            yield out
+
+
+def job_liar(rank: int, world: int, url: str) -> tuple[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    mesh = init_device_mesh("cpu", (world,))
+    storage = ckptfs.open(url).storage
+    reader = (LyingReader if rank == 1 else ShardedReader)(storage, STEP)
+    return _outcome(lambda: _load(url, _targets(mesh, [Replicate()]), reader))
+
+
+def _data_bytes(root: Path) -> int:
+    """Bytes of the checkpoint's rank files (``dcp.msgpack``, read by every rank, aside)."""
+    store = ckptfs.open(str(root))
+    info = store.latest()
+    assert info is not None
+    manifest = json.loads((attempt_dir(root, STEP, info.attempt) / "MANIFEST.json").read_text())
+    return sum(f["size"] for f in manifest["files"] if f["path"].startswith("rank-"))
+
+
+TENSOR_BYTES = sum(v.numel() * v.element_size() for v in _full().values())
+
+
+@pytest.mark.parametrize("shape", [[2, 2], [4, 1]], ids=["2x2", "4x1"])
+def test_each_byte_read_once_per_replica_group(tmp_path: Path, shape: list[int]) -> None:
+    url = str(tmp_path)
+    run_ranks(job_save, 2, url, timeout=240)
+    size = _data_bytes(tmp_path)
+    coop = run_ranks(job_load, 4, url, shape, True, timeout=240)
+    alone = run_ranks(job_load, 4, url, shape, False, timeout=240)
+    assert all(r["exact"] for r in coop + alone)
+    read, sent = sum(r["read"] for r in coop), sum(r["received"] for r in coop)
+    print(f"\n{shape}: checkpoint {size} B ({TENSOR_BYTES} B of tensors); read from storage "
+          f"{read} B cooperatively ({[r['read'] for r in coop]} per rank, {sent} B received), "
+          f"{sum(r['read'] for r in alone)} B alone")
+    assert read <= 1.05 * size
+    assert read <= 1.05 * TENSOR_BYTES + 4096  # the rank files' headers aside
+    assert sum(r["read"] for r in alone) >= 4 // shape[-1] * 0.9 * size
+    # balanced: every rank reads a share
+    assert min(r["read"] for r in coop) > 0
+
+
+def test_corrupt_chunk_is_the_same_typed_error_on_every_rank(tmp_path: Path) -> None:
+    url = str(tmp_path)
+    run_ranks(job_save, 2, url, timeout=240)
+    info = ckptfs.open(url).latest()
+    assert info is not None
+    adir = attempt_dir(tmp_path, STEP, info.attempt)
+    manifest = json.loads((adir / "MANIFEST.json").read_text())
+    entry = next(f for f in manifest["files"] if f["path"] == RANK_FILE)
+    offset = entry["chunks"][-1][0]
+    path = adir / RANK_FILE
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    outcomes = run_ranks(job_corrupt, 4, url, timeout=240)
+    for name, message in outcomes:
+        assert name == "CorruptCheckpointError", message
+        assert RANK_FILE in message and "differ from their digest" in message
+
+
+def test_a_lying_peer_is_caught_by_every_receiver(tmp_path: Path) -> None:
+    url = str(tmp_path)
+    run_ranks(job_save, 2, url, timeout=240)
+    outcomes = run_ranks(job_liar, 3, url, timeout=240)
+    for name, message in outcomes:
+        assert name == "CorruptCheckpointError", message
+        assert "sent by rank 1" in message
+
+
+def job_resharded(rank: int, world: int, url: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    return _load(url, _targets(mesh, [Shard(0)]))
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_resharded_loads_are_bit_exact(tmp_path: Path, world: int) -> None:
+    url = str(tmp_path)
+    run_ranks(job_save, 2, url, timeout=240)
+    out = run_ranks(job_resharded, world, url, timeout=240)
+    assert all(r["exact"] for r in out)
+    if world == 4:  # each stored chunk (a row block of 2 ranks') is split between 2 readers
+        assert sum(r["read"] for r in out) <= 1.05 * _data_bytes(tmp_path)
+        assert sum(r["received"] for r in out) > 0
+
+
+# -- plan_reads ------------------------------------------------------------------------------
+
+
+def test_plan_reads_nothing_shared() -> None:
+    assert plan_reads([[("a", 0, 8), ("a", 8, 4)], [("b", 0, 8)]], max_piece=100,
+                      round_bytes=100) is None
+
+
+def test_plan_reads_each_chunk_once_balanced() -> None:
+    keys = [("f", 0, 10)] + [("f", 10 + 100 * i, 100) for i in range(8)]
+    plan = plan_reads([keys, keys, keys, keys], max_piece=1 << 20, round_bytes=1 << 20)
+    assert plan is not None
+    read = [t.key for r in plan.rounds for t in r]
+    assert sorted(read) == sorted(keys)  # each once
+    assert plan.rounds[0] and all(t.key[1] == 0 for t in plan.rounds[0])  # headers first
+    assert all(t.needers == (0, 1, 2, 3) and t.reader in t.needers
+               for r in plan.rounds for t in r)
+    assert sorted(plan.loads) == [200, 200, 200, 210]
+    assert plan.alone == [[], [], [], []]
+
+
+def test_plan_reads_rounds_bounded() -> None:
+    keys = [("f", 100 * i + 1, 100) for i in range(10)]
+    plan = plan_reads([keys, keys], max_piece=100, round_bytes=300)
+    assert plan is not None
+    assert len(plan.rounds) >= 3
+    for r in plan.rounds:
+        traffic = sum(t.key[2] for t in r)
+        assert traffic <= 300
+
+
+def test_plan_reads_alone_and_shared() -> None:
+    plan = plan_reads([[("a", 0, 5), ("a", 5, 50), ("s", 5, 40)], [("s", 5, 40)]],
+                      max_piece=100, round_bytes=100)
+    assert plan is not None
+    assert plan.alone == [[("a", 5, 50)], []]
+    assert plan.loads == [55, 40]  # rank 1 reads the shared chunk: rank 0 has its own
+
+
+# -- balance_writers (replica-parallel save: who writes a replicated item) ---------------------
+
+
+def test_balance_writers_largest_first_least_loaded_holder() -> None:
+    items = [(10, [0, 1]), (40, [0, 1]), (30, [0, 1]), (20, [0, 1])]
+    writers = balance_writers(items, 2)
+    loads = [sum(s for (s, _), w in zip(items, writers, strict=True) if w == r) for r in (0, 1)]
+    assert loads == [50, 50] and writers == [0, 0, 1, 1]
+    assert balance_writers([(5, [1])], 2) == [1]  # only a holder writes
+    assert balance_writers([(5, [0, 1])], 2, fixed=[9, 0]) == [1]
+    with pytest.raises(ValueError):
+        balance_writers([(5, [])], 2)
+
+
+def test_balance_writers_hsdp_within_five_percent() -> None:
+    """4 replicas x 2 shards of 32 row-sharded tensors of assorted sizes: every rank writes
+    within 5% of the mean (DCP's dedup, assigning in item order, does not promise it)."""
+    world, shards = 8, 2
+    items = []
+    for i in range(32):
+        size = 1000 * (1 + i % 7) * (1 + i % 3)
+        for s in range(shards):
+            items.append((size, [r for r in range(world) if r % shards == s]))
+    writers = balance_writers(items, world)
+    loads = [0] * world
+    for (size, holders), w in zip(items, writers, strict=True):
+        assert w in holders
+        loads[w] += size
+    mean = sum(loads) / world
+    assert max(loads) <= 1.05 * mean and min(loads) >= 0.95 * mean
