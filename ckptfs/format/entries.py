@@ -191,6 +191,39 @@ def bound_entry(path: str, size: int, digest: str, algo: str, chunks: list[Chunk
 
 
 # ----------------------------------------------------------------------------------------------
+# The table of rank files (the "rank-metadata" feature)
+
+#: A table row's fixed part: rank (u32), flags (u8), file size (u64), index size (u64), all
+#: big-endian; two raw digests follow.
+RANK_ROW_HEAD_BYTES = 21
+
+
+def digest_width(algorithm: str) -> int:
+    """Bytes of one raw digest of ``algorithm``."""
+    return (len(digest_bytes(algorithm, b"")) - len(algorithm) - 1) // 2
+
+
+def rank_row_bytes(algorithm: str) -> int:
+    """Width of one row of the table of rank files for ``algorithm``."""
+    return RANK_ROW_HEAD_BYTES + 2 * digest_width(algorithm)
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """What a format v5 manifest says about its table of rank files (its ``rank_table``):
+    ``rows_per_block`` rows per block (the last holds the rest), how many ranks wrote a file,
+    and the bytes of their files and index documents."""
+
+    rows_per_block: int
+    rank_files: int
+    rank_bytes: int
+
+    def as_doc(self) -> dict[str, Any]:
+        return {"rows_per_block": self.rows_per_block, "rank_files": self.rank_files,
+                "rank_bytes": self.rank_bytes}
+
+
+# ----------------------------------------------------------------------------------------------
 # References (the "references" feature)
 
 

@@ -13,6 +13,9 @@ The features:
   digest of its chunk list.
 - ``"references"``: chunks of other attempts' files used in place (the manifest's
   ``references``).
+- ``"rank-metadata"``: the sharded metadata split so that each loading rank reads only what
+  it needs (a tensor spec, a table of rank files in blocks, one index document per rank;
+  docs/protocol.md §9.7).  Only with ``"sharded"``, not yet with ``"references"``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ckptfs.format.layout import FORMAT_VERSION
 SHARDED = "sharded"
 CHUNKED = "chunked"
 REFERENCES = "references"
+RANK_METADATA = "rank-metadata"
 
 #: Format v2, the sharded layout (docs/protocol.md §8).
 SHARDED_FORMAT_VERSION = 2
@@ -31,6 +35,8 @@ SHARDED_FORMAT_VERSION = 2
 INCREMENTAL_FORMAT_VERSION = 3
 #: Format v4, sharded incremental: v2's layout plus v3's references (docs/protocol.md §9.6).
 SHARDED_INCREMENTAL_FORMAT_VERSION = 4
+#: Format v5, sharded with per-rank metadata (docs/protocol.md §9.7).
+RANK_METADATA_FORMAT_VERSION = 5
 
 #: Version -> the features of its manifests.
 FEATURES: dict[int, frozenset[str]] = {
@@ -38,6 +44,7 @@ FEATURES: dict[int, frozenset[str]] = {
     SHARDED_FORMAT_VERSION: frozenset({SHARDED, CHUNKED}),
     INCREMENTAL_FORMAT_VERSION: frozenset({CHUNKED, REFERENCES}),
     SHARDED_INCREMENTAL_FORMAT_VERSION: frozenset({SHARDED, CHUNKED, REFERENCES}),
+    RANK_METADATA_FORMAT_VERSION: frozenset({SHARDED, CHUNKED, RANK_METADATA}),
 }
 #: Features -> the version that names them: the inverse of `FEATURES` (a writer never chooses a
 #: version, it chooses features).

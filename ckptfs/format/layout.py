@@ -140,6 +140,22 @@ def rank_of_file(path: str) -> int | None:
     return rank if rank_file_name(rank, index) == path else None
 
 
+#: Format v5 (``rank-metadata``): the tensor spec, written by the coordinator.
+SPEC_NAME = "dcp-spec.msgpack"
+
+
+def rank_index_name(rank: int) -> str:
+    """``rank-00003/index.msgpack``: the index document of ``rank`` (format v5), beside its
+    data file."""
+    return f"rank-{rank:05d}/index.msgpack"
+
+
+def table_block_name(block: int) -> str:
+    """``rank-table/block-00000.bin``: the ``block``-th block of the table of rank files
+    (format v5)."""
+    return f"rank-table/block-{block:05d}.bin"
+
+
 def tensor_file_name(index: int) -> str:
     return TENSOR_FILE_TEMPLATE.format(index=index)
 

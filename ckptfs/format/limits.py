@@ -40,3 +40,11 @@ MAX_HEADER_BYTES = 100_000_000
 #: Format v2: ``dcp.msgpack`` (DCP's global metadata) and one encoded non-tensor value, largest
 #: documents in bytes, checked before anything is allocated.
 MAX_METADATA_BYTES = 2 * 1024 * 1024 * 1024
+
+#: Format v5 (``rank-metadata``): one rank's index document, largest in bytes (checked against
+#: its table row before it is read); ``dcp-spec.msgpack`` is bounded by `MAX_METADATA_BYTES`.
+MAX_RANK_INDEX_BYTES = 256 * 1024 * 1024
+#: Format v5: rows of one table block (so a block is at most 64 Ki rows of 21 B + 2 digests).
+MAX_ROWS_PER_BLOCK = 65_536
+#: Format v5: cells of one tensor's grid layout (a reader enumerates those a load overlaps).
+MAX_GRID_CELLS = 1 << 24

@@ -34,16 +34,25 @@ from ckptfs.errors import (
 )
 from ckptfs.format.entries import (
     ChunkedFileEntry,
+    RankTable,
     Reference,
     ReferencedFile,
     bound_entry,
     decode_chunks,
     decode_store_checksums,
     is_bound,
+    rank_row_bytes,
     store_checksums_doc,
 )
 from ckptfs.format.entries import FileEntry as FileEntry  # re-exported: the v1 entry
-from ckptfs.format.features import CHUNKED, FEATURES, REFERENCES, SHARDED, version_of
+from ckptfs.format.features import (
+    CHUNKED,
+    FEATURES,
+    RANK_METADATA,
+    REFERENCES,
+    SHARDED,
+    version_of,
+)
 from ckptfs.format.hashing import ALGORITHMS, digest_bytes, parse_digest
 from ckptfs.format.layout import (
     FORMAT_VERSION,
@@ -51,10 +60,12 @@ from ckptfs.format.layout import (
     MARKER_NAME,
     MAX_STEP,
     METADATA_NAME,
+    SPEC_NAME,
     STATE_NAME,
     check_relpath,
     is_attempt_name,
     rank_of_file,
+    table_block_name,
 )
 from ckptfs.format.limits import (
     MAX_BIGINT_DIGITS,
@@ -63,6 +74,7 @@ from ckptfs.format.limits import (
     MAX_JSON_DEPTH,
     MAX_MANIFEST_BYTES,
     MAX_MARKER_BYTES,
+    MAX_ROWS_PER_BLOCK,
 )
 
 MANIFEST_SCHEMA = "ckptfs.manifest"
@@ -111,7 +123,8 @@ def manifest_keys(feats: frozenset[str]) -> frozenset[str]:
     a chunked format, ``world_size`` for a sharded one (§8.2), ``references`` (§9.2)."""
     return (MANIFEST_KEYS | ({"layout"} if CHUNKED in feats else set())
             | ({"world_size"} if SHARDED in feats else set())
-            | ({"references"} if REFERENCES in feats else set()))
+            | ({"references"} if REFERENCES in feats else set())
+            | ({"rank_table"} if RANK_METADATA in feats else set()))
 
 
 def file_keys(feats: frozenset[str]) -> frozenset[str]:
@@ -134,7 +147,10 @@ class Manifest:
     ``files`` are this attempt's own files (`ChunkedFileEntry` in a chunked format);
     ``world_size`` is the number of ranks that wrote it (``"sharded"`` only, else 0);
     ``references`` the chunks it uses from other attempts' files (``"references"`` only, else
-    ``()``)."""
+    ``()``); ``rank_table`` what the table of rank files holds (``"rank-metadata"``
+    only).  A ``"rank-metadata"`` manifest lists only the coordinator's documents (entries
+    with ``rank`` None); entries with a rank are those a reader added from the table
+    (`ckptfs.protocol.rank_metadata`): never encoded, and counted in ``rank_table``."""
 
     step: int
     attempt: str
@@ -145,6 +161,7 @@ class Manifest:
     features: frozenset[str] = frozenset()
     world_size: int = 0
     references: tuple[Reference, ...] = ()
+    rank_table: RankTable | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", frozenset(self.features))
@@ -153,6 +170,8 @@ class Manifest:
             raise ValueError("world_size is a feature of sharded manifests only")
         if self.references and REFERENCES not in self.features:
             raise ValueError("references need the 'references' feature")
+        if (self.rank_table is None) != (RANK_METADATA not in self.features):
+            raise ValueError("a rank table is what the 'rank-metadata' feature adds")
 
     @property
     def format_version(self) -> int:
@@ -186,6 +205,8 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        if self.rank_table is not None:
+            return sum(e.size for e in self.files if _own(e)) + self.rank_table.rank_bytes
         return sum(e.size for e in self.files)
 
     @property
@@ -207,7 +228,8 @@ class Manifest:
             "schema": MANIFEST_SCHEMA, "format_version": self.format_version,
             "step": self.step, "attempt": self.attempt, "created": self.created,
             "hash_algorithm": self.hash_algorithm,
-            "files": [self._file_doc(e) for e in self.files], "metadata": self.metadata,
+            "files": [self._file_doc(e) for e in self.files if _own(e)],
+            "metadata": self.metadata,
         }
         if CHUNKED in feats:
             doc["layout"] = layout_of(feats)
@@ -215,6 +237,8 @@ class Manifest:
             doc["world_size"] = self.world_size
         if REFERENCES in feats:
             doc["references"] = [r.as_doc() for r in self.references]
+        if self.rank_table is not None:
+            doc["rank_table"] = self.rank_table.as_doc()
         return doc
 
     def _file_doc(self, e: FileEntry) -> dict[str, Any]:
@@ -247,6 +271,12 @@ class Manifest:
         doc = load_json(data, MAX_MANIFEST_BYTES, where)
         _check_header(doc, MANIFEST_SCHEMA, where)
         return decode_doc(doc, FEATURES[FORMAT_VERSION], where=where)
+
+
+def _own(e: FileEntry) -> bool:
+    """Whether a manifest lists ``e`` itself (not a rank file a v5 reader added from the
+    table)."""
+    return not isinstance(e, ChunkedFileEntry) or e.rank is None
 
 
 def decode_doc(doc: dict[str, Any], feats: frozenset[str], *, where: str) -> Manifest:
@@ -341,7 +371,8 @@ def _decode_chunked(doc: dict[str, Any], feats: frozenset[str], where: str) -> M
                             f"{MAX_FILES} entries in all")
         seen: set[str] = set()
         files = [_decode_file(raw, seen, feats, world, where) for raw in raw_files]
-        required = METADATA_NAME if sharded else STATE_NAME
+        table = _decode_rank_table(doc, feats, files, world, algo)
+        required = SPEC_NAME if table is not None else METADATA_NAME if sharded else STATE_NAME
         if required not in seen:
             raise KeyError(f"no {required} among the files")
         refs = [_decode_reference(raw, seen, attempt, where) for raw in raw_refs]
@@ -353,19 +384,57 @@ def _decode_chunked(doc: dict[str, Any], feats: frozenset[str], where: str) -> M
     except Exception as exc:
         raise manifest_error(exc, where, label) from None
     return Manifest(step, attempt, tuple(files), created, algo, metadata, feats,
-                    world_size=world, references=tuple(refs))
+                    world_size=world, references=tuple(refs), rank_table=table)
+
+
+def _decode_rank_table(doc: dict[str, Any], feats: frozenset[str],
+                       files: list[ChunkedFileEntry], world: int, algo: str
+                       ) -> RankTable | None:
+    """Format v5: ``rank_table`` well formed, and the files exactly ``dcp-spec.msgpack`` and
+    the table's blocks, each block of its rows' exact size (docs/protocol.md §9.7)."""
+    if RANK_METADATA not in feats:
+        return None
+    raw = doc["rank_table"]
+    if not isinstance(raw, dict) or not {"rows_per_block", "rank_files", "rank_bytes"} <= set(raw):
+        raise TypeError("rank_table is not an object with rows_per_block, rank_files and "
+                        "rank_bytes")
+    return _check_rank_table(raw["rows_per_block"], raw["rank_files"], raw["rank_bytes"],
+                             files, world, algo)
+
+
+def _check_rank_table(rows: Any, count: Any, nbytes: Any, files: list[ChunkedFileEntry],
+                      world: int, algo: str) -> RankTable:
+    """The rules of a ``rank_table`` (the decoder's and `check_model`'s)."""
+    if not _is_int(rows) or not 1 <= rows <= MAX_ROWS_PER_BLOCK:
+        raise TypeError(f"rows_per_block {rows!r:.40} is not in [1, {MAX_ROWS_PER_BLOCK}]")
+    if not _is_int(count) or not 0 <= count <= world or not _is_int(nbytes) \
+            or not 0 <= nbytes <= MAX_FILE_SIZE * 2 * world:
+        raise TypeError(f"rank_files {count!r:.40} or rank_bytes {nbytes!r:.40}")
+    width = rank_row_bytes(algo)
+    want = {SPEC_NAME: None}
+    for b in range(-(-world // rows)):
+        want[table_block_name(b)] = min(rows, world - b * rows) * width
+    got = {e.path: e for e in files}
+    if set(got) != set(want):
+        raise TypeError(f"the files of a v5 manifest are {SPEC_NAME} and the blocks of its "
+                        f"rank table ({len(want) - 1} for world_size {world}), found "
+                        f"{sorted(set(got) ^ set(want))[:4]} in excess or missing")
+    for path, size in want.items():
+        if size is not None and got[path].size != size:
+            raise TypeError(f"{path} is {got[path].size} B, its rows {size} B")
+    return RankTable(rows, count, nbytes)
 
 
 def check_model(manifest: Manifest, *, where: str) -> None:
     """What the reader's decoder (`decode_doc` of ``load_json``) raises for
-    ``manifest.to_bytes()`` of a chunked format (v2, v3, v4), found on the model itself: a
+    ``manifest.to_bytes()`` of a chunked format (v2-v5), found on the model itself: a
     writer checks the manifest it is about to commit without parsing it back.  The document
     is the model's `Manifest.as_doc` (every key of its features, its version's schema), its
     JSON is faithful but for ``metadata`` (decoded here, as the reader decodes it: duplicate
     keys, depth, constants), and the checks run in the decoder's order, with its errors:
     header, files (names, sizes, digests, ranks, each chunk a hex digest of the file's
     algorithm, tiling and the file digest: already checked by `make_entry` for the entries it
-    made, `is_bound`), references."""
+    made, `is_bound`), the rank table (v5), references."""
     feats = manifest.features
     label = f"v{version_of(feats)}"
     if CHUNKED not in feats:
@@ -392,9 +461,16 @@ def check_model(manifest: Manifest, *, where: str) -> None:
                             f"{MAX_FILES} entries in all")
         seen: set[str] = set()
         hexes: set[str] = set()
-        for entry in manifest.files:
+        own = [e for e in manifest.files if _own(e)]  # v5: a view's rank files are not encoded
+        for entry in own if manifest.rank_table is not None else manifest.files:
             _check_file(entry, seen, hexes, feats, world, where)
-        required = METADATA_NAME if sharded else STATE_NAME
+        table = manifest.rank_table
+        if table is not None:
+            _check_rank_table(table.rows_per_block, table.rank_files, table.rank_bytes,
+                              [e for e in own if isinstance(e, ChunkedFileEntry)], world,
+                              manifest.hash_algorithm)
+        required = SPEC_NAME if table is not None else METADATA_NAME if sharded \
+            else STATE_NAME
         if required not in seen:
             raise KeyError(f"no {required} among the files")
         decoded = [_decode_reference(r.as_doc(), seen, manifest.attempt, where) for r in refs]
@@ -416,7 +492,10 @@ def _check_file(entry: FileEntry, seen: set[str], hexes: set[str], feats: frozen
     size = _size(entry.size, path, where)
     algo, _ = parse_digest(entry.digest)
     rank: Any = entry.rank
-    if SHARDED in feats:
+    if RANK_METADATA in feats:
+        if rank is not None:
+            raise TypeError(f"file {path!r}: rank {rank!r:.20} (must be null)")
+    elif SHARDED in feats:
         if path == METADATA_NAME:
             if rank is not None:
                 raise TypeError(f"file {path!r}: rank {rank!r:.20} (must be null)")
@@ -476,7 +555,10 @@ def _decode_file(raw: Any, seen: set[str], feats: frozenset[str], world: int,
     if raw["algorithm"] != algo:
         raise TypeError(f"file {path!r}: 'algorithm' differs from its digest's")
     rank = None
-    if SHARDED in feats:
+    if RANK_METADATA in feats:
+        if raw["rank"] is not None:
+            raise TypeError(f"file {path!r}: rank {raw['rank']!r:.20} (must be null)")
+    elif SHARDED in feats:
         rank = raw["rank"]
         if path == METADATA_NAME:
             if rank is not None:

@@ -13,6 +13,7 @@ features                                    version  documents with a size limit
 ``sharded``, ``chunked``                    2        ``dcp.msgpack``: ``MAX_METADATA_BYTES``
 ``chunked``, ``references``                 3        ``state.msgpack``: ``MAX_STATE_DOC_BYTES``
 ``sharded``, ``chunked``, ``references``    4        ``dcp.msgpack``: ``MAX_METADATA_BYTES``
+``sharded``, ``chunked``, ``rank-metadata`` 5        ``dcp-spec.msgpack``: ``MAX_METADATA_BYTES``
 ==========================================  =======  ==========================================
 
 - ``sharded``: one data file per rank (``rank-NNNNN/data-K.safetensors``) and
@@ -22,6 +23,10 @@ features                                    version  documents with a size limit
   its chunk list; the manifest has ``layout`` (§8.2, §9.2).
 - ``references``: chunks of other attempts' files used in place; the manifest has
   ``references`` (§9, §9.6).
+- ``rank-metadata``: the sharded metadata split per rank (a tensor spec, a table of rank
+  files in blocks, one index document per rank); the manifest has ``rank_table`` and lists
+  only the spec and the blocks (§9.7).  Each rank's index document is bounded by
+  ``MAX_RANK_INDEX_BYTES``, checked against its table row before it is read.
 
 No other set is a format.  A writer chooses features, never a version: the one manifest model
 (`ckptfs.format.manifest.Manifest`) carries its features and derives ``format_version`` from
@@ -40,11 +45,12 @@ from __future__ import annotations
 from ckptfs.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 from ckptfs.format.features import CHUNKED as CHUNKED
 from ckptfs.format.features import FEATURES as FEATURES
+from ckptfs.format.features import RANK_METADATA as RANK_METADATA
 from ckptfs.format.features import REFERENCES as REFERENCES
 from ckptfs.format.features import SHARDED as SHARDED
 from ckptfs.format.features import VERSIONS as VERSIONS
 from ckptfs.format.features import version_of as version_of
-from ckptfs.format.layout import METADATA_NAME, STATE_NAME
+from ckptfs.format.layout import METADATA_NAME, SPEC_NAME, STATE_NAME
 from ckptfs.format.limits import MAX_MANIFEST_BYTES, MAX_METADATA_BYTES, MAX_STATE_DOC_BYTES
 from ckptfs.format.manifest import (
     MANIFEST_SCHEMA,
@@ -63,7 +69,8 @@ MAX_READ_VERSION = max(READ_VERSIONS)
 #: Per version: the documents a reader bounds by size before reading them (the state document
 #: of a format without ``sharded``, DCP's metadata of one with it).
 DOCUMENT_LIMITS: dict[int, dict[str, int]] = {
-    version: ({METADATA_NAME: MAX_METADATA_BYTES} if SHARDED in feats
+    version: ({SPEC_NAME: MAX_METADATA_BYTES} if RANK_METADATA in feats
+              else {METADATA_NAME: MAX_METADATA_BYTES} if SHARDED in feats
               else {STATE_NAME: MAX_STATE_DOC_BYTES})
     for version, feats in FEATURES.items()
 }
@@ -80,6 +87,12 @@ def is_sharded(manifest: Manifest) -> bool:
     `features`: v2, v4): the test code above the format uses before it reads a sharded
     manifest's rank files and ``dcp.msgpack``."""
     return SHARDED in manifest.features
+
+
+def has_rank_metadata(manifest: Manifest) -> bool:
+    """Whether ``manifest``'s sharded metadata is split per rank (``"rank-metadata"`` in its
+    `features`: v5): a reader then finds rank files through the table, not the manifest."""
+    return RANK_METADATA in manifest.features
 
 
 def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:

@@ -38,7 +38,7 @@ from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptfs.format.incremental import references_of
 from ckptfs.format.limits import MAX_DEPTH
 from ckptfs.format.sharded_metadata import DcpDocument
-from ckptfs.format.versions import FEATURES, SHARDED, features
+from ckptfs.format.versions import FEATURES, SHARDED, features, has_rank_metadata
 from ckptfs.protocol.listing import check_listing, listing_report
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
 from ckptfs.protocol.reader import (
@@ -107,8 +107,8 @@ def check_sharded(storage: Storage, info: CheckpointInfo) -> DcpDocument:
     by_file = items_by_file(doc)
     paths = [e.path for e in manifest.files] + [r.path for r in references_of(manifest)]
     for path in paths:
-        if path == METADATA_NAME:
-            continue
+        if path == METADATA_NAME or not path.endswith(".safetensors"):
+            continue  # dcp.msgpack; format v5's spec, table blocks and index documents
         rank_file = manifest.chunked(path)
         head = read_chunks(storage, info, rank_file, 0, rank_file.chunks[0].length)
         check_rank_header(head, rank_file, by_file.get(path, []),
@@ -191,6 +191,14 @@ def verify_checkpoint(storage: Storage, info: CheckpointInfo, *, quick: bool = F
     format's own checks (every byte re-read and re-hashed).  Problems are collected (all of
     them, naming each file) in the report; the caller decides whether to raise."""
     report = VerifyReport(info.step, info.attempt, info.url, "quick" if quick else "full")
+    try:
+        info = _expanded(storage, info)
+    except CorruptCheckpointError as exc:  # a table block or an index document
+        report.problems = [str(exc)]
+        report.unsafe = [str(exc)] if isinstance(exc, UnsafeCheckpointError) else []
+        report.files = len(info.manifest.files)
+        report.bytes = info.manifest.total_bytes
+        return report
     _, found = listing_report(storage, info)
     report.problems = [p.text for p in found]
     report.unsafe = [p.text for p in found if p.kind == "link"]
@@ -222,7 +230,17 @@ def check_checkpoint(storage: Storage, info: CheckpointInfo) -> Any:
     tensors (their digests are checked by whoever reads them: a load, a verify, a copy).
     Returns what the version's check decoded (v1: `CheckedSingleProcess`;
     v2: the `DcpDocument`), for ``ckptfs inspect``."""
-    return ops_for(info).check()(storage, info)
+    return ops_for(info).check()(storage, _expanded(storage, info))
+
+
+def _expanded(storage: Storage, info: CheckpointInfo) -> CheckpointInfo:
+    """``info`` with every rank file of a format v5 checkpoint in its manifest (its table and
+    every index document read and checked), so the listing and the checks see every file."""
+    if not has_rank_metadata(info.manifest):
+        return info
+    from ckptfs.protocol.rank_metadata import expand  # imports DCP: sharded checkpoints only
+
+    return expand(storage, info)
 
 
 __all__ = ["FORMATS", "SHARDED_READER", "SINGLE_PROCESS_READER", "FormatOps", "VerifyReport",

@@ -121,6 +121,7 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     prep = sh.prepare_save(storage, step, state, group=group, kind=kind, algorithm=algorithm,
                            durable=durable, threads=threads, metadata=cmeta,
                            node_local=store.node_local, memory=memory, lease_s=lease_s,
+                           metadata_layout=store.metadata_layout,
                            live=live)
 
     def over_view(view: Any, hint: Hint | None) -> Callable[[], CheckpointInfo]:

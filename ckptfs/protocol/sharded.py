@@ -86,6 +86,7 @@ from ckptfs.protocol.group import (
 )
 from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
+from ckptfs.protocol.rank_metadata import expand, regions_of
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url, walk_latest
@@ -294,7 +295,8 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
                  kind: str = "save", live: Liveness | None = None,
                  memory: ReuseMemory | None = None,
-                 lease_s: float = DEFAULT_LEASE_S, node_local: bool = False) -> SavePrep:
+                 lease_s: float = DEFAULT_LEASE_S, node_local: bool = False,
+                 metadata_layout: str | None = None) -> SavePrep:
     """Writer, planner and DCP view of a collective save.  A bad state or metadata does not
     raise here: the planner raises it inside DCP, so every rank fails together.  ``memory``:
     an incremental save (format v4), each rank reusing its own unchanged items."""
@@ -312,7 +314,8 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
     def make(v: dict[str, Any], live: Liveness | None) -> SavePrep:
         writer = ShardedWriter(storage, step, algorithm=algorithm, durable=durable,
                                threads=threads, metadata=metadata, tree=skeleton,
-                               memory=memory, lease_s=lease_s, node_local=node_local)
+                               memory=memory, lease_s=lease_s, node_local=node_local,
+                               metadata_layout=metadata_layout)
         planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer)
         if live is None:
             live = Liveness(group, kind, step)
@@ -334,7 +337,8 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
                  algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
                  threads: int | None = None, metadata: Mapping[str, Any] | None = None,
                  process_group: Any = None, memory: ReuseMemory | None = None,
-                 lease_s: float = DEFAULT_LEASE_S, node_local: bool = False) -> CheckpointInfo:
+                 lease_s: float = DEFAULT_LEASE_S, node_local: bool = False,
+                 metadata_layout: str | None = None) -> CheckpointInfo:
     """Collective save of ``state`` (plain tensors, DTensors, values) as step ``step``; every
     rank of the group calls it and gets the same `CheckpointInfo`.
 
@@ -351,7 +355,7 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
     group = collective_group(process_group, what=what, default=ShardedSaveError, live=live)
     p = prepare_save(storage, step, state, group=group, algorithm=algorithm, durable=durable,
                      threads=threads, metadata=metadata, live=live, memory=memory,
-                     lease_s=lease_s, node_local=node_local)
+                     lease_s=lease_s, node_local=node_local, metadata_layout=metadata_layout)
     return save_prepared(p, group, renew=lambda: liveness(process_group, "save", step))
 
 
@@ -400,7 +404,8 @@ def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
     first: list[Liveness] = [live]
 
     def use(info: CheckpointInfo) -> dict[str, Any]:
-        one = ShardedReader(storage, info.step, verify=verify, threads=threads)
+        one = ShardedReader(storage, info.step, verify=verify, threads=threads,
+                            regions=_regions(into))
         one.info = info
         keys = first.pop() if first else liveness(process_group, "load", info.step)
         try:
@@ -423,6 +428,15 @@ def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
             f"no committed checkpoint to load at {storage.url}"
             + (f" (skipped corrupt: {'; '.join(skipped)})" if skipped else ""))
     return into
+
+
+def _regions(into: dict[str, Any]) -> Any:
+    """The regions a load into ``into`` wants (None: everything, if it is not a state DCP can
+    flatten: the load raises that error itself)."""
+    try:
+        return regions_of(dcp_view(into)[0])
+    except CkptfsError:
+        return None
 
 
 class _Refusal(Exception):
@@ -449,7 +463,7 @@ def _load_once(storage: Storage, step: int | None, into: dict[str, Any], group: 
         deferred = exc
     if reader is None:
         reader = ShardedReader(storage, step, verify=verify, threads=threads,
-                               allow_rollback=allow_rollback)
+                               allow_rollback=allow_rollback, regions=regions_of(view))
     if deferred is None:
         try:
             reader.resolve()
@@ -475,6 +489,7 @@ def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
     refused, every size as declared), then ``dcp.msgpack`` (typed errors, raised here), then
     DCP's load.  ``keys``: only these entries (dotted paths of dict keys as DCP names them,
     e.g. ``{"trainer", "rng.ranks.1"}``); only their bytes are read."""
+    info = expand(storage, info)  # format v5: every rank's rows and index, checked
     check_listing(storage, info)
     reader = ShardedReader(storage, info.step, verify=verify, threads=threads,
                            fills_own_tensors=True)
@@ -529,7 +544,7 @@ def verify_sharded(storage: Storage, info: CheckpointInfo, report: VerifyReport,
                   if i.offsets is None}
         try:
             for start, view in _runs(storage, info, entry):
-                if start == 0 and entry.path != METADATA_NAME and document is not None:
+                if start == 0 and entry.path.endswith(".safetensors") and document is not None:
                     check_rank_header(view[:entry.chunks[0].length], entry,
                                       by_file.get(entry.path, []), where=where)
                 for (off, length), fqn in values.items():

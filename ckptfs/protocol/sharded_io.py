@@ -93,6 +93,7 @@ from ckptfs.protocol.incremental import (
     reuse_index,
 )
 from ckptfs.protocol.listing import check_written
+from ckptfs.protocol.rank_metadata import per_rank_save
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.protocol.sharded_read import check_checkpoint_id, read_document, sharded_manifest
 from ckptfs.storage.base import Storage
@@ -149,7 +150,7 @@ class ShardedWriter(StorageWriter):
                  durable: bool = True, threads: int | None = None,
                  metadata: Mapping[str, Any] | None = None, tree: Any = None,
                  memory: ReuseMemory | None = None, lease_s: float = DEFAULT_LEASE_S,
-                 node_local: bool = False) -> None:
+                 node_local: bool = False, metadata_layout: str | None = None) -> None:
         super().__init__()
         self.storage = storage
         self.step = check_step(step)
@@ -178,6 +179,11 @@ class ShardedWriter(StorageWriter):
         #: The reuse hint of a resolved tensor (``version_of``); an async save, whose tensors
         #: are staged copies, gives the caller's tensors' hints taken at its snapshot.
         self.hint: Callable[[torch.Tensor], tuple[int, int]] = version_of
+        #: ``metadata_layout="per-rank"``: format v5, the metadata split per rank
+        #: (docs/protocol.md §9.7); None: one ``dcp.msgpack`` (v2, v4).
+        self.per_rank = per_rank_save(self.storage, self.step, algorithm, durable,
+                                      self.metadata, tree, metadata_layout,
+                                      incremental=memory is not None, node_local=node_local)
 
     @property
     def checkpoint_id(self) -> str:
@@ -227,7 +233,8 @@ class ShardedWriter(StorageWriter):
         att = Attempt.open(self.storage, self.step, algorithm=self.algorithm,
                            durable=self.durable)
         with att:  # a refused manifest discards the (empty) attempt
-            att.check(self._placeholder_manifest(att.name, plans), world_size=len(plans))
+            att.check(self._placeholder_manifest(att.name, plans) if self.per_rank is None
+                      else self.per_rank.placeholder(att.name, plans), world_size=len(plans))
         self._attempt = att
         self._lease = Lease(self.lease_s)
         return [dataclasses.replace(p, storage_data=AttemptPlan(att.name, i))
@@ -260,6 +267,8 @@ class ShardedWriter(StorageWriter):
                 "the save plan carries no ckptfs attempt: prepare_global_plan did not run "
                 "(use_collectives=False is not supported)")
         results = self._write_rank(ap, plan.items, planner) if plan.items else []
+        if self.per_rank is not None:  # format v5: this rank's index, one report
+            results = self.per_rank.write_index(ap.attempt, ap.rank, plan.items, results)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -431,7 +440,8 @@ class ShardedWriter(StorageWriter):
         if att is None:
             raise UnsupportedValueError("finish() before prepare_global_plan()")
         with att:  # any failure before the marker discards the attempt
-            self.info = self._finish(att, metadata, results)
+            self.info = self._finish(att, metadata, results) if self.per_rank is None \
+                else self.per_rank.finish(att, metadata, results, self.checkpoint_id)
         metadata._ckptfs_info = self.info  # type: ignore[attr-defined]  # broadcast by DCP
 
     def _finish(self, att: Attempt, metadata: Metadata,

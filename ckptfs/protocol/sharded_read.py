@@ -55,7 +55,7 @@ from ckptfs.format.sharded_metadata import (
     decode_metadata,
     items_by_file,
 )
-from ckptfs.format.versions import is_sharded
+from ckptfs.format.versions import has_rank_metadata, is_sharded
 from ckptfs.protocol.balance import ReadPlan, plan_reads
 from ckptfs.protocol.chunks import (
     StoredChunks,
@@ -67,6 +67,7 @@ from ckptfs.protocol.chunks import (
 from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.group import Group, describe
 from ckptfs.protocol.listing import check_listing
+from ckptfs.protocol.rank_metadata import Regions, check_rank_files, document_of, read_partial
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
 from ckptfs.storage.base import Storage
 from ckptfs.torch_compat import narrow_tensor_by_index
@@ -102,8 +103,11 @@ def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
     """Read, verify and decode ``dcp.msgpack`` (every rule of
     `ckptfs.format.sharded_metadata`: chunks cover each tensor exactly once, ...) and
     check that every stored item is exactly one chunk of a rank file in the manifest.
-    ``read``: how its verified bytes are read (`ShardedReader.read_run`)."""
+    ``read``: how its verified bytes are read (`ShardedReader.read_run`).  Format v5
+    (``rank-metadata``): the document of its view, or of every rank (`document_of`)."""
     manifest = sharded_manifest(info)
+    if has_rank_metadata(manifest):
+        return document_of(storage, info, read)
     try:
         entry = manifest.chunked(METADATA_NAME)
     except KeyError:  # pragma: no cover - the manifest decoder requires it
@@ -155,7 +159,7 @@ class ShardedReader(StorageReader):
 
     def __init__(self, storage: Storage, step: int | None = None, *, verify: bool = True,
                  threads: int | None = None, allow_rollback: bool = False,
-                 fills_own_tensors: bool = False) -> None:
+                 fills_own_tensors: bool = False, regions: Regions | None = None) -> None:
         super().__init__()
         self.storage = storage
         self.step = None if step is None else check_step(step)
@@ -167,6 +171,10 @@ class ShardedReader(StorageReader):
         #: on the reading threads, instead of into a buffer copied after the check.  Never for
         #: the caller's tensors, which see only verified bytes.
         self.fills_own_tensors = fills_own_tensors
+        #: What this rank's load wants (names -> boxes, `ckptfs.protocol.rank_metadata`):
+        #: of a format v5 checkpoint it reads only the metadata of the ranks holding those
+        #: (None: everything).
+        self.regions = regions
         self.info: CheckpointInfo | None = None
         self.document: DcpDocument | None = None
         #: Set once the attempt's listing was checked (by the coordinator, or by the caller).
@@ -226,7 +234,16 @@ class ShardedReader(StorageReader):
         """Read and check ``dcp.msgpack`` (once); raises the typed ckptfs error."""
         if self.document is None:
             info = self.resolve()
-            doc = read_document(self.storage, info, verify=self.verify, read=self.read_run)
+            if has_rank_metadata(info.manifest) and not self.listing_checked:
+                # Format v5: the spec, the rows and the index documents of the ranks holding
+                # what this rank loads, then those ranks' files listed: the view is this
+                # reader's checkpoint from now on (its manifest holds those rank files).
+                info, doc = read_partial(self.storage, info, self.regions, read=self.read_run)
+                check_rank_files(self.storage, info)
+                self.info, self.listing_checked = info, True
+            else:
+                doc = read_document(self.storage, info, verify=self.verify,
+                                    read=self.read_run)
             md = doc.metadata
             if md.storage_meta is None:
                 md.storage_meta = StorageMeta()
@@ -359,6 +376,11 @@ class ShardedReader(StorageReader):
             return None
         needs: list[list[Key]] = []
         entries: dict[str, ChunkedFileEntry | None] = {}
+        # Format v5: each rank's view holds only the rank files it needs, so no rank can check
+        # another's keys alike (the plan must be the same everywhere).  Unchecked keys are
+        # harmless: a rank reads or receives only keys it needs itself (from its own view),
+        # and checks every received chunk against its own manifest.
+        partial = has_rank_metadata(manifest)
         for rank, d in enumerate(docs):
             wanted: list[Key] = []
             for path, flat in sorted(d["keys"].items()):
@@ -366,6 +388,10 @@ class ShardedReader(StorageReader):
                         or not all(isinstance(v, int) for v in flat)):
                     raise ShardedLoadError(f"rank {peers.ranks[rank]} sent a malformed list "
                                            "of the chunks it needs")
+                if partial:
+                    wanted.extend(zip([path] * (len(flat) // 2), flat[::2], flat[1::2],
+                                      strict=True))
+                    continue
                 if path not in entries:
                     try:
                         entries[path] = manifest.chunked(path)

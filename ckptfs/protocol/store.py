@@ -208,7 +208,8 @@ class CheckpointStore:
     def __init__(self, storage: Storage, *, algorithm: str = DEFAULT_ALGORITHM,
                  durable: bool = True, threads: int | None = None,
                  shard_bytes: int = DEFAULT_SHARD_BYTES, incremental: bool = False,
-                 lease_s: float = DEFAULT_LEASE_S, tiers: Tiers | None = None) -> None:
+                 lease_s: float = DEFAULT_LEASE_S, tiers: Tiers | None = None,
+                 metadata_layout: str | None = None) -> None:
         new_hasher(algorithm)
         self.storage = storage
         #: What reads resolve across and what is told of commits and deletes (default: this
@@ -220,6 +221,9 @@ class CheckpointStore:
         self.incremental = incremental
         self.reuse: ReuseMemory | None = ReuseMemory() if incremental else None
         self.lease_s = lease_s
+        #: Sharded saves: ``"per-rank"`` writes format v5, whose metadata each loading rank
+        #: reads in part (docs/protocol.md §9.7); None (the default): one ``dcp.msgpack``.
+        self.metadata_layout = metadata_layout
         self.algorithm = algorithm
         self.durable = durable
         self.threads = threads or default_threads()
@@ -588,7 +592,8 @@ class CheckpointStore:
 
 def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
          threads: int | None = None, retries: int = 3, incremental: bool = False,
-         lease_s: float = DEFAULT_LEASE_S, **storage_options: Any) -> CheckpointStore:
+         lease_s: float = DEFAULT_LEASE_S, metadata_layout: str | None = None,
+         **storage_options: Any) -> CheckpointStore:
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
 
     ``retries``: how many times an idempotent storage call that failed transiently is repeated
@@ -598,10 +603,13 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     sharded saves (under a process group) write format v4, every rank referencing the items
     of its previous save in this process that did not change (docs/protocol.md §9.6);
     ``lease_s``: how long such a save may take before it gives up its references.
+    ``metadata_layout="per-rank"``: sharded saves write format v5, whose metadata every
+    loading rank reads only in part (docs/protocol.md §9.7; not yet with ``incremental``).
     ``storage_options`` go to the fsspec implementation (e.g. ``endpoint_url``, ``key``,
     ``secret`` for S3; ``token`` for GCS; ``connection_string`` for Azure)."""
     storage: Storage = FsspecStorage(url, **storage_options)
     if retries > 0:
         storage = RetryingStorage(storage, attempts=retries + 1)
     return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads,
-                           incremental=incremental, lease_s=lease_s)
+                           incremental=incremental, lease_s=lease_s,
+                           metadata_layout=metadata_layout)

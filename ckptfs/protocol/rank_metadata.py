@@ -1,0 +1,442 @@
+"""Format v5 (``rank-metadata``, docs/protocol.md §9.7), the I/O half: what a sharded save
+writes instead of ``dcp.msgpack``, and what a loading rank reads of it.
+
+Save (`PerRankSave`, opted into with ``metadata_layout="per-rank"``): the coordinator checks
+the v5 manifest it will commit and records which rank stores each chunk (from the global
+plan); every rank writes its rank file as in v2 and then its own index document, and reports
+one row (sizes and digests) instead of one result per item; the coordinator writes the tensor
+spec and the table blocks (O(tensors) + O(ranks)) and commits the small manifest.
+
+Load (`read_partial`): the manifest, the spec, the blocks holding the rows of the ranks whose
+chunks overlap the regions the rank loads, and those ranks' index documents, each checked
+against its digest before it is decoded; then a listing of those ranks' directories, before
+any data byte is read.  The result is a view of the checkpoint (`CheckpointInfo` whose
+manifest also holds the needed rank files with their chunk lists) and DCP's ``Metadata``
+over exactly what this load needs.  `expand`: the same over every rank (a full load, a
+verify).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
+from ckptfs.format.entries import Chunk, ChunkedFileEntry, RankTable, chunk_list_digest, make_entry
+from ckptfs.format.features import CHUNKED, RANK_METADATA, SHARDED
+from ckptfs.format.layout import CHECKPOINTS_DIR, rank_file_name
+from ckptfs.format.limits import MAX_METADATA_BYTES, MAX_RANK_INDEX_BYTES
+from ckptfs.format.manifest import Manifest, check_document_size
+from ckptfs.format.rank_metadata import (
+    DEFAULT_ROWS_PER_BLOCK,
+    PER_RANK,
+    SPEC_NAME,
+    Cell,
+    IndexItem,
+    RankIndex,
+    RankRow,
+    Regions,
+    Spec,
+    TensorSpec,
+    block_count,
+    block_name,
+    build_document,
+    decode_block,
+    decode_index,
+    decode_spec,
+    encode_block,
+    encode_index,
+    encode_spec,
+    index_name,
+    layout_of,
+    needed_cells,
+    row_bytes,
+)
+from ckptfs.format.serialize import dtype_code
+from ckptfs.format.sharded_metadata import DcpDocument
+from ckptfs.format.versions import has_rank_metadata
+from ckptfs.protocol.chunks import read_chunks
+from ckptfs.protocol.commit import Attempt, now_text, placeholder_digest
+from ckptfs.protocol.listing import check_written
+from ckptfs.protocol.resolve import CheckpointInfo, storage_url
+from ckptfs.storage.base import Storage
+
+#: The features of a per-rank save's manifest (format v5).
+PER_RANK_FEATURES = frozenset({SHARDED, CHUNKED, RANK_METADATA})
+Read = Callable[[ChunkedFileEntry, int, int], memoryview]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a rank reports to the coordinator of a per-rank save (its one ``WriteResult``):
+    its table row and how many items its file holds."""
+
+    row: RankRow
+    items: int
+
+
+# ----------------------------------------------------------------------------------------------
+# Save
+
+
+class PerRankSave:
+    """The v5 half of a sharded save (`ckptfs.protocol.sharded_io.ShardedWriter` with
+    ``metadata_layout="per-rank"``)."""
+
+    def __init__(self, storage: Storage, step: int, algorithm: str, durable: bool,
+                 metadata: Mapping[str, Any], tree: Any,
+                 rows_per_block: int = DEFAULT_ROWS_PER_BLOCK) -> None:
+        self.storage, self.step, self.algorithm, self.durable = storage, step, algorithm, durable
+        self.metadata, self.tree, self.rows_per_block = dict(metadata), tree, rows_per_block
+        self.owners: dict[tuple[str, tuple[int, ...] | None], int] = {}
+
+    # -- the coordinator, before any rank writes -------------------------------------------
+    def placeholder(self, attempt: str, plans: list[Any]) -> Manifest:
+        """The manifest this save will commit (placeholder digests, the spec counted as
+        empty), for `Attempt.check`; records which rank stores each item."""
+        self.owners = {(it.index.fqn, None if it.index.offset is None
+                        else tuple(int(o) for o in it.index.offset)): rank
+                       for rank, plan in enumerate(plans) for it in plan.items}
+        return self.manifest(attempt, len(plans), [RankRow.empty(r, self.algorithm)
+                                                   for r in range(len(plans))],
+                             {SPEC_NAME: b"", **self._blocks([], len(plans), empty=True)},
+                             placeholder=True)
+
+    def _blocks(self, rows: list[RankRow], world: int, *, empty: bool = False
+                ) -> dict[str, bytes]:
+        out = {}
+        for b in range(block_count(world, self.rows_per_block)):
+            lo, hi = b * self.rows_per_block, min(world, (b + 1) * self.rows_per_block)
+            part = [RankRow.empty(r, self.algorithm) for r in range(lo, hi)] if empty \
+                else rows[lo:hi]
+            out[block_name(b)] = encode_block(part, self.algorithm)
+        return out
+
+    def manifest(self, attempt: str, world: int, rows: list[RankRow],
+                 docs: Mapping[str, Any], *, placeholder: bool = False) -> Manifest:
+        hexd = placeholder_digest(self.algorithm).split(":", 1)[1]
+        entries = []
+        for path, doc in docs.items():
+            if placeholder:
+                data = doc
+                entries.append(make_entry(path, len(data), self.algorithm,
+                                          [Chunk(0, len(data), hexd)], None))
+            else:
+                entries.append(make_entry(path, doc.size, self.algorithm,
+                                          [Chunk(0, doc.size, doc.digest)], None,
+                                          store_checksums=doc.store_checksums))
+        table = RankTable(self.rows_per_block, sum(r.has_file for r in rows),
+                          sum(r.file_size + r.index_size for r in rows))
+        return Manifest(self.step, attempt, tuple(entries), now_text(), self.algorithm,
+                        {"tensor_count": 0, **self.metadata}, PER_RANK_FEATURES,
+                        world_size=world, rank_table=table)
+
+    # -- every rank, after writing its file --------------------------------------------------
+    def write_index(self, attempt: str, rank: int, items: list[Any], results: list[Any]
+                    ) -> list[Any]:
+        """Write this rank's index document from its write results (`ItemReport` s) and
+        return its one report, as DCP's write result."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        if not results:
+            return []
+        by_index = {it.index: it for it in items}
+        header: Chunk | None = None
+        size = 0
+        out: list[IndexItem] = []
+        for wr in results:
+            rep = wr.storage_data
+            if getattr(rep, "source", None) is not None:  # pragma: no cover - refused earlier
+                raise UnsupportedValueError("a per-rank save references nothing")
+            if rep.header is not None:
+                header, size = rep.header, rep.file_size
+            it = by_index[wr.index]
+            if it.tensor_data is None:
+                code, shape = "U8", (rep.length,)
+            else:
+                code = dtype_code(it.tensor_data.properties.dtype)
+                shape = tuple(int(s) for s in it.tensor_data.chunk.sizes)
+            offsets = None if wr.index.offset is None else tuple(int(o) for o in wr.index.offset)
+            out.append(IndexItem(wr.index.fqn, offsets, code, shape, rep.offset, rep.length,
+                                 rep.digest))
+        if header is None:  # pragma: no cover - the first item carries it
+            raise CorruptCheckpointError(f"rank {rank}: no header chunk reported")
+        out.sort(key=lambda i: i.offset)
+        index = RankIndex(rank, size, self.algorithm, header, tuple(out))
+        blob = encode_index(index)
+        check_document_size(blob, MAX_RANK_INDEX_BYTES, f"the index of rank {rank}")
+        att = Attempt.join(self.storage, self.step, attempt, algorithm=self.algorithm,
+                           durable=self.durable)
+        written = att.write_document(index_name(rank), blob)
+        row = RankRow(rank, True, size, chunk_list_digest(self.algorithm, index.chunks),
+                      written.size, f"{self.algorithm}:{written.digest}")
+        return [WriteResult(MetadataIndex(f"ckptfs-rank-{rank}"), 0,
+                            RankReport(row, len(out)))]
+
+    # -- the coordinator, once every rank reported -------------------------------------------
+    def finish(self, att: Attempt, metadata: Any, results: list[list[Any]],
+               checkpoint_id: str) -> CheckpointInfo:
+        """Write the spec and the table blocks, check every file is there, commit."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        world = len(results)
+        rows = [RankRow.empty(r, self.algorithm) for r in range(world)]
+        counts = [0] * world
+        for rank, rank_results in enumerate(results):
+            for wr in rank_results:
+                rep = wr.storage_data
+                if not isinstance(rep, RankReport) or rep.row.rank != rank:
+                    raise UnsupportedValueError("a rank reported a write result ckptfs did not "
+                                                "produce")
+                rows[rank], counts[rank] = rep.row, rep.items
+        owned = [0] * world
+        cells: dict[str, list[Cell]] = {}
+        values: dict[str, int] = {}
+        for (fqn, offsets), rank in self.owners.items():
+            owned[rank] += 1
+            if offsets is None:
+                values[fqn] = rank
+        for fqn, sm in metadata.state_dict_metadata.items():
+            if isinstance(sm, BytesStorageMetadata):
+                continue
+            cells[fqn] = [Cell(tuple(c.offsets), tuple(c.sizes),
+                               self.owners[(fqn, tuple(int(o) for o in c.offsets))])
+                          for c in sm.chunks]
+        if owned != counts:
+            bad = next(r for r in range(world) if owned[r] != counts[r])
+            raise CorruptCheckpointError(f"rank {bad} wrote {counts[bad]} items, its plan "
+                                         f"has {owned[bad]}")
+        tensors: dict[str, TensorSpec] = {}
+        for fqn, sm in metadata.state_dict_metadata.items():
+            if isinstance(sm, BytesStorageMetadata):
+                continue
+            p = sm.properties
+            fmt = {torch.channels_last: "channels_last",
+                   torch.preserve_format: "preserve_format"}.get(p.memory_format,
+                                                                 "contiguous_format")
+            size = tuple(int(s) for s in sm.size)
+            grid, owners, chunks = layout_of(size, cells[fqn])
+            tensors[fqn] = TensorSpec(str(p.dtype).removeprefix("torch."), size,
+                                      bool(p.requires_grad), fmt, bool(p.pin_memory), grid,
+                                      owners, chunks)
+        planner = None if metadata.planner_data is None else \
+            {k: tuple(v) for k, v in metadata.planner_data.items()}
+        spec = Spec(world, tensors, values, planner,
+                    {"checkpoint_id": checkpoint_id, "save_id": att.name, "modules": []},
+                    metadata.version, self.tree, {})
+        blob = encode_spec(spec)
+        check_document_size(blob, MAX_METADATA_BYTES, SPEC_NAME)
+        docs = {SPEC_NAME: att.write_document(SPEC_NAME, blob)}
+        for path, data in self._blocks(rows, world).items():
+            docs[path] = att.write_document(path, data)
+        files = [(p, r.file_size, r.rank) for r in rows if r.has_file
+                 for p in (rank_file_name(r.rank),)]
+        files += [(index_name(r.rank), r.index_size, r.rank) for r in rows if r.has_file]
+        check_written(self.storage, att.write_dir, files, step=self.step,
+                      who="the coordinator sees", hint="; every rank must write to storage "
+                      "the coordinator shares (not a node-local disk)")
+        manifest = self.manifest(att.name, world, rows, docs)
+        return att.commit(manifest, world_size=world)
+
+
+def per_rank_save(storage: Storage, step: int, algorithm: str, durable: bool,
+                  metadata: Mapping[str, Any], tree: Any, layout: str | None, *,
+                  incremental: bool, node_local: bool) -> PerRankSave | None:
+    """The v5 half of a sharded save for ``metadata_layout=layout`` (None: format v2/v4).
+    Not yet with an incremental store (references) nor per-node storage."""
+    if layout is None:
+        return None
+    if layout != PER_RANK:
+        raise UnsupportedValueError(f"metadata_layout {layout!r:.40}: ckptfs writes None (one "
+                                    f"dcp.msgpack) or {PER_RANK!r}")
+    if incremental or node_local:
+        raise UnsupportedValueError(
+            f"metadata_layout={PER_RANK!r} is not supported yet with incremental=True or a "
+            "two-tier store's per-node storage")
+    return PerRankSave(storage, step, algorithm, durable, metadata, tree)
+
+
+# ----------------------------------------------------------------------------------------------
+# Load
+
+#: Decoded documents of a view, kept with its manifest (a full load plans over what `expand`
+#: decoded without reading it twice).
+_DOCUMENTS: dict[int, DcpDocument] = {}
+
+
+def _bounded(storage: Storage, info: CheckpointInfo, entry: ChunkedFileEntry, limit: int,
+             read: Read | None) -> memoryview:
+    where = storage_url(storage, f"{info.path}/{entry.path}")
+    if entry.size > limit:
+        raise UnsafeCheckpointError(f"{where}: declared size {entry.size} B exceeds {limit} B",
+                                    step=info.step)
+    return read(entry, 0, entry.size) if read is not None else \
+        read_chunks(storage, info, entry, 0, entry.size)
+
+
+def read_spec(storage: Storage, info: CheckpointInfo, read: Read | None = None) -> Spec:
+    m = info.manifest
+    data = _bounded(storage, info, m.chunked(SPEC_NAME), MAX_METADATA_BYTES, read)
+    return decode_spec(data, m.world_size, where=storage_url(storage,
+                                                             f"{info.path}/{SPEC_NAME}"))
+
+
+def read_rows(storage: Storage, info: CheckpointInfo, ranks: set[int],
+              read: Read | None = None) -> dict[int, RankRow]:
+    """The table rows of ``ranks``: only the blocks holding them are read."""
+    m = info.manifest
+    assert m.rank_table is not None
+    per = m.rank_table.rows_per_block
+    out: dict[int, RankRow] = {}
+    for b in sorted({r // per for r in ranks}):
+        entry = m.chunked(block_name(b))
+        first = b * per
+        count = min(per, m.world_size - first)
+        data = _bounded(storage, info, entry, count * row_bytes(m.hash_algorithm), read)
+        rows = decode_block(data, m.hash_algorithm, first, count,
+                            where=storage_url(storage, f"{info.path}/{entry.path}"))
+        out.update((r.rank, r) for r in rows if r.rank in ranks)
+    return out
+
+
+def read_index(storage: Storage, info: CheckpointInfo, row: RankRow,
+               read: Read | None = None) -> RankIndex:
+    """Rank ``row.rank``'s index document, checked against its row (size, digest) before it
+    is decoded; a rank the spec places items in must have a file."""
+    where = storage_url(storage, f"{info.path}/{index_name(row.rank)}")
+    if not row.has_file:
+        raise CorruptCheckpointError(f"{where}: the spec places items in the file of rank "
+                                     f"{row.rank}, whose row has none", step=info.step)
+    entry = make_entry(index_name(row.rank), row.index_size, row.index_digest.split(":")[0],
+                       [Chunk(0, row.index_size, row.index_digest.split(":", 1)[1])],
+                       row.rank)
+    data = _bounded(storage, info, entry, MAX_RANK_INDEX_BYTES, read)
+    return decode_index(data, row, where=where)
+
+
+def _view(info: CheckpointInfo, rows: Mapping[int, RankRow],
+          indexes: Mapping[int, RankIndex]) -> CheckpointInfo:
+    m = info.manifest
+    extra: list[ChunkedFileEntry] = []
+    for rank, index in sorted(indexes.items()):
+        row = rows[rank]
+        algo, hexd = row.index_digest.split(":", 1)
+        extra.append(make_entry(index_name(rank), row.index_size, algo,
+                                [Chunk(0, row.index_size, hexd)], rank))
+        entry = make_entry(index.file, index.size, index.algorithm, index.chunks, rank)
+        assert entry.digest == row.file_digest  # decode_index checked it
+        extra.append(entry)
+    own = tuple(e for e in m.files if not isinstance(e, ChunkedFileEntry) or e.rank is None)
+    return dataclasses.replace(info, manifest=dataclasses.replace(m, files=own + tuple(extra)))
+
+
+def read_partial(storage: Storage, info: CheckpointInfo, regions: Regions | None, *,
+                 read: Read | None = None, full: bool = False
+                 ) -> tuple[CheckpointInfo, DcpDocument]:
+    """What a rank loading ``regions`` (None: everything) needs of the v5 checkpoint
+    ``info``: the view and the document (module docstring).  Typed errors only."""
+    where = storage_url(storage, info.path)
+    spec = read_spec(storage, info, read)
+    cells, values = needed_cells(spec, None if full else regions)
+    ranks = set(range(info.manifest.world_size)) if full else \
+        {c.rank for cs in cells.values() for c in cs} | set(values.values())
+    rows = read_rows(storage, info, ranks, read)
+    if full:
+        ranks = {r for r, row in rows.items() if row.has_file}
+    indexes = {r: read_index(storage, info, rows[r], read) for r in sorted(ranks)}
+    doc = build_document(spec, indexes, cells, values, where=where, full=full)
+    view = _view(info, rows, indexes)
+    _DOCUMENTS[id(view.manifest)] = doc
+    weakref.finalize(view.manifest, _DOCUMENTS.pop, id(view.manifest), None)
+    return view, doc
+
+
+def expand(storage: Storage, info: CheckpointInfo) -> CheckpointInfo:
+    """``info`` with every rank file and index document in its manifest (read, checked), for
+    a full load, a verify, a check: every row, every index, each agreeing exactly with the
+    spec.  ``info`` itself if it is not of format v5 or is expanded already."""
+    if not has_rank_metadata(info.manifest) or id(info.manifest) in _DOCUMENTS:
+        return info
+    return read_partial(storage, info, None, full=True)[0]
+
+
+def document_of(storage: Storage, info: CheckpointInfo, read: Read | None = None
+                ) -> DcpDocument:
+    """The document of a v5 view made by `read_partial` / `expand` (else every rank's)."""
+    doc = _DOCUMENTS.get(id(info.manifest))
+    if doc is None:
+        doc = read_partial(storage, info, None, read=read, full=True)[1]
+    return doc
+
+
+def check_rank_files(storage: Storage, view: CheckpointInfo) -> None:
+    """The listing check of the rank files a view holds (§5), before any byte of them is
+    read: each rank directory listed once, every file there with its size, none a link."""
+    if storage.capabilities.real_directories:
+        for parent, name in ((CHECKPOINTS_DIR, view.paths.dir_name),
+                             (view.paths.dir, view.attempt)):
+            for e in storage.list_dir(parent):
+                if e.basename == name and e.is_link:
+                    raise UnsafeCheckpointError(
+                        f"{storage_url(storage, f'{parent}/{name}')} is a symbolic link; a "
+                        "checkpoint may not contain links. Refusing to read it",
+                        step=view.step, path=f"{parent}/{name}")
+    prefix = view.path + "/"
+    by_dir: dict[str, list[ChunkedFileEntry]] = {}
+    for e in view.manifest.files:
+        if isinstance(e, ChunkedFileEntry) and e.rank is not None:
+            by_dir.setdefault(e.path.rsplit("/", 1)[0], []).append(e)
+    for d, entries in sorted(by_dir.items()):
+        found = {}
+        for e in storage.list_tree(prefix + d):
+            if e.is_link:
+                raise UnsafeCheckpointError(
+                    f"{storage_url(storage, e.name)} is a symbolic link; a checkpoint may not "
+                    "contain links (they can point outside it). Refusing to read it",
+                    step=view.step, path=e.name)
+            found[e.name.removeprefix(prefix)] = e.size
+        for entry in entries:
+            size = found.get(entry.path)
+            if size != entry.size:
+                what = "listed in the manifest but missing" if size is None else \
+                    f"size differs from the manifest (declared {entry.size} B, found {size} B)"
+                raise CorruptCheckpointError(f"{storage_url(storage, prefix + entry.path)}: "
+                                             f"{what}", step=view.step,
+                                             path=prefix + entry.path)
+
+
+def regions_of(view: Mapping[str, Any]) -> dict[str, Any]:
+    """The regions a load into DCP's ``view`` (`ckptfs.format.sharded_tree.dcp_view`) wants,
+    by DCP name (§8.4: dicts walked, and lists holding a tensor, a dict or such a list): a
+    DTensor's local shard(s), a tensor whole, a value (None)."""
+    out: dict[str, Any] = {}
+
+    def walks(v: Any) -> bool:
+        return isinstance(v, dict) or (isinstance(v, list) and any(
+            isinstance(x, torch.Tensor) or walks(x) for x in v))
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(value, list) and walks(value):
+            for i, v in enumerate(value):
+                walk(v, f"{name}.{i}")
+        elif hasattr(value, "__create_chunk_list__"):
+            out[name] = [(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+                         for c in value.__create_chunk_list__()]
+        else:
+            out[name] = None
+
+    walk(dict(view), "")
+    return out
+
+
+__all__ = ["PER_RANK", "PER_RANK_FEATURES", "PerRankSave", "RankReport", "check_rank_files",
+           "document_of", "expand", "per_rank_save", "read_partial", "regions_of"]
