@@ -228,7 +228,8 @@ class Manifest:
             "schema": MANIFEST_SCHEMA, "format_version": self.format_version,
             "step": self.step, "attempt": self.attempt, "created": self.created,
             "hash_algorithm": self.hash_algorithm,
-            "files": [self._file_doc(e) for e in self.files if _own(e)],
+            "files": [self._file_doc(e) for e in self.files
+                      if self.rank_table is None or _own(e)],
             "metadata": self.metadata,
         }
         if CHUNKED in feats:
