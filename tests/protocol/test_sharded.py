@@ -324,8 +324,8 @@ def test_manifest_chunks_bind_the_file_digest(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match="tile"):
         decode_manifest(json.dumps(doc).encode())
     doc = json.loads(m.to_bytes())
-    doc["format_version"] = 5  # 3 and 4 are read (incremental); 5 is newer than any
-    with pytest.raises(FormatVersionError, match="reads up to 4"):
+    doc["format_version"] = 6  # 3-5 are read (incremental, per-rank metadata); 6 is newer
+    with pytest.raises(FormatVersionError, match="reads up to 5"):
         decode_manifest(json.dumps(doc).encode())
 
 

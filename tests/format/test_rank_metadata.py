@@ -1,0 +1,162 @@
+"""Format v5 (``rank-metadata``, docs/protocol.md §9.7), the pure layer: the table blocks, the
+rank index documents, the tensor spec and its layouts, each decoded strictly with typed
+errors, and the v5 manifest."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from ckptfs.errors import CorruptCheckpointError, FormatVersionError
+from ckptfs.format.entries import Chunk, RankTable, chunk_list_digest, make_entry
+from ckptfs.format.features import RANK_METADATA, version_of
+from ckptfs.format.hashing import digest_bytes
+from ckptfs.format.manifest import Manifest
+from ckptfs.format.rank_metadata import (
+    Cell,
+    IndexItem,
+    RankIndex,
+    RankRow,
+    Spec,
+    TensorSpec,
+    block_name,
+    build_document,
+    decode_block,
+    decode_index,
+    decode_spec,
+    encode_block,
+    encode_index,
+    encode_spec,
+    layout_of,
+    needed_cells,
+    row_bytes,
+)
+from ckptfs.format.versions import decode_manifest
+
+ALGO = "blake3"
+HEX = digest_bytes(ALGO, b"x").split(":", 1)[1]
+
+
+def _index(rank: int = 0) -> tuple[RankIndex, RankRow]:
+    items = (IndexItem("w", (rank * 2, 0), "F32", (2, 3), 64, 24, HEX),
+             IndexItem("step", None, "U8", (5,), 88, 5, HEX))
+    index = RankIndex(rank, 93, ALGO, Chunk(0, 64, HEX), items)
+    blob = encode_index(index)
+    row = RankRow(rank, True, 93, chunk_list_digest(ALGO, index.chunks), len(blob),
+                  digest_bytes(ALGO, blob))
+    return index, row
+
+
+def test_version_5_is_sharded_chunked_rank_metadata() -> None:
+    assert version_of({"sharded", "chunked", RANK_METADATA}) == 5
+    with pytest.raises(ValueError):
+        version_of({"chunked", "references", RANK_METADATA})  # not yet with references
+
+
+def test_block_round_trip_and_refusals() -> None:
+    rows = [_index(0)[1], RankRow.empty(1, ALGO)]
+    data = encode_block(rows, ALGO)
+    assert len(data) == 2 * row_bytes(ALGO)
+    assert decode_block(data, ALGO, 0, 2, where="b") == rows
+    with pytest.raises(CorruptCheckpointError, match="expected 2 rows"):
+        decode_block(data[:-1], ALGO, 0, 2, where="b")
+    with pytest.raises(CorruptCheckpointError, match="expected rank 5"):
+        decode_block(data, ALGO, 5, 2, where="b")  # rows of other ranks
+    bad = bytearray(data)
+    bad[4] = 7  # flags
+    with pytest.raises(CorruptCheckpointError, match="flags"):
+        decode_block(bytes(bad), ALGO, 0, 2, where="b")
+
+
+def test_index_round_trip_binding_and_swap() -> None:
+    index, row = _index(0)
+    blob = encode_index(index)
+    assert decode_index(blob, row, where="i") == index
+    other, other_row = _index(1)
+    with pytest.raises(CorruptCheckpointError, match="another rank's index"):
+        decode_index(encode_index(other), row, where="i")  # rank 1's index in rank 0's place
+    tampered = RankRow(0, True, 93, digest_bytes(ALGO, b"other"), row.index_size,
+                       row.index_digest)
+    with pytest.raises(CorruptCheckpointError, match="does not match the digest of its row"):
+        decode_index(blob, tampered, where="i")
+    doc = msgpack.unpackb(blob)
+    doc["format_version"] = 6
+    with pytest.raises(FormatVersionError):
+        decode_index(msgpack.packb(doc), row, where="i")
+    doc["format_version"] = 5
+    doc["items"][0][4] = 65  # not where the previous item ends
+    with pytest.raises(CorruptCheckpointError, match="does not follow"):
+        decode_index(msgpack.packb(doc), row, where="i")
+
+
+def _spec(world: int = 4) -> Spec:
+    cells = [Cell((2 * r, 0), (2, 3), r) for r in range(world)]
+    grid, owners, chunks = layout_of((2 * world, 3), cells)
+    assert (grid, owners, chunks) == ((2, 3), (0, 1), None)
+    w = TensorSpec("float32", (2 * world, 3), False, "contiguous_format", False, grid, owners)
+    odd = TensorSpec("float32", (3,), False, "contiguous_format", False,
+                     *layout_of((3,), [Cell((0,), (1,), 1), Cell((1,), (2,), 0)]))
+    assert odd.chunks is not None  # not a grid of equal blocks
+    return Spec(world, {"w": w, "b": odd}, {"step": 0}, None, None, None, None, {})
+
+
+def test_spec_round_trip_and_overlap() -> None:
+    spec = _spec()
+    back = decode_spec(encode_spec(spec), 4, where="s")
+    assert back.tensors == spec.tensors and back.values == spec.values
+    w = back.tensors["w"]
+    assert [c.rank for c in w.overlapping((3, 0), (2, 3))] == [1, 2]
+    cells, values = needed_cells(back, {"w": [((3, 0), (2, 3))], "step": None})
+    assert [c.rank for c in cells["w"]] == [1, 2] and values == {"step": 0}
+    cells, _ = needed_cells(back, None)
+    assert len(cells["w"]) == 4 and len(cells["b"]) == 2
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d["tensors"]["w"].update(owners=[2, 1]), "owners"),
+    (lambda d: d["tensors"]["w"].update(grid=[0, 3]), "grid"),
+    (lambda d: d["tensors"]["b"].update(chunks=[[[0], [1], 1]]), "gap"),
+    (lambda d: d.update(world_size=8), "world_size"),
+    (lambda d: d["values"].update(step=9), "value"),
+])
+def test_tampered_spec_is_refused(edit: object, match: str) -> None:
+    doc = msgpack.unpackb(encode_spec(_spec()))
+    edit(doc)  # type: ignore[operator]
+    with pytest.raises(CorruptCheckpointError, match=match):
+        decode_spec(msgpack.packb(doc), 4, where="s")
+
+
+def test_document_needs_the_owner_to_hold_the_chunk() -> None:
+    spec = Spec(1, {"w": TensorSpec("float32", (2, 3), False, "contiguous_format", False,
+                                    (2, 3), (0, 0))}, {"step": 0}, None, None, None, None, {})
+    index, _ = _index(0)
+    cells, values = needed_cells(spec, None)
+    doc = build_document(spec, {0: index}, cells, values, where="x", full=True)
+    assert {i.name for i in doc.items} == {"w@0,0", "step@bytes"}
+    wrong = Spec(1, {"w": TensorSpec("float32", (2, 4), False, "contiguous_format", False,
+                                     (2, 4), (0, 0))}, {"step": 0}, None, None, None, None, {})
+    with pytest.raises(CorruptCheckpointError, match="does not hold it"):
+        build_document(wrong, {0: index}, *needed_cells(wrong, None), where="x")
+
+
+def _manifest(world: int = 3, rows: int = 2) -> Manifest:
+    entries = [make_entry("dcp-spec.msgpack", 10, ALGO, [Chunk(0, 10, HEX)], None)]
+    for b in range(2):
+        n = min(rows, world - b * rows) * row_bytes(ALGO)
+        entries.append(make_entry(block_name(b), n, ALGO, [Chunk(0, n, HEX)], None))
+    return Manifest(1, "a-20260102T030405Z-0000000000000001", tuple(entries),
+                    "2026-01-02T03:04:05+00:00", ALGO, {}, frozenset(
+                        {"sharded", "chunked", RANK_METADATA}), world_size=world,
+                    rank_table=RankTable(rows, 3, 1000))
+
+
+def test_manifest_round_trip_and_block_sizes() -> None:
+    m = _manifest()
+    data = m.to_bytes()
+    back = decode_manifest(data)
+    assert back == m and back.format_version == 5 and back.total_bytes == 10 + 1000 + sum(
+        e.size for e in m.files[1:])
+    doc = msgpack.unpackb(msgpack.packb(__import__("json").loads(data)))
+    doc["files"] = doc["files"][:2]  # a block missing
+    with pytest.raises(CorruptCheckpointError, match="blocks of its rank table"):
+        decode_manifest(__import__("json").dumps(doc).encode())
