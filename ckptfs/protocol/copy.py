@@ -99,6 +99,7 @@ from ckptfs.errors import (
     CorruptCheckpointError,
     ReplicationError,
     StorageError,
+    UnsupportedValueError,
 )
 from ckptfs.format.content import same_content as same_content  # shared: cp, tiers, walk
 from ckptfs.format.hashing import ALGORITHMS, format_digest
@@ -112,7 +113,7 @@ from ckptfs.format.layout import StepPaths
 from ckptfs.format.manifest import FileEntry, Manifest
 from ckptfs.format.serialize import HeaderEntry, tensor_memoryview
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
-from ckptfs.format.versions import REFERENCES, features, is_sharded
+from ckptfs.format.versions import REFERENCES, features, has_rank_metadata, is_sharded
 from ckptfs.protocol.chunks import StoredChunks, check_digest, check_streamed, chunk_pieces
 from ckptfs.protocol.commit import (
     Attempt,
@@ -469,6 +470,10 @@ class StepCopier:
         # nothing is read for a size the storage does not hold), every document decoded, every
         # tensor file's header checked; the tensor bytes are checked against their digests as
         # they are copied.  Files on other nodes are listed there, by their ranks.
+        if has_rank_metadata(manifest):
+            raise UnsupportedValueError(
+                f"{info.url}: copying a format v5 (per-rank metadata) checkpoint is not "
+                "supported yet; load it and save it again, or keep the default metadata layout")
         if self.holds_all(manifest):
             checked = check_checkpoint(self.src, info)
         else:
