@@ -230,11 +230,12 @@ class RankIndex:
         return [self.header, *(Chunk(i.offset, i.length, i.digest) for i in self.items)]
 
     def find(self, fqn: str, offsets: tuple[int, ...] | None) -> IndexItem | None:
-        by = self.__dict__.get("_by")
+        by: dict[tuple[str, tuple[int, ...] | None], IndexItem] | None = \
+            self.__dict__.get("_by")
         if by is None:
             by = {(i.fqn, i.offsets): i for i in self.items}
             object.__setattr__(self, "_by", by)
-        return by.get((fqn, offsets))  # type: ignore[no-any-return]
+        return by.get((fqn, offsets))
 
 
 def encode_index(index: RankIndex) -> bytes:
@@ -305,7 +306,7 @@ def decode_index(data: bytes | bytearray | memoryview, row: RankRow, *, where: s
             raise bad(f"item {fqn!r:.80} at {off!r:.20} does not follow the previous one "
                       f"(at {pos})")
         n = math.prod(shp) * element_size(code)
-        if key is None and (code != "U8" or shp != (length,)) or n != length:
+        if (key is None and (code != "U8" or shp != (length,))) or n != length:
             raise bad(f"item {fqn!r:.80}: {length} B is not {code} {list(shp)}")
         if (fqn, key) in seen:
             raise bad(f"item {fqn!r:.80} at offsets {offsets!r:.40} twice")
@@ -380,9 +381,9 @@ class TensorSpec:
         base, stride = self.owners
         for coords in _product(ranges):
             i = 0
-            for c, n in zip(coords, counts, strict=True):
-                i = i * n + c
-            off = tuple(c * b for c, b in zip(coords, self.grid, strict=True))
+            for k, n in zip(coords, counts, strict=True):
+                i = i * n + k
+            off = tuple(k * b for k, b in zip(coords, self.grid, strict=True))
             yield Cell(off, tuple(min(b, s - o) for o, b, s in
                                   zip(off, self.grid, self.size, strict=True)),
                        base + i * stride)
@@ -629,6 +630,7 @@ def build_document(spec: Spec, indexes: Mapping[int, RankIndex],
     `CorruptCheckpointError`: the spec and the index disagree).  ``items``: every item of
     those ranks' files (a rank file's header is checked against all of them).  ``full``:
     every rank's index is given, and each must hold exactly what the spec places there."""
+    import torch
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -638,7 +640,6 @@ def build_document(spec: Spec, indexes: Mapping[int, RankIndex],
         TensorProperties,
         TensorStorageMetadata,
     )
-    import torch
 
     formats = {"contiguous_format": torch.contiguous_format,
                "channels_last": torch.channels_last, "preserve_format": torch.preserve_format}

@@ -157,6 +157,7 @@ class PerRankSave:
             if rep.header is not None:
                 header, size = rep.header, rep.file_size
             it = by_index[wr.index]
+            shape: tuple[int, ...]
             if it.tensor_data is None:
                 code, shape = "U8", (rep.length,)
             else:
@@ -235,8 +236,8 @@ class PerRankSave:
         docs = {SPEC_NAME: att.write_document(SPEC_NAME, blob)}
         for path, data in self._blocks(rows, world).items():
             docs[path] = att.write_document(path, data)
-        files = [(p, r.file_size, r.rank) for r in rows if r.has_file
-                 for p in (rank_file_name(r.rank),)]
+        files: list[tuple[str, int, int | None]] = [
+            (rank_file_name(r.rank), r.file_size, r.rank) for r in rows if r.has_file]
         files += [(index_name(r.rank), r.index_size, r.rank) for r in rows if r.has_file]
         check_written(self.storage, att.write_dir, files, step=self.step,
                       who="the coordinator sees", hint="; every rank must write to storage "
@@ -389,9 +390,9 @@ def check_rank_files(storage: Storage, view: CheckpointInfo) -> None:
                         step=view.step, path=f"{parent}/{name}")
     prefix = view.path + "/"
     by_dir: dict[str, list[ChunkedFileEntry]] = {}
-    for e in view.manifest.files:
-        if isinstance(e, ChunkedFileEntry) and e.rank is not None:
-            by_dir.setdefault(e.path.rsplit("/", 1)[0], []).append(e)
+    for fe in view.manifest.files:
+        if isinstance(fe, ChunkedFileEntry) and fe.rank is not None:
+            by_dir.setdefault(fe.path.rsplit("/", 1)[0], []).append(fe)
     for d, entries in sorted(by_dir.items()):
         found = {}
         for e in storage.list_tree(prefix + d):
@@ -438,5 +439,16 @@ def regions_of(view: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["PER_RANK", "PER_RANK_FEATURES", "PerRankSave", "RankReport", "check_rank_files",
-           "document_of", "expand", "per_rank_save", "read_partial", "regions_of"]
+__all__ = [
+    "PER_RANK",
+    "PER_RANK_FEATURES",
+    "PerRankSave",
+    "RankReport",
+    "Regions",
+    "check_rank_files",
+    "document_of",
+    "expand",
+    "per_rank_save",
+    "read_partial",
+    "regions_of",
+]

@@ -86,8 +86,8 @@ from ckptfs.protocol.group import (
 )
 from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
-from ckptfs.protocol.rank_metadata import expand, regions_of
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
+from ckptfs.protocol.rank_metadata import expand, regions_of
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url, walk_latest
 from ckptfs.protocol.sharded_io import ShardedWriter

@@ -72,7 +72,7 @@ def test_index_round_trip_binding_and_swap() -> None:
     index, row = _index(0)
     blob = encode_index(index)
     assert decode_index(blob, row, where="i") == index
-    other, other_row = _index(1)
+    other, _ = _index(1)
     with pytest.raises(CorruptCheckpointError, match="another rank's index"):
         decode_index(encode_index(other), row, where="i")  # rank 1's index in rank 0's place
     tampered = RankRow(0, True, 93, digest_bytes(ALGO, b"other"), row.index_size,
