@@ -16,8 +16,10 @@ for the run root, so that copies reference earlier copies), ``replica-v1`` / ``r
 (the same for the collective save under a one-rank process group: a sharded step replicated,
 plain and incremental), ``sub`` (``store.save`` through
 the sub-storage of artifacts and the Lightning integration; ``path.at(backend)`` is then the
-sub-storage view of the backend), ``v2x2`` / ``v4x2`` (the collective save on two gloo ranks,
-plain and incremental, local disk only: slow).
+sub-storage view of the backend), ``v5`` (the collective save on one rank of a store opened
+with ``metadata_layout="per-rank"``: format v5, whose rank files and index documents are
+found through the table, not listed in the manifest), ``v2x2`` / ``v4x2`` (the collective
+save on two gloo ranks, plain and incremental, local disk only: slow).
 The in-process ones live in :mod:`ckptfs.testing.reliability.paths` (the sweeps use them too).
 :data:`EVERY` names the in-process cells, :data:`RANKS` the two-rank ones.
 
@@ -75,6 +77,7 @@ from ckptfs.testing.reliability.paths import (
     V2,
     V3,
     V4,
+    V5,
     WRITE_PATHS,
     SubBackend,
     WritePath,
@@ -82,9 +85,10 @@ from ckptfs.testing.reliability.paths import (
 
 __all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V3", "ASYNC_V4", "CP", "CP_V2", "CP_V3", "CP_V4", "DEFECTS",
            "EVERY", "PATHS", "RANKS", "REPLICAS", "REPLICA_V1", "REPLICA_V2", "REPLICA_V3",
-           "REPLICA_V4", "SUB", "V1", "V2", "V2X2", "V3", "V4", "V4X2", "KnownDefect",
+           "REPLICA_V4", "SUB", "V1", "V2", "V2X2", "V3", "V4", "V4X2", "V5", "KnownDefect",
            "SubBackend", "WritePath",
-           "assert_not_committed", "check_violations", "copy_into_scratch", "known_defect",
+           "assert_not_committed", "check_violations", "copy_into_scratch", "every_file",
+           "known_defect",
            "params", "read", "reads_of"]
 
 
@@ -241,9 +245,22 @@ READS = ("load", "load-unverified", "load-into", "verify", "verify-quick", "insp
 
 def reads_of(path: WritePath) -> tuple[str, ...]:
     """The read paths of a checkpoint of ``path``: ``load-into`` fills a state from a sharded
-    checkpoint only (format v2, v4; a single-process one is refused: docs/sharded.md)."""
-    return READS if path.format_version in (2, 4) else tuple(r for r in READS
-                                                              if r != "load-into")
+    checkpoint only (format v2, v4, v5; a single-process one is refused: docs/sharded.md)."""
+    from ckptfs.format.features import FEATURES, SHARDED
+
+    return READS if SHARDED in FEATURES[path.format_version] else tuple(
+        r for r in READS if r != "load-into")
+
+
+def every_file(store: CheckpointStore, info: CheckpointInfo) -> CheckpointInfo:
+    """``info`` with every file the checkpoint holds in its manifest's ``files``: a checkpoint
+    with the ``rank-metadata`` feature (format v5) lists only its tensor spec and table
+    blocks, its rank files and index documents are found through the table (read and
+    checked: the checkpoint must be intact)."""
+    from ckptfs.format.versions import has_rank_metadata
+    from ckptfs.protocol.rank_metadata import expand
+
+    return expand(store.storage, info) if has_rank_metadata(info.manifest) else info
 
 
 def zeros_of(value: Any) -> Any:

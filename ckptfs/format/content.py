@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptfs.format.entries import ChunkedFileEntry
-from ckptfs.format.features import REFERENCES, SHARDED
+from ckptfs.format.features import RANK_METADATA, REFERENCES, SHARDED
 from ckptfs.format.layout import STATE_NAME
 from ckptfs.format.manifest import Manifest
 
@@ -25,10 +25,15 @@ def same_content(a: Manifest, b: Manifest) -> bool:
     """Same step, files (paths, sizes, digests, chunks) and metadata: the same checkpoint,
     whatever attempt name or time either copy has."""
     def files(m: Manifest) -> list[tuple[Any, ...]]:
+        # Format v5: the files the manifest lists (the spec and the table's blocks bind every
+        # rank file and index document by digest), not those a reader added from the table.
+        own = [e for e in m.files if RANK_METADATA not in m.features
+               or not isinstance(e, ChunkedFileEntry) or e.rank is None]
         return sorted((e.path, e.size, e.digest,
-                       e.chunks if isinstance(e, ChunkedFileEntry) else ()) for e in m.files)
+                       e.chunks if isinstance(e, ChunkedFileEntry) else ()) for e in own)
 
-    if a.step != b.step or a.features != b.features or a.metadata != b.metadata:
+    if a.step != b.step or a.features != b.features or a.metadata != b.metadata \
+            or a.rank_table != b.rank_table:
         return False
     if REFERENCES in a.features and SHARDED not in a.features:
         # v3: what the state reads, wherever it lives (a copy may materialize a reference).

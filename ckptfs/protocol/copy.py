@@ -471,9 +471,17 @@ class StepCopier:
         # tensor file's header checked; the tensor bytes are checked against their digests as
         # they are copied.  Files on other nodes are listed there, by their ranks.
         if has_rank_metadata(manifest):
-            raise UnsupportedValueError(
-                f"{info.url}: copying a format v5 (per-rank metadata) checkpoint is not "
-                "supported yet; load it and save it again, or keep the default metadata layout")
+            # Format v5: the files to copy are every rank file and index document the table
+            # names (read and checked through it: `expand`), besides the manifest's own.
+            if not self.holds_all(manifest):
+                raise UnsupportedValueError(
+                    f"{info.url}: step {step} has per-rank metadata (format v5), whose rank "
+                    "files a sharded replica cannot copy yet: copy it in one process "
+                    "('ckptfs cp'), or save with the default metadata layout")
+            from ckptfs.protocol.rank_metadata import expand  # imports DCP: v5 only
+
+            info = expand(self.src, info)
+            manifest = info.manifest
         if self.holds_all(manifest):
             checked = check_checkpoint(self.src, info)
         else:

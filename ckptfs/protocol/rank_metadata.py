@@ -175,6 +175,7 @@ class PerRankSave:
         att = Attempt.join(self.storage, self.step, attempt, algorithm=self.algorithm,
                            durable=self.durable)
         written = att.write_document(index_name(rank), blob)
+        att.sync_file_dir(index_name(rank))  # its file's entry and its own: durable
         row = RankRow(rank, True, size, chunk_list_digest(self.algorithm, index.chunks),
                       written.size, f"{self.algorithm}:{written.digest}")
         return [WriteResult(MetadataIndex(f"ckptfs-rank-{rank}"), 0,
@@ -312,8 +313,11 @@ def read_index(storage: Storage, info: CheckpointInfo, row: RankRow,
     is decoded; a rank the spec places items in must have a file."""
     where = storage_url(storage, f"{info.path}/{index_name(row.rank)}")
     if not row.has_file:
+        block = block_name(row.rank // info.manifest.rank_table.rows_per_block) \
+            if info.manifest.rank_table is not None else "the table"
         raise CorruptCheckpointError(f"{where}: the spec places items in the file of rank "
-                                     f"{row.rank}, whose row has none", step=info.step)
+                                     f"{row.rank}, whose row in {block} has none",
+                                     step=info.step)
     entry = make_entry(index_name(row.rank), row.index_size, row.index_digest.split(":")[0],
                        [Chunk(0, row.index_size, row.index_digest.split(":", 1)[1])],
                        row.rank)
@@ -345,11 +349,11 @@ def read_partial(storage: Storage, info: CheckpointInfo, regions: Regions | None
     where = storage_url(storage, info.path)
     spec = read_spec(storage, info, read)
     cells, values = needed_cells(spec, None if full else regions)
-    ranks = set(range(info.manifest.world_size)) if full else \
-        {c.rank for cs in cells.values() for c in cs} | set(values.values())
+    needed = {c.rank for cs in cells.values() for c in cs} | set(values.values())
+    ranks = set(range(info.manifest.world_size)) if full else needed
     rows = read_rows(storage, info, ranks, read)
-    if full:
-        ranks = {r for r, row in rows.items() if row.has_file}
+    if full:  # every rank with a file, and those the spec places items in (refused if none)
+        ranks = {r for r, row in rows.items() if row.has_file} | needed
     indexes = {r: read_index(storage, info, rows[r], read) for r in sorted(ranks)}
     doc = build_document(spec, indexes, cells, values, where=where, full=full)
     view = _view(info, rows, indexes)

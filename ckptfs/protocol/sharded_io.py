@@ -393,7 +393,8 @@ class ShardedWriter(StorageWriter):
         size = offsets[-1] + planned[-1][1].nbytes if planned else len(header)
         written = att.write_file(relpath, size, pieces,
                                  pieces=[len(header), *(p.nbytes for _, p in planned)])
-        att.sync_file_dir(relpath)
+        if self.per_rank is None:  # format v5: once its index document is written too
+            att.sync_file_dir(relpath)
         # This rank's own listing: its file is there with its size before it reports it (the
         # check holds on shared storage and on a node-local disk alike).
         check_written(self.storage, att.write_dir, [(relpath, size, ap.rank)],

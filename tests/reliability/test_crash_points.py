@@ -90,7 +90,7 @@ def _path_params() -> list[object]:
     sweep in tests/reliability/test_sharded_crash.py."""
     default = {("memory", "async"), ("memory", "cp"), ("local", "async"), ("local", "cp"),
                ("memory", "sub"), ("memory", "cp-v2"), ("memory", "v3"), ("local", "v3"),
-               ("memory", "v4"), ("memory", "async-v3")}
+               ("memory", "v4"), ("memory", "async-v3"), ("memory", "v5")}
     out: list[object] = []
     for where in ("memory", "local", "s3", "ministack", "gcs", "azure"):
         for p in paths.params([p for p in paths.EVERY if p not in ("v1", *paths.REPLICAS)]):

@@ -368,8 +368,10 @@ def _written(backend: Backend, path: paths.WritePath, *steps: int) -> Checkpoint
     return backend.open()
 
 
-def _tensor_file(info: Any) -> str:
-    return next(e.path for e in info.manifest.files if e.path.endswith(".safetensors"))
+def _tensor_file(store: CheckpointStore, info: Any) -> str:
+    """A tensor file of ``info`` (a rank file of format v5 is found through its table)."""
+    return next(e.path for e in paths.every_file(store, info).manifest.files
+                if e.path.endswith(".safetensors"))
 
 
 def _every_path(default: tuple[str, ...] = ("local", "memory"),
@@ -403,7 +405,7 @@ def test_every_reader_refuses_a_symlink(where: str, path: paths.WritePath,
     backend = path.at(request.getfixturevalue(f"{where}_backend"))
     store = _written(backend, path, 1)
     info = store.info(1)
-    target = f"{backend.raw_root}/{info.path}/{_tensor_file(info)}"
+    target = f"{backend.raw_root}/{info.path}/{_tensor_file(store, info)}"
     outside = f"{backend.raw_root}/../outside-{path.name}.safetensors"
     os.replace(target, outside)
     os.symlink(os.path.abspath(outside), target)
@@ -446,7 +448,7 @@ def test_latest_rollback_checks_the_commit_load_rollback_checks_the_data(
     backend = path.at(request.getfixturevalue(f"{where}_backend"))
     store = _written(backend, path, 1, 2)
     info = store.info(2)
-    damaged = f"{info.path}/{_tensor_file(info)}"
+    damaged = f"{info.path}/{_tensor_file(store, info)}"
     data = bytearray(backend.raw_read(damaged))
     data[-1] ^= 0xFF
     backend.raw_write(damaged, bytes(data))
@@ -458,7 +460,7 @@ def test_latest_rollback_checks_the_commit_load_rollback_checks_the_data(
 
 
 def _sharded_paths() -> list[Any]:
-    """The sharded cells (format v2, v4): ``load(into=)`` reads these."""
+    """The sharded cells (format v2, v4, v5): ``load(into=)`` reads these."""
     return [p for p in _every_path()
             if "load-into" in paths.reads_of(p.values[1])]
 
@@ -476,7 +478,8 @@ def test_load_into_rolls_back_as_load_does(where: str, path: paths.WritePath, da
     backend = path.at(request.getfixturevalue(f"{where}_backend"))
     store = _written(backend, path, 1, 2)
     info = store.info(2)
-    for entry in [e for e in info.manifest.files if e.path.endswith(".safetensors")]:
+    for entry in [e for e in paths.every_file(store, info).manifest.files
+                  if e.path.endswith(".safetensors")]:
         damaged = f"{info.path}/{entry.path}"
         if damage == "flip":
             data = bytearray(backend.raw_read(damaged))
@@ -536,7 +539,7 @@ def test_manager_restores_an_incremental_run(where: str,
     newest, first = store.info(3), store.info(1)
     assert newest.manifest.format_version == 3 and newest.manifest.references
     assert newest.bytes_written < newest.bytes
-    own = f"{newest.path}/{_tensor_file(newest)}"
+    own = f"{newest.path}/{_tensor_file(store, newest)}"
     data = bytearray(backend.raw_read(own))
     data[-1] ^= 0xFF
     backend.raw_write(own, bytes(data))
@@ -546,7 +549,7 @@ def test_manager_restores_an_incremental_run(where: str,
     assert ckptfs.CheckpointManager(backend.open()).restore_latest(
         model=fresh, allow_rollback=True) == 3  # step 2 restored: continue from 3
     assert torch.equal(fresh.head, heads[2]) and torch.equal(fresh.base, model.base)
-    base = f"{first.path}/{_tensor_file(first)}"  # step 1's file: every step reads the base
+    base = f"{first.path}/{_tensor_file(store, first)}"  # step 1's file: every step reads the base
     data = bytearray(backend.raw_read(base))
     data[len(data) // 2] ^= 0xFF
     backend.raw_write(base, bytes(data))

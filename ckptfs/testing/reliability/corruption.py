@@ -11,7 +11,8 @@ from typing import Any
 from ckptfs.errors import CkptfsError, CorruptCheckpointError, FormatVersionError
 from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
-from ckptfs.format.versions import SHARDED, features
+from ckptfs.format.versions import SHARDED, features, has_rank_metadata
+from ckptfs.protocol.rank_metadata import expand
 from ckptfs.protocol.resolve import read_committed
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.reliability.common import (
@@ -39,7 +40,8 @@ def _flip(data: bytes, pos: int, bit: int = 0) -> bytes:
 def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None,
                       path: WritePath = V1) -> Sweep:
     """Every file of a committed checkpoint (state.msgpack, each safetensors file, MANIFEST.json,
-    COMPLETE; format v2: dcp.msgpack and each rank's file) flipped, truncated, extended,
+    COMPLETE; format v2: dcp.msgpack and each rank's file; format v5: the spec, the table's
+    blocks, each rank's file and index document) flipped, truncated, extended,
     deleted, swapped with another checkpoint's; a stray file added; the manifest replaced by
     another checkpoint's; the marker edited field by field.  Full verify and
     ``load(verify=True)`` must detect every one, naming the file; quick verify every size or
@@ -88,7 +90,10 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
     def remove(rel: str) -> Callable[[], None]:
         return lambda: backend.raw_delete(rel)
 
-    relpaths = [e.path for e in info1.manifest.files] + ["MANIFEST.json"]
+    # Every file the checkpoint holds: with the "rank-metadata" feature (format v5) the rank
+    # files and their index documents are found through the table, not listed in the manifest.
+    view = expand(store.storage, info1) if has_rank_metadata(info1.manifest) else info1
+    relpaths = [e.path for e in view.manifest.files] + ["MANIFEST.json"]
     for relpath in relpaths:
         rel = f"{info1.path}/{relpath}"
         data = pristine[rel]
@@ -101,7 +106,7 @@ def corruption_matrix(backend: Backend, *, marker_byte_sweep: bool | None = None
         other = backend.raw_read(f"{info2.path}/{relpath}")
         add(f"replace {relpath} with step {o_step}'s", rel, put(rel, other),
             len(other) != len(data))
-    tensor_file = next(e.path for e in info1.manifest.files if e.path.endswith(".safetensors"))
+    tensor_file = next(e.path for e in view.manifest.files if e.path.endswith(".safetensors"))
     stray_tensors = ("rank-00099/data-0.safetensors" if SHARDED in features(info1.manifest)
                      else "tensors-99999.safetensors")
     add("stray file in the attempt", f"{info1.path}/stray.bin",

@@ -42,6 +42,9 @@ exactly what the single-process save gives it:
            collectively on the local tier and replicated as a sharded step
 ``replica-v4`` the same on incremental tiers (format v4; the frozen model's DTensors kept
            between saves, as for ``async-v4``)
+``v5``     the collective save on one rank with ``metadata_layout="per-rank"`` (format v5:
+           the rank's index document, the tensor spec and the table of rank files; the
+           manifest lists only the spec and the table's blocks, docs/protocol.md §9.7)
 =========  ====================================================================================
 
 Rollback reads (`ROLLBACK_READS`, `rollback_read`): ``load(allow_rollback=True)``,
@@ -150,6 +153,8 @@ class WritePath:
             return store.save(step, state, metadata=metadata)
         if self.name == "v2":
             return save_v2(store, step, state, metadata=metadata)
+        if self.name == "v5":
+            return save_v2(store, step, state, metadata=metadata, metadata_layout="per-rank")
         if self.name == "async":
             fut = store.save_async(step, state, metadata=metadata)
             try:
@@ -182,12 +187,15 @@ class WritePath:
 
 
 def save_v2(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
-            metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
-    """The collective (format v2) save, on one rank."""
+            metadata: Mapping[str, Any] | None = None,
+            metadata_layout: str | None = None) -> CheckpointInfo:
+    """The collective (format v2) save, on one rank; ``metadata_layout="per-rank"``: format
+    v5 (the metadata split per rank, docs/protocol.md §9.7)."""
     from ckptfs.protocol.sharded import save_sharded  # imports DCP: only when used
 
     return save_sharded(store.storage, step, state, algorithm=store.algorithm,
-                        durable=store.durable, threads=store.threads, metadata=metadata)
+                        durable=store.durable, threads=store.threads, metadata=metadata,
+                        metadata_layout=metadata_layout)
 
 
 _FROZEN_MODEL: dict[str, Any] = {}
@@ -444,11 +452,12 @@ REPLICA_V1 = WritePath("replica-v1")
 REPLICA_V3 = WritePath("replica-v3", 3, references=True)
 REPLICA_V2 = WritePath("replica-v2", 2)
 REPLICA_V4 = WritePath("replica-v4", 4, references=True)
+V5 = WritePath("v5", 5)
 
 #: Every in-process write path, by name.
 WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (
     V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V3, ASYNC_V4, CP_V3, CP_V4, REPLICA_V1,
-    REPLICA_V3, REPLICA_V2, REPLICA_V4)}
+    REPLICA_V3, REPLICA_V2, REPLICA_V4, V5)}
 
 
 # -- rollback reads ----------------------------------------------------------------------------
