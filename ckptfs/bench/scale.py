@@ -437,6 +437,98 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
     }
 
 
+def regions_of_plan(plan: Any) -> dict[str, Any]:
+    """What a rank loads into the state it saved (``plan``: its local save plan): each
+    DTensor's local chunk, each plain tensor whole, each value (None): the regions
+    `ShardedReader` reads the metadata of (format v5)."""
+    out: dict[str, Any] = {}
+    for item in plan.items:
+        if item.tensor_data is None:
+            out[item.index.fqn] = None
+        else:
+            c = item.tensor_data.chunk
+            out.setdefault(item.index.fqn, []).append(
+                (tuple(int(o) for o in c.offsets), tuple(int(x) for x in c.sizes)))
+    return out
+
+
+def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = None,
+                reps: int = 1, collect: bool = True) -> dict[str, Any]:
+    """Format v5 (``metadata_layout="per-rank"``, docs/protocol.md §9.7) on the same plans: the
+    coordinator (the same three calls as `simulate_ckptfs`; each rank's ``write_data`` is
+    replaced by its write results and its index document, written by the writer's own
+    ``write_index``), then the loading ranks 0 and W - 1, each loading what it saved: marker,
+    manifest, spec, the table blocks and the index documents of the ranks holding its regions
+    (read, checked, decoded), and those ranks' directories listed.  Per loading rank: the
+    bytes read and decoded (all of them are decoded) and the seconds; the larger of the two
+    ranks is reported."""
+    from ckptfs.format.layout import MANIFEST_NAME, StepPaths
+    from ckptfs.format.rank_metadata import block_name
+    from ckptfs.protocol.commit import Attempt
+    from ckptfs.protocol.sharded_io import AttemptPlan
+
+    state = leaves(spec)
+    values = encoded_values(state)
+    store = ckptfs.open(root, durable=spec.durable)
+    writer = ShardedWriter(store.storage, STEP, durable=spec.durable, threads=store.threads,
+                           metadata_layout="per-rank")
+    planner = SavePlanner()
+    planner.set_up_planner({}, writer.storage_meta(), True)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    local = plans if plans is not None else local_plans(spec, world)
+    regions = {r: regions_of_plan(local[r]) for r in sorted({0, world - 1})}
+    plans = [writer.prepare_local_plan(p) for p in local]
+    del local
+    (gplans, metadata), t_plan = _timed(planner.create_global_plan, plans, collect=collect)
+    gplans, t_prepare = _timed(writer.prepare_global_plan, gplans)
+    attempt = gplans[0].storage_data
+    assert isinstance(attempt, AttemptPlan) and writer.per_rank is not None
+    att = Attempt.join(writer.storage, STEP, attempt.attempt, algorithm=writer.algorithm)
+    results, files = ckptfs_write_results(gplans, values, writer.algorithm)
+    sparse_files(Path(root) / att.write_dir, files)
+    per_rank = writer.per_rank
+
+    def write_indexes(gplans: list[Any], results: list[list[Any]]) -> list[list[Any]]:
+        return [per_rank.write_index(attempt.attempt, r, p.items, res)
+                for r, (p, res) in enumerate(zip(gplans, results, strict=True))]
+
+    reports, t_index = _timed(write_indexes, gplans, results, collect=collect)
+    del plans, gplans, results
+    _, t_finish = _timed(writer.finish, metadata, reports, collect=collect)
+    del reports, metadata
+    info = writer.info
+    assert info is not None
+    adir = Path(root) / info.path
+    marker = (Path(root) / StepPaths(STEP).marker).stat().st_size
+    manifest = (adir / MANIFEST_NAME).stat().st_size
+    listed = sum(e.size for e in info.manifest.files)
+    per = info.manifest.rank_table.rows_per_block  # type: ignore[union-attr]
+
+    def load(rank: int) -> tuple[float, int]:
+        reader = ShardedReader(ckptfs.open(root).storage, STEP, regions=regions[rank])
+        _, t_resolve = _timed(reader.resolve, collect=collect)
+        _, t_doc = _timed(reader.load_document)
+        view = reader.resolve().manifest
+        ranks = {e.rank for e in view.files if e.rank is not None}  # type: ignore[attr-defined]
+        indexes = sum(e.size for e in view.files if e.path.endswith("index.msgpack"))
+        blocks = sum(view.chunked(block_name(b)).size for b in {r // per for r in ranks})
+        spec_bytes = view.chunked("dcp-spec.msgpack").size
+        return t_resolve + t_doc, marker + manifest + spec_bytes + blocks + indexes
+
+    loads = {r: [load(r) for _ in range(reps)] for r in regions}
+    t_load = max(statistics.median(t for t, _ in ls) for ls in loads.values())
+    read = max(ls[0][1] for ls in loads.values())
+    return {
+        "coordinator_s": t_plan + t_prepare + t_finish, "create_global_plan_s": t_plan,
+        "prepare_global_plan_s": t_prepare, "finish_s": t_finish, "rank_index_s": t_index,
+        "metadata_bytes": listed + manifest + info.manifest.rank_table.rank_bytes  # type: ignore[union-attr]
+        - sum(size for _, size in files),
+        "manifest_bytes": manifest, "marker_bytes": marker,
+        "read_per_rank_bytes": read, "decoded_per_rank_bytes": read,
+        "load_per_rank_s": t_load, "attempt": info.attempt, "path": info.path,
+    }
+
+
 def simulate_dcp(spec: Spec, world: int, root: str, *, reps: int = 1,
                  collect: bool = True) -> dict[str, Any]:
     """DCP's ``DefaultSavePlanner`` and ``FileSystemWriter`` coordinator on the same plans, its
@@ -504,9 +596,10 @@ def simulate(spec: Spec, world: int, *, reps: int | None = None,
         ours = simulate_ckptfs(spec, world, f"{tmp}/ckptfs", plans=plans, reps=reps,
                                collect=collect)
         del plans
+        v5 = simulate_v5(spec, world, f"{tmp}/v5", reps=reps, collect=collect)
         theirs = simulate_dcp(spec, world, f"{tmp}/dcp", reps=reps, collect=collect)
         return {"world": world, "mesh": spec.mesh, "layers": spec.layers, **counts,
-                "ckptfs": ours, "dcp": theirs}
+                "ckptfs": ours, "v5": v5, "dcp": theirs}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -583,6 +676,24 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
             lines.append("| growth in W | " + " | ".join(
                 f"{k('ckptfs/' + o)} / {k('dcp/' + t)}" if t else k("ckptfs/" + o)
                 for _, o, t, _u in COLUMNS) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def load_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Per mesh, what one loading rank reads of the metadata: ckptfs's default layout (format
+    v2: marker, manifest, ``dcp.msgpack``), ``metadata_layout="per-rank"`` (format v5: marker,
+    manifest, spec, its table blocks and the index documents it needs; the larger of ranks 0
+    and W - 1) and DCP (``.metadata``): bytes read (each of them decoded too) and seconds."""
+    lines: list[str] = []
+    for mesh in dict.fromkeys(r["mesh"] for r in rows):
+        lines += [f"**{mesh}**, metadata per loading rank; each cell v2 / v5 / DCP", "",
+                  "| W | read and decoded KiB | load s/rank |", "|---|---|---|"]
+        for r in (r for r in rows if r["mesh"] == mesh and "v5" in r):
+            kib = [r[k]["read_per_rank_bytes"] / 1024 for k in ("ckptfs", "v5", "dcp")]
+            sec = [r[k]["load_per_rank_s"] for k in ("ckptfs", "v5", "dcp")]
+            lines.append(f"| {r['world']:,} | " + " / ".join(f"{v:,.1f}" for v in kib)
+                         + " | " + " / ".join(f"{v:.4f}" for v in sec) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -783,6 +894,7 @@ def main_scale(args: argparse.Namespace) -> int:
         rows = run_scale(worlds, meshes, layers=args.scale_layers,
                          hsdp_shard=args.scale_hsdp_shard, progress=progress)
         print(table(rows), flush=True)
+        print(load_table(rows), flush=True)
         doc["rows"] = rows
         doc["growth"] = growth(rows)
     if args.scale_json:

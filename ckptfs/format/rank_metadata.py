@@ -70,7 +70,7 @@ PER_RANK = "per-rank"
 SPEC_KEYS = frozenset({"schema", "format_version", "world_size", "version", "tensors", "values",
                        "planner_data", "storage_meta", "tree", "extra"})
 SPEC_TENSOR_KEYS = frozenset({"dtype", "size", "requires_grad", "memory_format", "pin_memory",
-                              "grid", "owners", "chunks"})
+                              "grid", "owners", "chunks", "empty"})
 INDEX_KEYS = frozenset({"schema", "format_version", "rank", "file", "size", "algorithm",
                         "header", "items"})
 _MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
@@ -340,7 +340,9 @@ class TensorSpec:
     """A tensor of the spec: its properties and layout.  ``grid`` (block sizes, one per
     dimension) with ``owners`` ``(base, stride)``: the chunks are the cells of equal blocks
     (the last of a dimension possibly smaller), the cell of row-major index ``i`` stored by
-    rank ``base + i * stride``; otherwise ``chunks``, explicit."""
+    rank ``base + i * stride``, and ``empty`` the chunks without elements stored besides
+    (as DCP's planner keeps one where ranks past a tensor's end hold empty shards); otherwise
+    ``chunks``, explicit (with any empty ones)."""
 
     dtype: str  # a dtype name of §8.4
     size: tuple[int, ...]
@@ -350,6 +352,7 @@ class TensorSpec:
     grid: tuple[int, ...] | None = None
     owners: tuple[int, int] | None = None
     chunks: tuple[Cell, ...] | None = None
+    empty: tuple[Cell, ...] = ()
 
     @property
     def code(self) -> str:
@@ -360,8 +363,9 @@ class TensorSpec:
         return tuple(-(-s // b) for s, b in zip(self.size, self.grid, strict=True))
 
     def cells(self) -> Iterator[Cell]:
-        """Every chunk, in row-major order (grid) or as listed."""
+        """Every chunk, in row-major order (grid, then the empty ones) or as listed."""
         yield from self.overlapping(tuple(0 for _ in self.size), self.size)
+        yield from self.empty
 
     def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[Cell]:
         """The chunks that share an element with the box ``offsets``/``sizes`` (a box without
@@ -405,14 +409,19 @@ def _intersects(ao: tuple[int, ...], asz: tuple[int, ...], bo: tuple[int, ...],
     return all(a < b + bs and b < a + as_ for a, as_, b, bs in zip(ao, asz, bo, bsz, strict=True))
 
 
-def layout_of(size: tuple[int, ...], cells: list[Cell]) -> tuple[tuple[int, ...] | None,
-                                                                  tuple[int, int] | None,
-                                                                  tuple[Cell, ...] | None]:
+def layout_of(size: tuple[int, ...], cells: list[Cell]
+              ) -> tuple[tuple[int, ...] | None, tuple[int, int] | None,
+                         tuple[Cell, ...] | None, tuple[Cell, ...]]:
     """Writer side: the compact layout of a tensor stored as ``cells`` (its chunks and their
-    ranks): a grid with an owner progression when the chunks are exactly the cells of equal
-    blocks and their ranks a progression in row-major order, else the explicit chunks."""
-    explicit = (None, None, tuple(sorted(cells, key=lambda c: c.offsets)))
+    ranks): a grid with an owner progression when the chunks with elements are exactly the
+    cells of equal blocks and their ranks a progression in row-major order (the chunks without
+    elements listed besides), else the explicit chunks."""
+    explicit = (None, None, tuple(sorted(cells, key=lambda c: c.offsets)), ())
     if not cells or any(s == 0 for s in size):
+        return explicit
+    empty = tuple(sorted((c for c in cells if 0 in c.sizes), key=lambda c: c.offsets))
+    cells = [c for c in cells if 0 not in c.sizes]
+    if not cells:
         return explicit
     first = min(cells, key=lambda c: c.offsets)
     if any(first.offsets) or any(s == 0 for s in first.sizes):
@@ -438,7 +447,7 @@ def layout_of(size: tuple[int, ...], cells: list[Cell]) -> tuple[tuple[int, ...]
     stride = ranks[1] - ranks[0] if len(ranks) > 1 else 0
     if stride < 0 or any(r != ranks[0] + i * stride for i, r in enumerate(ranks)):
         return explicit
-    return grid, (ranks[0], stride), None
+    return grid, (ranks[0], stride), None, empty
 
 
 @dataclass
@@ -474,7 +483,8 @@ def encode_spec(spec: Spec) -> bytes:
             "grid": None if t.grid is None else list(t.grid),
             "owners": None if t.owners is None else list(t.owners),
             "chunks": None if t.chunks is None else
-            [[list(c.offsets), list(c.sizes), c.rank] for c in t.chunks]}
+            [[list(c.offsets), list(c.sizes), c.rank] for c in t.chunks],
+            "empty": [[list(c.offsets), list(c.sizes), c.rank] for c in t.empty]}
     doc = {"schema": SPEC_SCHEMA, "format_version": RANK_METADATA_FORMAT_VERSION,
            "world_size": spec.world_size, "version": spec.version, "tensors": tensors,
            "values": dict(spec.values),
@@ -489,8 +499,10 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
     key required, ``world_size`` the manifest's; per tensor a dtype name of §8.4, its size,
     flags, and exactly one layout: a grid (one block size >= 1 per dimension, every dimension
     of the tensor >= 1, at most `MAX_GRID_CELLS` cells, every owner ``base + i * stride`` a
-    rank) or explicit chunks (each inside the tensor, covering it exactly once, each with a
-    rank); each value's rank; planner data naming exactly the stored names, and the tree."""
+    rank; ``empty``: at most ``world_size`` chunks without elements, inside the tensor, each
+    with a rank) or explicit chunks (each inside the tensor, covering it exactly once, each
+    with a rank; ``empty`` then ``[]``); each value's rank; planner data naming exactly the
+    stored names, and the tree."""
     raw = unpack_document(data, where)
 
     def bad(what: str) -> CorruptCheckpointError:
@@ -522,6 +534,7 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
             raise bad(f"tensor {fqn!r:.80}: requires_grad, pin_memory or memory_format")
         size = tuple(_ints(e["size"], f"tensor {fqn!r:.80}: size", where))
         grid = owners = chunks = None
+        empty: tuple[Cell, ...] = ()
         if e["chunks"] is None:
             g = tuple(_ints(e["grid"], f"tensor {fqn!r:.80}: grid", where))
             ow = e["owners"]
@@ -536,9 +549,27 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
                 raise bad(f"tensor {fqn!r:.80}: owners {ow!r:.40} are not ranks of the "
                           f"{world}-rank save")
             grid, owners = g, (ow[0], ow[1])
+            raw_e = e["empty"]
+            if not isinstance(raw_e, list) or len(raw_e) > world:
+                raise bad(f"tensor {fqn!r:.80}: empty {raw_e!r:.40}")
+            em = []
+            for c in raw_e:
+                if not isinstance(c, list) or len(c) != 3 or not rank_ok(c[2]):
+                    raise bad(f"tensor {fqn!r:.80}: empty chunk {c!r:.80}")
+                off = tuple(_ints(c[0], "chunk offsets", where))
+                sz = tuple(_ints(c[1], "chunk sizes", where))
+                if len(off) != len(size) or len(sz) != len(size) or 0 not in sz or any(
+                        o < 0 or n < 0 or o + n > full
+                        for o, n, full in zip(off, sz, size, strict=True)):
+                    raise bad(f"tensor {fqn!r:.80}: empty chunk {c!r:.80} is not an empty "
+                              "box inside the tensor")
+                em.append(Cell(off, sz, c[2]))
+            if len({c.offsets for c in em}) != len(em):
+                raise bad(f"tensor {fqn!r:.80}: two empty chunks at the same offsets")
+            empty = tuple(em)
         else:
             if e["grid"] is not None or e["owners"] is not None or \
-                    not isinstance(e["chunks"], list):
+                    not isinstance(e["chunks"], list) or e["empty"] != []:
                 raise bad(f"tensor {fqn!r:.80}: both a grid and chunks, or neither")
             cl = []
             for c in e["chunks"]:
@@ -551,7 +582,7 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
             check_cover(fqn, list(size), [(list(c.offsets), list(c.sizes)) for c in cl], where)
             chunks = tuple(cl)
         tensors[fqn] = TensorSpec(e["dtype"], size, e["requires_grad"], e["memory_format"],
-                                  e["pin_memory"], grid, owners, chunks)
+                                  e["pin_memory"], grid, owners, chunks, empty)
     values: dict[str, int] = {}
     for fqn, r in raw_v.items():
         if not isinstance(fqn, str) or fqn in tensors or not rank_ok(r):

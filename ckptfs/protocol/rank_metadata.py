@@ -223,10 +223,10 @@ class PerRankSave:
                    torch.preserve_format: "preserve_format"}.get(p.memory_format,
                                                                  "contiguous_format")
             size = tuple(int(s) for s in sm.size)
-            grid, owners, chunks = layout_of(size, cells[fqn])
+            grid, owners, chunks, empty = layout_of(size, cells[fqn])
             tensors[fqn] = TensorSpec(str(p.dtype).removeprefix("torch."), size,
                                       bool(p.requires_grad), fmt, bool(p.pin_memory), grid,
-                                      owners, chunks)
+                                      owners, chunks, empty)
         planner = None if metadata.planner_data is None else \
             {k: tuple(v) for k, v in metadata.planner_data.items()}
         spec = Spec(world, tensors, values, planner,

@@ -61,6 +61,13 @@ def test_table_has_the_columns_and_the_growth() -> None:
     hsdp = [by["hsdp", w]["ckptfs"]["dcp_msgpack_bytes"] for w in (8, 16)]
     assert fsdp[1] > 1.5 * fsdp[0]
     assert hsdp[1] == pytest.approx(hsdp[0], rel=0.05)
+    # format v5 (metadata_layout="per-rank") beside them: what one loading rank reads
+    loads = scale.load_table(rows)
+    assert "v2 / v5 / DCP" in loads and "| 16 |" in loads
+    for r in rows:
+        v5 = r["v5"]
+        assert v5["read_per_rank_bytes"] == v5["decoded_per_rank_bytes"] > v5["manifest_bytes"]
+        assert v5["load_per_rank_s"] > 0 and v5["coordinator_s"] > 0
     g = scale.growth(rows)["fsdp"]["ckptfs/metadata_bytes"]
     assert g is not None and 0.5 < g < 1.2
 

@@ -4,6 +4,8 @@ errors, and the v5 manifest."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 
@@ -91,12 +93,16 @@ def test_index_round_trip_binding_and_swap() -> None:
 
 def _spec(world: int = 4) -> Spec:
     cells = [Cell((2 * r, 0), (2, 3), r) for r in range(world)]
-    grid, owners, chunks = layout_of((2 * world, 3), cells)
-    assert (grid, owners, chunks) == ((2, 3), (0, 1), None)
+    grid, owners, chunks, empty = layout_of((2 * world, 3), cells)
+    assert (grid, owners, chunks, empty) == ((2, 3), (0, 1), None, ())
     w = TensorSpec("float32", (2 * world, 3), False, "contiguous_format", False, grid, owners)
     odd = TensorSpec("float32", (3,), False, "contiguous_format", False,
                      *layout_of((3,), [Cell((0,), (1,), 1), Cell((1,), (2,), 0)]))
     assert odd.chunks is not None  # not a grid of equal blocks
+    # ranks past the end of a tensor hold empty shards: DCP keeps one empty chunk, listed
+    # besides the grid, and every chunk is still found
+    past = [Cell((0,), (2,), 0), Cell((2,), (1,), 1), Cell((3,), (0,), 2)]
+    assert layout_of((3,), past) == ((2,), (0, 1), None, (Cell((3,), (0,), 2),))
     return Spec(world, {"w": w, "b": odd}, {"step": 0}, None, None, None, None, {})
 
 
@@ -110,6 +116,11 @@ def test_spec_round_trip_and_overlap() -> None:
     assert [c.rank for c in cells["w"]] == [1, 2] and values == {"step": 0}
     cells, _ = needed_cells(back, None)
     assert len(cells["w"]) == 4 and len(cells["b"]) == 2
+    tail = dataclasses.replace(w, empty=(Cell((8, 0), (0, 3), 3),))
+    again = decode_spec(encode_spec(dataclasses.replace(back, tensors={**back.tensors,
+                                                                       "w": tail})), 4, where="s")
+    assert list(again.tensors["w"].cells())[-1] == Cell((8, 0), (0, 3), 3)
+    assert again.owned()[3] == 2  # the empty chunk is an item of rank 3's file too
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -118,6 +129,9 @@ def test_spec_round_trip_and_overlap() -> None:
     (lambda d: d["tensors"]["b"].update(chunks=[[[0], [1], 1]]), "gap"),
     (lambda d: d.update(world_size=8), "world_size"),
     (lambda d: d["values"].update(step=9), "value"),
+    (lambda d: d["tensors"]["w"].update(empty=[[[9, 0], [0, 3], 1]]), "empty chunk"),
+    (lambda d: d["tensors"]["w"].update(empty=[[[8, 0], [1, 3], 1]]), "empty chunk"),
+    (lambda d: d["tensors"]["b"].update(empty=[[[3], [0], 1]]), "both a grid and chunks"),
 ])
 def test_tampered_spec_is_refused(edit: object, match: str) -> None:
     doc = msgpack.unpackb(encode_spec(_spec()))
