@@ -363,7 +363,11 @@ class TensorSpec:
         return tuple(-(-s // b) for s, b in zip(self.size, self.grid, strict=True))
 
     def cells(self) -> Iterator[Cell]:
-        """Every chunk, in row-major order (grid, then the empty ones) or as listed."""
+        """Every chunk, in row-major order (grid, then the empty ones) or as listed (chunks
+        without elements included)."""
+        if self.chunks is not None:
+            yield from self.chunks
+            return
         yield from self.overlapping(tuple(0 for _ in self.size), self.size)
         yield from self.empty
 

@@ -183,8 +183,11 @@ class PerRankSave:
 
     # -- the coordinator, once every rank reported -------------------------------------------
     def finish(self, att: Attempt, metadata: Any, results: list[list[Any]],
-               checkpoint_id: str) -> CheckpointInfo:
-        """Write the spec and the table blocks, check every file is there, commit."""
+               checkpoint_id: str, *, tree: Any = None) -> CheckpointInfo:
+        """Write the spec and the table blocks, check every file is there, commit.
+        ``tree``: the state's skeleton merged over every rank (the planner's, once it saw
+        every rank's plan; else the one given at construction).  The spec is decoded by the
+        reader's rules before it is written: one a reader would refuse is never committed."""
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
         world = len(results)
@@ -231,9 +234,14 @@ class PerRankSave:
             {k: tuple(v) for k, v in metadata.planner_data.items()}
         spec = Spec(world, tensors, values, planner,
                     {"checkpoint_id": checkpoint_id, "save_id": att.name, "modules": []},
-                    metadata.version, self.tree, {})
+                    metadata.version, self.tree if tree is None else tree, {})
         blob = encode_spec(spec)
         check_document_size(blob, MAX_METADATA_BYTES, SPEC_NAME)
+        try:  # O(tensors): the spec a reader decodes, by its rules
+            decode_spec(blob, world, where=SPEC_NAME)
+        except CorruptCheckpointError as exc:
+            raise UnsupportedValueError(f"{att.write_dir}: this checkpoint would not be "
+                                        f"readable, so it is not committed: {exc}") from exc
         docs = {SPEC_NAME: att.write_document(SPEC_NAME, blob)}
         for path, data in self._blocks(rows, world).items():
             docs[path] = att.write_document(path, data)

@@ -442,7 +442,8 @@ class ShardedWriter(StorageWriter):
             raise UnsupportedValueError("finish() before prepare_global_plan()")
         with att:  # any failure before the marker discards the attempt
             self.info = self._finish(att, metadata, results) if self.per_rank is None \
-                else self.per_rank.finish(att, metadata, results, self.checkpoint_id)
+                else self.per_rank.finish(att, metadata, results, self.checkpoint_id,
+                                          tree=self.tree)
         metadata._ckptfs_info = self.info  # type: ignore[attr-defined]  # broadcast by DCP
 
     def _finish(self, att: Attempt, metadata: Metadata,

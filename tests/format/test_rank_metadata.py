@@ -121,6 +121,10 @@ def test_spec_round_trip_and_overlap() -> None:
                                                                        "w": tail})), 4, where="s")
     assert list(again.tensors["w"].cells())[-1] == Cell((8, 0), (0, 3), 3)
     assert again.owned()[3] == 2  # the empty chunk is an item of rank 3's file too
+    # a tensor without elements: its one (empty) chunk is explicit, and still a chunk
+    z = TensorSpec("float32", (0, 5), False, "contiguous_format", False,
+                   *layout_of((0, 5), [Cell((0, 0), (0, 5), 2)]))
+    assert list(z.cells()) == [Cell((0, 0), (0, 5), 2)]
 
 
 @pytest.mark.parametrize("edit, match", [

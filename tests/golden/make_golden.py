@@ -1,8 +1,9 @@
 """Write the golden checkpoints under ``tests/golden/v1/run`` (format v1),
 ``tests/golden/v2/run`` (format v2, sharded), ``tests/golden/v3/run`` (format v3,
-incremental: step 2 references step 1) and ``tests/golden/v4/run`` (format v4, sharded
-incremental: both steps by 2 gloo ranks, step 2 referencing step 1's rank files) (run once,
-keep them).
+incremental: step 2 references step 1), ``tests/golden/v4/run`` (format v4, sharded
+incremental: both steps by 2 gloo ranks, step 2 referencing step 1's rank files) and
+``tests/golden/v5/run`` (format v5: format v2's run saved with ``metadata_layout="per-rank"``)
+(run once, keep them).
 
 The golden files are fixed bytes committed to the repository: every future ckptfs must load them
 bit-exact (tests/format/test_golden.py), so a format change that breaks old checkpoints fails
@@ -14,7 +15,7 @@ the others.  Usage::
     python tests/golden/make_golden.py --version 2   # refuses if the directory exists
     python tests/golden/make_golden.py --version 1 --out /tmp/x   # a throwaway copy
 
-``golden_v1()`` to ``golden_v4()`` are the recipes: plain arithmetic (no RNG, no
+``golden_v1()`` to ``golden_v5()`` are the recipes: plain arithmetic (no RNG, no
 transcendental functions), so any torch on any platform rebuilds the same values, and the
 test compares the loaded checkpoints with what the recipe builds now. Format v2's step 1 is
 written by 2 gloo ranks (processes on this machine): DTensors sharded by rows (7 rows: 4 and 3)
@@ -214,7 +215,18 @@ def golden_v4() -> dict[int, tuple[dict[str, Any], dict[str, Any], str, int]]:
                 "sha256", 2)}
 
 
-RECIPES = {1: golden_v1, 2: golden_v2, 3: golden_v3, 4: golden_v4}
+def golden_v5() -> dict[int, tuple[dict[str, Any], dict[str, Any], str, int]]:
+    """step -> (the full state, metadata, hash algorithm, world size) of the v5 golden run:
+    format v2's states (step 1 by 2 gloo ranks, step 2 by one process), saved by a store
+    opened with ``metadata_layout="per-rank"`` (the metadata split per rank)."""
+    out = {}
+    for step, (state, meta, algorithm, world) in golden_v2().items():
+        out[step] = (state, {**meta, "notes": str(meta["notes"]).replace("v2", "v5")},
+                     algorithm, world)
+    return out
+
+
+RECIPES = {1: golden_v1, 2: golden_v2, 3: golden_v3, 4: golden_v4, 5: golden_v5}
 
 
 def _rank(version: int, rank: int, world: int, out: str, rdv: str) -> None:
@@ -231,10 +243,11 @@ def _rank(version: int, rank: int, world: int, out: str, rdv: str) -> None:
                             timeout=timedelta(seconds=120))
     try:
         mesh = init_device_mesh("cpu", (world,))
-        if version == 2:
-            full, meta, algorithm, _ = golden_v2()[1]
-            ckptfs.open(out, algorithm=algorithm).save(1, rank_state(full, rank, mesh),
-                                                        metadata=meta)
+        if version in (2, 5):
+            full, meta, algorithm, _ = RECIPES[version]()[1]
+            layout = "per-rank" if version == 5 else None
+            ckptfs.open(out, algorithm=algorithm, metadata_layout=layout).save(
+                1, rank_state(full, rank, mesh), metadata=meta)
         else:
             recipe = golden_v4()
             store = ckptfs.open(out, algorithm=recipe[1][2], incremental=True)
@@ -275,10 +288,11 @@ def write(version: int, out: Path) -> None:
                 p.join(300)
             if any(p.exitcode != 0 for p in procs):
                 sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        if version == 2:
-            state, meta, algorithm, _ = golden_v2()[2]
+        if version in (2, 5):
+            state, meta, algorithm, _ = RECIPES[version]()[2]
             store = ckptfs.open(str(out), algorithm=algorithm)
-            save_sharded(store.storage, 2, state, algorithm=algorithm, metadata=meta)
+            save_sharded(store.storage, 2, state, algorithm=algorithm, metadata=meta,
+                         metadata_layout="per-rank" if version == 5 else None)
         elif not getattr(ckptfs.open(str(out)).info(2).manifest, "references", None):
             sys.exit(f"{out}: step 2 references nothing of step 1: not a v4 golden run")
     print(f"wrote format-v{version} golden run at {out}")
