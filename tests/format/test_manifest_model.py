@@ -12,9 +12,24 @@ from typing import Any
 import pytest
 
 from ckptfs.errors import CorruptCheckpointError, UnsupportedValueError
-from ckptfs.format.entries import Chunk, ChunkedFileEntry, Reference, is_bound, make_entry
-from ckptfs.format.features import CHUNKED, REFERENCES, SHARDED
-from ckptfs.format.layout import METADATA_NAME, STATE_NAME, new_attempt_name, rank_file_name
+from ckptfs.format.entries import (
+    Chunk,
+    ChunkedFileEntry,
+    RankTable,
+    Reference,
+    is_bound,
+    make_entry,
+    rank_row_bytes,
+)
+from ckptfs.format.features import CHUNKED, RANK_METADATA, REFERENCES, SHARDED
+from ckptfs.format.layout import (
+    METADATA_NAME,
+    SPEC_NAME,
+    STATE_NAME,
+    new_attempt_name,
+    rank_file_name,
+    table_block_name,
+)
 from ckptfs.format.limits import MAX_JSON_DEPTH
 from ckptfs.format.manifest import Manifest, check_model
 from ckptfs.format.versions import check_committable, decode_manifest
@@ -26,6 +41,7 @@ OTHER = new_attempt_name()
 V2 = frozenset({SHARDED, CHUNKED})
 V3 = frozenset({CHUNKED, REFERENCES})
 V4 = frozenset({SHARDED, CHUNKED, REFERENCES})
+V5 = frozenset({SHARDED, CHUNKED, RANK_METADATA})
 
 
 def rank_entry(rank: int, n: int = 3) -> ChunkedFileEntry:
@@ -35,6 +51,17 @@ def rank_entry(rank: int, n: int = 3) -> ChunkedFileEntry:
 
 
 def manifest(feats: frozenset[str] = V2, **change: Any) -> Manifest:
+    if RANK_METADATA in feats:  # the spec first, then the table's one block (3 rows)
+        width = 3 * rank_row_bytes(ALGO)
+        fields: dict[str, Any] = dict(
+            step=7, attempt=ATTEMPT, files=(
+                make_entry(SPEC_NAME, 10, ALGO, [Chunk(0, 10, HEX)], None),
+                make_entry(table_block_name(0), width, ALGO, [Chunk(0, width, HEX)], None)),
+            created="2026-01-01T00:00:00Z", hash_algorithm=ALGO,
+            metadata={"tensor_count": 0, "note": "x"}, features=feats, world_size=3,
+            rank_table=RankTable(128, 2, 1000))
+        fields.update(change)
+        return Manifest(**fields)
     sharded = SHARDED in feats
     files: list[Any] = [rank_entry(r) for r in range(2)] if sharded else [
         make_entry("data-0.safetensors", 64, ALGO, [Chunk(0, 64, HEX)], None)]
@@ -121,11 +148,28 @@ REFERENCE_EDITS: list[tuple[str, Callable[[Manifest], dict[str, Any]]]] = [
 ]
 
 
+RANK_TABLE_EDITS: list[tuple[str, Callable[[Manifest], dict[str, Any]]]] = [
+    ("a view's rank files (not encoded)", lambda m: {"files": (*m.files, rank_entry(0))}),
+    ("no spec", lambda m: {"files": m.files[1:]}),
+    ("a block of the wrong size", file_changed(
+        1, size=7, chunks=(Chunk(0, 7, HEX),), digest=make_entry(
+            "x", 7, ALGO, [Chunk(0, 7, HEX)], None).digest)),
+    ("a rank for the spec", file_changed(0, rank=0)),
+    ("a block too many", lambda m: {"files": (*m.files, make_entry(
+        table_block_name(1), 10, ALGO, [Chunk(0, 10, HEX)], None))}),
+    ("rows per block 0", lambda m: {"rank_table": RankTable(0, 2, 1000)}),
+    ("more rank files than ranks", lambda m: {"rank_table": RankTable(128, 4, 1000)}),
+    ("rank bytes negative", lambda m: {"rank_table": RankTable(128, 2, -1)}),
+    ("rows per block 2: two blocks wanted", lambda m: {"rank_table": RankTable(2, 2, 1000)}),
+]
+
+
 def cases() -> list[Any]:
     out = []
-    for name, feats in (("v2", V2), ("v3", V3), ("v4", V4)):
+    for name, feats in (("v2", V2), ("v3", V3), ("v4", V4), ("v5", V5)):
         edits = EDITS + (SHARDED_EDITS if SHARDED in feats else []) + (
-            REFERENCE_EDITS if REFERENCES in feats else [])
+            REFERENCE_EDITS if REFERENCES in feats else []) + (
+            RANK_TABLE_EDITS if RANK_METADATA in feats else [])
         out += [pytest.param(feats, edit, id=f"{name}-{what}") for what, edit in edits]
     return out
 
