@@ -472,7 +472,7 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
     store = ckptfs.open(root, durable=spec.durable)
     writer = ShardedWriter(store.storage, STEP, durable=spec.durable, threads=store.threads,
                            metadata_layout="per-rank")
-    planner = SavePlanner()
+    planner = SavePlanner(gather_small=True)  # as a per-rank save's planner
     planner.set_up_planner({}, writer.storage_meta(), True)
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
     local = plans if plans is not None else local_plans(spec, world)

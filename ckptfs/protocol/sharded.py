@@ -316,7 +316,8 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
                                threads=threads, metadata=metadata, tree=skeleton,
                                memory=memory, lease_s=lease_s, node_local=node_local,
                                metadata_layout=metadata_layout)
-        planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer)
+        planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer,
+                              gather_small=writer.per_rank is not None)
         if live is None:
             live = Liveness(group, kind, step)
         live.wrap(writer, "write_data")

@@ -53,8 +53,13 @@ class SavePlanner(DefaultSavePlanner):
     every rank before any byte is written."""
 
     def __init__(self, *args: Any, deferred_error: BaseException | None = None,
-                 tree: Any = None, tree_sink: Any = None, **kwargs: Any) -> None:
+                 tree: Any = None, tree_sink: Any = None, gather_small: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: Format v5 (per-rank metadata): small replicated tensors are stored by the lowest
+        #: rank holding them (`small_tensors_from_lowest_rank`), so a loading rank reads the
+        #: index documents of few ranks besides its own.
+        self._gather_small = gather_small
         self._deferred = deferred_error
         self._encoded: dict[str, bytes] = {}
         self._tree = tree            # this rank's skeleton (store.save), sent with its plan
@@ -92,7 +97,10 @@ class SavePlanner(DefaultSavePlanner):
         trees = [getattr(p.planner_data, "tree", None) for p in all_plans]
         if self._tree_sink is not None and any(t is not None for t in trees):
             self._tree_sink.tree = merge_trees(trees)
-        return super().create_global_plan(values_from_lowest_rank(all_plans))
+        plans = values_from_lowest_rank(all_plans)
+        if self._gather_small:
+            plans = small_tensors_from_lowest_rank(plans)
+        return super().create_global_plan(plans)
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's global plan (its hook, plan caching's path too): the deduplicated plans and
@@ -148,6 +156,29 @@ def values_from_lowest_rank(plans: list[SavePlan]) -> list[SavePlan]:
     return [dataclasses.replace(plan, items=[
         item for item in plan.items
         if item.type != WriteItemType.BYTE_IO or owner[item.index] == rank])
+        for rank, plan in enumerate(plans)]
+
+
+#: A replicated tensor at most this large is stored by the lowest rank holding it, with
+#: ``gather_small`` (format v5); larger ones are spread over the ranks by DCP's balance.
+SMALL_REPLICATED_BYTES = 1 << 20
+
+
+def small_tensors_from_lowest_rank(plans: list[SavePlan]) -> list[SavePlan]:
+    """Every replicated tensor (a whole tensor, ``WriteItemType.TENSOR``, in several ranks'
+    plans) of at most `SMALL_REPLICATED_BYTES` kept in the plan of the lowest rank holding
+    it only (DCP's deduplication would spread them over the ranks): a few bytes more for that
+    rank to write, and one rank's index document for every loading rank to read instead of
+    many (docs/protocol.md §9.7).  Shards and larger tensors are left to DCP."""
+    owner: dict[MetadataIndex, int] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            td = item.tensor_data
+            if item.type == WriteItemType.TENSOR and td is not None and \
+                    td.size.numel() * td.properties.dtype.itemsize <= SMALL_REPLICATED_BYTES:
+                owner.setdefault(item.index, rank)
+    return [dataclasses.replace(plan, items=[
+        item for item in plan.items if owner.get(item.index, rank) == rank])
         for rank, plan in enumerate(plans)]
 
 

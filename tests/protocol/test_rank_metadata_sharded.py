@@ -1,6 +1,6 @@
 """Format v5 (per-rank metadata) on gloo ranks: a 2-rank save, then 2 -> 1 (a full load) and
 2 -> 4 (each rank loads its Shard(0) of 4), bit-exact; each loading rank reads only the index
-documents of the ranks holding its rows."""
+documents of the ranks holding its rows; a small replicated tensor is stored by rank 0."""
 
 from __future__ import annotations
 
@@ -55,6 +55,11 @@ def test_two_rank_save_reshards_bit_exact(tmp_path: Any) -> None:
     assert torch.equal(full["w"], want["w"]) and torch.equal(full["b"], want["b"])
     assert full["step"] == 11 and full["opt"] == {"lr": 0.5}
     assert store.verify(1).ok
+    from ckptfs.protocol.rank_metadata import read_spec
+
+    spec = read_spec(store.storage, store.info(1))
+    assert spec.tensors["b"].owners == (0, 0)  # a small replicated tensor: stored by rank 0
+    assert spec.tensors["w"].owners == (0, 1) and spec.tensors["w"].grid == (4, 5)
     manifest = json.loads((tmp_path / "run" / "checkpoints" / "step-000000000001" / saved[0][1]
                            / "MANIFEST.json").read_text())
     assert {f["path"] for f in manifest["files"]} == {"dcp-spec.msgpack",
