@@ -131,13 +131,23 @@ def test_marker_newer_version() -> None:
 def _featured(feats: frozenset[str]) -> Manifest:
     """A well-formed manifest of every feature set the table names: v1's whole file, or the
     chunked files a sharded (rank file + dcp.msgpack) or single-process (state.msgpack)
-    checkpoint has, with one reference where the features carry references."""
-    from ckptfs.format.entries import Chunk, Reference, make_entry
+    checkpoint has, with one reference where the features carry references; with rank
+    metadata, the tensor spec and one block of the table of rank files instead of the rank
+    files."""
+    from ckptfs.format.entries import Chunk, RankTable, Reference, make_entry
+    from ckptfs.format.features import RANK_METADATA
+    from ckptfs.format.layout import SPEC_NAME, table_block_name
     from ckptfs.format.versions import REFERENCES, SHARDED
 
     if not feats:
         return _manifest()
     hexd = "ab" * 32
+    if RANK_METADATA in feats:
+        files = (make_entry(SPEC_NAME, 4, "sha256", [Chunk(0, 4, hexd)], None),
+                 make_entry(table_block_name(0), 170, "sha256", [Chunk(0, 170, hexd)],
+                            None))
+        return Manifest(5, ATTEMPT, files, "2026-11-30T01:25:00+00:00", "sha256", {}, feats,
+                        world_size=2, rank_table=RankTable(128, 2, 100))
     if SHARDED in feats:
         files = (make_entry("dcp.msgpack", 4, "sha256", [Chunk(0, 4, hexd)], None),
                  make_entry("rank-00000/data-0.safetensors", 6, "sha256",
