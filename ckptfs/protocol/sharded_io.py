@@ -83,6 +83,7 @@ from ckptfs.format.sharded import (
 from ckptfs.format.sharded_metadata import DcpDocument, ItemLocation, encode_metadata
 from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED, features
 from ckptfs.protocol.commit import Attempt, Lease, default_threads, now_text, placeholder_digest
+from ckptfs.protocol.gcpause import paused_collector
 from ckptfs.protocol.incremental import (
     Item,
     ReuseIndex,
@@ -223,6 +224,10 @@ class ShardedWriter(StorageWriter):
                 f"{self.storage.url}: every rank must save the same step")
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        with paused_collector():  # one placeholder chunk per item: gcpause's docstring
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._check_same_step(plans)
         att = Attempt.open(self.storage, self.step, algorithm=self.algorithm,
                            durable=self.durable)
@@ -430,7 +435,8 @@ class ShardedWriter(StorageWriter):
         att = self._attempt
         if att is None:
             raise UnsupportedValueError("finish() before prepare_global_plan()")
-        with att:  # any failure before the marker discards the attempt
+        # One location and chunk per reported item: the collector paused (gcpause).
+        with att, paused_collector():  # any failure before the marker discards the attempt
             self.info = self._finish(att, metadata, results)
         metadata._ckptfs_info = self.info  # type: ignore[attr-defined]  # broadcast by DCP
 
