@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
+from collections import ChainMap
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     _validate_global_plan,
+    create_default_global_save_plan,
 )
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -155,25 +158,71 @@ def test_same_verdict_as_dcp_on_random_layouts() -> None:
     assert 300 < broken < 2700  # both kinds well represented
 
 
-def plans_equal(a: Any, b: Any) -> bool:
-    return [p.items for p in a] == [p.items for p in b]
+def item_rows(plans: list[SavePlan]) -> list[list[tuple[Any, ...]]]:
+    """Per plan, its items with everything DCP compares and the index hint it does not."""
+    return [[(i.index.fqn, i.index.offset, i.index.index, i.type, i.bytes_io_data,
+              i.tensor_data) for i in p.items] for p in plans]
+
+
+def written(plans: list[SavePlan]) -> dict[tuple[str, Any], int]:
+    """Who writes each item (by ``MetadataIndex``: name and offset)."""
+    return {(i.index.fqn, i.index.offset): r for r, p in enumerate(plans) for i in p.items}
+
+
+def bytes_per_rank(plans: list[SavePlan]) -> list[int]:
+    return [sum(math.prod(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize
+                for i in p.items if i.tensor_data is not None) for p in plans]
 
 
 @pytest.mark.parametrize("mesh", ["fsdp", "hsdp", "tp"])
 def test_the_planner_makes_dcps_global_plan(mesh: str) -> None:
     """On the plans of a sharded state (the scale benchmark's, 16 ranks), ckptfs's planner
-    gives DCP's global plans and metadata on the same plans (every value from its lowest
-    rank: `values_from_lowest_rank`)."""
+    writes every item DCP writes, each unreplicated one by its rank, each replicated one by
+    the holder `balance_writers` picks; and for that choice its global plans (index hints
+    included) and metadata (the flattening maps in their order too) are DCP's own
+    construction (every value from its lowest rank: `values_from_lowest_rank`)."""
     plans = local_plans(Spec(mesh=mesh, layers=1, shrink=64), 16)
     ours = SavePlanner()
     ours.set_up_planner({}, None, True)
     theirs = DefaultSavePlanner()
     theirs.set_up_planner({}, None, True)
     gp_ours, md_ours = ours.create_global_plan(plans)
-    gp_theirs, md_theirs = theirs.create_global_plan(values_from_lowest_rank(plans))
-    assert plans_equal(gp_ours, gp_theirs)
-    assert md_ours.state_dict_metadata == md_theirs.state_dict_metadata
+    lowest = values_from_lowest_rank(plans)
+    gp_theirs, md_theirs = theirs.create_global_plan(lowest)
+    ours_by, theirs_by = written(gp_ours), written(gp_theirs)
+    assert ours_by.keys() == theirs_by.keys()
+    holders: dict[tuple[str, Any], list[int]] = {}
+    for r, p in enumerate(lowest):
+        for i in p.items:
+            holders.setdefault((i.index.fqn, i.index.offset), []).append(r)
+    replicated = [k for k, h in holders.items() if len(h) > 1]
+    assert all(ours_by[k] == h[0] for k, h in holders.items() if len(h) == 1)
+    assert all(ours_by[k] in holders[k] for k in replicated)
+    assert replicated  # the 0-dim `step` tensors, and on hsdp every shard
+    # Given the writers, DCP's own construction of the plans and metadata.
+    deduped = [dataclasses.replace(p, items=[i for i in p.items if ours_by[
+        (i.index.fqn, i.index.offset)] == r]) for r, p in enumerate(lowest)]
+    gp_dcp, md_dcp = create_default_global_save_plan(deduped)
+    assert item_rows(gp_ours) == item_rows(gp_dcp)
+    assert [p.planner_data for p in gp_ours] == [p.planner_data for p in gp_dcp]
+    assert md_ours.state_dict_metadata == md_dcp.state_dict_metadata
+    merged = dict(ChainMap(*[p.planner_data for p in gp_dcp]))
+    assert list(md_ours.planner_data.items()) == list(merged.items())
     assert md_ours.planner_data == md_theirs.planner_data
+    # The writers are balanced at least as well as DCP's.
+    loads = bytes_per_rank(gp_ours)
+    assert max(loads) <= max(bytes_per_rank(gp_theirs))
+
+
+def test_replicated_shards_are_balanced_by_bytes() -> None:
+    """HSDP, 4 replicas of 8 shards: every rank writes within 5% of the mean bytes (DCP's
+    deduplication, in the order items come, leaves some ranks far above it)."""
+    plans = local_plans(Spec(mesh="hsdp", layers=2, shrink=64, hsdp_shard=8), 32)
+    planner = SavePlanner()
+    planner.set_up_planner({}, None, True)
+    loads = bytes_per_rank(planner.create_global_plan(plans)[0])
+    mean = sum(loads) / len(loads)
+    assert max(loads) / mean < 1.05, loads
 
 
 def test_the_planner_refuses_overlapping_shards() -> None:
