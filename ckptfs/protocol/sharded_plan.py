@@ -10,9 +10,11 @@ reading anything (never a silent conversion).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import math
 import operator
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,9 +81,10 @@ class SavePlanner(DefaultSavePlanner):
                 fqn = item.index.fqn
                 self._encoded[fqn] = encode_value(self.lookup_object(item.index), key=fqn,
                                                   path=self._key_path(fqn))
-        if self._tree is not None and isinstance(plan.planner_data, dict):
+        if isinstance(plan.planner_data, dict):
             mappings = _Mappings(plan.planner_data)
             mappings.tree = self._tree
+            mappings.layout = layout_digest(plan)
             plan = dataclasses.replace(plan, planner_data=mappings)
         return plan
 
@@ -96,14 +99,30 @@ class SavePlanner(DefaultSavePlanner):
             return super().create_global_plan(all_plans)
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        """DCP's global plan (its hook, plan caching's path too), built by
+        """DCP's global plan (its hook, DCP's own plan caching's path too), the last one
+        again when every rank's local plan has the layout it had at the last save this process
+        coordinated (`layout_digest`, sent with each plan; `_PLAN_CACHE`), else built by
         `global_save_plan` in time linear in the items (DCP's plans and metadata, every value
         from the lowest rank holding it, each replicated tensor written by the holder
         `balance_writers` picks), checked by
         `check_global_plan` (DCP's own check, with its verdict, in O(n log n) where DCP's
         is quadratic in the ranks)."""
+        layouts = tuple(getattr(p.planner_data, "layout", None) for p in all_plans)
+        key = (self.flatten_state_dict, layouts) if None not in layouts else None
+        with _PLAN_CACHE.lock:
+            cached = _PLAN_CACHE.entry if key is not None and _PLAN_CACHE.key == key else None
+        if cached is not None:
+            items, sdm, merged = cached
+            plans = [dataclasses.replace(p, items=list(i))
+                     for p, i in zip(all_plans, items, strict=True)]
+            return plans, Metadata(dict(sdm), planner_data=merged)
         global_plan, metadata = global_save_plan(all_plans, merge_mappings=self.flatten_state_dict)
         check_global_plan(global_plan, metadata)
+        if key is not None:
+            with _PLAN_CACHE.lock:
+                _PLAN_CACHE.key = key
+                _PLAN_CACHE.entry = ([p.items for p in global_plan],
+                                     dict(metadata.state_dict_metadata), metadata.planner_data)
         return global_plan, metadata
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
@@ -265,10 +284,42 @@ def _hinted(item: WriteItem, hint: int) -> WriteItem:
 
 
 class _Mappings(dict):  # type: ignore[type-arg]
-    """DCP's flattening map of one rank's save plan, carrying that rank's skeleton to the
-    coordinator (DCP gathers the plans; it merges the maps with ``ChainMap``)."""
+    """DCP's flattening map of one rank's save plan, carrying that rank's skeleton and the
+    digest of its plan's layout (`layout_digest`) to the coordinator (DCP gathers the plans;
+    it merges the maps with ``ChainMap``)."""
 
     tree: Any = None
+    layout: str | None = None
+
+
+def layout_digest(plan: SavePlan) -> str:
+    """The digest of what the global plan is made of in ``plan`` (one rank's local save
+    plan): every write item (name, offset, kind; a tensor's chunk, properties and size) in
+    order, and the flattening map (names to key paths).  Computed by each rank on its own
+    plan; equal digests on every rank mean the same global plan (`_PLAN_CACHE`).  A changed
+    shape, dtype or placement (another chunk), or a value added, removed or moved, changes
+    it; the values themselves do not take part (their bytes are not planned)."""
+    mappings = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+    text = repr(([(i.index.fqn, i.index.offset, i.index.index, i.type, i.bytes_io_data,
+                   i.tensor_data)
+                  for i in plan.items], list(mappings.items())))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class _PlanCache:
+    """The global plan of the last save this process coordinated, by the layouts of its
+    ranks' local plans: per rank the items of its global plan, the metadata's
+    ``state_dict_metadata`` and merged flattening maps (never the ``Metadata`` a save
+    returned: its writer sets that one's storage data).  One entry: a training job saves one
+    layout over and over; a new layout replaces it."""
+
+    key: Any = None
+    entry: Any = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+_PLAN_CACHE = _PlanCache()
 
 
 def _key_id(encoded: Any) -> str:

@@ -9,6 +9,7 @@ import itertools
 import math
 import random
 from collections import ChainMap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,10 +27,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan
 
+import ckptfs
 from ckptfs.bench.scale import Spec, local_plans
+from ckptfs.protocol import sharded_plan
+from ckptfs.protocol.sharded import save_sharded
 from ckptfs.protocol.sharded_plan import (
     SavePlanner,
     check_global_plan,
+    layout_digest,
     tiling_errors,
     values_from_lowest_rank,
 )
@@ -240,3 +245,52 @@ def test_the_planner_refuses_overlapping_shards() -> None:
     planner.set_up_planner({}, None, True)
     with pytest.raises(ValueError, match=r"Failed to validate global plan: .*overlapping"):
         planner.create_global_plan(plans)
+
+
+def test_a_save_of_the_same_layout_reuses_the_global_plan(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator plans once per layout (`layout_digest` of every rank's local plan): a
+    second save with new values and the same shapes reuses the global plan; a changed shape,
+    or a value added, plans again; every save commits a checkpoint that loads back equal."""
+    built: list[int] = []
+    real = sharded_plan.global_save_plan
+
+    def counting(plans: list[SavePlan], **kw: Any) -> Any:
+        built.append(len(plans))
+        return real(plans, **kw)
+
+    monkeypatch.setattr(sharded_plan, "global_save_plan", counting)
+    monkeypatch.setattr(sharded_plan, "_PLAN_CACHE", sharded_plan._PlanCache())
+    store = ckptfs.open(str(tmp_path))
+    states = [
+        {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3), "step": 1},
+        {"w": torch.arange(6.0).reshape(2, 3) * 2, "b": torch.zeros(3), "step": 2},  # same
+        {"w": torch.arange(8.0).reshape(2, 4), "b": torch.zeros(3), "step": 3},      # shape
+        {"w": torch.arange(8.0).reshape(2, 4) + 1, "b": torch.ones(3), "step": 4},   # same
+        {"w": torch.arange(8.0).reshape(2, 4), "b": torch.ones(3), "step": 5, "x": "a"},
+    ]
+    counts = []
+    for step, state in enumerate(states, start=1):
+        info = save_sharded(store.storage, step, state)
+        counts.append(len(built))
+        assert info.step == step
+        back = store.load(step)
+        assert set(back) == set(state)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(back[k], v), (step, k)
+            else:
+                assert back[k] == v, (step, k)
+    assert counts == [1, 1, 2, 2, 3]
+
+
+def test_the_layout_digest_follows_shapes_and_placements_not_values() -> None:
+    plans = local_plans(Spec(mesh="fsdp", layers=1, shrink=64), 4)
+    again = local_plans(Spec(mesh="fsdp", layers=1, shrink=64), 4)
+    other = local_plans(Spec(mesh="fsdp", layers=1, shrink=32), 4)
+    ranks8 = local_plans(Spec(mesh="fsdp", layers=1, shrink=64), 8)
+    digests = [layout_digest(p) for p in plans]
+    assert digests == [layout_digest(p) for p in again]
+    assert len(set(digests)) == 4  # each rank its own shards
+    assert not set(digests) & {layout_digest(p) for p in other}
+    assert not set(digests) & {layout_digest(p) for p in ranks8}
