@@ -103,6 +103,32 @@ def test_broken_tilings_raise(name: str, boxes: list[Box], finding: str) -> None
         check_global_plan([SavePlan([]), SavePlan([])], metadata([4, 8], boxes))
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_cuts_along_one_dim_keep_dcps_verdict(dim: int) -> None:
+    """The cut along one dimension (FSDP's, TP's), checked without the sweep when it tiles:
+    empty chunks on a boundary pass, one strictly inside a chunk, a gap, an overlap, a chunk
+    past the end or not spanning another dimension fail, as with DCP."""
+    def cut(pieces: list[tuple[int, int]]) -> list[Box]:
+        return [([o, 0][::1 if dim == 0 else -1], [n, 3][::1 if dim == 0 else -1])
+                for o, n in pieces]
+    size = [6, 3] if dim == 0 else [3, 6]
+    layouts = {
+        "tiles": ([(0, 2), (2, 2), (4, 2)], True),
+        "uneven, empty at the end": ([(0, 3), (3, 3), (6, 0), (6, 0)], True),
+        "empty on an inner boundary": ([(0, 3), (3, 0), (3, 3)], True),
+        "empty strictly inside": ([(0, 3), (1, 0), (3, 3)], False),
+        "gap": ([(0, 2), (3, 3)], False),
+        "overlap": ([(0, 4), (3, 3)], False),
+        "past the end": ([(0, 3), (3, 4)], False),
+        "empty past the end": ([(0, 3), (3, 3), (7, 0)], False),
+    }
+    for name, (pieces, ok) in layouts.items():
+        assert verdicts(size, cut(pieces)) == (ok, ok), name
+    narrow = cut([(0, 3), (3, 3)])
+    narrow[1][1][1 - dim] = 2  # not the whole other extent
+    assert verdicts(size, narrow) == (False, False)
+
+
 def test_one_plan_checks_no_volume() -> None:
     """DCP checks the volume only for more than one plan (a lone rank may save a part)."""
     assert verdicts([4], [([0], [2])], plans=1) == (True, True)
