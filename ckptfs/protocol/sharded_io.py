@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -575,9 +576,6 @@ def _planned(item: WriteItem, value_bytes: int) -> PlannedItem:
         return PlannedItem(item_name(item.index.fqn, None), "U8", (value_bytes,), value_bytes)
     td = item.tensor_data
     code = tensor_code(td.properties.dtype, item.index.fqn)
-    shape = tuple(int(s) for s in td.chunk.sizes)
-    n = 1
-    for s in shape:
-        n *= s
+    shape = tuple(map(int, td.chunk.sizes))
     return PlannedItem(item_name(item.index.fqn, td.chunk.offsets), code, shape,
-                       n * element_size(code))
+                       math.prod(shape) * element_size(code))
