@@ -96,7 +96,7 @@ def item_name(fqn: str, offsets: Iterable[int] | None) -> str:
     ``@`` never contains ``@``."""
     if offsets is None:
         return f"{fqn}@bytes"
-    return f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
+    return f"{fqn}@{','.join(map(str, map(int, offsets)))}"
 
 
 def plan_header(items: list[PlannedItem], rank: int) -> tuple[bytes, list[int]]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ from ckptfs.format.sharded import (
 from ckptfs.format.sharded_metadata import DcpDocument, ItemLocation, encode_metadata
 from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED, features
 from ckptfs.protocol.commit import Attempt, Lease, default_threads, now_text, placeholder_digest
+from ckptfs.protocol.gcpause import paused_collector
 from ckptfs.protocol.incremental import (
     Item,
     ReuseIndex,
@@ -229,6 +231,10 @@ class ShardedWriter(StorageWriter):
                 f"{self.storage.url}: every rank must save the same step")
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        with paused_collector():  # one placeholder chunk per item: gcpause's docstring
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._check_same_step(plans)
         att = Attempt.open(self.storage, self.step, algorithm=self.algorithm,
                            durable=self.durable)
@@ -440,7 +446,8 @@ class ShardedWriter(StorageWriter):
         att = self._attempt
         if att is None:
             raise UnsupportedValueError("finish() before prepare_global_plan()")
-        with att:  # any failure before the marker discards the attempt
+        # One location and chunk per reported item: the collector paused (gcpause).
+        with att, paused_collector():  # any failure before the marker discards the attempt
             self.info = self._finish(att, metadata, results) if self.per_rank is None \
                 else self.per_rank.finish(att, metadata, results, self.checkpoint_id,
                                           tree=self.tree)
@@ -581,9 +588,6 @@ def _planned(item: WriteItem, value_bytes: int) -> PlannedItem:
         return PlannedItem(item_name(item.index.fqn, None), "U8", (value_bytes,), value_bytes)
     td = item.tensor_data
     code = tensor_code(td.properties.dtype, item.index.fqn)
-    shape = tuple(int(s) for s in td.chunk.sizes)
-    n = 1
-    for s in shape:
-        n *= s
+    shape = tuple(map(int, td.chunk.sizes))
     return PlannedItem(item_name(item.index.fqn, td.chunk.offsets), code, shape,
-                       n * element_size(code))
+                       math.prod(shape) * element_size(code))

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
+from collections import ChainMap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     _validate_global_plan,
+    create_default_global_save_plan,
 )
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -23,10 +27,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan
 
+import ckptfs
 from ckptfs.bench.scale import Spec, local_plans
+from ckptfs.protocol import sharded_plan
+from ckptfs.protocol.sharded import save_sharded
 from ckptfs.protocol.sharded_plan import (
     SavePlanner,
     check_global_plan,
+    layout_digest,
     tiling_errors,
     values_from_lowest_rank,
 )
@@ -95,6 +103,32 @@ def test_broken_tilings_raise(name: str, boxes: list[Box], finding: str) -> None
         check_global_plan([SavePlan([]), SavePlan([])], metadata([4, 8], boxes))
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_cuts_along_one_dim_keep_dcps_verdict(dim: int) -> None:
+    """The cut along one dimension (FSDP's, TP's), checked without the sweep when it tiles:
+    empty chunks on a boundary pass, one strictly inside a chunk, a gap, an overlap, a chunk
+    past the end or not spanning another dimension fail, as with DCP."""
+    def cut(pieces: list[tuple[int, int]]) -> list[Box]:
+        return [([o, 0][::1 if dim == 0 else -1], [n, 3][::1 if dim == 0 else -1])
+                for o, n in pieces]
+    size = [6, 3] if dim == 0 else [3, 6]
+    layouts = {
+        "tiles": ([(0, 2), (2, 2), (4, 2)], True),
+        "uneven, empty at the end": ([(0, 3), (3, 3), (6, 0), (6, 0)], True),
+        "empty on an inner boundary": ([(0, 3), (3, 0), (3, 3)], True),
+        "empty strictly inside": ([(0, 3), (1, 0), (3, 3)], False),
+        "gap": ([(0, 2), (3, 3)], False),
+        "overlap": ([(0, 4), (3, 3)], False),
+        "past the end": ([(0, 3), (3, 4)], False),
+        "empty past the end": ([(0, 3), (3, 3), (7, 0)], False),
+    }
+    for name, (pieces, ok) in layouts.items():
+        assert verdicts(size, cut(pieces)) == (ok, ok), name
+    narrow = cut([(0, 3), (3, 3)])
+    narrow[1][1][1 - dim] = 2  # not the whole other extent
+    assert verdicts(size, narrow) == (False, False)
+
+
 def test_one_plan_checks_no_volume() -> None:
     """DCP checks the volume only for more than one plan (a lone rank may save a part)."""
     assert verdicts([4], [([0], [2])], plans=1) == (True, True)
@@ -155,25 +189,71 @@ def test_same_verdict_as_dcp_on_random_layouts() -> None:
     assert 300 < broken < 2700  # both kinds well represented
 
 
-def plans_equal(a: Any, b: Any) -> bool:
-    return [p.items for p in a] == [p.items for p in b]
+def item_rows(plans: list[SavePlan]) -> list[list[tuple[Any, ...]]]:
+    """Per plan, its items with everything DCP compares and the index hint it does not."""
+    return [[(i.index.fqn, i.index.offset, i.index.index, i.type, i.bytes_io_data,
+              i.tensor_data) for i in p.items] for p in plans]
+
+
+def written(plans: list[SavePlan]) -> dict[tuple[str, Any], int]:
+    """Who writes each item (by ``MetadataIndex``: name and offset)."""
+    return {(i.index.fqn, i.index.offset): r for r, p in enumerate(plans) for i in p.items}
+
+
+def bytes_per_rank(plans: list[SavePlan]) -> list[int]:
+    return [sum(math.prod(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize
+                for i in p.items if i.tensor_data is not None) for p in plans]
 
 
 @pytest.mark.parametrize("mesh", ["fsdp", "hsdp", "tp"])
 def test_the_planner_makes_dcps_global_plan(mesh: str) -> None:
     """On the plans of a sharded state (the scale benchmark's, 16 ranks), ckptfs's planner
-    gives DCP's global plans and metadata on the same plans (every value from its lowest
-    rank: `values_from_lowest_rank`)."""
+    writes every item DCP writes, each unreplicated one by its rank, each replicated one by
+    the holder `balance_writers` picks; and for that choice its global plans (index hints
+    included) and metadata (the flattening maps in their order too) are DCP's own
+    construction (every value from its lowest rank: `values_from_lowest_rank`)."""
     plans = local_plans(Spec(mesh=mesh, layers=1, shrink=64), 16)
     ours = SavePlanner()
     ours.set_up_planner({}, None, True)
     theirs = DefaultSavePlanner()
     theirs.set_up_planner({}, None, True)
     gp_ours, md_ours = ours.create_global_plan(plans)
-    gp_theirs, md_theirs = theirs.create_global_plan(values_from_lowest_rank(plans))
-    assert plans_equal(gp_ours, gp_theirs)
-    assert md_ours.state_dict_metadata == md_theirs.state_dict_metadata
+    lowest = values_from_lowest_rank(plans)
+    gp_theirs, md_theirs = theirs.create_global_plan(lowest)
+    ours_by, theirs_by = written(gp_ours), written(gp_theirs)
+    assert ours_by.keys() == theirs_by.keys()
+    holders: dict[tuple[str, Any], list[int]] = {}
+    for r, p in enumerate(lowest):
+        for i in p.items:
+            holders.setdefault((i.index.fqn, i.index.offset), []).append(r)
+    replicated = [k for k, h in holders.items() if len(h) > 1]
+    assert all(ours_by[k] == h[0] for k, h in holders.items() if len(h) == 1)
+    assert all(ours_by[k] in holders[k] for k in replicated)
+    assert replicated  # the 0-dim `step` tensors, and on hsdp every shard
+    # Given the writers, DCP's own construction of the plans and metadata.
+    deduped = [dataclasses.replace(p, items=[i for i in p.items if ours_by[
+        (i.index.fqn, i.index.offset)] == r]) for r, p in enumerate(lowest)]
+    gp_dcp, md_dcp = create_default_global_save_plan(deduped)
+    assert item_rows(gp_ours) == item_rows(gp_dcp)
+    assert [p.planner_data for p in gp_ours] == [p.planner_data for p in gp_dcp]
+    assert md_ours.state_dict_metadata == md_dcp.state_dict_metadata
+    merged = dict(ChainMap(*[p.planner_data for p in gp_dcp]))
+    assert list(md_ours.planner_data.items()) == list(merged.items())
     assert md_ours.planner_data == md_theirs.planner_data
+    # The writers are balanced at least as well as DCP's.
+    loads = bytes_per_rank(gp_ours)
+    assert max(loads) <= max(bytes_per_rank(gp_theirs))
+
+
+def test_replicated_shards_are_balanced_by_bytes() -> None:
+    """HSDP, 4 replicas of 8 shards: every rank writes within 5% of the mean bytes (DCP's
+    deduplication, in the order items come, leaves some ranks far above it)."""
+    plans = local_plans(Spec(mesh="hsdp", layers=2, shrink=64, hsdp_shard=8), 32)
+    planner = SavePlanner()
+    planner.set_up_planner({}, None, True)
+    loads = bytes_per_rank(planner.create_global_plan(plans)[0])
+    mean = sum(loads) / len(loads)
+    assert max(loads) / mean < 1.05, loads
 
 
 def test_the_planner_refuses_overlapping_shards() -> None:
@@ -191,3 +271,52 @@ def test_the_planner_refuses_overlapping_shards() -> None:
     planner.set_up_planner({}, None, True)
     with pytest.raises(ValueError, match=r"Failed to validate global plan: .*overlapping"):
         planner.create_global_plan(plans)
+
+
+def test_a_save_of_the_same_layout_reuses_the_global_plan(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator plans once per layout (`layout_digest` of every rank's local plan): a
+    second save with new values and the same shapes reuses the global plan; a changed shape,
+    or a value added, plans again; every save commits a checkpoint that loads back equal."""
+    built: list[int] = []
+    real = sharded_plan.global_save_plan
+
+    def counting(plans: list[SavePlan], **kw: Any) -> Any:
+        built.append(len(plans))
+        return real(plans, **kw)
+
+    monkeypatch.setattr(sharded_plan, "global_save_plan", counting)
+    monkeypatch.setattr(sharded_plan, "_PLAN_CACHE", sharded_plan._PlanCache())
+    store = ckptfs.open(str(tmp_path))
+    states = [
+        {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3), "step": 1},
+        {"w": torch.arange(6.0).reshape(2, 3) * 2, "b": torch.zeros(3), "step": 2},  # same
+        {"w": torch.arange(8.0).reshape(2, 4), "b": torch.zeros(3), "step": 3},      # shape
+        {"w": torch.arange(8.0).reshape(2, 4) + 1, "b": torch.ones(3), "step": 4},   # same
+        {"w": torch.arange(8.0).reshape(2, 4), "b": torch.ones(3), "step": 5, "x": "a"},
+    ]
+    counts = []
+    for step, state in enumerate(states, start=1):
+        info = save_sharded(store.storage, step, state)
+        counts.append(len(built))
+        assert info.step == step
+        back = store.load(step)
+        assert set(back) == set(state)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(back[k], v), (step, k)
+            else:
+                assert back[k] == v, (step, k)
+    assert counts == [1, 1, 2, 2, 3]
+
+
+def test_the_layout_digest_follows_shapes_and_placements_not_values() -> None:
+    plans = local_plans(Spec(mesh="fsdp", layers=1, shrink=64), 4)
+    again = local_plans(Spec(mesh="fsdp", layers=1, shrink=64), 4)
+    other = local_plans(Spec(mesh="fsdp", layers=1, shrink=32), 4)
+    ranks8 = local_plans(Spec(mesh="fsdp", layers=1, shrink=64), 8)
+    digests = [layout_digest(p) for p in plans]
+    assert digests == [layout_digest(p) for p in again]
+    assert len(set(digests)) == 4  # each rank its own shards
+    assert not set(digests) & {layout_digest(p) for p in other}
+    assert not set(digests) & {layout_digest(p) for p in ranks8}
