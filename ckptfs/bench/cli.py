@@ -214,6 +214,9 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                          "every dimension by this (a few MB)")),
     "scale_json": (("--json",), dict(default="", metavar="PATH",
                                      help="scale: write the results as JSON")),
+    "scale_plot": (("--plot",), dict(default="", metavar="PATH",
+                                     help="scale: plot coordinator seconds and metadata read "
+                                          "per loading rank against W (PNG)")),
     "only": (("--only",), dict(default="", choices=["", "incremental", "tiers"],
                                help="render only "
                                "this section (and its plot) into the existing benchmarks.md, "
@@ -248,7 +251,7 @@ _OWN: dict[str, tuple[str, ...]] = {
               "loop_params", *_COMMON),
     "remote-verify": ("rv_size", "rv_backends", "rv_tensors", *_COMMON),
     "scale": ("scale_quick", "scale_worlds", "scale_mesh", "scale_layers", "scale_hsdp_shard",
-              "scale_real", "scale_shrink", "scale_json"),
+              "scale_real", "scale_shrink", "scale_json", "scale_plot"),
     "all": tuple(d for d in _OPTIONS if not d.startswith(("tiers_", "rv_", "scale_"))),
     "report": ("out", "results", "docs", "only"),
 }

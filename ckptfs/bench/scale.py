@@ -698,6 +698,40 @@ def load_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: Sequence[Mapping[str, Any]], path: str) -> None:
+    """Per mesh, two log-log panels against W: the coordinator's save seconds (ckptfs, DCP)
+    and the metadata one loading rank reads (v2, v5, DCP), written to ``path`` (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meshes = list(dict.fromkeys(r["mesh"] for r in rows))
+    fig, axes = plt.subplots(len(meshes), 2, figsize=(10, 3.6 * len(meshes)), squeeze=False)
+    for (left, right), mesh in zip(axes, meshes, strict=True):
+        mine = [r for r in rows if r["mesh"] == mesh]
+        ws = [r["world"] for r in mine]
+        for key, label in (("ckptfs", "ckptfs"), ("dcp", "DCP")):
+            left.plot(ws, [r[key]["coordinator_s"] for r in mine], "o-", label=label)
+        left.set(xscale="log", yscale="log", xlabel="ranks (W)", ylabel="coordinator s",
+                 title=f"{mesh}: the coordinator's save work")
+        for key, label in (("ckptfs", "ckptfs v2"), ("v5", "ckptfs v5 (per-rank)"),
+                           ("dcp", "DCP")):
+            have = [r for r in mine if key in r]
+            right.plot([r["world"] for r in have],
+                       [r[key]["read_per_rank_bytes"] / 1024 for r in have], "o-", label=label)
+        right.axhline(64, color="grey", linestyle=":", label="goal: 64 KiB")
+        right.set(xscale="log", yscale="log", xlabel="ranks (W)",
+                  ylabel="KiB read per loading rank",
+                  title=f"{mesh}: metadata a loading rank reads")
+        for ax in (left, right):
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ----------------------------------------------------------------------------------------------
 # Real gloo jobs of the same shapes: the check of the simulator
 
@@ -899,5 +933,7 @@ def main_scale(args: argparse.Namespace) -> int:
         doc["growth"] = growth(rows)
     if args.scale_json:
         Path(args.scale_json).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    if args.scale_plot and doc.get("rows"):
+        plot(doc["rows"], args.scale_plot)
     failed = [c for c in checks if not (c["dcp_msgpack_equal"] and c["manifest_layout_equal"])]
     return 1 if failed else 0

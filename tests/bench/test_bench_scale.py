@@ -79,8 +79,10 @@ def test_slope() -> None:
 
 
 def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "scale.json"
-    assert bench_main(["scale", "--worlds", "2", "--mesh", "tp", "--json", str(out)]) == 0
+    out, png = tmp_path / "scale.json", tmp_path / "scale.png"
+    assert bench_main(["scale", "--worlds", "2,4", "--mesh", "tp", "--json", str(out),
+                       "--plot", str(png)]) == 0
     doc = json.loads(out.read_text())
-    assert [r["world"] for r in doc["rows"]] == [2] and doc["meshes"] == ["tp"]
+    assert [r["world"] for r in doc["rows"]] == [2, 4] and doc["meshes"] == ["tp"]
     assert "growth" in doc and "| 2 |" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot, a PNG
