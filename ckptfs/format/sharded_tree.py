@@ -245,3 +245,30 @@ def write_back(target: Any, skeleton: Any, loaded: Any) -> Any:
         if new is not target[i]:
             target[i] = new
     return target
+
+
+def regions_of(view: Mapping[str, Any]) -> dict[str, Any]:
+    """The regions a load into DCP's ``view`` (`ckptfs.format.sharded_tree.dcp_view`) wants,
+    by DCP name (§8.4: dicts walked, and lists holding a tensor, a dict or such a list): a
+    DTensor's local shard(s), a tensor whole, a value (None)."""
+    out: dict[str, Any] = {}
+
+    def walks(v: Any) -> bool:
+        return isinstance(v, dict) or (isinstance(v, list) and any(
+            isinstance(x, torch.Tensor) or walks(x) for x in v))
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(value, list) and walks(value):
+            for i, v in enumerate(value):
+                walk(v, f"{name}.{i}")
+        elif hasattr(value, "__create_chunk_list__"):
+            out[name] = [(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+                         for c in value.__create_chunk_list__()]
+        else:
+            out[name] = None
+
+    walk(dict(view), "")
+    return out

@@ -72,8 +72,8 @@ from ckptfs.format.manifest import check_metadata
 from ckptfs.format.serialize import build_tree
 from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, decode_value
 from ckptfs.format.sharded_metadata import DcpDocument, check_rank_header, items_by_file
-from ckptfs.format.sharded_tree import dcp_view, restore, write_back
-from ckptfs.format.versions import SHARDED, features
+from ckptfs.format.sharded_tree import dcp_view, regions_of, restore, write_back
+from ckptfs.format.versions import SHARDED, features, has_rank_metadata
 from ckptfs.protocol.chunks import entry_location, read_chunks
 from ckptfs.protocol.collective import is_distributed
 from ckptfs.protocol.commit import write_again_if_gone
@@ -87,7 +87,6 @@ from ckptfs.protocol.group import (
 from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
-from ckptfs.protocol.rank_metadata import expand, regions_of
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url, walk_latest
 from ckptfs.protocol.sharded_io import ShardedWriter
@@ -490,7 +489,9 @@ def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
     refused, every size as declared), then ``dcp.msgpack`` (typed errors, raised here), then
     DCP's load.  ``keys``: only these entries (dotted paths of dict keys as DCP names them,
     e.g. ``{"trainer", "rng.ranks.1"}``); only their bytes are read."""
-    info = expand(storage, info)  # format v5: every rank's rows and index, checked
+    if has_rank_metadata(info.manifest):  # format v5: every rank's rows and index, checked
+        from ckptfs.protocol.rank_metadata import expand
+        info = expand(storage, info)
     check_listing(storage, info)
     reader = ShardedReader(storage, info.step, verify=verify, threads=threads,
                            fills_own_tensors=True)

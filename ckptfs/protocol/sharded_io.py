@@ -40,7 +40,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -95,10 +95,12 @@ from ckptfs.protocol.incremental import (
     reuse_index,
 )
 from ckptfs.protocol.listing import check_written
-from ckptfs.protocol.rank_metadata import per_rank_save
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.protocol.sharded_read import check_checkpoint_id, read_document, sharded_manifest
 from ckptfs.storage.base import Storage
+
+if TYPE_CHECKING:
+    from ckptfs.protocol.rank_metadata import PerRankSave
 
 log = logging.getLogger("ckptfs")
 #: The features of a sharded save's manifest (format v2; a save with a reuse memory adds
@@ -183,9 +185,13 @@ class ShardedWriter(StorageWriter):
         self.hint: Callable[[torch.Tensor], tuple[int, int]] = version_of
         #: ``metadata_layout="per-rank"``: format v5, the metadata split per rank
         #: (docs/protocol.md §9.7); None: one ``dcp.msgpack`` (v2, v4).
-        self.per_rank = per_rank_save(self.storage, self.step, algorithm, durable,
-                                      self.metadata, tree, metadata_layout,
-                                      incremental=memory is not None, node_local=node_local)
+        self.per_rank: PerRankSave | None = None
+        if metadata_layout is not None:  # imported for format v5 only
+            from ckptfs.protocol.rank_metadata import per_rank_save
+            self.per_rank = per_rank_save(self.storage, self.step, algorithm, durable,
+                                          self.metadata, tree, metadata_layout,
+                                          incremental=memory is not None,
+                                          node_local=node_local)
 
     @property
     def checkpoint_id(self) -> str:

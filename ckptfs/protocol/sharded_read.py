@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -67,10 +67,12 @@ from ckptfs.protocol.chunks import (
 from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.group import Group, describe
 from ckptfs.protocol.listing import check_listing
-from ckptfs.protocol.rank_metadata import Regions, check_rank_files, document_of, read_partial
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
 from ckptfs.storage.base import Storage
 from ckptfs.torch_compat import narrow_tensor_by_index
+
+if TYPE_CHECKING:
+    from ckptfs.format.rank_metadata import Regions
 
 Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
 
@@ -107,6 +109,7 @@ def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
     (``rank-metadata``): the document of its view, or of every rank (`document_of`)."""
     manifest = sharded_manifest(info)
     if has_rank_metadata(manifest):
+        from ckptfs.protocol.rank_metadata import document_of  # format v5 only
         return document_of(storage, info, read)
     try:
         entry = manifest.chunked(METADATA_NAME)
@@ -238,6 +241,7 @@ class ShardedReader(StorageReader):
                 # Format v5: the spec, the rows and the index documents of the ranks holding
                 # what this rank loads, then those ranks' files listed: the view is this
                 # reader's checkpoint from now on (its manifest holds those rank files).
+                from ckptfs.protocol.rank_metadata import check_rank_files, read_partial
                 info, doc = read_partial(self.storage, info, self.regions, read=self.read_run)
                 check_rank_files(self.storage, info)
                 self.info, self.listing_checked = info, True
