@@ -373,15 +373,8 @@ def _decode_chunked(doc: dict[str, Any], feats: frozenset[str], where: str) -> M
         seen: set[str] = set()
         files = [_decode_file(raw, seen, feats, world, where) for raw in raw_files]
         table = _decode_rank_table(doc, feats, files, world, algo)
-        required = SPEC_NAME if table is not None else METADATA_NAME if sharded else STATE_NAME
-        if required not in seen:
-            raise KeyError(f"no {required} among the files")
-        refs = [_decode_reference(raw, seen, attempt, where) for raw in raw_refs]
-        for ref in refs:
-            if sharded and rank_of_file(ref.source) is None:
-                raise UnsafeCheckpointError(
-                    f"{where}: reference {ref.path!r} names {ref.source!r}, not a rank "
-                    "file (rank-NNNNN/data-K.safetensors)")
+        refs = _required_and_references(seen, list(raw_refs), attempt, sharded,
+                                        table is not None, where)
     except Exception as exc:
         raise manifest_error(exc, where, label) from None
     return Manifest(step, attempt, tuple(files), created, algo, metadata, feats,
@@ -470,16 +463,8 @@ def check_model(manifest: Manifest, *, where: str) -> None:
             _check_rank_table(table.rows_per_block, table.rank_files, table.rank_bytes,
                               [e for e in own if isinstance(e, ChunkedFileEntry)], world,
                               manifest.hash_algorithm)
-        required = SPEC_NAME if table is not None else METADATA_NAME if sharded \
-            else STATE_NAME
-        if required not in seen:
-            raise KeyError(f"no {required} among the files")
-        decoded = [_decode_reference(r.as_doc(), seen, manifest.attempt, where) for r in refs]
-        for ref in decoded:
-            if sharded and rank_of_file(ref.source) is None:
-                raise UnsafeCheckpointError(
-                    f"{where}: reference {ref.path!r} names {ref.source!r}, not a rank "
-                    "file (rank-NNNNN/data-K.safetensors)")
+        _required_and_references(seen, [r.as_doc() for r in refs], manifest.attempt, sharded,
+                                 table is not None, where)
     except Exception as exc:
         raise manifest_error(exc, where, label) from None
 
@@ -572,6 +557,24 @@ def _decode_file(raw: Any, seen: set[str], feats: frozenset[str], world: int,
     return bound_entry(path, size, raw["digest"], algo, chunks, rank, where=where,
                        store_checksums=decode_store_checksums(raw, path))
 
+
+
+def _required_and_references(seen: set[str], raw_refs: list[Any], attempt: str, sharded: bool,
+                             ranked: bool, where: str) -> list[Reference]:
+    """The decoder's and the model check's last rules, written once: the document the
+    features require is among the files (the spec with rank metadata, else ``dcp.msgpack``
+    sharded, else ``state.msgpack``), and every reference decodes, a sharded one naming a rank
+    file."""
+    required = SPEC_NAME if ranked else METADATA_NAME if sharded else STATE_NAME
+    if required not in seen:
+        raise KeyError(f"no {required} among the files")
+    refs = [_decode_reference(raw, seen, attempt, where) for raw in raw_refs]
+    for ref in refs:
+        if sharded and rank_of_file(ref.source) is None:
+            raise UnsafeCheckpointError(
+                f"{where}: reference {ref.path!r} names {ref.source!r}, not a rank "
+                "file (rank-NNNNN/data-K.safetensors)")
+    return refs
 
 def _decode_reference(raw: Any, seen: set[str], attempt: str, where: str) -> Reference:
     if not isinstance(raw, dict):
