@@ -384,7 +384,9 @@ def save_replicated(store: CheckpointStore, step: int, state: Mapping[str, Any],
     checkpoint returned is its copy.  A step the local tier already holds (a retry of a
     refused replication) is saved there again first.  ``sharded``: the state's tensors as
     DTensors under a one-rank process group (`world_of_one`), saved collectively (format v2;
-    v4 with ``incremental``, with the run root's reuse memory)."""
+    v4 with ``incremental``: each save a new job's first, reusing what the local tier
+    holds after one check, and its DTensors on that save's own mesh: a process group
+    of an earlier save is gone)."""
     from ckptfs.protocol.tiers import tiered
 
     kind = "replica-local-sharded" if sharded else "replica-local"
@@ -396,12 +398,10 @@ def save_replicated(store: CheckpointStore, step: int, state: Mapping[str, Any],
     two = tiered(local, store, algorithm=store.algorithm, durable=store.durable,
                  threads=store.threads, incremental=incremental, replicate_threads=1,
                  max_attempts=1)
-    if sharded and incremental:
-        two.reuse = reuse_memory(local)
     try:
         if sharded:
             with world_of_one() as mesh:
-                memo = _DTENSORS if incremental else {}
+                memo: dict[int, Any] = {}  # DTensors of this save's own mesh
                 two.save(step, as_dtensors(dict(state), mesh, memo), metadata=metadata)
         else:
             two.save(step, state, metadata=metadata)
