@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -404,3 +405,166 @@ def test_checker_and_ckptfs_reject_bad_v4_references(tmp_path: Path, where: str)
     assert done.returncode != 0 and word in done.stderr, done.stderr
     with pytest.raises(CorruptCheckpointError):
         ckptfs.open(str(root)).load(20)
+
+
+# -- format v5 (per-rank metadata, §9.7) -------------------------------------------------------
+
+GOLDEN_V5 = Path(__file__).resolve().parents[1] / "golden" / "v5" / "run"
+
+
+def _per_rank_run(root: Path, algorithm: str) -> ckptfs.CheckpointInfo:
+    """A format v5 checkpoint saved on one rank (the collective save without a process group,
+    ``metadata_layout="per-rank"``), every value type."""
+    from ckptfs.testing.reliability.paths import save_v2
+
+    store = ckptfs.open(str(root), algorithm=algorithm)
+    model = torch.nn.Linear(3, 2)
+    state = {"model": model.state_dict(), "b": torch.ones(2, dtype=torch.bfloat16),
+             "empty": torch.zeros(0, 3), "scalar": torch.tensor(1.5),
+             "trainer": {"step": 20, 0: (1, 2), "pair": (torch.ones(1), torch.zeros(2)),
+                         "blob": b"\x80\x02", "big": 2**70, "dt": torch.float16}}
+    store.save(10, {"model": model.state_dict()})          # v1 before it: both readable
+    return save_v2(store, 20, state, metadata={"notes": "v5"}, metadata_layout="per-rank")
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "crc32c"])
+def test_by_hand_checker_accepts_per_rank_checkpoint(tmp_path: Path, algorithm: str) -> None:
+    from ckptfs.format.versions import has_rank_metadata
+
+    root = tmp_path / "run"
+    info = _per_rank_run(root, algorithm)
+    assert has_rank_metadata(info.manifest)
+    done = run_checker(tmp_path, root)
+    assert done.returncode == 0, done.stderr
+    assert "step 20: committed, sharded by 1 ranks, per-rank metadata, 2 files and 1 rank " \
+        "files verified, 12 stored items" in done.stdout, done.stdout
+
+
+def _v5_two_ranks(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the golden v5 run holding its step 1 alone (written by 2 gloo ranks, blake3):
+    the run root and the attempt directory."""
+    root = tmp_path / "run"
+    shutil.copytree(GOLDEN_V5, root)
+    shutil.rmtree(root / "checkpoints" / "step-000000000002")
+    step = root / "checkpoints" / "step-000000000001"
+    return root, next(p for p in step.iterdir() if p.is_dir())
+
+
+def _resign(adir: Path, path: str) -> None:
+    """Bind the edited one-chunk file ``path`` of the v5 manifest again (its size, chunk and
+    digest), and the manifest in the marker: only the edit itself is wrong."""
+    from ckptfs.format.entries import Chunk, chunk_list_digest
+    from ckptfs.format.hashing import digest_bytes
+
+    mpath = adir / "MANIFEST.json"
+    manifest = json.loads(mpath.read_bytes())
+    entry = next(f for f in manifest["files"] if f["path"] == path)
+    data = (adir / path).read_bytes()
+    hexd = digest_bytes(entry["algorithm"], data).split(":", 1)[1]
+    entry["size"], entry["chunks"] = len(data), [[0, len(data), hexd]]
+    entry["digest"] = chunk_list_digest(entry["algorithm"], [Chunk(0, len(data), hexd)])
+    mbytes = json.dumps(manifest).encode()
+    mpath.write_bytes(mbytes)
+    marker_path = adir.parent / "COMPLETE"
+    marker = json.loads(marker_path.read_bytes())
+    marker["manifest_digest"] = "sha256:" + hashlib.sha256(mbytes).hexdigest()
+    marker["manifest_size"] = len(mbytes)
+    marker_path.write_bytes(json.dumps(marker).encode())
+
+
+BLOCK = "rank-table/block-00000.bin"
+ROW = struct.Struct(">IBQQ")  # rank, flags, file size, index size; two raw digests follow
+
+
+def _edit_rows(adir: Path, edit: Any) -> None:
+    """Rewrite the rows of the table's one block (``edit(rows)``, each row ``[rank, flags,
+    file size, index size, file digest, index digest]``) and bind the block again."""
+    data = (adir / BLOCK).read_bytes()
+    width = (len(data) // 2 - ROW.size) // 2
+    rows = []
+    for i in range(2):
+        row = data[i * len(data) // 2:(i + 1) * len(data) // 2]
+        rows.append([*ROW.unpack(row[:ROW.size]), row[ROW.size:ROW.size + width],
+                     row[ROW.size + width:]])
+    edit(rows)
+    (adir / BLOCK).write_bytes(b"".join(ROW.pack(*r[:4]) + r[4] + r[5] for r in rows))
+    _resign(adir, BLOCK)
+
+
+def _v5_block_byte(adir: Path) -> str:
+    data = bytearray((adir / BLOCK).read_bytes())
+    data[30] ^= 1
+    (adir / BLOCK).write_bytes(bytes(data))
+    return f"{BLOCK}: chunk at 0"
+
+
+def _v5_index_swapped(adir: Path) -> str:
+    """Rank 1's index document in rank 0's place (and back), each row naming the size and
+    digest of the document now in its place: the documents describe the other rank."""
+    import blake3
+
+    a, b = adir / "rank-00000" / "index.msgpack", adir / "rank-00001" / "index.msgpack"
+    da, db = a.read_bytes(), b.read_bytes()
+    a.write_bytes(db)
+    b.write_bytes(da)
+
+    def edit(rows: list[list[Any]]) -> None:
+        for row, data in zip(rows, (db, da), strict=True):
+            row[3], row[5] = len(data), blake3.blake3(data).digest()
+
+    _edit_rows(adir, edit)
+    return "rank-00000/index.msgpack: names rank 1: another rank's index"
+
+
+def _v5_row_emptied(adir: Path) -> str:
+    def edit(rows: list[list[Any]]) -> None:
+        rows[1][1:] = [0, 0, 0, bytes(len(rows[1][4])), bytes(len(rows[1][5]))]
+
+    _edit_rows(adir, edit)
+    return "the spec places items in the file of rank 1, whose row has none"
+
+
+def _v5_spec_changed(adir: Path) -> str:
+    """The spec places a value in rank 1's file; rank 0's holds it."""
+    path = adir / "dcp-spec.msgpack"
+    spec = msgpack.unpackb(path.read_bytes(), raw=False)
+    assert spec["values"]["trainer.step"] == 0
+    spec["values"]["trainer.step"] = 1
+    path.write_bytes(msgpack.packb(spec, use_bin_type=True))
+    _resign(adir, "dcp-spec.msgpack")
+    return "the spec places 'trainer.step' at None (U8 None) in the file of rank 1, whose " \
+        "index does not hold it so"
+
+
+def _v5_rank_file_missing(adir: Path) -> str:
+    (adir / "rank-00001" / "data-0.safetensors").unlink()
+    return "rank-00001/data-0.safetensors: missing"
+
+
+def _v5_stray_file(adir: Path) -> str:
+    (adir / "rank-00001" / "data-1.safetensors").write_bytes(b"x")
+    return "stray files: ['rank-00001/data-1.safetensors']"
+
+
+@pytest.mark.parametrize(("tamper", "ckptfs_says"), [
+    (_v5_block_byte, "block-00000.bin"),
+    (_v5_index_swapped, "another rank's index"),
+    (_v5_row_emptied, "whose row in rank-table/block-00000.bin has none"),
+    (_v5_spec_changed, "whose index does not hold it so"),
+    (_v5_rank_file_missing, "rank-00001/data-0.safetensors: listed in the manifest but missing"),
+    (_v5_stray_file, "rank-00001/data-1.safetensors: not in the manifest (stray file)"),
+])
+def test_checker_and_ckptfs_reject_v5_tampering(tmp_path: Path, tamper: Any,
+                                                ckptfs_says: str) -> None:
+    """Each edit of a 2-rank v5 checkpoint fails the checker for its own reason, and ckptfs
+    refuses it too (a stray file: load ignores it, a full verify reports it)."""
+    root, adir = _v5_two_ranks(tmp_path)
+    assert run_checker(tmp_path, root).returncode == 0
+    word = tamper(adir)
+    done = run_checker(tmp_path, root)
+    assert done.returncode != 0 and word in done.stderr, done.stderr
+    store = ckptfs.open(str(root))
+    if tamper is _v5_stray_file:
+        store.load(1)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(ckptfs_says)):
+        store.verify(1) if tamper is _v5_stray_file else store.load(1)
