@@ -568,3 +568,48 @@ def test_checker_and_ckptfs_reject_v5_tampering(tmp_path: Path, tamper: Any,
         store.load(1)
     with pytest.raises(CorruptCheckpointError, match=re.escape(ckptfs_says)):
         store.verify(1) if tamper is _v5_stray_file else store.load(1)
+
+
+@pytest.mark.parametrize("layout", [
+    {"size": [7, 3], "grid": [4, 3], "owners": [0, 1]},
+    {"size": [6], "grid": [2], "owners": [0, 0]},
+    {"size": [], "grid": [], "owners": [2, 0]},
+    {"size": [9], "grid": [3], "owners": [1, 1], "empty": [[[9], [0], 0]]},
+    {"size": [4, 4], "grid": [2, 2], "owners": [0, 1], "empty": [[[4, 0], [0, 4], 3]]},
+    {"size": [9], "grid": [2], "owners": [0, 1]},                          # last owner 4
+    {"size": [9], "grid": [3], "owners": [0, -1]},
+    {"size": [9], "grid": [3], "owners": [0, 1], "empty": [[[9], [1], 0]]},  # not empty
+    {"size": [9], "grid": [3], "owners": [0, 1], "empty": [[[9], [0], 0], [[9], [0], 1]]},
+    {"size": [9], "grid": [3], "owners": [0, 1], "empty": [[[9], [0], 4]]},
+    {"size": [0, 5], "grid": [1, 5], "owners": [0, 0]},                    # a dimension 0
+    {"size": [6], "grid": [0], "owners": [0, 0]},
+    {"size": [0, 5], "chunks": [[[0, 0], [0, 5], 1]]},
+    {"size": [5], "chunks": [[[0], [3], 0], [[3], [2], 3]]},
+    {"size": [5], "chunks": [[[0], [3], 0], [[2], [3], 1]]},                # overlap
+    {"size": [5], "chunks": [[[0], [5], 4]]},                               # rank 4
+    {"size": [5], "chunks": [[[0], [5], 0]], "grid": [5]},
+    {"size": [5], "chunks": [[[0], [5], 0]], "empty": [[[5], [0], 1]]},
+])
+def test_checker_and_ckptfs_agree_on_spec_layouts(layout: dict[str, Any]) -> None:
+    """A tensor of dcp-spec.msgpack (§9.7, 4 ranks): the checker accepts exactly the layouts
+    ckptfs's decoder accepts, and finds the same chunks and ranks."""
+    from ckptfs.format.rank_metadata import decode_spec
+
+    entry = {"dtype": "float32", "requires_grad": False, "memory_format": "contiguous_format",
+             "pin_memory": False, "grid": None, "owners": None, "chunks": None, "empty": [],
+             **layout}
+    doc = {"schema": "ckptfs.dcp-spec", "format_version": 5, "world_size": 4, "version": None,
+           "tensors": {"t": entry}, "values": {}, "planner_data": None, "storage_meta": None,
+           "tree": None, "extra": {}}
+    ours: list[Any] | None
+    try:
+        spec = decode_spec(msgpack.packb(doc, use_bin_type=True), 4, where="here")
+        ours = sorted((list(c.offsets), list(c.sizes), c.rank) for c in spec.tensors["t"].cells())
+    except CorruptCheckpointError:
+        ours = None
+    theirs: list[Any] | None
+    try:
+        theirs = sorted(_checker_namespace()["spec_chunks"]("t", entry, 4))
+    except AssertionError:
+        theirs = None
+    assert ours == theirs
