@@ -208,7 +208,7 @@ class AsyncSaver:
         self._futures: list[SaveFuture] = []  # submitted, not yet known done and collected
         self._warned_wait = False
         #: The store's own gloo group of async saves, with the default group it was made in.
-        self._group: tuple[int, Any] | None = None
+        self._group: tuple[Any, Any] | None = None
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -265,8 +265,8 @@ class AsyncSaver:
         from ckptfs.protocol.group import gloo_group
         from ckptfs.protocol.sharded import COLLECTIVE_TIMEOUT
 
-        world = id(dist.group.WORLD)
-        if self._group is None or self._group[0] != world:
+        world = dist.group.WORLD  # by identity, never id(): a new world may reuse an old id
+        if self._group is None or self._group[0] is not world:
             group = gloo_group(COLLECTIVE_TIMEOUT, what=f"{what}: creating the store's gloo "
                                "group for async saves", default=ShardedSaveError, live=live)
             self._group = (world, group)

@@ -119,8 +119,12 @@ log = logging.getLogger("ckptfs")
 #: ``process_group=`` to use a group (and timeout) of your own.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
-#: ckptfs's dedicated gloo group of each world (`collective_group`).
-_GROUPS: dict[int, Any] = {}
+#: ckptfs's dedicated gloo group of the current world (`collective_group`): ``[the default
+#: group, its gloo group]``.  The default group is kept and compared by identity, never by
+#: ``id()``: once a world is destroyed a new one may get the old one's id, and a group of the
+#: old world would then be handed out (its collectives fail: "not initialized in the world
+#: group map").
+_GROUP: list[Any] = []
 
 
 def _select(tree: Any, keys: set[str], prefix: str = "") -> Any:
@@ -154,12 +158,12 @@ def collective_group(process_group: Any = None, *, what: str = "a checkpoint col
     timeout), or ``None`` when not distributed."""
     if process_group is not None or not is_distributed():
         return process_group
-    key = id(dist.group.WORLD)
-    group = _GROUPS.get(key)
-    if group is None:
-        group = _GROUPS[key] = gloo_group(
-            COLLECTIVE_TIMEOUT, what=f"{what}: creating ckptfs's gloo group", default=default,
-            live=live)
+    world = dist.group.WORLD
+    if _GROUP and _GROUP[0] is world:
+        return _GROUP[1]
+    group = gloo_group(COLLECTIVE_TIMEOUT, what=f"{what}: creating ckptfs's gloo group",
+                       default=default, live=live)
+    _GROUP[:] = [world, group]
     return group
 
 

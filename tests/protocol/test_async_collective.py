@@ -131,7 +131,7 @@ def job_async_w2(rank: int, world: int, url: str) -> Any:
     assert saver is not None
     group = saver.group
     out["own_group"] = (group is not None and group is not dist.group.WORLD
-                        and all(group is not g for g in sharded._GROUPS.values()))
+                        and all(group is not g for g in sharded._GROUP[1:]))
     # Two saves in flight (max_in_flight=2): they run one after the other on the group.
     f12 = store.save_async(12, state, max_in_flight=2)
     f13 = store.save_async(13, state, max_in_flight=2)

@@ -335,3 +335,25 @@ def test_missing_step_is_a_clear_error(tmp_path: Path) -> None:
         store.load(into={"w": torch.zeros(1)})
     with pytest.raises(CheckpointNotFoundError, match="step 9"):
         store.load(9, into={"w": torch.zeros(1)})
+
+
+def test_a_new_world_gets_its_own_gloo_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ckptfs's dedicated group belongs to the world it was made in: after
+    ``destroy_process_group`` and a new ``init_process_group``, whose default group may get the
+    destroyed one's ``id()`` (forced here: every object the same id), a collective save's group
+    is the new world's, never the destroyed one's (whose collectives fail: "not initialized in
+    the world group map")."""
+    import torch.distributed as dist
+
+    from ckptfs.protocol import sharded
+    from ckptfs.testing.reliability.paths import world_of_one
+
+    monkeypatch.setattr(sharded, "id", lambda obj: 1, raising=False)
+    groups = []
+    for _ in range(3):
+        with world_of_one():
+            group = sharded.collective_group(None)
+            assert group is sharded.collective_group(None)  # made once per world
+            dist.barrier(group=group)  # a group of a destroyed world raises here
+            groups.append(group)
+    assert groups[0] is not groups[1] and groups[1] is not groups[2]
