@@ -370,15 +370,60 @@ def sparse_files(write_dir: Path, files: Sequence[tuple[str, int]]) -> None:
             f.truncate(size)
 
 
+class _Timer:
+    """Seconds spent in ``obj.method`` (wrapped on the instance) while it is installed."""
+
+    def __init__(self, obj: Any, method: str) -> None:
+        self.seconds = 0.0
+        inner = getattr(obj, method)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        setattr(obj, method, timed)
+
+
+def _sent(docs: Sequence[Any]) -> tuple[list[Any], int, float]:
+    """What the coordinator does with its side of the JSON messages ``docs`` (encoded by their
+    ranks): (the documents as received, their bytes, the seconds to decode them all)."""
+    from ckptfs.protocol.group import decode, encode
+
+    blobs = [encode(d) for d in docs]
+    t0 = time.perf_counter()
+    got = [decode(b) for b in blobs]
+    return got, sum(map(len, blobs)), time.perf_counter() - t0
+
+
+def _encoded(docs: Sequence[Any]) -> tuple[list[Any], int, float]:
+    """The coordinator's side of messages it sends: (the documents as each rank receives them,
+    their bytes, the seconds to encode them all)."""
+    from ckptfs.protocol.group import decode, encode
+
+    t0 = time.perf_counter()
+    blobs = [encode(d) for d in docs]
+    dt = time.perf_counter() - t0
+    return [decode(b) for b in blobs], sum(map(len, blobs)), dt
+
+
 def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | None = None,
                     reps: int = 1, collect: bool = True) -> dict[str, Any]:
-    """ckptfs's coordinator, the collectives' payloads and one loading rank, on ``world``
-    simulated ranks, committing step `STEP` under ``root`` (a local directory).  ``collect``:
-    a full garbage collection before each timed step (see `_timed`)."""
+    """ckptfs's coordinator, the messages and one loading rank, on ``world`` simulated ranks,
+    committing step `STEP` under ``root`` (a local directory): the coordinator's side of
+    ckptfs's collective save (`ckptfs.protocol.save_rounds.SaveRounds`: ``plan_globally`` on
+    every rank's plan document, ``commit`` on every rank's write results), each rank's part and
+    the outcome as their JSON.  ``collect``: a full garbage collection before each timed step
+    (see `_timed`)."""
     from ckptfs.format.layout import MANIFEST_NAME, StepPaths
     from ckptfs.format.sharded import METADATA_NAME
     from ckptfs.protocol.commit import Attempt
-    from ckptfs.protocol.sharded_io import AttemptPlan
+    from ckptfs.protocol.group import decode, encode
+    from ckptfs.protocol.plan_docs import local_plan_doc, part_of, results_doc
+    from ckptfs.protocol.resolve import CheckpointInfo
+    from ckptfs.protocol.save_rounds import SaveRounds
 
     state = leaves(spec)
     values = encoded_values(state)
@@ -386,28 +431,35 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
     planner = SavePlanner()
     planner.set_up_planner({}, writer.storage_meta(), True)
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-    plans = [writer.prepare_local_plan(p)
+    rounds = SaveRounds({}, writer, planner, 0)
+    t_create = _Timer(planner, "create_global_plan")
+    t_prep = _Timer(writer, "prepare_global_plan")
+    local = [writer.prepare_local_plan(p)
              for p in (plans if plans is not None else local_plans(spec, world))]
-    gather_b, gather_s = _pickled(plans)
-
-    (gplans, metadata), t_plan = _timed(planner.create_global_plan, plans,
-                                        collect=collect)
-    gplans, t_prepare = _timed(writer.prepare_global_plan, gplans)
-    scatter_b, scatter_s = _pickled(gplans)
+    docs, gather_b, gather_s = _sent([{"plan": local_plan_doc(p)} for p in local])
+    parts, t_plan = _timed(rounds.plan_globally, docs, collect=collect)
+    del docs
+    if "failures" in parts[0]:
+        raise rounds.own or AssertionError(parts[0])
+    parts, scatter_b, scatter_s = _encoded(parts)
+    gplans = [part_of(d["part"], lp) for d, lp in zip(parts, local, strict=True)]
+    del parts, local
     attempt = gplans[0].storage_data
-    assert isinstance(attempt, AttemptPlan)
     att = Attempt.join(writer.storage, STEP, attempt.attempt, algorithm=writer.algorithm)
     checksums = tuple((a, "0" * 8) for a in att.store_checksums)
     results, files = ckptfs_write_results(gplans, values, writer.algorithm, checksums)
     sparse_files(Path(root) / att.write_dir, files)
-    del plans, gplans
-    _, t_finish = _timed(writer.finish, metadata, results, collect=collect)
+    del gplans
+    docs, results_b, results_s = _sent([{"results": results_doc(r)} for r in results])
     del results
+    outcome, t_finish = _timed(rounds.commit, docs, collect=collect)
+    del docs
+    if "failures" in outcome:
+        raise rounds.own or AssertionError(outcome)
     info = writer.info
     assert info is not None
-    blob, t_dumps = _timed(pickle.dumps, metadata, collect=collect)
-    _, t_bcast = _timed(pickle.loads, blob)
-    del metadata
+    blob, t_dumps = _timed(encode, outcome)
+    _, t_bcast = _timed(lambda: CheckpointInfo.from_doc(decode(blob)["info"]))
     adir = Path(root) / info.path
     sizes = {"dcp_msgpack": (adir / METADATA_NAME).stat().st_size,
              "manifest": (adir / MANIFEST_NAME).stat().st_size,
@@ -417,16 +469,17 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
         reader = dcp_reader(root)
         _, t_resolve = _timed(reader.resolve, collect=collect)
         _, t_doc = _timed(reader.load_document)
-        return t_resolve, t_doc
+        return t_resolve + t_doc, t_doc
 
     loads = [load() for _ in range(reps)]
-    t_resolve = statistics.median(t for t, _ in loads)
-    t_doc = statistics.median(t for _, t in loads)
-    coordinator = t_plan + t_prepare + t_finish
+    t_resolve = statistics.median(t - d for t, d in loads)
+    t_doc = statistics.median(d for _, d in loads)
     return {
-        "coordinator_s": coordinator, "create_global_plan_s": t_plan,
-        "prepare_global_plan_s": t_prepare, "finish_s": t_finish,
-        "plans_bytes": gather_b + scatter_b, "plans_pickle_s": gather_s + scatter_s + t_dumps,
+        "coordinator_s": t_plan + t_finish, "create_global_plan_s": t_create.seconds,
+        "prepare_global_plan_s": t_prep.seconds,
+        "plan_messages_s": t_plan - t_create.seconds - t_prep.seconds, "finish_s": t_finish,
+        "plans_bytes": gather_b + scatter_b + results_b,
+        "plans_pickle_s": gather_s + scatter_s + results_s + t_dumps,
         "broadcast_bytes": len(blob), "broadcast_unpickle_s": t_bcast,
         "metadata_bytes": sizes["dcp_msgpack"] + sizes["manifest"], **{
             f"{k}_bytes": v for k, v in sizes.items()},
@@ -465,6 +518,8 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
     from ckptfs.format.layout import MANIFEST_NAME, StepPaths
     from ckptfs.format.rank_metadata import block_name
     from ckptfs.protocol.commit import Attempt
+    from ckptfs.protocol.plan_docs import local_plan_doc, part_of, results_doc
+    from ckptfs.protocol.save_rounds import SaveRounds
     from ckptfs.protocol.sharded_io import AttemptPlan
 
     state = leaves(spec)
@@ -477,10 +532,20 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
     local = plans if plans is not None else local_plans(spec, world)
     regions = {r: regions_of_plan(local[r]) for r in sorted({0, world - 1})}
+    rounds = SaveRounds({}, writer, planner, 0)
+    t_create = _Timer(planner, "create_global_plan")
     plans = [writer.prepare_local_plan(p) for p in local]
     del local
-    (gplans, metadata), t_plan = _timed(planner.create_global_plan, plans, collect=collect)
-    gplans, t_prepare = _timed(writer.prepare_global_plan, gplans)
+    docs, _, _ = _sent([{"plan": local_plan_doc(p)} for p in plans])
+    parts, t_plan_all = _timed(rounds.plan_globally, docs, collect=collect)
+    del docs
+    if "failures" in parts[0]:
+        raise rounds.own or AssertionError(parts[0])
+    parts, _, _ = _encoded(parts)
+    gplans = [part_of(d["part"], lp) for d, lp in zip(parts, plans, strict=True)]
+    del parts
+    # prepare_global_plan_s here: the writer's and the messages' part of the plan round
+    t_plan, t_prepare = t_create.seconds, t_plan_all - t_create.seconds
     attempt = gplans[0].storage_data
     assert isinstance(attempt, AttemptPlan) and writer.per_rank is not None
     att = Attempt.join(writer.storage, STEP, attempt.attempt, algorithm=writer.algorithm)
@@ -494,8 +559,11 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
 
     reports, t_index = _timed(write_indexes, gplans, results, collect=collect)
     del plans, gplans, results
-    _, t_finish = _timed(writer.finish, metadata, reports, collect=collect)
-    del reports, metadata
+    docs, _, _ = _sent([{"results": results_doc(r)} for r in reports])
+    outcome, t_finish = _timed(rounds.commit, docs, collect=collect)
+    if "failures" in outcome:
+        raise rounds.own or AssertionError(outcome)
+    del reports, docs
     info = writer.info
     assert info is not None
     adir = Path(root) / info.path

@@ -124,6 +124,18 @@ class Group:
         """Every rank's ``doc``, in group-rank order (every rank gets them: `all_gather`)."""
         return self.all_gather(doc, default=default)
 
+    def gather_at_coordinator(self, doc: Any, *, default: Default = None) -> list[Any] | None:
+        """Every rank's ``doc``, in group-rank order, on the coordinator only (None on the
+        others): each rank's message crosses once, to rank 0 (`all_gather` sends every
+        message to every rank)."""
+        raise NotImplementedError
+
+    def scatter_from_coordinator(self, docs: Sequence[Any] | None, *,
+                                 default: Default = None) -> Any:
+        """The coordinator's ``docs[r]`` on group rank ``r`` (``docs``, one per rank, is read
+        on the coordinator only): each rank receives its own document, no other."""
+        raise NotImplementedError
+
     def exchange_bytes(self, send: Sequence[Sequence[memoryview]], sizes: Sequence[int]
                        ) -> list[memoryview]:
         """Raw bytes between every pair of ranks, in one collective every rank calls:
@@ -158,6 +170,15 @@ class WorldOfOne(Group):
 
     def all_gather(self, doc: Any, *, default: Default = None) -> list[Any]:
         return [decode(encode(doc, default=default))]
+
+    def gather_at_coordinator(self, doc: Any, *, default: Default = None) -> list[Any] | None:
+        return self.all_gather(doc, default=default)
+
+    def scatter_from_coordinator(self, docs: Sequence[Any] | None, *,
+                                 default: Default = None) -> Any:
+        if docs is None or len(docs) != 1:
+            raise ValueError("scatter_from_coordinator: a world of one takes one document")
+        return decode(encode(docs[0], default=default))
 
 
 class RankGroup(Group):
@@ -195,6 +216,49 @@ class RankGroup(Group):
         dist.all_gather(bufs, buf, group=group)
         return [decode(b[:int(n.item())].numpy().tobytes())
                 for b, n in zip(bufs, sizes, strict=True)]
+
+    def gather_at_coordinator(self, doc: Any, *, default: Default = None) -> list[Any] | None:
+        # The sizes to every rank (one int each), then one gather of buffers padded to the
+        # largest: gloo's gather takes tensors of one size.
+        group, data = self.process_group, encode(doc, default=default)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=group)
+        buf = torch.zeros(max(1, max(int(s.item()) for s in sizes)), dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.zeros_like(buf) for _ in range(self.world_size)] if self.coordinator \
+            else None
+        dist.gather(buf, bufs, group=group, group_dst=0)
+        if bufs is None:
+            return None
+        return [decode(b[:int(n.item())].numpy().tobytes())
+                for b, n in zip(bufs, sizes, strict=True)]
+
+    def scatter_from_coordinator(self, docs: Sequence[Any] | None, *,
+                                 default: Default = None) -> Any:
+        # The sizes from the coordinator (one int per rank), then one scatter of buffers
+        # padded to the largest.
+        group = self.process_group
+        sizes = torch.zeros(self.world_size, dtype=torch.int64)
+        blobs: list[bytes] = []
+        if self.coordinator:
+            if docs is None or len(docs) != self.world_size:
+                raise ValueError(f"scatter_from_coordinator: {self.world_size} documents "
+                                 "wanted, one per rank")
+            blobs = [encode(d, default=default) for d in docs]
+            sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+        dist.broadcast(sizes, group=group, group_src=0)
+        width = max(1, int(sizes.max().item()))
+        out = torch.zeros(width, dtype=torch.uint8)
+        parts = None
+        if self.coordinator:
+            parts = [torch.zeros(width, dtype=torch.uint8) for _ in blobs]
+            for t, b in zip(parts, blobs, strict=True):
+                if b:
+                    t[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+        dist.scatter(out, parts, group=group, group_src=0)
+        return decode(out[:int(sizes[self.rank].item())].numpy().tobytes())
 
     def _exchange(self, send: Sequence[Sequence[memoryview]], sizes: Sequence[int]
                   ) -> list[memoryview]:

@@ -48,7 +48,6 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ckptfs.errors import (
     CheckpointDeletedError,
@@ -83,12 +82,14 @@ from ckptfs.protocol.group import (
     bytes_group,
     collective_failure,
     gloo_group,
+    group_of,
 )
 from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url, walk_latest
+from ckptfs.protocol.save_rounds import drive_save
 from ckptfs.protocol.sharded_io import ShardedWriter
 from ckptfs.protocol.sharded_plan import (
     FullLoadPlanner,
@@ -272,8 +273,10 @@ class SavePrep:
     remake: Callable[[dict[str, Any], Liveness | None], SavePrep]
 
     def info(self, md: Any) -> CheckpointInfo:
-        """The committed checkpoint, from DCP's returned metadata (every rank)."""
-        info = getattr(md, "_ckptfs_info", None) or self.writer.info
+        """The committed checkpoint (every rank): ``md`` itself (`drive_save`'s outcome), or
+        carried by DCP's returned metadata (``dcp.async_save``)."""
+        info = md if isinstance(md, CheckpointInfo) else \
+            getattr(md, "_ckptfs_info", None) or self.writer.info
         return info if isinstance(info, CheckpointInfo) else \
             read_committed(self.writer.storage, self.writer.step)
 
@@ -330,11 +333,12 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
 
 
 def _save_once(p: SavePrep, group: Any) -> CheckpointInfo:
-    """One ``dcp.save`` of a prepared save on ``group`` (every rank)."""
-    md = _run(lambda: _quiet(dcp_save, p.view, storage_writer=p.writer, planner=p.planner,
-                             process_group=group, no_dist=group is None),
-              p.what, ShardedSaveError, p.live)
-    return p.finished(md)
+    """One collective save of a prepared save on ``group`` (every rank), driven by ckptfs
+    over its group (`ckptfs.protocol.save_rounds`: DCP's planner and the writer called as
+    ``dcp.save`` calls them, the messages JSON, no whole plan sent to every rank)."""
+    info = _run(lambda: drive_save(p.view, p.writer, p.planner, group_of(group)),
+                p.what, ShardedSaveError, p.live)
+    return p.finished(info)
 
 
 def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,

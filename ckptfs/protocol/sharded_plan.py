@@ -87,7 +87,7 @@ class SavePlanner(DefaultSavePlanner):
                 self._encoded[fqn] = encode_value(self.lookup_object(item.index), key=fqn,
                                                   path=self._key_path(fqn))
         if isinstance(plan.planner_data, dict):
-            mappings = _Mappings(plan.planner_data)
+            mappings = PlanMappings(plan.planner_data)
             mappings.tree = self._tree
             mappings.layout = layout_digest(plan)
             plan = dataclasses.replace(plan, planner_data=mappings)
@@ -321,7 +321,7 @@ def _hinted(item: WriteItem, hint: int) -> WriteItem:  # pragma: no cover - anot
     return dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
 
 
-class _Mappings(dict):  # type: ignore[type-arg]
+class PlanMappings(dict):  # type: ignore[type-arg]
     """DCP's flattening map of one rank's save plan, carrying that rank's skeleton and the
     digest of its plan's layout (`layout_digest`) to the coordinator (DCP gathers the plans;
     it merges the maps with ``ChainMap``)."""

@@ -3,14 +3,16 @@ calls in turn, then checked with `check_store`, by
 saving again, and by garbage collection.
 
 Launching gloo ranks per crash point would cost seconds each on 2 cores, so the ranks are
-simulated in one process, driving ckptfs's DCP ``StorageWriter`` and DCP's own planner exactly
-as ``dcp.save`` does with collectives (torch 2.13, ``state_dict_saver._save_state_dict``):
-every rank ``set_up_planner`` / ``set_up_storage_writer`` / ``create_local_plan`` /
-``prepare_local_plan``; the coordinator ``create_global_plan`` (DCP deduplicates the replicated
-items and spreads them over the ranks, so every rank writes a file) and
-``prepare_global_plan`` (the attempt is chosen once); every rank ``finish_plan`` and
-``write_data``; the coordinator ``finish`` (metadata, manifest, marker).  A real multi-process
-save with a rank killed by SIGKILL is in tests/reliability/test_sharded_crash.py.
+simulated in one process, each running the rounds of ckptfs's own collective save
+(`ckptfs.protocol.save_rounds.SaveRounds`, every message through its JSON), which call DCP's
+planner and ckptfs's ``StorageWriter`` as ``dcp.save`` does (torch 2.13,
+``state_dict_saver._save_state_dict``): every rank ``set_up_planner`` /
+``set_up_storage_writer`` / ``create_local_plan`` / ``prepare_local_plan``; the coordinator
+``create_global_plan`` (replicated items are deduplicated and spread over the ranks, so every
+rank writes a file) and ``prepare_global_plan`` (the attempt is chosen once); every rank
+``finish_plan`` and ``write_data``; the coordinator ``finish`` (metadata, manifest, marker).
+A real multi-process save with a rank killed by SIGKILL is in
+tests/reliability/test_sharded_crash.py.
 
 Two families of crash points:
 
@@ -18,8 +20,8 @@ Two families of crash points:
   the whole save; the k-th mutating call kills the whole job (a node or job failure), for every
   k, plus once after the last call (the marker was created, nobody heard);
 - **rank 1**: only rank 1's storage crashes, at each of its own calls; rank 0 finishes writing
-  its file and the coordinator never runs ``finish`` (in a real job DCP's gather of the write
-  results fails on every survivor).
+  its file and the coordinator never runs ``finish`` (in a real job the coordinator learns of
+  the failure from the gather of the write results and every rank raises it).
 
 After each: no marker for the step (unless the marker's creation took effect), the previous
 latest is intact and loads bit-exactly, the same step saves again (with the garbage still
@@ -33,6 +35,7 @@ from typing import Any
 
 from ckptfs.format.layout import StepPaths
 from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.save_rounds import SaveRounds
 from ckptfs.protocol.sharded import SavePlanner
 from ckptfs.protocol.sharded_io import ShardedWriter
 from ckptfs.storage.base import Storage
@@ -59,35 +62,43 @@ def simulated_save(storages: list[Storage], step: int, state: dict[str, Any]
     `SimulatedCrash` on a rank other than 0: the survivors
     write, the coordinator never finishes); a crash of the coordinator's storage propagates."""
     from ckptfs.format.sharded_tree import dcp_view
+    from ckptfs.protocol.group import decode, encode
 
-    world = len(storages)
-    writers, planners = [], []
-    plans = []
+    def sent(doc: Any) -> Any:  # what a rank receives: the document through its JSON
+        return decode(encode(doc))
+
+    def raised(r: SaveRounds) -> BaseException:
+        assert r.own is not None
+        return r.own
+
+    rounds = []
     for rank, storage in enumerate(storages):
         view, skeleton = dcp_view(state)
-        writer = ShardedWriter(storage, step, threads=1, tree=skeleton)
-        planner = SavePlanner()
-        planner.set_up_planner(view, writer.storage_meta(), rank == 0)
-        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-        plans.append(writer.prepare_local_plan(planner.create_local_plan()))
-        writers.append(writer)
-        planners.append(planner)
-    plans, metadata = planners[0].create_global_plan(plans)
-    plans = writers[0].prepare_global_plan(plans)
+        rounds.append(SaveRounds(view, ShardedWriter(storage, step, threads=1, tree=skeleton),
+                                 SavePlanner(), rank))
+    docs = [sent(r.plan()) for r in rounds]
+    for r, d in zip(rounds, docs, strict=True):
+        if "error" in d:
+            raise raised(r)
+    parts = rounds[0].plan_globally(docs)
+    if "failures" in parts[0]:
+        raise raised(rounds[0])  # the coordinator's storage failed (or the job's)
     results = []
     dead: list[int] = []
-    for rank in range(world):
-        final = planners[rank].finish_plan(plans[rank])
-        try:
-            results.append(writers[rank].write_data(final, planners[rank]).value())
-        except SimulatedCrash:
-            if rank == 0 or storages[rank] is storages[0]:
-                raise  # the coordinator (or the whole job) died
-            dead.append(rank)
+    for r, part in zip(rounds, parts, strict=True):
+        doc = sent(r.write(sent(part)))
+        if "error" in doc:
+            if not isinstance(r.own, SimulatedCrash) or r.rank == 0 or \
+                    storages[r.rank] is storages[0]:
+                raise raised(r)  # the coordinator (or the whole job) died
+            dead.append(r.rank)
+        results.append(doc)
     if dead:
         return None
-    writers[0].finish(metadata, results)
-    return writers[0].info
+    outcome = rounds[0].commit(results)
+    if "failures" in outcome:
+        raise raised(rounds[0])
+    return rounds[0].result(sent(outcome))
 
 
 def _leftovers(backend: Backend, step: int, keep: str | None) -> list[str]:

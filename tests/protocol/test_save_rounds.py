@@ -1,0 +1,243 @@
+"""ckptfs's own collective save (``ckptfs.protocol.save_rounds``, ``plan_docs``): the plans,
+parts, write results and outcome cross ranks as JSON documents that read back to what was sent;
+a rank receives its own part of the global plan and the outcome, never the whole plan; nothing
+is pickled; a malformed document is refused with ``ValueError``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from dist_util import run_ranks
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptfs
+from ckptfs.errors import CorruptCheckpointError
+from ckptfs.format.sharded_tree import dcp_view
+from ckptfs.protocol import plan_docs
+from ckptfs.protocol.group import decode, encode, encode_bytes
+from ckptfs.protocol.save_rounds import SaveRounds
+from ckptfs.protocol.sharded_io import AttemptPlan, ItemReport, ShardedWriter
+from ckptfs.protocol.sharded_plan import SavePlanner
+
+
+def sent(doc: Any) -> Any:
+    return decode(encode(doc))
+
+
+def state(rank: int) -> dict[str, Any]:
+    return {"model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank,
+                      "b": torch.ones(2, dtype=torch.bfloat16)},
+            "opt": {"lr": 0.1, "betas": (0.9, 0.95), 3: b"raw", "step": torch.tensor(7)},
+            "rank_only": {f"r{rank}": rank}}
+
+
+def simulated(tmp_path: Path, world: int = 2, *, metadata_layout: str | None = None
+              ) -> tuple[list[SaveRounds], list[Any], list[Any]]:
+    """The rounds of ``world`` simulated ranks up to the plan: (rounds, plan docs, parts)."""
+    store = ckptfs.open(str(tmp_path / "run"))
+    rounds = []
+    for rank in range(world):
+        view, tree = dcp_view(state(rank))
+        writer = ShardedWriter(store.storage, 5, threads=1, tree=tree,
+                               metadata_layout=metadata_layout)
+        rounds.append(SaveRounds(view, writer, SavePlanner(
+            tree=tree, tree_sink=writer, gather_small=metadata_layout is not None), rank))
+    docs = [sent(r.plan()) for r in rounds]
+    parts = [sent(p) for p in rounds[0].plan_globally(docs)]
+    return rounds, docs, parts
+
+
+def test_a_local_plan_reads_back_as_sent(tmp_path: Path) -> None:
+    rounds, docs, _ = simulated(tmp_path)
+    for r, doc in zip(rounds, docs, strict=True):
+        local = r.local
+        assert local is not None
+        back = plan_docs.local_plan_of(doc["plan"])
+        assert back.items == local.items  # names, offsets, kinds, chunks, properties, sizes
+        assert [i.index.index for i in back.items] == [i.index.index for i in local.items]
+        assert back.storage_data == local.storage_data == 5
+        assert dict(back.planner_data) == dict(local.planner_data)
+        assert back.planner_data.layout == local.planner_data.layout
+        assert back.planner_data.tree == local.planner_data.tree  # bytes keys survive
+
+
+def test_each_rank_receives_its_own_part_only(tmp_path: Path) -> None:
+    _, docs, parts = simulated(tmp_path)
+    plans = [plan_docs.local_plan_of(d["plan"]) for d in docs]
+    # The coordinator's global plan, recomputed: each part rebuilds exactly its rank's plan.
+    planner = SavePlanner()
+    planner.set_up_planner({}, None, True)
+    global_plans, _ = planner.create_global_plan(plans)
+    for rank, (part, lp, gp) in enumerate(zip(parts, plans, global_plans, strict=True)):
+        assert set(part) == {"part"} and set(part["part"]) == {"attempt", "rank", "items"}
+        assert part["part"]["rank"] == rank
+        mine = plan_docs.part_of(part["part"], lp)
+        assert mine.items == gp.items
+        assert [i.index.index for i in mine.items] == [i.index.index for i in gp.items]
+        # A position list, not the items: the part is small whatever the plan holds.
+        assert all(isinstance(p, list) and len(p) == 2 for p in part["part"]["items"])
+    # The replicated items are written once over both ranks, the values by rank 0.
+    written = [i.index for p in parts for i in plan_docs.part_of(
+        p["part"], plans[p["part"]["rank"]]).items]
+    assert len(written) == len(set(written))
+
+
+def test_write_results_and_outcome_read_back(tmp_path: Path) -> None:
+    rounds, _, parts = simulated(tmp_path)
+    results = [sent(r.write(p)) for r, p in zip(rounds, parts, strict=True)]
+    for rank, doc in enumerate(results):
+        back = plan_docs.results_of(doc["results"], rank)
+        assert back and all(isinstance(wr.storage_data, ItemReport) for wr in back)
+        assert all(wr.storage_data.rank == rank for wr in back)
+    outcome = sent(rounds[0].commit(results))
+    infos = [r.result(outcome) for r in rounds]
+    assert infos[0] is not None and infos[1] is not None
+    assert infos[1].manifest == infos[0].manifest and infos[1].marker == infos[0].marker
+    assert (infos[1].step, infos[1].attempt) == (5, infos[0].attempt)
+    store = ckptfs.open(str(tmp_path / "run"))
+    got = store.load(5)
+    assert torch.equal(got["model"]["w"], state(0)["model"]["w"])
+    assert got["rank_only"] == {"r0": 0, "r1": 1}
+
+
+def test_a_per_rank_save_sends_its_rank_report(tmp_path: Path) -> None:
+    rounds, _, parts = simulated(tmp_path, metadata_layout="per-rank")
+    results = [sent(r.write(p)) for r, p in zip(rounds, parts, strict=True)]
+    assert all(len(d["results"]) == 1 and d["results"][0][4][0] == "rank" for d in results)
+    outcome = sent(rounds[0].commit(results))
+    info = rounds[1].result(outcome)
+    assert info is not None and "rank-metadata" in info.manifest.features
+    assert ckptfs.open(str(tmp_path / "run")).verify(5).ok
+
+
+def test_a_tampered_outcome_is_refused(tmp_path: Path) -> None:
+    rounds, _, parts = simulated(tmp_path)
+    results = [sent(r.write(p)) for r, p in zip(rounds, parts, strict=True)]
+    outcome = sent(rounds[0].commit(results))
+    outcome["info"]["manifest"] = outcome["info"]["manifest"][:-2]  # cut short
+    with pytest.raises(CorruptCheckpointError):
+        rounds[1].result(outcome)
+
+
+def _item(doc: dict[str, Any]) -> list[Any]:
+    return next(i for i in doc["plan"]["items"] if len(i) == 8)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: d["plan"]["properties"][0].__setitem__(0, "os.system"), "not a torch name"),
+    (lambda d: d["plan"]["properties"][0].__setitem__(0, "torch.nn"), "not a dtype"),
+    (lambda d: d["plan"]["properties"][0].__setitem__(1, "torch.float32"), "not a layout"),
+    (lambda d: d["plan"]["properties"].__setitem__(0, ["torch.float32"]), "5 fields"),
+    (lambda d: _item(d).__setitem__(3, "pickle"), "kind"),
+    (lambda d: _item(d).__setitem__(4, 99), "properties"),
+    (lambda d: _item(d).__setitem__(5, ["0"]), "a list of ints"),
+    (lambda d: _item(d).__setitem__(2, "0"), "index hint"),
+    (lambda d: d["plan"]["items"].append(["x"]), "a write item"),
+    (lambda d: d["plan"].__setitem__("step", "5"), "step"),
+    (lambda d: d["plan"]["planner"].__setitem__("data", encode_bytes(msgpack.packb(
+        [[["k", [{"a": 1}]]], None]))), "flattening map"),
+    (lambda d: d["plan"]["planner"].__setitem__("data", "%%"), "planner data"),
+    (lambda d: d["plan"].pop("items"), "items and properties"),
+])
+def test_a_malformed_plan_is_refused(tmp_path: Path, damage: Any, match: str) -> None:
+    rounds, docs, _ = simulated(tmp_path)
+    damage(docs[1])
+    with pytest.raises(ValueError, match=match):
+        plan_docs.local_plan_of(docs[1]["plan"])
+    # In the round: the coordinator refuses it, every rank gets the failure, nothing is made.
+    parts = rounds[0].plan_globally(docs)
+    assert all("failures" in p for p in parts) and match in str(parts[0])
+    with pytest.raises(CheckpointException) as got:
+        rounds[1].write(sent(parts[1]))
+    exc = got.value.failures[0][0]
+    assert type(exc) is ValueError and match in str(exc)
+    assert not list((tmp_path / "run").rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda items: items.reverse(),          # out of order
+    lambda items: items.append([99, None]),  # not one of its items
+    lambda items: items[0].__setitem__(1, "1"),
+])
+def test_a_malformed_part_is_refused(tmp_path: Path, damage: Any) -> None:
+    rounds, _, parts = simulated(tmp_path)
+    items = parts[1]["part"]["items"]
+    if len(items) < 2:
+        items.append(list(items[0]))
+    damage(items)
+    with pytest.raises(ValueError, match="global plan part"):
+        plan_docs.part_of(parts[1]["part"], rounds[1].local)
+
+
+def test_an_item_the_coordinator_changed_is_not_sent_as_a_position(tmp_path: Path) -> None:
+    _, docs, _ = simulated(tmp_path)
+    lp = plan_docs.local_plan_of(docs[0]["plan"])
+    other = dataclasses.replace(lp, items=[dataclasses.replace(
+        lp.items[0], index=dataclasses.replace(lp.items[0].index, fqn="elsewhere"))])
+    other = dataclasses.replace(other, storage_data=AttemptPlan("a", 0))
+    with pytest.raises(ValueError, match="not one of its local plan's items"):
+        plan_docs.part_doc(lp, other)
+
+
+# ----------------------------------------------------------------------------------------------
+# Two gloo ranks
+
+
+def job_no_pickle(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A collective save and load with torch's object-collective pickler made to fail: nothing
+    a rank sends or receives in the save is pickled.  The sizes of what each rank received."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptfs.protocol import group as grp
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    st = {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 3, "b": torch.ones(4)}
+    store = ckptfs.open(root)
+    store.save(1, st)  # ckptfs's group made (its creation is a plain collective)
+
+    class NoPickle:
+        def __init__(self, *a: Any, **k: Any) -> None:
+            raise AssertionError("a checkpoint message was pickled")
+
+    received: list[int] = []
+    real = grp.decode
+
+    def counting(data: bytes) -> Any:
+        received.append(len(data))
+        return real(data)
+
+    old = (c10d._pickler, c10d._unpickler)
+    c10d._pickler, c10d._unpickler = NoPickle, NoPickle  # type: ignore[assignment]
+    grp.decode = counting  # type: ignore[assignment]
+    try:
+        info = store.save(2, st)
+    finally:
+        c10d._pickler, c10d._unpickler = old
+        grp.decode = real  # type: ignore[assignment]
+    into = {"w": distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0)]), "step": 0,
+            "b": torch.zeros(4)}
+    store.load(2, into=into)
+    dist.barrier()
+    return {"attempt": info.attempt, "received": received,
+            "w": into["w"].full_tensor().tolist(), "step": into["step"]}
+
+
+def test_a_collective_save_pickles_nothing_and_sends_each_rank_its_part(
+        tmp_path: Path) -> None:
+    r0, r1 = run_ranks(job_no_pickle, 2, str(tmp_path / "run"), timeout=240)
+    assert r0["attempt"] == r1["attempt"]
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8).tolist()
+    assert r0["w"] == r1["w"] == full and r0["step"] == r1["step"] == 3
+    # Rank 1 receives two documents in the save: its part and the outcome; the coordinator
+    # receives every rank's plan and results too (gathered), and the outcome (broadcast).
+    assert len(r1["received"]) == 2, r1["received"]
+    assert len(r0["received"]) == 2 * 2 + 2
