@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import math
 import os
@@ -137,6 +138,17 @@ class ItemReport:
     #: The first item of a file this rank wrote: the store's whole-object checksums of the
     #: file, computed while writing it (``WrittenFile.store_checksums``).
     store_checksums: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class _CheckedLayout:
+    """The key (`ShardedWriter._checked_key`) of the last placeholder manifest this process's
+    coordinator checked and found committable; one entry, as the global plan's cache."""
+
+    key: Any = None
+
+
+_CHECKED = _CheckedLayout()
 
 
 def _world_size() -> int:
@@ -244,13 +256,32 @@ class ShardedWriter(StorageWriter):
         self._check_same_step(plans)
         att = Attempt.open(self.storage, self.step, algorithm=self.algorithm,
                            durable=self.durable)
+        key = self._checked_key(plans)
         with att:  # a refused manifest discards the (empty) attempt
-            att.check(self._placeholder_manifest(att.name, plans) if self.per_rank is None
-                      else self.per_rank.placeholder(att.name, plans), world_size=len(plans))
+            if key is None or _CHECKED.key != key:
+                att.check(self._placeholder_manifest(att.name, plans) if self.per_rank is None
+                          else self.per_rank.placeholder(att.name, plans),
+                          world_size=len(plans))
+                if key is not None:
+                    _CHECKED.key = key
         self._attempt = att
         self._lease = Lease(self.lease_s)
         return [dataclasses.replace(p, storage_data=AttemptPlan(att.name, i))
                 for i, p in enumerate(plans)]
+
+    def _checked_key(self, plans: list[SavePlan]) -> Any:
+        """What the verdict of the placeholder manifest's check depends on, when every rank
+        sent its plan's layout digest (`sharded_plan.layout_digest`: items, chunks, dtypes,
+        shapes, key paths): the layouts, the algorithm, the metadata, the width of the step
+        number and whether items are reused; None otherwise (or with per-rank metadata,
+        whose placeholder also records the items' owners).  A save whose key is the last one
+        this process checked and found committable skips building and checking it again
+        (4,096 ranks: about 0.9 s)."""
+        layouts = tuple(getattr(p.planner_data, "layout", None) for p in plans)
+        if self.per_rank is not None or not layouts or None in layouts:
+            return None
+        return (layouts, self.algorithm, json.dumps(self.metadata, sort_keys=True),
+                len(str(self.step)), self.memory is not None)
 
     def _placeholder_manifest(self, attempt: str, plans: list[SavePlan]) -> Manifest:
         """The manifest this save will commit, from the global plan: every rank file with its

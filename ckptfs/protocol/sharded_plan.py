@@ -115,7 +115,8 @@ class SavePlanner(DefaultSavePlanner):
         `check_global_plan` (DCP's own check, with its verdict, in O(n log n) where DCP's
         is quadratic in the ranks)."""
         layouts = tuple(getattr(p.planner_data, "layout", None) for p in all_plans)
-        key = (self.flatten_state_dict, layouts) if None not in layouts else None
+        key = (self.flatten_state_dict, self._gather_small, layouts) \
+            if None not in layouts else None
         with _PLAN_CACHE.lock:
             cached = _PLAN_CACHE.entry if key is not None and _PLAN_CACHE.key == key else None
         if cached is not None:

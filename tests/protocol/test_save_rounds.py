@@ -36,15 +36,18 @@ def state(rank: int) -> dict[str, Any]:
             "rank_only": {f"r{rank}": rank}}
 
 
-def simulated(tmp_path: Path, world: int = 2, *, metadata_layout: str | None = None
+def simulated(tmp_path: Path, world: int = 2, *, metadata_layout: str | None = None,
+              step: int = 5, metadata: dict[str, Any] | None = None, rows: int = 3
               ) -> tuple[list[SaveRounds], list[Any], list[Any]]:
     """The rounds of ``world`` simulated ranks up to the plan: (rounds, plan docs, parts)."""
     store = ckptfs.open(str(tmp_path / "run"))
     rounds = []
     for rank in range(world):
-        view, tree = dcp_view(state(rank))
-        writer = ShardedWriter(store.storage, 5, threads=1, tree=tree,
-                               metadata_layout=metadata_layout)
+        st = state(rank)
+        st["model"]["w"] = torch.zeros(rows, 4)
+        view, tree = dcp_view(st)
+        writer = ShardedWriter(store.storage, step, threads=1, tree=tree,
+                               metadata_layout=metadata_layout, metadata=metadata)
         rounds.append(SaveRounds(view, writer, SavePlanner(
             tree=tree, tree_sink=writer, gather_small=metadata_layout is not None), rank))
     docs = [sent(r.plan()) for r in rounds]
@@ -101,7 +104,8 @@ def test_write_results_and_outcome_read_back(tmp_path: Path) -> None:
     assert (infos[1].step, infos[1].attempt) == (5, infos[0].attempt)
     store = ckptfs.open(str(tmp_path / "run"))
     got = store.load(5)
-    assert torch.equal(got["model"]["w"], state(0)["model"]["w"])
+    assert torch.equal(got["model"]["w"], torch.zeros(3, 4))
+    assert torch.equal(got["model"]["b"], state(0)["model"]["b"])
     assert got["rank_only"] == {"r0": 0, "r1": 1}
 
 
@@ -241,3 +245,72 @@ def test_a_collective_save_pickles_nothing_and_sends_each_rank_its_part(
     # receives every rank's plan and results too (gathered), and the outcome (broadcast).
     assert len(r1["received"]) == 2, r1["received"]
     assert len(r0["received"]) == 2 * 2 + 2
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda r: r[4].__setitem__(2, "0"), "an item report"),
+    (lambda r: r[4].__setitem__(7, [0, "1", "ab"]), "a chunk"),
+    (lambda r: r[4].__setitem__(8, [1, 2, 3]), "source"),
+    (lambda r: r[4].__setitem__(9, ["1", "a"]), "protector"),
+    (lambda r: r[4].__setitem__(10, [["crc32c"]]), "store checksums"),
+    (lambda r: r[4].__setitem__(0, "pickle"), "a write report"),
+    (lambda r: r.__setitem__(1, [0.5]), "a list of ints"),
+    (lambda r: r.__setitem__(3, None), "write result"),
+])
+def test_malformed_write_results_are_refused(tmp_path: Path, damage: Any, match: str) -> None:
+    rounds, _, parts = simulated(tmp_path)
+    results = [sent(r.write(p)) for r, p in zip(rounds, parts, strict=True)]
+    damage(results[1]["results"][0])
+    with pytest.raises(ValueError, match=match):
+        plan_docs.results_of(results[1]["results"], 1)
+    outcome = rounds[0].commit(results)  # the coordinator commits nothing
+    assert "failures" in outcome and match in str(outcome)
+    assert not list((tmp_path / "run").rglob("COMPLETE"))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda row: row.__setitem__("file_size", "12"),
+    lambda row: row.__setitem__("has_file", 1),
+    lambda row: row.pop("index_digest"),
+    lambda row: row.__setitem__("extra", 0),
+])
+def test_a_malformed_rank_row_is_refused(tmp_path: Path, damage: Any) -> None:
+    rounds, _, parts = simulated(tmp_path, metadata_layout="per-rank")
+    results = [sent(r.write(p)) for r, p in zip(rounds, parts, strict=True)]
+    damage(results[1]["results"][0][4][1])
+    with pytest.raises(ValueError, match="a rank row"):
+        plan_docs.results_of(results[1]["results"], 1)
+    assert "failures" in rounds[0].commit(results)
+    assert not list((tmp_path / "run").rglob("COMPLETE"))
+
+
+def test_the_placeholder_check_is_skipped_only_for_a_layout_already_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator checks the manifest it will commit against every reader limit before a
+    byte is written; a save whose ranks' layouts, metadata and algorithm are those of the last
+    one checked skips it (the verdict is the same), any change checks again."""
+    from ckptfs.protocol.commit import Attempt
+
+    calls: list[int] = []
+    real = Attempt.check
+
+    def counted(self: Attempt, manifest: Any, **writer: Any) -> None:
+        calls.append(self.step)
+        real(self, manifest, **writer)
+
+    monkeypatch.setattr(Attempt, "check", counted)
+
+    def save(step: int, **kw: Any) -> None:
+        rounds, _, parts = simulated(tmp_path, step=step, **kw)
+        assert "part" in parts[0], parts[0]
+        results = [sent(r.write(p)) for r, p in zip(rounds, parts, strict=True)]
+        assert "info" in rounds[0].commit(results)
+
+    save(10, rows=5)
+    save(11, rows=5)
+    assert calls == [10]  # the same layout: the verdict is known
+    save(12, rows=6)      # another shape
+    save(13, rows=6, metadata={"run": "b"})  # other metadata
+    save(14, rows=6, metadata={"run": "b"})
+    save(15, rows=6, metadata={"run": "b"}, metadata_layout="per-rank")  # always checked
+    assert calls == [10, 12, 13, 15]
