@@ -54,9 +54,9 @@ from ckptfs.format.sharded_metadata import (
     DTYPE_NAMES,
     DcpDocument,
     StoredItem,
-    check_cover,
 )
 from ckptfs.format.sharded_tree import check_skeleton
+from ckptfs.format.tiling import summary, tiling_errors
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -413,6 +413,37 @@ def _intersects(ao: tuple[int, ...], asz: tuple[int, ...], bo: tuple[int, ...],
     return all(a < b + bs and b < a + as_ for a, as_, b, bs in zip(ao, asz, bo, bsz, strict=True))
 
 
+def placement_errors(fqn: str, t: TensorSpec) -> list[str]:
+    """What is wrong with the chunks ``t`` places on the ranks (its grid's cells and its
+    ``empty`` ones, or its explicit chunks; each already inside the tensor, of its
+    dimensions) as the tiling of the tensor a full read finds them in: two chunks at the same
+    offsets (one name and offsets are one item: they would take each other's place), and
+    `tiling_errors`' findings (DCP's rule: overlapping chunks, an empty one strictly inside
+    another included, and volumes not summing to the tensor's).  In O(n log n) of the explicit
+    or empty chunks: a grid's cells tile the tensor by construction, and an empty chunk
+    overlaps a cell, or sits at its offsets, only if it does so with the cell holding its
+    offsets (the one `TensorSpec.overlapping` finds for the one-element box there), so only
+    those cells are checked with the empty chunks."""
+    if t.chunks is not None:
+        chunks, whole = list(t.chunks), True
+    else:
+        found: dict[tuple[int, ...], Cell] = {}
+        for e in t.empty:
+            found.update((c.offsets, c) for c in t.overlapping(e.offsets, (1,) * len(t.size)))
+        chunks, whole = [*found.values(), *t.empty], False
+    by_offsets: dict[tuple[int, ...], Cell] = {}
+    errors: list[str] = []
+    for c in chunks:
+        other = by_offsets.setdefault(c.offsets, c)
+        if other is not c:
+            errors.append(f"key:{fqn} has two chunks at the same offsets: {other} {c}")
+    if not t.size:  # a 0-d tensor: its one element in one chunk (a grid's one cell)
+        if t.chunks is not None and len(chunks) != 1:
+            errors.append(f"key:{fqn} invalid fill tensor-volume: 1 chunks: {len(chunks)}")
+        return errors
+    return errors + tiling_errors(fqn, t.size, chunks, check_volume=whole)
+
+
 def layout_of(size: tuple[int, ...], cells: list[Cell]
               ) -> tuple[tuple[int, ...] | None, tuple[int, int] | None,
                          tuple[Cell, ...] | None, tuple[Cell, ...]]:
@@ -504,9 +535,10 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
     flags, and exactly one layout: a grid (one block size >= 1 per dimension, every dimension
     of the tensor >= 1, at most `MAX_GRID_CELLS` cells, every owner ``base + i * stride`` a
     rank; ``empty``: at most ``world_size`` chunks without elements, inside the tensor, each
-    with a rank) or explicit chunks (each inside the tensor, covering it exactly once, each
-    with a rank; ``empty`` then ``[]``); each value's rank; planner data naming exactly the
-    stored names, and the tree."""
+    with a rank) or explicit chunks (each of the tensor's dimensions, with a rank; ``empty``
+    then ``[]``), the chunks either places on the ranks tiling the tensor exactly once
+    (`placement_errors`: no two at the same offsets, none overlapping another, no gap); each
+    value's rank; planner data naming exactly the stored names, and the tree."""
     raw = unpack_document(data, where)
 
     def bad(what: str) -> CorruptCheckpointError:
@@ -583,10 +615,19 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
                                tuple(_ints(c[1], "chunk sizes", where)), c[2]))
             if len({c.offsets for c in cl}) != len(cl):
                 raise bad(f"tensor {fqn!r:.80}: two chunks at the same offsets")
-            check_cover(fqn, list(size), [(list(c.offsets), list(c.sizes)) for c in cl], where)
+            for c in cl:
+                if len(c.offsets) != len(size) or len(c.sizes) != len(size):
+                    raise bad(f"tensor {fqn!r:.80}: chunk at {list(c.offsets)} has "
+                              f"{len(c.offsets)}/{len(c.sizes)} dimensions, the tensor "
+                              f"{len(size)}")
             chunks = tuple(cl)
-        tensors[fqn] = TensorSpec(e["dtype"], size, e["requires_grad"], e["memory_format"],
-                                  e["pin_memory"], grid, owners, chunks, empty)
+        t = TensorSpec(e["dtype"], size, e["requires_grad"], e["memory_format"],
+                       e["pin_memory"], grid, owners, chunks, empty)
+        problems = placement_errors(fqn, t)
+        if problems:
+            raise bad(f"tensor {fqn!r:.80}: its chunks must tile it exactly once, without "
+                      f"overlap, two at the same offsets or a gap: {summary(problems)}")
+        tensors[fqn] = t
     values: dict[str, int] = {}
     for fqn, r in raw_v.items():
         if not isinstance(fqn, str) or fqn in tensors or not rank_ok(r):

@@ -536,6 +536,19 @@ def _v5_spec_changed(adir: Path) -> str:
         "index does not hold it so"
 
 
+def _v5_spec_overlap(adir: Path) -> str:
+    """The spec lists an empty chunk of rank 0 at the offsets of the grid's cell of rank 1:
+    two chunks of one name and offsets, each its rank's, which a full read would mix up."""
+    path = adir / "dcp-spec.msgpack"
+    spec = msgpack.unpackb(path.read_bytes(), raw=False)
+    t = spec["tensors"]["rows.float32"]
+    assert (t["grid"], t["owners"], t["empty"]) == ([4, 3], [0, 1], [])
+    t["empty"] = [[[4, 0], [0, 3], 0]]
+    path.write_bytes(msgpack.packb(spec, use_bin_type=True))
+    _resign(adir, "dcp-spec.msgpack")
+    return "tensor rows.float32: an empty chunk (rank 0) at the offsets [4, 0] of a cell (rank 1)"
+
+
 def _v5_rank_file_missing(adir: Path) -> str:
     (adir / "rank-00001" / "data-0.safetensors").unlink()
     return "rank-00001/data-0.safetensors: missing"
@@ -551,6 +564,7 @@ def _v5_stray_file(adir: Path) -> str:
     (_v5_index_swapped, "another rank's index"),
     (_v5_row_emptied, "whose row in rank-table/block-00000.bin has none"),
     (_v5_spec_changed, "whose index does not hold it so"),
+    (_v5_spec_overlap, "'rows.float32': its chunks must tile it exactly once"),
     (_v5_rank_file_missing, "rank-00001/data-0.safetensors: listed in the manifest but missing"),
     (_v5_stray_file, "rank-00001/data-1.safetensors: not in the manifest (stray file)"),
 ])
@@ -589,6 +603,24 @@ def test_checker_and_ckptfs_reject_v5_tampering(tmp_path: Path, tamper: Any,
     {"size": [5], "chunks": [[[0], [5], 4]]},                               # rank 4
     {"size": [5], "chunks": [[[0], [5], 0]], "grid": [5]},
     {"size": [5], "chunks": [[[0], [5], 0]], "empty": [[[5], [0], 1]]},
+    # the chunks of a tensor tile it exactly once, whatever its layout
+    {"size": [8, 5], "grid": [4, 5], "owners": [0, 1], "empty": [[[4, 0], [0, 5], 0]]},
+    {"size": [8, 5], "grid": [4, 5], "owners": [0, 1], "empty": [[[0, 0], [0, 5], 0]]},
+    {"size": [8, 5], "grid": [4, 5], "owners": [0, 1], "empty": [[[2, 0], [0, 5], 2]]},
+    {"size": [8, 5], "grid": [4, 5], "owners": [0, 1], "empty": [[[0, 2], [4, 0], 2]]},
+    {"size": [8, 5], "grid": [4, 5], "owners": [0, 1], "empty": [[[4, 2], [0, 3], 2]]},
+    {"size": [8, 5], "grid": [4, 5], "owners": [0, 1], "empty": [[[8, 0], [0, 5], 2]]},
+    {"size": [8, 6], "grid": [4, 3], "owners": [0, 1],
+     "empty": [[[2, 3], [0, 3], 0], [[8, 0], [0, 6], 1]]},
+    {"size": [8, 6], "grid": [4, 3], "owners": [0, 1],
+     "empty": [[[8, 0], [0, 6], 1], [[5, 3], [2, 0], 2], [[2, 6], [3, 0], 3]]},
+    {"size": [8, 6], "grid": [4, 3], "owners": [0, 1],                     # two empty ones
+     "empty": [[[4, 1], [0, 3], 1], [[3, 3], [2, 0], 2]]},
+    {"size": [5], "chunks": [[[0], [3], 0], [[1], [0], 1], [[3], [2], 1]]},
+    {"size": [5], "chunks": [[[0], [3], 0], [[5], [0], 1], [[3], [2], 1]]},
+    {"size": [5], "chunks": [[[0], [3], 0]]},                               # a gap
+    {"size": [], "chunks": [[[], [], 1]]},
+    {"size": [], "chunks": []},
 ])
 def test_checker_and_ckptfs_agree_on_spec_layouts(layout: dict[str, Any]) -> None:
     """A tensor of dcp-spec.msgpack (§9.7, 4 ranks): the checker accepts exactly the layouts

@@ -5,6 +5,7 @@ errors, and the v5 manifest."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import msgpack
 import pytest
@@ -142,6 +143,88 @@ def test_tampered_spec_is_refused(edit: object, match: str) -> None:
     edit(doc)  # type: ignore[operator]
     with pytest.raises(CorruptCheckpointError, match=match):
         decode_spec(msgpack.packb(doc), 4, where="s")
+
+
+def _one_tensor(**layout: Any) -> bytes:
+    """A 4-rank spec of one float32 tensor ``w`` of ``layout`` (size, and grid and owners,
+    empty, or chunks), encoded."""
+    entry = {"dtype": "float32", "requires_grad": False, "memory_format": "contiguous_format",
+             "pin_memory": False, "grid": None, "owners": None, "chunks": None, "empty": [],
+             **layout}
+    return msgpack.packb({"schema": "ckptfs.dcp-spec", "format_version": 5, "world_size": 4,
+                          "version": None, "tensors": {"w": entry}, "values": {},
+                          "planner_data": None, "storage_meta": None, "tree": None,
+                          "extra": {}})
+
+
+GRID = {"size": [8, 5], "grid": [4, 5], "owners": [0, 1]}  # rank 0: rows 0-3, rank 1: 4-7
+
+
+@pytest.mark.parametrize("layout, match", [
+    # an empty chunk of rank 0 at the offsets of rank 1's cell: a full read would find both
+    # under one name and offsets (a clash within one rank is also refused here)
+    ({**GRID, "empty": [[[4, 0], [0, 5], 0]]}, r"two chunks at the same offsets: "
+     r"Cell\(offsets=\(4, 0\), sizes=\(4, 5\), rank=1\) Cell\(offsets=\(4, 0\), sizes=\(0, 5\), "
+     r"rank=0\)"),
+    ({**GRID, "empty": [[[0, 0], [0, 5], 0]]}, "two chunks at the same offsets"),
+    # an empty chunk strictly inside a cell (DCP's rule: they overlap), along either dimension
+    ({**GRID, "empty": [[[2, 0], [0, 5], 2]]}, r"overlapping chunks: Cell\(offsets=\(2, 0\)"),
+    ({**GRID, "empty": [[[0, 2], [4, 0], 2]]}, r"overlapping chunks: Cell\(offsets=\(0, 2\)"),
+    # two empty chunks crossing each other on the cells' boundaries
+    ({"size": [8, 6], "grid": [4, 3], "owners": [0, 1],
+      "empty": [[[4, 1], [0, 3], 1], [[3, 3], [2, 0], 2]]}, "overlapping chunks"),
+    ({**GRID, "empty": [[[8, 0], [0, 5], 2], [[8, 0], [0, 5], 3]]},
+     "two empty chunks at the same offsets"),
+    # explicit chunks: overlapping (an empty one inside another included), a gap, a 0-d
+    # tensor without its chunk or of the wrong dimensions
+    ({"size": [5], "chunks": [[[0], [3], 0], [[2], [3], 1]]}, "overlapping chunks"),
+    ({"size": [5], "chunks": [[[0], [3], 0], [[1], [0], 1], [[3], [2], 1]]},
+     "overlapping chunks"),
+    ({"size": [5], "chunks": [[[0], [3], 0], [[4], [1], 1]]},
+     "a gap: key:w invalid fill tensor-volume: 5 chunks-volume: 4"),
+    ({"size": [5], "chunks": [[[0], [3], 0], [[3], [3], 1]]}, "out of bounds chunk"),
+    ({"size": [], "chunks": []}, "tile it exactly once"),
+    ({"size": [5], "chunks": [[[0, 0], [5, 1], 0]]}, "2/2 dimensions, the tensor 1"),
+])
+def test_spec_chunks_must_tile_each_tensor_once(layout: dict[str, Any], match: str) -> None:
+    """Whatever its layout, the chunks the spec places on the ranks tile each tensor exactly
+    once: the decoder refuses the spec, naming the file and the tensor."""
+    with pytest.raises(CorruptCheckpointError, match=match) as err:
+        decode_spec(_one_tensor(**layout), 4, where="dcp-spec.msgpack")
+    assert str(err.value).startswith("dcp-spec.msgpack: malformed tensor spec (tensor 'w'")
+
+
+@pytest.mark.parametrize("layout", [
+    {**GRID, "empty": [[[8, 0], [0, 5], 2]]},              # past the end (DCP's empty shards)
+    {**GRID, "empty": [[[4, 2], [0, 3], 2], [[8, 0], [0, 5], 3]]},   # on a cells' boundary
+    {"size": [5], "chunks": [[[0], [3], 0], [[5], [0], 1], [[3], [2], 1]]},
+    {"size": [], "chunks": [[[], [], 1]]},
+    {"size": [0, 5], "chunks": [[[0, 0], [0, 5], 1]]},
+])
+def test_spec_chunks_that_tile_the_tensor_are_accepted(layout: dict[str, Any]) -> None:
+    decode_spec(_one_tensor(**layout), 4, where="dcp-spec.msgpack")
+
+
+def test_a_grid_is_checked_by_its_empty_chunks_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid's cells tile the tensor by construction: the check sees only the empty chunks
+    and the cells holding their offsets, so a spec of a million cells decodes in O(tensors)."""
+    from ckptfs.format import rank_metadata
+
+    seen: list[int] = []
+    real = rank_metadata.tiling_errors
+
+    def counting(key: str, size: tuple[int, ...], chunks: list[Any], **kw: Any) -> list[str]:
+        seen.append(len(chunks))
+        return real(key, size, chunks, **kw)
+
+    monkeypatch.setattr(rank_metadata, "tiling_errors", counting)
+    big = {"size": [1 << 12, 1 << 12], "grid": [4, 4], "owners": [0, 0]}  # 2^20 cells
+    decode_spec(_one_tensor(**big, empty=[[[1 << 12, 0], [0, 1 << 12], 1],
+                                          [[8, 9], [0, 3], 2]]), 4, where="s")
+    assert seen == [3]  # the two empty chunks and the cell at (8, 8)
+    with pytest.raises(CorruptCheckpointError, match="same offsets"):
+        decode_spec(_one_tensor(**big, empty=[[[8, 8], [0, 3], 2]]), 4, where="s")
+    assert seen[-1] == 2
 
 
 def test_document_needs_the_owner_to_hold_the_chunk() -> None:

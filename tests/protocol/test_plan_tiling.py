@@ -29,13 +29,13 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 import ckptfs
 from ckptfs.bench.scale import Spec, local_plans
+from ckptfs.format.tiling import tiling_errors
 from ckptfs.protocol import sharded_plan
 from ckptfs.protocol.sharded import save_sharded
 from ckptfs.protocol.sharded_plan import (
     SavePlanner,
     check_global_plan,
     layout_digest,
-    tiling_errors,
     values_from_lowest_rank,
 )
 

@@ -140,6 +140,17 @@ def _spec_world_resigned(run: Run) -> None:
     run.resign({SPEC_NAME: msgpack.packb(spec, use_bin_type=True)})
 
 
+def _spec_overlap_resigned(run: Run) -> None:
+    """An empty chunk of ``w`` placed on rank 0 at the offsets of rank 1's cell: each rank's
+    index could hold its own, and a full read would find two chunks of one name and offsets
+    (one in the other's place); the spec itself must be refused."""
+    spec = msgpack.unpackb(run.read(SPEC_NAME), raw=False, strict_map_key=False)
+    w = spec["tensors"]["w"]
+    assert (w["grid"], w["owners"], w["empty"]) == ([4, 5], [0, 1], [])
+    w["empty"] = [[[4, 0], [0, 5], 0]]
+    run.resign({SPEC_NAME: msgpack.packb(spec, use_bin_type=True)})
+
+
 #: name -> (damage, the file the error names, a phrase of it)
 CASES: dict[str, tuple[Callable[[Run], None], str, str]] = {
     "rank file missing": (lambda r: os.remove(r.path(FILE1)), FILE1, "missing"),
@@ -150,6 +161,8 @@ CASES: dict[str, tuple[Callable[[Run], None], str, str]] = {
     "table row emptied, re-signed": (_empty_row_resigned, BLOCK, "has none"),
     "spec byte flipped": (lambda r: r.flip(SPEC_NAME), SPEC_NAME, ""),
     "spec world size, re-signed": (_spec_world_resigned, SPEC_NAME, "world"),
+    "spec chunks overlapping across ranks, re-signed": (
+        _spec_overlap_resigned, SPEC_NAME, "tensor 'w': its chunks must tile it exactly once"),
 }
 
 
