@@ -6,7 +6,10 @@ send (DCP's ``SavePlan``/``WriteItem``/``ChunkStorageMetadata`` objects, exactly
 ``create_local_plan`` makes them for a DTensor state, without a process group) and runs
 ckptfs's and DCP's **real** coordinator and reader code on them:
 
-* **ckptfs save (the coordinator)**: ``create_global_plan`` of ``ckptfs.dcp.SavePlanner``
+* **ckptfs save (the coordinator)**: the coordinator's two rounds of ckptfs's collective save
+  (`ckptfs.protocol.save_rounds.SaveRounds`: ``plan_globally`` on every rank's plan document,
+  ``commit`` on every rank's write results), in which ``create_global_plan`` of
+  ``ckptfs.dcp.SavePlanner``
   (`SavePlanner`), ``prepare_global_plan`` of ``ckptfs.dcp.Writer`` (`ShardedWriter`: the
   attempt, every reader limit checked on the placeholder manifest) and its ``finish`` (the
   reported chunks checked, ``dcp.msgpack`` encoded and
@@ -17,9 +20,11 @@ ckptfs's and DCP's **real** coordinator and reader code on them:
   size, so the coordinator's listing finds it;
 * **DCP save**: ``DefaultSavePlanner.create_global_plan`` and ``FileSystemWriter``'s
   ``prepare_global_plan`` and ``finish`` (its pickled ``.metadata``) on the same local plans;
-* **what crosses between ranks** (DCP's object collectives pickle it): the local plans gathered
-  on the coordinator, the global plans scattered back, and the result of ``finish`` broadcast to
-  every rank at the end of the save (ckptfs's carries the committed `CheckpointInfo`);
+* **what crosses between ranks**: ckptfs's JSON documents (each rank's plan and write results
+  gathered on the coordinator, each rank's own part of the global plan scattered back, the
+  outcome, the committed `CheckpointInfo`, to every rank) and the time the coordinator spends
+  encoding and decoding them; DCP's pickled plans both ways and the whole global metadata its
+  ``dcp.save`` broadcasts to every rank at the end;
 * **each loading rank**: ckptfs's ``Reader`` resolving the step (marker and manifest read and
   decoded) and ``load_document`` (``dcp.msgpack`` read, digest checked, decoded and bound to the
   manifest), against DCP's ``FileSystemReader.read_metadata`` (its ``.metadata`` unpickled).
@@ -40,7 +45,8 @@ laid out as ``{"model": ..., "optim": get_optimizer_state_dict(...)}``.  The mes
   ``w1``/``w3``/embeddings/output ``Shard(0)``, ``wo``/``w2`` ``Shard(1)``, norms ``Replicate()``.
 
 ``--real 2,4`` runs the same shapes (shrunk by ``--shrink``, 64: a few MB) as real gloo jobs
-(``dcp.save`` through ``ckptfs.dcp.Writer``, spawned ranks), and checks the simulator against
+(ckptfs's collective save, `drive_save`, through its writer and planner, spawned ranks), and
+checks the simulator against
 them: ``dcp.msgpack`` equal to the byte (once the attempt name and the root, which differ by
 construction, are put equal), the manifest's files and chunks equal, and the coordinator's time
 within 2x.
@@ -443,7 +449,8 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
         rounds = SaveRounds({}, writer, planner, 0)
         t_create = _Timer(planner, "create_global_plan")
         t_prep = _Timer(writer, "prepare_global_plan")
-        docs, gather_b, gather_s = _sent([{"plan": local_plan_doc(p)} for p in local])
+        docs, gather_b, gather_s = _sent([{"plan": local_plan_doc(p, items_known=step != STEP)}
+                                          for p in local])
         parts, t_plan = _timed(rounds.plan_globally, docs, collect=collect)
         del docs
         if "failures" in parts[0]:
@@ -473,7 +480,9 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
                 "broadcast_bytes": len(blob), "broadcast_unpickle_s": t_bcast}
 
     first = save(STEP)
-    again = save(STEP + 1)  # the next save of the same layout: the plan and check cached
+    # The next save of the same layout: its ranks send no items (the coordinator has them),
+    # its global plan and placeholder check are the last ones.
+    again = save(STEP + 1)
     raw = []
     info = first.pop("info")
     assert info is not None
@@ -493,6 +502,7 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
     t_doc = statistics.median(d for _, d in loads)
     return {
         **first, "coordinator_again_s": again["coordinator_s"],
+        "plans_again_bytes": again["plans_bytes"],
         "create_global_plan_again_s": again["create_global_plan_s"],
         "prepare_global_plan_again_s": again["prepare_global_plan_s"],
         "finish_again_s": again["finish_s"],
@@ -552,7 +562,7 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
         rounds = SaveRounds({}, writer, planner, 0)
         t_create = _Timer(planner, "create_global_plan")
         plans = [writer.prepare_local_plan(p) for p in raw]
-        docs, _, _ = _sent([{"plan": local_plan_doc(p)} for p in plans])
+        docs, _, _ = _sent([{"plan": local_plan_doc(p, items_known=step != STEP)} for p in plans])
         parts, t_plan_all = _timed(rounds.plan_globally, docs, collect=collect)
         del docs
         if "failures" in parts[0]:
@@ -584,7 +594,7 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
                 "coordinator_s": t_plan_all + t_finish}
 
     first = save(STEP)
-    again = save(STEP + 1)  # the next save of the same layout: the plan cached
+    again = save(STEP + 1)  # the next save of the same layout: no items sent, the plan cached
     raw = []
     writer, files = first.pop("writer"), first.pop("files")
     t_plan, t_prepare, t_finish = (first["create_global_plan_s"],
@@ -838,12 +848,15 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str) -> None:
 
 def real_rank(rank: int, world: int, spec_doc: dict[str, Any]) -> dict[str, Any]:
     """One rank of a real gloo job: the simulator's state as DTensors (zeros) on the spec's
-    mesh, saved by ``dcp.save`` through ckptfs's writer and planner; the coordinator's time in
-    the three functions the simulator times."""
+    mesh, saved by ckptfs's collective save (`drive_save`, as ``store.save`` runs it) through
+    its writer and planner; the coordinator's time in the two rounds the simulator times
+    (``plan_globally``, ``commit``) and in the three functions inside them."""
     import torch
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from ckptfs.protocol.group import group_of
+    from ckptfs.protocol.save_rounds import SaveRounds, drive_save
 
     spec = Spec(**spec_doc["spec"])
     timings: dict[str, float] = {}
@@ -897,13 +910,34 @@ def real_rank(rank: int, world: int, spec_doc: dict[str, Any]) -> dict[str, Any]
     state["optim"]["param_groups"] = [groups["__list__"]["0"]]
     store = ckptfs.open(spec_doc["root"], durable=spec.durable)
     writer = Writer(store.storage, STEP, durable=spec.durable, threads=store.threads)
+    rounds: dict[str, float] = {}
+    plan_round, commit_round = SaveRounds.plan_globally, SaveRounds.commit
+
+    def timed_plan(self: SaveRounds, docs: list[Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return plan_round(self, docs)
+        finally:
+            rounds["plan"] = time.perf_counter() - t0
+
+    def timed_commit(self: SaveRounds, docs: list[Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return commit_round(self, docs)
+        finally:
+            rounds["commit"] = time.perf_counter() - t0
+
+    SaveRounds.plan_globally, SaveRounds.commit = timed_plan, timed_commit  # type: ignore[method-assign]
     t0 = time.perf_counter()
-    dcp_save(state, storage_writer=writer, planner=Planner())
+    try:  # ckptfs's collective save, as store.save drives it, without the skeleton
+        drive_save(state, writer, Planner(), group_of(None))
+    finally:
+        SaveRounds.plan_globally, SaveRounds.commit = plan_round, commit_round  # type: ignore[method-assign]
     total = time.perf_counter() - t0
     if rank != 0:
         return {}
     assert writer.info is not None
-    return {**timings, "coordinator_s": sum(timings.values()), "save_s": total,
+    return {**timings, "coordinator_s": rounds["plan"] + rounds["commit"], "save_s": total,
             "attempt": writer.info.attempt, "path": writer.info.path}
 
 

@@ -50,7 +50,7 @@ from ckptfs.protocol.group import decode_bytes, encode_bytes
 from ckptfs.protocol.sharded_io import AttemptPlan, ItemReport
 from ckptfs.protocol.sharded_plan import PlanMappings
 
-__all__ = ["local_plan_doc", "local_plan_of", "part_doc", "part_of",
+__all__ = ["items_left_out", "local_plan_doc", "local_plan_of", "part_doc", "part_of",
            "results_doc", "results_of"]
 
 _KINDS = {WriteItemType.TENSOR: "tensor", WriteItemType.SHARD: "shard",
@@ -93,12 +93,14 @@ def _properties_of(raw: Any) -> TensorProperties:
 # A rank's local plan
 
 
-def local_plan_doc(plan: SavePlan) -> dict[str, Any]:
-    """``plan`` (a rank's local save plan, after the writer's ``prepare_local_plan``)."""
+def local_plan_doc(plan: SavePlan, *, items_known: bool = False) -> dict[str, Any]:
+    """``plan`` (a rank's local save plan, after the writer's ``prepare_local_plan``).
+    ``items_known``: its items are those of the plan this rank sent last, which the coordinator
+    has (the same layout digest): they are left out (``"items": None``), the rest is sent."""
     props: list[list[Any]] = []
     seen: dict[Any, int] = {}
     items: list[list[Any]] = []
-    for item in plan.items:
+    for item in plan.items if not items_known else ():
         idx = item.index
         offset = None if idx.offset is None else list(idx.offset)
         td = item.tensor_data
@@ -114,7 +116,7 @@ def local_plan_doc(plan: SavePlan) -> dict[str, Any]:
             props.append(_properties_doc(p))
         items.append([idx.fqn, offset, idx.index, _KINDS[item.type], k,
                       list(td.chunk.offsets), list(td.chunk.sizes), list(td.size)])
-    doc: dict[str, Any] = {"items": items, "properties": props,
+    doc: dict[str, Any] = {"items": None if items_known else items, "properties": props,
                            "step": plan.storage_data, "usable": bool(plan.usable)}
     pd = plan.planner_data
     if isinstance(pd, dict):
@@ -208,14 +210,31 @@ def _planner_data(text: str) -> tuple[dict[str, tuple[str | int, ...]], Any]:
     return mappings, raw[1]
 
 
-def local_plan_of(doc: Any, seen: dict[str, Any] | None = None) -> SavePlan:
+def items_left_out(doc: Any) -> bool:
+    """Whether a local plan's document left its items out (`local_plan_doc`'s
+    ``items_known``)."""
+    return isinstance(doc, dict) and doc.get("items", ()) is None
+
+
+def local_plan_of(doc: Any, seen: dict[str, Any] | None = None,
+                  known: SavePlan | None = None) -> SavePlan:
     """The local save plan `local_plan_doc` described.  ``seen``: the planner data already
-    decoded by the blob it came as (one dict for every rank's plan of one save)."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("items"), list) or \
-            not isinstance(doc.get("properties"), list):
+    decoded by the blob it came as (one dict for every rank's plan of one save).  ``known``:
+    the plan this rank sent last, whose items a document that left them out has (its layout
+    digest must be this one's)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("properties"), list) or \
+            not (isinstance(doc.get("items"), list) or items_left_out(doc)):
         raise ValueError("a local save plan: a document with items and properties wanted")
-    props = [_properties_of(p) for p in doc["properties"]]
-    items = [_item_of(raw, props) for raw in doc["items"]]
+    if items_left_out(doc):
+        layout = (doc.get("planner") or {}).get("layout")
+        if known is None or layout is None or \
+                getattr(known.planner_data, "layout", None) != layout:
+            raise ValueError("a local save plan without its items, and no earlier plan of its "
+                             "layout")
+        items = known.items
+    else:
+        props = [_properties_of(p) for p in doc["properties"]]
+        items = [_item_of(raw, props) for raw in doc["items"]]
     planner = doc.get("planner")
     planner_data: PlanMappings | None = None
     if planner is not None:
@@ -224,13 +243,13 @@ def local_plan_of(doc: Any, seen: dict[str, Any] | None = None) -> SavePlan:
         layout = planner.get("layout")
         if layout is not None and not isinstance(layout, str):
             raise ValueError("a local save plan's layout digest: a string wanted")
-        known = seen.get(planner["data"]) if seen is not None else None
-        if known is None:
-            known = _planner_data(planner["data"])
+        decoded = seen.get(planner["data"]) if seen is not None else None
+        if decoded is None:
+            decoded = _planner_data(planner["data"])
             if seen is not None:
-                seen[planner["data"]] = known
-        planner_data = PlanMappings(known[0])
-        planner_data.tree, planner_data.layout = known[1], layout
+                seen[planner["data"]] = decoded
+        planner_data = PlanMappings(decoded[0])
+        planner_data.tree, planner_data.layout = decoded[1], layout
     step = doc.get("step")
     if type(step) is not int:
         raise ValueError(f"a local save plan's step: {step!r:.40}")

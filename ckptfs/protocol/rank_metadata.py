@@ -19,6 +19,7 @@ verify).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -94,6 +95,9 @@ class PerRankSave:
         self.storage, self.step, self.algorithm, self.durable = storage, step, algorithm, durable
         self.metadata, self.tree, self.rows_per_block = dict(metadata), tree, rows_per_block
         self.owners: dict[tuple[str, tuple[int, ...] | None], int] = {}
+        #: The writer's key of this save's layout (`ShardedWriter._checked_key`; None: not
+        #: known), under which the spec's layout part is kept for the next save (`_SPEC_PART`).
+        self.layout_key: Any = None
 
     # -- the coordinator, before any rank writes -------------------------------------------
     def placeholder(self, attempt: str, plans: list[Any]) -> Manifest:
@@ -181,25 +185,13 @@ class PerRankSave:
         return [WriteResult(MetadataIndex(f"ckptfs-rank-{rank}"), 0,
                             RankReport(row, len(out)))]
 
-    # -- the coordinator, once every rank reported -------------------------------------------
-    def finish(self, att: Attempt, metadata: Any, results: list[list[Any]],
-               checkpoint_id: str, *, tree: Any = None) -> CheckpointInfo:
-        """Write the spec and the table blocks, check every file is there, commit.
-        ``tree``: the state's skeleton merged over every rank (the planner's, once it saw
-        every rank's plan; else the one given at construction).  The spec is decoded by the
-        reader's rules before it is written: one a reader would refuse is never committed."""
+    def _spec_part(self, metadata: Any, world: int
+                   ) -> tuple[list[int], dict[str, int], dict[str, TensorSpec]]:
+        """What the spec says of the global plan: items per rank, each value's rank, each
+        tensor's layout (a grid with its owners, or chunks).  The same for every save of one
+        layout (`layout_key`): kept for the next one."""
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-        world = len(results)
-        rows = [RankRow.empty(r, self.algorithm) for r in range(world)]
-        counts = [0] * world
-        for rank, rank_results in enumerate(results):
-            for wr in rank_results:
-                rep = wr.storage_data
-                if not isinstance(rep, RankReport) or rep.row.rank != rank:
-                    raise UnsupportedValueError("a rank reported a write result ckptfs did not "
-                                                "produce")
-                rows[rank], counts[rank] = rep.row, rep.items
         owned = [0] * world
         cells: dict[str, list[Cell]] = {}
         values: dict[str, int] = {}
@@ -213,10 +205,6 @@ class PerRankSave:
             cells[fqn] = [Cell(tuple(c.offsets), tuple(c.sizes),
                                self.owners[(fqn, tuple(int(o) for o in c.offsets))])
                           for c in sm.chunks]
-        if owned != counts:
-            bad = next(r for r in range(world) if owned[r] != counts[r])
-            raise CorruptCheckpointError(f"rank {bad} wrote {counts[bad]} items, its plan "
-                                         f"has {owned[bad]}")
         tensors: dict[str, TensorSpec] = {}
         for fqn, sm in metadata.state_dict_metadata.items():
             if isinstance(sm, BytesStorageMetadata):
@@ -230,6 +218,39 @@ class PerRankSave:
             tensors[fqn] = TensorSpec(str(p.dtype).removeprefix("torch."), size,
                                       bool(p.requires_grad), fmt, bool(p.pin_memory), grid,
                                       owners, chunks, empty)
+        return owned, values, tensors
+
+    # -- the coordinator, once every rank reported -------------------------------------------
+    def finish(self, att: Attempt, metadata: Any, results: list[list[Any]],
+               checkpoint_id: str, *, tree: Any = None) -> CheckpointInfo:
+        """Write the spec and the table blocks, check every file is there, commit.
+        ``tree``: the state's skeleton merged over every rank (the planner's, once it saw
+        every rank's plan; else the one given at construction).  The spec is decoded by the
+        reader's rules before it is written: one a reader would refuse is never committed."""
+
+        world = len(results)
+        rows = [RankRow.empty(r, self.algorithm) for r in range(world)]
+        counts = [0] * world
+        for rank, rank_results in enumerate(results):
+            for wr in rank_results:
+                rep = wr.storage_data
+                if not isinstance(rep, RankReport) or rep.row.rank != rank:
+                    raise UnsupportedValueError("a rank reported a write result ckptfs did not "
+                                                "produce")
+                rows[rank], counts[rank] = rep.row, rep.items
+        with _SPEC_PART.lock:
+            part = _SPEC_PART.part if self.layout_key is not None and \
+                _SPEC_PART.key == self.layout_key else None
+        if part is None:
+            part = self._spec_part(metadata, world)
+            if self.layout_key is not None:
+                with _SPEC_PART.lock:
+                    _SPEC_PART.key, _SPEC_PART.part = self.layout_key, part
+        owned, values, tensors = part
+        if owned != counts:
+            bad = next(r for r in range(world) if owned[r] != counts[r])
+            raise CorruptCheckpointError(f"rank {bad} wrote {counts[bad]} items, its plan "
+                                         f"has {owned[bad]}")
         planner = None if metadata.planner_data is None else \
             {k: tuple(v) for k, v in metadata.planner_data.items()}
         spec = Spec(world, tensors, values, planner,
@@ -253,6 +274,19 @@ class PerRankSave:
                       "the coordinator shares (not a node-local disk)")
         manifest = self.manifest(att.name, world, rows, docs)
         return att.commit(manifest, world_size=world)
+
+
+@dataclass
+class _SpecPart:
+    """The spec's layout part (`PerRankSave._spec_part`) of the last per-rank save this
+    process coordinated, by its layout key; one entry, as the global plan's cache."""
+
+    key: Any = None
+    part: Any = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+_SPEC_PART = _SpecPart()
 
 
 def per_rank_save(storage: Storage, step: int, algorithm: str, durable: bool,

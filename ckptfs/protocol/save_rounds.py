@@ -28,6 +28,8 @@ collective that itself fails (a peer died) raises the process group's error, as 
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import traceback
 from typing import Any
 
@@ -39,6 +41,7 @@ from ckptfs.errors import ShardedSaveError
 from ckptfs.protocol.gcpause import paused_collector
 from ckptfs.protocol.group import Group, carried, describe
 from ckptfs.protocol.plan_docs import (
+    items_left_out,
     local_plan_doc,
     local_plan_of,
     part_doc,
@@ -48,7 +51,7 @@ from ckptfs.protocol.plan_docs import (
 )
 from ckptfs.protocol.resolve import CheckpointInfo
 
-__all__ = ["SaveRounds", "drive_save"]
+__all__ = ["RESEND", "SaveRounds", "drive_save"]
 
 
 class SaveRounds:
@@ -79,18 +82,41 @@ class SaveRounds:
             self.writer.set_up_storage_writer(self.rank == 0, rank=self.rank,
                                               use_collectives=True)
             self.local = self.writer.prepare_local_plan(self.planner.create_local_plan())
-            return {"plan": local_plan_doc(self.local)}
+            layout = _layout(self.local)
+            with _CACHE.lock:
+                known = layout is not None and _CACHE.sent.get(self.rank) == layout
+            return {"plan": local_plan_doc(self.local, items_known=known)}
         except BaseException as exc:  # every rank must learn of it, as with DCP
             return self._failed(exc)
 
+    def plan_in_full(self) -> dict[str, Any]:
+        """Every rank, when the coordinator asked for every item (it did not have a plan this
+        rank left its items out of): its local plan's document, items included."""
+        if self.local is None:  # pragma: no cover - a failed rank's plan ended the save
+            return {"error": describe(AssertionError("no local plan"))}
+        return {"plan": local_plan_doc(self.local)}
+
     def plan_globally(self, docs: list[Any]) -> list[Any]:
-        """The coordinator: every rank's part of the global plan, from every rank's plan."""
+        """The coordinator: every rank's part of the global plan, from every rank's plan (the
+        cyclic collector paused: one write item per shard, gcpause's docstring)."""
+        with paused_collector():
+            return self._plan_globally(docs)
+
+    def _plan_globally(self, docs: list[Any]) -> list[Any]:
         failures = _failures(docs)
         if not failures:
             try:
-                with paused_collector():  # one write item per shard: gcpause's docstring
-                    seen: dict[str, Any] = {}
-                    plans = [local_plan_of(d["plan"], seen) for d in docs]
+                with _CACHE.lock:
+                    known = dict(_CACHE.plans)
+                if any(items_left_out(d["plan"]) and _layout(known.get(r)) !=
+                       (d["plan"].get("planner") or {}).get("layout")
+                       for r, d in enumerate(docs)):
+                    return [RESEND] * len(docs)  # a plan left out that this process lacks
+                seen: dict[str, Any] = {}
+                plans = [local_plan_of(d["plan"], seen, known.get(r))
+                         for r, d in enumerate(docs)]
+                with _CACHE.lock:
+                    _CACHE.plans = dict(enumerate(plans))
                 global_plans, self.metadata = self.planner.create_global_plan(plans)
                 global_plans = self.writer.prepare_global_plan(global_plans)
                 return [{"part": part_doc(lp, gp)}
@@ -113,13 +139,18 @@ class SaveRounds:
             return self._failed(exc)
 
     def commit(self, docs: list[Any]) -> dict[str, Any]:
-        """The coordinator: the outcome, once it has every rank's write results."""
+        """The coordinator: the outcome, once it has every rank's write results (the cyclic
+        collector paused: one report per item)."""
+        with paused_collector():
+            return self._commit(docs)
+
+    def _commit(self, docs: list[Any]) -> dict[str, Any]:
         failures = _failures(docs)
         if not failures:
             try:
-                with paused_collector():
-                    results = [results_of(d["results"], r) for r, d in enumerate(docs)]
+                results = [results_of(d["results"], r) for r, d in enumerate(docs)]
                 self.writer.finish(metadata=self.metadata, results=results)
+                del results
                 info = getattr(self.writer, "info", None)
                 return {"info": info.to_doc() if isinstance(info, CheckpointInfo) else None}
             except BaseException as exc:
@@ -130,6 +161,10 @@ class SaveRounds:
         """Every rank, given the outcome: the committed checkpoint (None where the writer is
         not ckptfs's), or `CheckpointException` naming every failing rank."""
         self.raise_failures("write", outcome)
+        layout = _layout(self.local)
+        if layout is not None:  # the coordinator has this plan: its next save leaves it out
+            with _CACHE.lock:
+                _CACHE.sent[self.rank] = layout
         if self.rank == 0:
             info = getattr(self.writer, "info", None)
             return info if isinstance(info, CheckpointInfo) else None
@@ -149,6 +184,32 @@ class SaveRounds:
         raise CheckpointException(round_name, excs) from self.own
 
 
+#: The coordinator's answer to a plan round in which a rank left its items out of a plan this
+#: process does not have: every rank sends its plan again, items included.
+RESEND: dict[str, Any] = {"resend": True}
+
+
+@dataclasses.dataclass
+class _PlanMemory:
+    """What this process remembers of the last plan round, so that a save whose local plan
+    keeps its layout (every save of a training run but the first) sends no items: as a rank,
+    the layout digest of the plan it sent whose save committed (``sent``, by rank); as the
+    coordinator, every rank's decoded local plan of the last round (``plans``, by rank), from
+    which a document without items takes them, its layout digest checked."""
+
+    sent: dict[int, str] = dataclasses.field(default_factory=dict)
+    plans: dict[int, SavePlan] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+_CACHE = _PlanMemory()
+
+
+def _layout(plan: SavePlan | None) -> str | None:
+    layout = getattr(getattr(plan, "planner_data", None), "layout", None)
+    return layout if isinstance(layout, str) else None
+
+
 def _failures(docs: list[Any]) -> dict[int, Any]:
     return {r: d["error"] for r, d in enumerate(docs) if isinstance(d, dict) and "error" in d}
 
@@ -161,12 +222,18 @@ def drive_save(state_dict: dict[str, Any], writer: StorageWriter, planner: SaveP
     rounds = SaveRounds(state_dict, writer, planner, group.rank)
     with paused_collector():  # the coordinator decodes every rank's documents
         docs = group.gather_at_coordinator(rounds.plan())
-    parts = None if docs is None else rounds.plan_globally(docs)
-    del docs
-    got = group.scatter_from_coordinator(parts)
-    del parts
+        parts = None if docs is None else rounds.plan_globally(docs)
+        del docs
+        got = group.scatter_from_coordinator(parts)
+        if got == RESEND:  # the coordinator lacks a plan some rank left its items out of
+            docs = group.gather_at_coordinator(rounds.plan_in_full())
+            parts = None if docs is None else rounds.plan_globally(docs)
+            del docs
+            got = group.scatter_from_coordinator(parts)
+        del parts
     docs = group.gather_at_coordinator(rounds.write(got))
     with paused_collector():
         outcome = None if docs is None else rounds.commit(docs)
-    del docs
-    return rounds.result(group.broadcast(outcome))
+        del docs
+        outcome = group.broadcast(outcome)
+        return rounds.result(outcome)

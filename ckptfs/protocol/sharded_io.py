@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -143,9 +144,12 @@ class ItemReport:
 @dataclass
 class _CheckedLayout:
     """The key (`ShardedWriter._checked_key`) of the last placeholder manifest this process's
-    coordinator checked and found committable; one entry, as the global plan's cache."""
+    coordinator checked and found committable, and a per-rank save's owners of the items
+    then; one entry, as the global plan's cache."""
 
     key: Any = None
+    owners: Any = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 _CHECKED = _CheckedLayout()
@@ -258,12 +262,20 @@ class ShardedWriter(StorageWriter):
                            durable=self.durable)
         key = self._checked_key(plans)
         with att:  # a refused manifest discards the (empty) attempt
-            if key is None or _CHECKED.key != key:
+            with _CHECKED.lock:
+                known = _CHECKED.owners if key is not None and _CHECKED.key == key else None
+            if known is None:
                 att.check(self._placeholder_manifest(att.name, plans) if self.per_rank is None
                           else self.per_rank.placeholder(att.name, plans),
                           world_size=len(plans))
                 if key is not None:
-                    _CHECKED.key = key
+                    with _CHECKED.lock:
+                        _CHECKED.key = key
+                        _CHECKED.owners = {} if self.per_rank is None else self.per_rank.owners
+            elif self.per_rank is not None:
+                self.per_rank.owners = known
+            if self.per_rank is not None:
+                self.per_rank.layout_key = key
         self._attempt = att
         self._lease = Lease(self.lease_s)
         return [dataclasses.replace(p, storage_data=AttemptPlan(att.name, i))
@@ -273,15 +285,15 @@ class ShardedWriter(StorageWriter):
         """What the verdict of the placeholder manifest's check depends on, when every rank
         sent its plan's layout digest (`sharded_plan.layout_digest`: items, chunks, dtypes,
         shapes, key paths): the layouts, the algorithm, the metadata, the width of the step
-        number and whether items are reused; None otherwise (or with per-rank metadata,
-        whose placeholder also records the items' owners).  A save whose key is the last one
-        this process checked and found committable skips building and checking it again
-        (4,096 ranks: about 0.9 s)."""
+        number, whether items are reused and the metadata layout; None otherwise.  A save
+        whose key is the last one this process checked and found committable skips building
+        and checking it again (4,096 ranks: about 0.9 s); a per-rank save takes the items'
+        owners its placeholder recorded then."""
         layouts = tuple(getattr(p.planner_data, "layout", None) for p in plans)
-        if self.per_rank is not None or not layouts or None in layouts:
+        if not layouts or None in layouts:
             return None
         return (layouts, self.algorithm, json.dumps(self.metadata, sort_keys=True),
-                len(str(self.step)), self.memory is not None)
+                len(str(self.step)), self.memory is not None, self.per_rank is not None)
 
     def _placeholder_manifest(self, attempt: str, plans: list[SavePlan]) -> Manifest:
         """The manifest this save will commit, from the global plan: every rank file with its

@@ -100,9 +100,21 @@ class SavePlanner(DefaultSavePlanner):
             trees = [getattr(p.planner_data, "tree", None) for p in all_plans]
             if self._tree_sink is not None and any(t is not None for t in trees):
                 self._tree_sink.tree = merge_trees(trees)
+            # The last global plan again (`_create_global_plan`) takes no item of the plans:
+            # no need to gather the small tensors first.
             plans = small_tensors_from_lowest_rank(all_plans) if self._gather_small \
-                else all_plans
+                and not self._cached(all_plans) else all_plans
             return super().create_global_plan(plans)
+
+    def _cache_key(self, all_plans: list[SavePlan]) -> Any:
+        layouts = tuple(getattr(p.planner_data, "layout", None) for p in all_plans)
+        return (self.flatten_state_dict, self._gather_small, layouts) \
+            if None not in layouts else None
+
+    def _cached(self, all_plans: list[SavePlan]) -> bool:
+        key = self._cache_key(all_plans)
+        with _PLAN_CACHE.lock:
+            return key is not None and _PLAN_CACHE.key == key
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's global plan (its hook, DCP's own plan caching's path too), the last one
@@ -113,9 +125,7 @@ class SavePlanner(DefaultSavePlanner):
         `balance_writers` picks), checked by
         `check_global_plan` (DCP's own check, with its verdict, in O(n log n) where DCP's
         is quadratic in the ranks)."""
-        layouts = tuple(getattr(p.planner_data, "layout", None) for p in all_plans)
-        key = (self.flatten_state_dict, self._gather_small, layouts) \
-            if None not in layouts else None
+        key = self._cache_key(all_plans)
         with _PLAN_CACHE.lock:
             cached = _PLAN_CACHE.entry if key is not None and _PLAN_CACHE.key == key else None
         if cached is not None:

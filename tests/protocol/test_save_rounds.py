@@ -20,13 +20,23 @@ from ckptfs.errors import CorruptCheckpointError
 from ckptfs.format.sharded_tree import dcp_view
 from ckptfs.protocol import plan_docs
 from ckptfs.protocol.group import decode, encode, encode_bytes
-from ckptfs.protocol.save_rounds import SaveRounds
+from ckptfs.protocol.save_rounds import RESEND, SaveRounds
 from ckptfs.protocol.sharded_io import AttemptPlan, ItemReport, ShardedWriter
 from ckptfs.protocol.sharded_plan import SavePlanner
 
 
 def sent(doc: Any) -> Any:
     return decode(encode(doc))
+
+
+@pytest.fixture(autouse=True)
+def fresh_plan_memory() -> Any:
+    """Each test starts as a new process: no rank has sent a plan, the coordinator has none."""
+    from ckptfs.protocol import save_rounds
+
+    save_rounds._CACHE.sent.clear()
+    save_rounds._CACHE.plans.clear()
+    yield
 
 
 def state(rank: int) -> dict[str, Any]:
@@ -312,5 +322,83 @@ def test_the_placeholder_check_is_skipped_only_for_a_layout_already_checked(
     save(12, rows=6)      # another shape
     save(13, rows=6, metadata={"run": "b"})  # other metadata
     save(14, rows=6, metadata={"run": "b"})
-    save(15, rows=6, metadata={"run": "b"}, metadata_layout="per-rank")  # always checked
+    save(15, rows=6, metadata={"run": "b"}, metadata_layout="per-rank")  # another layout
+    save(16, rows=6, metadata={"run": "b"}, metadata_layout="per-rank")  # its owners kept
     assert calls == [10, 12, 13, 15]
+    store = ckptfs.open(str(tmp_path / "run"))
+    assert store.verify(16).ok and store.verify(11).ok
+    # The spec of the save that took the owners and the spec's layout from the last one is
+    # that save's own, but for its ids.
+    from ckptfs.format.rank_metadata import decode_spec
+
+    def spec(step: int) -> Any:
+        info = store.info(step)
+        blob = (tmp_path / "run" / info.path / "dcp-spec.msgpack").read_bytes()
+        return decode_spec(blob, 2, where="spec")
+
+    a, b = spec(15), spec(16)
+    assert a.tensors == b.tensors and a.values == b.values
+    assert torch.equal(store.load(16)["model"]["w"], torch.zeros(6, 4))
+
+
+def _commit_all(rounds: list[SaveRounds], parts: list[Any]) -> list[Any]:
+    results = [sent(r.write(p)) for r, p in zip(rounds, parts, strict=True)]
+    outcome = sent(rounds[0].commit(results))
+    return [r.result(outcome) for r in rounds]
+
+
+def test_a_layout_sent_before_is_sent_without_its_items(tmp_path: Path) -> None:
+    """Every save of a training run but the first keeps its layout: its ranks leave their
+    items out (the coordinator has them, checked by layout digest) and the checkpoint is the
+    same as with every item sent."""
+    rounds, docs, parts = simulated(tmp_path, step=20)
+    assert all(isinstance(d["plan"]["items"], list) for d in docs)  # the first: every item
+    _commit_all(rounds, parts)
+    rounds, docs, parts = simulated(tmp_path, step=21)
+    assert all(d["plan"]["items"] is None for d in docs)
+    assert len(encode(docs[1])) < 1000
+    _commit_all(rounds, parts)
+    rounds, docs, parts = simulated(tmp_path, step=22, rows=7)  # another shape: sent again
+    assert all(isinstance(d["plan"]["items"], list) for d in docs)
+    _commit_all(rounds, parts)
+    store = ckptfs.open(str(tmp_path / "run"))
+    first, second = store.info(20).manifest, store.info(21).manifest
+    assert [(f.path, f.size) for f in first.files] == [(f.path, f.size) for f in second.files]
+    assert torch.equal(store.load(21)["model"]["w"], torch.zeros(3, 4))
+    assert torch.equal(store.load(22)["model"]["w"], torch.zeros(7, 4))
+
+
+def test_a_coordinator_without_the_plan_asks_for_every_item(tmp_path: Path) -> None:
+    from ckptfs.protocol import save_rounds
+
+    rounds, _, parts = simulated(tmp_path, step=30)
+    _commit_all(rounds, parts)
+    save_rounds._CACHE.plans.clear()  # say, another save's plans replaced them
+    store = ckptfs.open(str(tmp_path / "run"))
+    rounds = []
+    for rank in range(2):
+        st = state(rank)
+        st["model"]["w"] = torch.zeros(3, 4)
+        view, tree = dcp_view(st)
+        writer = ShardedWriter(store.storage, 31, threads=1, tree=tree)
+        rounds.append(SaveRounds(view, writer, SavePlanner(tree=tree, tree_sink=writer), rank))
+    docs = [sent(r.plan()) for r in rounds]
+    assert all(d["plan"]["items"] is None for d in docs)
+    assert rounds[0].plan_globally(docs) == [RESEND, RESEND]
+    docs = [sent(r.plan_in_full()) for r in rounds]
+    parts = [sent(p) for p in rounds[0].plan_globally(docs)]
+    infos = _commit_all(rounds, parts)
+    assert infos[1] is not None and infos[1].step == 31
+    assert store.verify(31).ok
+
+
+def test_a_plan_without_items_takes_none_of_another_layout(tmp_path: Path) -> None:
+    """A document without items whose layout digest is not the coordinator's plan of that rank
+    never gets that plan's items: every rank is asked again."""
+    rounds, docs, parts = simulated(tmp_path, step=40)
+    _commit_all(rounds, parts)
+    rounds, docs, _ = simulated(tmp_path, step=41)
+    docs[1]["plan"]["planner"]["layout"] = "0" * 64
+    assert rounds[0].plan_globally(docs) == [RESEND, RESEND]
+    with pytest.raises(ValueError, match="no earlier plan of its layout"):
+        plan_docs.local_plan_of(docs[1]["plan"], None, None)
