@@ -809,7 +809,8 @@ def load_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def plot(rows: Sequence[Mapping[str, Any]], path: str) -> None:
-    """Per mesh, two log-log panels against W: the coordinator's save seconds (ckptfs, DCP)
+    """Per mesh, two log-log panels against W: the coordinator's save seconds (ckptfs v2 and v5,
+    a first save and the next of the same layout; DCP)
     and the metadata one loading rank reads (v2, v5, DCP), written to ``path`` (a PNG)."""
     import matplotlib
 
@@ -820,9 +821,16 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(len(meshes), 2, figsize=(10, 3.6 * len(meshes)), squeeze=False)
     for (left, right), mesh in zip(axes, meshes, strict=True):
         mine = [r for r in rows if r["mesh"] == mesh]
-        ws = [r["world"] for r in mine]
-        for key, label in (("ckptfs", "ckptfs"), ("dcp", "DCP")):
-            left.plot(ws, [r[key]["coordinator_s"] for r in mine], "o-", label=label)
+        for key, field, label in (
+                ("ckptfs", "coordinator_s", "ckptfs v2, first save"),
+                ("ckptfs", "coordinator_again_s", "ckptfs v2, same layout again"),
+                ("v5", "coordinator_s", "ckptfs v5, first save"),
+                ("v5", "coordinator_again_s", "ckptfs v5, same layout again"),
+                ("dcp", "coordinator_s", "DCP")):
+            have = [r for r in mine if field in r.get(key, {})]
+            left.plot([r["world"] for r in have], [r[key][field] for r in have], "o-",
+                      label=label)
+        left.axhline(1.0, color="grey", linestyle=":", label="goal: 1 s")
         left.set(xscale="log", yscale="log", xlabel="ranks (W)", ylabel="coordinator s",
                  title=f"{mesh}: the coordinator's save work")
         for key, label in (("ckptfs", "ckptfs v2"), ("v5", "ckptfs v5 (per-rank)"),
