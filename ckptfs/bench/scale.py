@@ -400,21 +400,25 @@ class _Timer:
 def _sent(docs: Sequence[Any]) -> tuple[list[Any], int, float]:
     """What the coordinator does with its side of the JSON messages ``docs`` (encoded by their
     ranks): (the documents as received, their bytes, the seconds to decode them all)."""
+    from ckptfs.protocol.gcpause import paused_collector
     from ckptfs.protocol.group import decode, encode
 
     blobs = [encode(d) for d in docs]
     t0 = time.perf_counter()
-    got = [decode(b) for b in blobs]
+    with paused_collector():  # as `drive_save` receives them
+        got = [decode(b) for b in blobs]
     return got, sum(map(len, blobs)), time.perf_counter() - t0
 
 
 def _encoded(docs: Sequence[Any]) -> tuple[list[Any], int, float]:
     """The coordinator's side of messages it sends: (the documents as each rank receives them,
     their bytes, the seconds to encode them all)."""
+    from ckptfs.protocol.gcpause import paused_collector
     from ckptfs.protocol.group import decode, encode
 
     t0 = time.perf_counter()
-    blobs = [encode(d) for d in docs]
+    with paused_collector():  # as `drive_save` sends them
+        blobs = [encode(d) for d in docs]
     dt = time.perf_counter() - t0
     return [decode(b) for b in blobs], sum(map(len, blobs)), dt
 
