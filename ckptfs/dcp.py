@@ -67,11 +67,22 @@ class Writer(ShardedWriter):
 
 class Reader(ShardedReader):
     """A DCP ``StorageReader`` for the committed step ``step`` of the run at ``url`` (the newest
-    committed one if ``None``).  Every chunk read is checked against its digest first."""
+    committed one if ``None``).  Every chunk read is checked against its digest first.
+
+    ``process_group``: a gloo group of the ranks loading (every rank of the ``dcp.load``, each
+    with its own ``Reader``): a chunk several of them need (data-parallel replicas, a
+    resharded load) is then read from storage once, by one of them, and sent to the others
+    over that group, each checking its digest again (docs/sharded.md, "Cooperative load"), as
+    ``ckptfs.open(url).load(into=...)`` does.  Without it (or with a group of another backend)
+    every rank reads what it needs itself."""
 
     def __init__(self, url: str, step: int | None = None, *, verify: bool = True,
                  threads: int | None = None, retries: int = 3, allow_rollback: bool = False,
-                 **storage_options: Any) -> None:
+                 process_group: Any = None, **storage_options: Any) -> None:
         store = ckptfs.open(url, threads=threads, retries=retries, **storage_options)
         super().__init__(store.storage, step, verify=verify, threads=store.threads,
                          allow_rollback=allow_rollback)
+        if process_group is not None:
+            from ckptfs.protocol.group import bytes_group
+
+            self.peers = bytes_group(process_group)

@@ -277,3 +277,33 @@ def test_balance_writers_hsdp_within_five_percent() -> None:
         loads[w] += size
     mean = sum(loads) / world
     assert max(loads) <= 1.05 * mean and min(loads) >= 0.95 * mean
+
+
+def job_dcp_load(rank: int, world: int, url: str, cooperate: bool) -> dict[str, Any]:
+    """A plain ``dcp.load`` through ``ckptfs.dcp.Reader`` on 4 replicas, with a gloo group
+    given to the reader (``cooperate``) or not."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    import ckptfs.dcp
+
+    mesh = init_device_mesh("cpu", (world,))
+    into = _targets(mesh, [Replicate()])
+    group = dist.new_group(backend="gloo") if cooperate else None
+    reader = ckptfs.dcp.Reader(url, STEP, process_group=group)
+    dcp.load(into, storage_reader=reader, planner=ckptfs.dcp.LoadPlanner())
+    exact = all(torch.equal(into[k].full_tensor(), v) for k, v in _full().items())
+    return {"exact": exact and into["trainer"]["step"] == STEP, "read": reader.bytes_read}
+
+
+def test_a_plain_dcp_load_cooperates_given_a_group(tmp_path: Path) -> None:
+    url = str(tmp_path)
+    run_ranks(job_save, 2, url, timeout=240)
+    size = _data_bytes(tmp_path)
+    coop = run_ranks(job_dcp_load, 4, url, True, timeout=240)
+    alone = run_ranks(job_dcp_load, 4, url, False, timeout=240)
+    assert all(r["exact"] for r in coop + alone)
+    assert sum(r["read"] for r in coop) <= 1.05 * size
+    assert sum(r["read"] for r in alone) >= 4 * 0.9 * size
