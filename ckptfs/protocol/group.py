@@ -51,7 +51,7 @@ from ckptfs.protocol.collective import is_distributed
 
 __all__ = ["LIVENESS_WAIT", "Group", "Liveness", "RankGroup", "WorldOfOne", "bytes_group",
            "carried", "collective_failure", "decode", "decode_bytes", "describe", "encode",
-           "encode_bytes", "gloo_group", "group_of", "rebuild"]
+           "encode_bytes", "gloo_group", "group_of", "message_device", "rebuild"]
 
 log = logging.getLogger("ckptfs")
 
@@ -188,6 +188,10 @@ class RankGroup(Group):
 
     def __init__(self, process_group: Any = None) -> None:
         self.process_group = process_group
+        #: Where the message tensors live: the CPU, but on a group whose one backend is NCCL
+        #: (a CPU tensor cannot cross it) the current CUDA device, as torch's object
+        #: collectives choose.
+        self.device = message_device(process_group)
         self.rank = int(dist.get_rank(process_group))
         self.world_size = int(dist.get_world_size(process_group))
         self.ranks = [int(r) for r in dist.get_process_group_ranks(
@@ -196,69 +200,65 @@ class RankGroup(Group):
     def broadcast(self, doc: Any, src: int = 0, *, default: Default = None) -> Any:
         group = self.process_group
         data = encode(doc, default=default) if self.rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         dist.broadcast(size, group=group, group_src=src)
-        buf = torch.zeros(max(1, int(size.item())), dtype=torch.uint8)
-        if self.rank == src and data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = self._buffer(data if self.rank == src else b"", int(size.item()))
         dist.broadcast(buf, group=group, group_src=src)
-        return decode(buf[:int(size.item())].numpy().tobytes())
+        return decode(_bytes(buf, int(size.item())))
 
     def all_gather(self, doc: Any, *, default: Default = None) -> list[Any]:
         group, data = self.process_group, encode(doc, default=default)
-        size = torch.tensor([len(data)], dtype=torch.int64)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
         dist.all_gather(sizes, size, group=group)
-        buf = torch.zeros(max(1, max(int(s.item()) for s in sizes)), dtype=torch.uint8)
-        if data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = self._buffer(data, max(int(s.item()) for s in sizes))
         bufs = [torch.zeros_like(buf) for _ in range(self.world_size)]
         dist.all_gather(bufs, buf, group=group)
-        return [decode(b[:int(n.item())].numpy().tobytes())
-                for b, n in zip(bufs, sizes, strict=True)]
+        return [decode(_bytes(b, int(n.item()))) for b, n in zip(bufs, sizes, strict=True)]
+
+    def _buffer(self, data: bytes, width: int) -> torch.Tensor:
+        """A uint8 message tensor of ``width`` bytes (at least 1) on the group's device,
+        ``data`` at its start."""
+        buf = torch.zeros(max(1, width), dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return buf if self.device.type == "cpu" else buf.to(self.device)
 
     def gather_at_coordinator(self, doc: Any, *, default: Default = None) -> list[Any] | None:
         # The sizes to every rank (one int each), then one gather of buffers padded to the
         # largest: gloo's gather takes tensors of one size.
         group, data = self.process_group, encode(doc, default=default)
-        size = torch.tensor([len(data)], dtype=torch.int64)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
         dist.all_gather(sizes, size, group=group)
-        buf = torch.zeros(max(1, max(int(s.item()) for s in sizes)), dtype=torch.uint8)
-        if data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = self._buffer(data, max(int(s.item()) for s in sizes))
         bufs = [torch.zeros_like(buf) for _ in range(self.world_size)] if self.coordinator \
             else None
         dist.gather(buf, bufs, group=group, group_dst=0)
         if bufs is None:
             return None
-        return [decode(b[:int(n.item())].numpy().tobytes())
-                for b, n in zip(bufs, sizes, strict=True)]
+        return [decode(_bytes(b, int(n.item()))) for b, n in zip(bufs, sizes, strict=True)]
 
     def scatter_from_coordinator(self, docs: Sequence[Any] | None, *,
                                  default: Default = None) -> Any:
         # The sizes from the coordinator (one int per rank), then one scatter of buffers
         # padded to the largest.
         group = self.process_group
-        sizes = torch.zeros(self.world_size, dtype=torch.int64)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         blobs: list[bytes] = []
         if self.coordinator:
             if docs is None or len(docs) != self.world_size:
                 raise ValueError(f"scatter_from_coordinator: {self.world_size} documents "
                                  "wanted, one per rank")
             blobs = [encode(d, default=default) for d in docs]
-            sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+            sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64,
+                                 device=self.device)
         dist.broadcast(sizes, group=group, group_src=0)
-        width = max(1, int(sizes.max().item()))
-        out = torch.zeros(width, dtype=torch.uint8)
-        parts = None
-        if self.coordinator:
-            parts = [torch.zeros(width, dtype=torch.uint8) for _ in blobs]
-            for t, b in zip(parts, blobs, strict=True):
-                if b:
-                    t[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+        width = int(sizes.max().item())
+        out = self._buffer(b"", width)
+        parts = [self._buffer(b, width) for b in blobs] if self.coordinator else None
         dist.scatter(out, parts, group=group, group_src=0)
-        return decode(out[:int(sizes[self.rank].item())].numpy().tobytes())
+        return decode(_bytes(out, int(sizes[self.rank].item())))
 
     def _exchange(self, send: Sequence[Sequence[memoryview]], sizes: Sequence[int]
                   ) -> list[memoryview]:
@@ -281,6 +281,24 @@ class RankGroup(Group):
             views.append(got[pos:pos + n])
             pos += n
         return views
+
+
+def _bytes(buf: torch.Tensor, n: int) -> bytes:
+    return buf[:n].cpu().numpy().tobytes()
+
+
+def message_device(process_group: Any = None) -> torch.device:
+    """The device of ``process_group``'s message tensors: the CPU unless the group's only
+    backend is NCCL (then the current CUDA device: a CPU tensor cannot cross it); a group of
+    gloo, of ``"cpu:gloo,cuda:nccl"``, or of a custom backend sends CPU tensors."""
+    try:
+        backend = str(dist.get_backend(process_group)).lower()
+    except Exception:  # a custom backend object
+        return torch.device("cpu")
+    if "nccl" in backend and "gloo" not in backend and "cpu" not in backend \
+            and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def group_of(process_group: Any = None) -> Group:

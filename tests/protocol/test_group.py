@@ -146,3 +146,19 @@ def test_rebuilt_corrupt_error_keeps_its_class_hierarchy() -> None:
     by the same ``except`` clauses as the original."""
     err = grp.rebuild(grp.describe(TierMismatchError("m", step=1)))
     assert isinstance(err, CorruptCheckpointError)
+
+
+@pytest.mark.parametrize("backend, cuda, device", [
+    ("gloo", True, "cpu"), ("cpu:gloo,cuda:nccl", True, "cpu"), ("nccl", True, "cuda:0"),
+    ("nccl", False, "cpu"), ("custom", True, "cpu")])
+def test_messages_cross_an_nccl_group_on_the_gpu(monkeypatch: pytest.MonkeyPatch, backend: str,
+                                                 cuda: bool, device: str) -> None:
+    """A CPU tensor cannot cross a group whose only backend is NCCL: its messages travel in
+    tensors on the current CUDA device (torch's own choice for object collectives); every other
+    group's on the CPU."""
+    import torch
+
+    monkeypatch.setattr(grp.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert str(grp.message_device(object())) == device
