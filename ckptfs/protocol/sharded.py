@@ -10,25 +10,30 @@ a checkpoint is resharded on load; ckptfs's `ShardedWriter`
 and `ShardedReader` put the bytes into one attempt, hash
 every byte once, verify every byte read, and commit with the same marker as format v1.
 
-Every rank enters the collective even when its own input is bad: an error found before DCP runs
-(a key the format cannot hold) is raised inside DCP's planning step, where DCP gathers it, so
-all ranks fail together instead of leaving the others waiting.  DCP reports failures as
-``CheckpointException`` (a ``BaseException``); `map_failure` turns it into a ckptfs error
-naming the failing ranks, raised on every rank.  The collectives run on a dedicated gloo group
-(made by `ckptfs.protocol.group.gloo_group`) whose timeout (`COLLECTIVE_TIMEOUT`) bounds how
-long a rank waits for a dead, hung or absent peer, the group's own creation included;
-`Liveness` (``ckptfs.protocol.group``) names that peer.
+A save is driven by ckptfs over its group (`ckptfs.protocol.save_rounds`: the planner and the
+writer called as ``dcp.save`` calls them, every message a JSON document); a load by DCP's
+``dcp.load``.  Every rank enters the collective even when its own input is bad: an error found
+before planning (a key the format cannot hold) is raised inside the planning step, where it is
+gathered, so all ranks fail together instead of leaving the others waiting.  Failures come as
+DCP's ``CheckpointException`` (a ``BaseException``) from both; `map_failure` turns it into a
+ckptfs error naming the failing ranks, raised on every rank.  The collectives run on a
+dedicated gloo group (made by `ckptfs.protocol.group.gloo_group`) whose timeout
+(`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead, hung or absent peer, the
+group's own creation included; `Liveness` (``ckptfs.protocol.group``) names that peer.
 
 A collective save, step by step (every rank calls `save_sharded`)::
 
     every rank    sets its liveness key ("in"); ckptfs's gloo group (created at the first save)
-    every rank    dcp.save -> planner: the state's DCP view, values encoded (a bad value raises
-                  here, gathered by DCP from every rank), the local plan
+    every rank    drive_save -> planner: the state's DCP view, values encoded (a bad value
+                  raises here, gathered from every rank), the local plan (its items left out
+                  when the coordinator has them: the same layout as the last save)
     coordinator   values from the lowest rank holding them; ShardedWriter.prepare_global_plan:
-                  one attempt, the manifest checked against every reader limit
+                  one attempt, the manifest checked against every reader limit; each rank
+                  receives its own part of the global plan
     every rank    ShardedWriter.write_data: its rank file, hashed while written; key "done"
     coordinator   ShardedWriter.finish: dcp.msgpack, MANIFEST.json, COMPLETE (Attempt.commit)
-    every rank    the same CheckpointInfo, or the same typed error
+    every rank    the same CheckpointInfo (sent as its manifest and marker), or the same typed
+                  error
 
 A collective load (`load_into`) runs the reader's sequence of
 `ShardedReader`; the full load (`load_full`, one
@@ -261,7 +266,8 @@ def _participants(process_group: Any) -> Any:
 
 @dataclasses.dataclass
 class SavePrep:
-    """What one collective save hands to DCP (``dcp.save`` or ``dcp.async_save``)."""
+    """What one collective save hands to its driver (`drive_save`, on the caller's thread or
+    an async save's)."""
 
     view: dict[str, Any]
     writer: ShardedWriter
