@@ -10,7 +10,12 @@ index document in another's place (as storage mixed them up, and as an attacker 
 it: the table row and the manifest re-signed so that every digest holds, so only the index's
 own rank and file names can refuse it), a table block tampered (a flipped byte; re-signed: a
 rank's row emptied while the spec places items in its file), and the tensor spec tampered (a
-flipped byte; re-signed: another world size)."""
+flipped byte; re-signed: another world size; re-signed: two ranks' chunks at the same
+offsets), an index document that is a msgpack bomb, and sizes declared beyond the format's
+limits (an index, a table block, the spec), each refused before a byte of what it declares is
+requested.  The v5 cell of tests/paths.py runs the corruption matrix, the hardening, crash and
+power-cut sweeps; the planted documents of the generic hostile sweep are v1-v3's, these are
+v5's."""
 
 from __future__ import annotations
 
@@ -28,10 +33,11 @@ import torch
 from dist_util import run_ranks
 
 import ckptfs
-from ckptfs.errors import CorruptCheckpointError
+from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptfs.format.entries import Chunk, make_entry
 from ckptfs.format.hashing import digest_bytes
 from ckptfs.format.layout import StepPaths
+from ckptfs.format.limits import MAX_METADATA_BYTES, MAX_RANK_INDEX_BYTES
 from ckptfs.format.rank_metadata import SPEC_NAME, RankRow, decode_block, encode_block
 
 BLOCK = "rank-table/block-00000.bin"
@@ -106,7 +112,11 @@ class Run:
                 hexd = digest_bytes(algo, data).split(":", 1)[1]
                 e = make_entry(e.path, len(data), algo, [Chunk(0, len(data), hexd)], None)
             files.append(e)
-        mbytes = dataclasses.replace(m, files=tuple(files)).to_bytes()
+        self.resign_manifest(dataclasses.replace(m, files=tuple(files)))
+
+    def resign_manifest(self, manifest: Any) -> None:
+        """``manifest`` written in place of the attempt's, the marker re-signed to it."""
+        mbytes = manifest.to_bytes()
         self.write("MANIFEST.json", mbytes)
         marker_path = os.path.join(self.root, StepPaths(1).marker)
         with open(marker_path) as fh:
@@ -151,6 +161,39 @@ def _spec_overlap_resigned(run: Run) -> None:
     run.resign({SPEC_NAME: msgpack.packb(spec, use_bin_type=True)})
 
 
+def _index_bomb_resigned(run: Run) -> None:
+    """Rank 1's index replaced by a msgpack array header declaring 2^31 elements (a few bytes
+    that would ask for gigabytes), its row and the manifest re-signed: decoded without
+    allocating what it declares, refused."""
+    algo = run.info.manifest.hash_algorithm
+    bomb = b"\xdd\x7f\xff\xff\xff" + b"\x00" * 16
+    run.write(INDEX1, bomb)
+    rows = run.rows()
+    rows[1] = dataclasses.replace(rows[1], index_size=len(bomb),
+                                  index_digest=digest_bytes(algo, bomb))
+    run.resign({BLOCK: encode_block(rows, algo)})
+
+
+def _index_declared_huge_resigned(run: Run) -> None:
+    """Rank 1's row declares an index beyond the format's limit (re-signed): refused before
+    a byte of it is requested."""
+    rows = run.rows()
+    rows[1] = dataclasses.replace(rows[1], index_size=MAX_RANK_INDEX_BYTES + 1)
+    run.resign({BLOCK: encode_block(rows, run.info.manifest.hash_algorithm)})
+
+
+def _declared_huge_resigned(rel: str, size: int) -> Callable[[Run], None]:
+    """The manifest declares ``rel`` ``size`` bytes long (one chunk), re-signed."""
+    def damage(run: Run) -> None:
+        m = run.info.manifest
+        algo = m.hash_algorithm
+        hexd = digest_bytes(algo, run.read(rel)).split(":", 1)[1]
+        files = tuple(make_entry(e.path, size, algo, [Chunk(0, size, hexd)], None)
+                      if e.path == rel else e for e in m.files)
+        run.resign_manifest(dataclasses.replace(m, files=files))
+    return damage
+
+
 #: name -> (damage, the file the error names, a phrase of it)
 CASES: dict[str, tuple[Callable[[Run], None], str, str]] = {
     "rank file missing": (lambda r: os.remove(r.path(FILE1)), FILE1, "missing"),
@@ -163,6 +206,21 @@ CASES: dict[str, tuple[Callable[[Run], None], str, str]] = {
     "spec world size, re-signed": (_spec_world_resigned, SPEC_NAME, "world"),
     "spec chunks overlapping across ranks, re-signed": (
         _spec_overlap_resigned, SPEC_NAME, "tensor 'w': its chunks must tile it exactly once"),
+    "index a msgpack bomb, re-signed": (_index_bomb_resigned, INDEX1, ""),
+    # sizes declared beyond the format's limits: refused where they are decoded, before a
+    # byte of what they describe is requested
+    "index declared beyond its limit, re-signed": (
+        _index_declared_huge_resigned, BLOCK, "B index (at most"),
+    "table block declared beyond its rows, re-signed": (
+        _declared_huge_resigned(BLOCK, 1 << 40), BLOCK, "its rows"),
+}
+
+#: Sizes declared beyond the format's limits (re-signed): a reader refuses them before it asks
+#: storage for a byte (`UnsafeCheckpointError` "exceeds"); a full verify may find the stored
+#: size first.  name -> (damage, the file the error names)
+DECLARED: dict[str, tuple[Callable[[Run], None], str]] = {
+    "spec declared beyond its limit": (
+        _declared_huge_resigned(SPEC_NAME, MAX_METADATA_BYTES + 1), SPEC_NAME),
 }
 
 
@@ -234,3 +292,26 @@ def test_cp_copies_every_file_the_table_names(donor: str, tmp_path: Any) -> None
     got, state = dst.load(1), _state()
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
     assert copy_step(src.storage, dst.storage, 1).status == "identical"
+
+
+@pytest.mark.parametrize("case", list(DECLARED))
+def test_sizes_declared_beyond_the_limits_are_refused_before_reading(
+        donor: str, case: str, tmp_path: Any) -> None:
+    damage, named = DECLARED[case]
+    root = str(tmp_path / "run")
+    shutil.copytree(donor, root)
+    run = Run(root)
+    damage(run)
+    before = _listing(root)
+    store = ckptfs.open(root, retries=0)
+    for how, fn in {"load": lambda: store.load(1),
+                    "load-into": lambda: store.load(1, into=_into())}.items():
+        with pytest.raises(UnsafeCheckpointError) as err:
+            fn()
+        assert named in str(err.value) and "exceeds" in str(err.value), (how, str(err.value))
+    for how, fn in {"verify": lambda: store.verify(1),
+                    "cp": lambda: paths.read("cp", store, 1)}.items():
+        with pytest.raises(CorruptCheckpointError) as err:
+            fn()
+        assert named in str(err.value), (how, str(err.value))
+    assert _listing(root) == before
