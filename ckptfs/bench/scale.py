@@ -423,6 +423,73 @@ def _encoded(docs: Sequence[Any]) -> tuple[list[Any], int, float]:
     return [decode(b) for b in blobs], sum(map(len, blobs)), dt
 
 
+def coordinated_save(spec: Spec, root: str, step: int, local_plans: list[Any],
+                     values: Mapping[str, bytes], *, per_rank: bool = False,
+                     collect: bool = True) -> dict[str, Any]:
+    """One simulated collective save of step ``step`` under ``root``: the coordinator's two
+    rounds (`SaveRounds.plan_globally`, `SaveRounds.commit`, each timed) on the documents of
+    every rank's ``local_plans`` (their items left out after the first save, `STEP`, as a
+    layout already planned sends them), each rank's part and write results made as the writer
+    makes them (``per_rank``: format v5, each rank's index document written by the writer's
+    own ``write_index``), the messages through their JSON.  The seconds and bytes of each
+    part, the writer and the rank files."""
+    from ckptfs.protocol.commit import Attempt
+    from ckptfs.protocol.group import decode, encode
+    from ckptfs.protocol.plan_docs import local_plan_doc, part_of, results_doc
+    from ckptfs.protocol.resolve import CheckpointInfo
+    from ckptfs.protocol.save_rounds import SaveRounds
+    from ckptfs.protocol.sharded_io import AttemptPlan
+
+    store = ckptfs.open(root, durable=spec.durable)
+    writer = ShardedWriter(store.storage, step, durable=spec.durable, threads=store.threads,
+                           metadata_layout="per-rank" if per_rank else None)
+    planner = SavePlanner(gather_small=per_rank)  # as a per-rank save's planner
+    planner.set_up_planner({}, writer.storage_meta(), True)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    rounds = SaveRounds({}, writer, planner, 0)
+    t_create = _Timer(planner, "create_global_plan")
+    t_prep = _Timer(writer, "prepare_global_plan")
+    plans = [writer.prepare_local_plan(p) for p in local_plans]
+    docs, gather_b, gather_s = _sent([{"plan": local_plan_doc(p, items_known=step != STEP)}
+                                      for p in plans])
+    parts, t_plan = _timed(rounds.plan_globally, docs, collect=collect)
+    del docs
+    if "failures" in parts[0]:
+        raise rounds.own or AssertionError(parts[0])
+    parts, scatter_b, scatter_s = _encoded(parts)
+    gplans = [part_of(d["part"], lp) for d, lp in zip(parts, plans, strict=True)]
+    del parts, plans
+    attempt = gplans[0].storage_data
+    assert isinstance(attempt, AttemptPlan)
+    att = Attempt.join(writer.storage, step, attempt.attempt, algorithm=writer.algorithm)
+    checksums = () if per_rank else tuple((a, "0" * 8) for a in att.store_checksums)
+    results, files = ckptfs_write_results(gplans, values, writer.algorithm, checksums)
+    sparse_files(Path(root) / att.write_dir, files)
+    t_index = 0.0
+    if writer.per_rank is not None:
+        pr = writer.per_rank
+
+        def write_indexes(gplans: list[Any], results: list[list[Any]]) -> list[list[Any]]:
+            return [pr.write_index(attempt.attempt, r, p.items, res)
+                    for r, (p, res) in enumerate(zip(gplans, results, strict=True))]
+
+        results, t_index = _timed(write_indexes, gplans, results, collect=collect)
+    del gplans
+    docs, results_b, results_s = _sent([{"results": results_doc(r)} for r in results])
+    del results
+    outcome, t_finish = _timed(rounds.commit, docs, collect=collect)
+    del docs
+    if "failures" in outcome:
+        raise rounds.own or AssertionError(outcome)
+    blob, t_dumps = _timed(encode, outcome)
+    _, t_outcome = _timed(lambda: CheckpointInfo.from_doc(decode(blob)["info"]))
+    return {"writer": writer, "files": files, "plan_s": t_plan, "create_s": t_create.seconds,
+            "prepare_s": t_prep.seconds, "finish_s": t_finish, "index_s": t_index,
+            "messages_bytes": gather_b + scatter_b + results_b,
+            "messages_s": gather_s + scatter_s + results_s + t_dumps,
+            "outcome_bytes": len(blob), "outcome_s": t_outcome}
+
+
 def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | None = None,
                     reps: int = 1, collect: bool = True) -> dict[str, Any]:
     """ckptfs's coordinator, the messages and one loading rank, on ``world`` simulated ranks,
@@ -433,55 +500,19 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
     (see `_timed`)."""
     from ckptfs.format.layout import MANIFEST_NAME, StepPaths
     from ckptfs.format.sharded import METADATA_NAME
-    from ckptfs.protocol.commit import Attempt
-    from ckptfs.protocol.group import decode, encode
-    from ckptfs.protocol.plan_docs import local_plan_doc, part_of, results_doc
-    from ckptfs.protocol.resolve import CheckpointInfo
-    from ckptfs.protocol.save_rounds import SaveRounds
 
     state = leaves(spec)
     values = encoded_values(state)
     raw = plans if plans is not None else local_plans(spec, world)
 
     def save(step: int) -> dict[str, Any]:
-        writer = ShardedWriter(ckptfs.open(root, durable=spec.durable).storage, step,
-                               durable=spec.durable)
-        planner = SavePlanner()
-        planner.set_up_planner({}, writer.storage_meta(), True)
-        writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-        local = [writer.prepare_local_plan(p) for p in raw]
-        rounds = SaveRounds({}, writer, planner, 0)
-        t_create = _Timer(planner, "create_global_plan")
-        t_prep = _Timer(writer, "prepare_global_plan")
-        docs, gather_b, gather_s = _sent([{"plan": local_plan_doc(p, items_known=step != STEP)}
-                                          for p in local])
-        parts, t_plan = _timed(rounds.plan_globally, docs, collect=collect)
-        del docs
-        if "failures" in parts[0]:
-            raise rounds.own or AssertionError(parts[0])
-        parts, scatter_b, scatter_s = _encoded(parts)
-        gplans = [part_of(d["part"], lp) for d, lp in zip(parts, local, strict=True)]
-        del parts
-        attempt = gplans[0].storage_data
-        att = Attempt.join(writer.storage, step, attempt.attempt, algorithm=writer.algorithm)
-        checksums = tuple((a, "0" * 8) for a in att.store_checksums)
-        results, files = ckptfs_write_results(gplans, values, writer.algorithm, checksums)
-        sparse_files(Path(root) / att.write_dir, files)
-        del gplans
-        docs, results_b, results_s = _sent([{"results": results_doc(r)} for r in results])
-        del results
-        outcome, t_finish = _timed(rounds.commit, docs, collect=collect)
-        del docs
-        if "failures" in outcome:
-            raise rounds.own or AssertionError(outcome)
-        blob, t_dumps = _timed(encode, outcome)
-        _, t_bcast = _timed(lambda: CheckpointInfo.from_doc(decode(blob)["info"]))
-        return {"info": writer.info, "coordinator_s": t_plan + t_finish,
-                "create_global_plan_s": t_create.seconds, "prepare_global_plan_s": t_prep.seconds,
-                "plan_messages_s": t_plan - t_create.seconds - t_prep.seconds,
-                "finish_s": t_finish, "plans_bytes": gather_b + scatter_b + results_b,
-                "plans_pickle_s": gather_s + scatter_s + results_s + t_dumps,
-                "broadcast_bytes": len(blob), "broadcast_unpickle_s": t_bcast}
+        r = coordinated_save(spec, root, step, raw, values, collect=collect)
+        return {"info": r["writer"].info, "coordinator_s": r["plan_s"] + r["finish_s"],
+                "create_global_plan_s": r["create_s"], "prepare_global_plan_s": r["prepare_s"],
+                "plan_messages_s": r["plan_s"] - r["create_s"] - r["prepare_s"],
+                "finish_s": r["finish_s"], "plans_bytes": r["messages_bytes"],
+                "plans_pickle_s": r["messages_s"], "broadcast_bytes": r["outcome_bytes"],
+                "broadcast_unpickle_s": r["outcome_s"]}
 
     first = save(STEP)
     # The next save of the same layout: its ranks send no items (the coordinator has them),
@@ -546,10 +577,6 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
     ranks is reported."""
     from ckptfs.format.layout import MANIFEST_NAME, StepPaths
     from ckptfs.format.rank_metadata import block_name
-    from ckptfs.protocol.commit import Attempt
-    from ckptfs.protocol.plan_docs import local_plan_doc, part_of, results_doc
-    from ckptfs.protocol.save_rounds import SaveRounds
-    from ckptfs.protocol.sharded_io import AttemptPlan
 
     state = leaves(spec)
     values = encoded_values(state)
@@ -557,45 +584,12 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
     regions = {r: regions_of_plan(raw[r]) for r in sorted({0, world - 1})}
 
     def save(step: int) -> dict[str, Any]:
-        store = ckptfs.open(root, durable=spec.durable)
-        writer = ShardedWriter(store.storage, step, durable=spec.durable,
-                               threads=store.threads, metadata_layout="per-rank")
-        planner = SavePlanner(gather_small=True)  # as a per-rank save's planner
-        planner.set_up_planner({}, writer.storage_meta(), True)
-        writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-        rounds = SaveRounds({}, writer, planner, 0)
-        t_create = _Timer(planner, "create_global_plan")
-        plans = [writer.prepare_local_plan(p) for p in raw]
-        docs, _, _ = _sent([{"plan": local_plan_doc(p, items_known=step != STEP)} for p in plans])
-        parts, t_plan_all = _timed(rounds.plan_globally, docs, collect=collect)
-        del docs
-        if "failures" in parts[0]:
-            raise rounds.own or AssertionError(parts[0])
-        parts, _, _ = _encoded(parts)
-        gplans = [part_of(d["part"], lp) for d, lp in zip(parts, plans, strict=True)]
-        del parts
-        attempt = gplans[0].storage_data
-        assert isinstance(attempt, AttemptPlan) and writer.per_rank is not None
-        att = Attempt.join(writer.storage, step, attempt.attempt, algorithm=writer.algorithm)
-        results, files = ckptfs_write_results(gplans, values, writer.algorithm)
-        sparse_files(Path(root) / att.write_dir, files)
-        per_rank = writer.per_rank
-
-        def write_indexes(gplans: list[Any], results: list[list[Any]]) -> list[list[Any]]:
-            return [per_rank.write_index(attempt.attempt, r, p.items, res)
-                    for r, (p, res) in enumerate(zip(gplans, results, strict=True))]
-
-        reports, t_index = _timed(write_indexes, gplans, results, collect=collect)
-        del plans, gplans, results
-        docs, _, _ = _sent([{"results": results_doc(r)} for r in reports])
-        outcome, t_finish = _timed(rounds.commit, docs, collect=collect)
-        if "failures" in outcome:
-            raise rounds.own or AssertionError(outcome)
+        r = coordinated_save(spec, root, step, raw, values, per_rank=True, collect=collect)
         # prepare_global_plan_s here: the writer's and the messages' part of the plan round
-        return {"writer": writer, "files": files, "create_global_plan_s": t_create.seconds,
-                "prepare_global_plan_s": t_plan_all - t_create.seconds,
-                "finish_s": t_finish, "rank_index_s": t_index,
-                "coordinator_s": t_plan_all + t_finish}
+        return {"writer": r["writer"], "files": r["files"], "create_global_plan_s": r["create_s"],
+                "prepare_global_plan_s": r["plan_s"] - r["create_s"],
+                "finish_s": r["finish_s"], "rank_index_s": r["index_s"],
+                "coordinator_s": r["plan_s"] + r["finish_s"]}
 
     first = save(STEP)
     again = save(STEP + 1)  # the next save of the same layout: no items sent, the plan cached

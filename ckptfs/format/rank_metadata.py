@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -248,6 +248,25 @@ def encode_index(index: RankIndex) -> bytes:
     return _pack(doc, f"the index of rank {index.rank}")
 
 
+def _document(data: bytes | bytearray | memoryview, where: str, schema: str,
+              keys: frozenset[str], what: str
+              ) -> tuple[dict[str, Any], Callable[[str], CorruptCheckpointError]]:
+    """A v5 document's map (msgpack, bounded by `unpack_document`) once its schema, format
+    version and required keys hold, and the error maker of its other rules."""
+    raw = unpack_document(data, where)
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: malformed {what} ({msg})")
+
+    if not isinstance(raw, dict) or raw.get("schema") != schema:
+        raise bad(f"not a ckptfs {what}")
+    check_version(raw.get("format_version"), where, what)
+    missing = sorted(keys - set(raw))
+    if missing:
+        raise bad(f"lacks {missing}")
+    return raw, bad
+
+
 def decode_index(data: bytes | bytearray | memoryview, row: RankRow, *, where: str
                  ) -> RankIndex:
     """Decode the index document of ``row``'s rank (its bytes already checked against the
@@ -257,17 +276,7 @@ def decode_index(data: bytes | bytearray | memoryview, row: RankRow, *, where: s
     list's digest the row's file digest."""
     if len(data) > MAX_RANK_INDEX_BYTES:  # pragma: no cover - checked before reading
         raise CorruptCheckpointError(f"{where}: larger than {MAX_RANK_INDEX_BYTES} B")
-    raw = unpack_document(data, where)
-
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: malformed rank index ({what})")
-
-    if not isinstance(raw, dict) or raw.get("schema") != INDEX_SCHEMA:
-        raise bad("not a ckptfs rank index")
-    check_version(raw.get("format_version"), where, "rank index")
-    missing = sorted(INDEX_KEYS - set(raw))
-    if missing:
-        raise bad(f"lacks {missing}")
+    raw, bad = _document(data, where, INDEX_SCHEMA, INDEX_KEYS, "rank index")
     algo = raw["algorithm"]
     if raw["rank"] != row.rank or not _is_int(raw["rank"]):
         raise bad(f"names rank {raw['rank']!r:.20}, its row is rank {row.rank}: another "
@@ -539,17 +548,7 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
     then ``[]``), the chunks either places on the ranks tiling the tensor exactly once
     (`placement_errors`: no two at the same offsets, none overlapping another, no gap); each
     value's rank; planner data naming exactly the stored names, and the tree."""
-    raw = unpack_document(data, where)
-
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: malformed tensor spec ({what})")
-
-    if not isinstance(raw, dict) or raw.get("schema") != SPEC_SCHEMA:
-        raise bad("not a ckptfs tensor spec")
-    check_version(raw.get("format_version"), where, "tensor spec")
-    missing = sorted(SPEC_KEYS - set(raw))
-    if missing:
-        raise bad(f"lacks {missing}")
+    raw, bad = _document(data, where, SPEC_SCHEMA, SPEC_KEYS, "tensor spec")
     if raw["world_size"] != world or not _is_int(raw["world_size"]):
         raise bad(f"world_size {raw['world_size']!r:.20} is not the manifest's {world}")
 
