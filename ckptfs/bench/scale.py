@@ -226,11 +226,9 @@ def local_plan(spec: Spec, state: list[Leaf], world: int, rank: int,
             index=MetadataIndex(leaf.fqn, offs), type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offs, sizes=sizes),
                                         properties=props(), size=torch.Size(leaf.shape))))
-    from ckptfs.protocol.sharded_plan import PlanMappings, layout_digest
+    from ckptfs.protocol.plan_table import PlanMappings
 
-    plan = SavePlan(items, planner_data=PlanMappings(mappings))
-    plan.planner_data.layout = layout_digest(plan)  # as ckptfs's planner sends it
-    return plan
+    return SavePlan(items, planner_data=PlanMappings(mappings))
 
 
 def local_plans(spec: Spec, world: int) -> list[Any]:
@@ -436,6 +434,7 @@ def coordinated_save(spec: Spec, root: str, step: int, local_plans: list[Any],
     from ckptfs.protocol.commit import Attempt
     from ckptfs.protocol.group import decode, encode
     from ckptfs.protocol.plan_docs import local_plan_doc, part_of, results_doc
+    from ckptfs.protocol.plan_table import LocalTable
     from ckptfs.protocol.resolve import CheckpointInfo
     from ckptfs.protocol.save_rounds import SaveRounds
     from ckptfs.protocol.sharded_io import AttemptPlan
@@ -447,11 +446,12 @@ def coordinated_save(spec: Spec, root: str, step: int, local_plans: list[Any],
     planner.set_up_planner({}, writer.storage_meta(), True)
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
     rounds = SaveRounds({}, writer, planner, 0)
-    t_create = _Timer(planner, "create_global_plan")
-    t_prep = _Timer(writer, "prepare_global_plan")
+    t_create = _Timer(planner, "create_global_table")
+    t_prep = _Timer(writer, "prepare_table")
     plans = [writer.prepare_local_plan(p) for p in local_plans]
-    docs, gather_b, gather_s = _sent([{"plan": local_plan_doc(p, items_known=step != STEP)}
-                                      for p in plans])
+    # After the first save each rank knows its layout was sent: its items are left out.
+    docs, gather_b, gather_s = _sent([{"plan": local_plan_doc(
+        p, known=None if step == STEP else LocalTable.of_plan(p).layout)} for p in plans])
     parts, t_plan = _timed(rounds.plan_globally, docs, collect=collect)
     del docs
     if "failures" in parts[0]:
@@ -874,17 +874,17 @@ def real_rank(rank: int, world: int, spec_doc: dict[str, Any]) -> dict[str, Any]
         return out
 
     class Planner(SavePlanner):
-        def create_global_plan(self, all_plans: list[Any]) -> Any:
+        def create_global_table(self, tables: list[Any]) -> Any:
             return timing("create_global_plan_s", lambda: super(Planner, self)
-                          .create_global_plan(all_plans))
+                          .create_global_table(tables))
 
     class Writer(ShardedWriter):
-        def prepare_global_plan(self, plans: list[Any]) -> Any:
+        def prepare_table(self, plan: Any, tables: list[Any]) -> Any:
             return timing("prepare_global_plan_s", lambda: super(Writer, self)
-                          .prepare_global_plan(plans))
+                          .prepare_table(plan, tables))
 
-        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
-            timing("finish_s", lambda: super(Writer, self).finish(metadata, results))
+        def finish_table(self, plan: Any, results: list[list[Any]]) -> None:
+            timing("finish_s", lambda: super(Writer, self).finish_table(plan, results))
 
     if spec.mesh == "hsdp":
         s = min(spec.hsdp_shard, world)

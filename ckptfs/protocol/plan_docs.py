@@ -4,15 +4,15 @@ Design decision: **DCP's objects cross ranks by what they hold, never pickled.**
 save (`ckptfs.protocol.save_rounds`) sends four kinds of message, and each has a document
 here, made by one function and read back by its inverse:
 
-* a rank's **local save plan**, to the coordinator (`local_plan_doc` / `local_plan_of`): every
-  write item (name, offset, kind; a tensor's chunk, properties and size), the properties listed
-  once and named by position, the step the rank saves, and ckptfs's planner data (the
+* a rank's **local save plan**, to the coordinator (`local_plan_doc` / `local_table_of`): its
+  table (`ckptfs.protocol.plan_table`): the skeleton (every write item's name, kind, properties,
+  size: the same text on every rank of an SPMD job, decoded once) and the numbers (the chunks'
+  offsets and sizes, int64), the step the rank saves, and ckptfs's planner data (the
   flattening map, the rank's state skeleton as msgpack, its layout digest);
 * each rank's **part of the global plan**, from the coordinator (`part_doc` / `part_of`): the
   attempt, the rank's index, and which of its own local items it writes with their index
-  hints: ckptfs's global planner only selects and hints items (`sharded_plan.global_save_plan`),
-  so a rank rebuilds its part from its own plan; an item the coordinator changed otherwise is a
-  `ValueError`;
+  hints: the global plan only selects and hints items (`plan_table.global_plan`), so a rank
+  rebuilds its part from its own plan;
 * a rank's **write results**, to the coordinator (`results_doc` / `results_of`): per item its
   `ItemReport`, or a per-rank save's one `RankReport` (format v5);
 * the **outcome**, to every rank: the committed checkpoint (`CheckpointInfo.to_doc`: its
@@ -25,262 +25,118 @@ round that received it fails on every rank): a message is data, as a checkpoint 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import (
-    BytesIOWriteData,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptfs.format.entries import Chunk
-from ckptfs.protocol.group import decode_bytes, encode_bytes
+from ckptfs.protocol.plan_table import (
+    GlobalPlan,
+    LocalTable,
+    PlanMappings,
+    Skeleton,
+    decode_numbers,
+    decode_planner_data,
+    decode_skeleton,
+    layout_of,
+)
 from ckptfs.protocol.sharded_io import AttemptPlan, ItemReport
-from ckptfs.protocol.sharded_plan import PlanMappings
 
-__all__ = ["items_left_out", "local_plan_doc", "local_plan_of", "part_doc", "part_of",
-           "results_doc", "results_of"]
-
-_KINDS = {WriteItemType.TENSOR: "tensor", WriteItemType.SHARD: "shard",
-          WriteItemType.BYTE_IO: "bytes"}
-_KIND_OF = {v: k for k, v in _KINDS.items()}
-_TORCH_NAME = re.compile(r"torch\.[A-Za-z0-9_]{1,64}")
-
-
-def _torch_name(value: Any) -> str:
-    return str(value)  # "torch.float32", "torch.strided", "torch.contiguous_format"
-
-
-def _torch_attr(name: Any, kind: type, what: str) -> Any:
-    if not isinstance(name, str) or not _TORCH_NAME.fullmatch(name):
-        raise ValueError(f"{what}: {name!r:.80} is not a torch name")
-    value = getattr(torch, name[len("torch."):], None)
-    if not isinstance(value, kind):
-        raise ValueError(f"{what}: {name!r:.80} is not a {kind.__name__}")
-    return value
-
-
-def _properties_doc(p: TensorProperties) -> list[Any]:
-    return [_torch_name(p.dtype), _torch_name(p.layout), bool(p.requires_grad),
-            _torch_name(p.memory_format), bool(p.pin_memory)]
-
-
-def _properties_of(raw: Any) -> TensorProperties:
-    if not isinstance(raw, list) or len(raw) != 5:
-        raise ValueError(f"tensor properties: 5 fields wanted, got {raw!r:.80}")
-    dtype = _torch_attr(raw[0], torch.dtype, "dtype")
-    layout = _torch_attr(raw[1], torch.layout, "layout")
-    memory_format = _torch_attr(raw[3], torch.memory_format, "memory format")
-    if type(raw[2]) is not bool or type(raw[4]) is not bool:
-        raise ValueError("tensor properties: requires_grad and pin_memory are bools")
-    return TensorProperties(dtype=dtype, layout=layout, requires_grad=raw[2],
-                            memory_format=memory_format, pin_memory=raw[4])
-
+__all__ = ["doc_layout", "items_left_out", "local_plan_doc", "local_plan_of", "local_table_of",
+           "part_doc", "part_of", "results_doc", "results_of"]
 
 # ----------------------------------------------------------------------------------------------
 # A rank's local plan
 
 
-def local_plan_doc(plan: SavePlan, *, items_known: bool = False) -> dict[str, Any]:
-    """``plan`` (a rank's local save plan, after the writer's ``prepare_local_plan``).
-    ``items_known``: its items are those of the plan this rank sent last, which the coordinator
-    has (the same layout digest): they are left out (``"items": None``), the rest is sent."""
-    props: list[list[Any]] = []
-    seen: dict[Any, int] = {}
-    items: list[list[Any]] = []
-    for item in plan.items if not items_known else ():
-        idx = item.index
-        offset = None if idx.offset is None else list(idx.offset)
-        td = item.tensor_data
-        if td is None:
-            nbytes = None if item.bytes_io_data is None else int(item.bytes_io_data.nbytes)
-            items.append([idx.fqn, offset, idx.index, _KINDS[item.type], nbytes])
-            continue
-        p = td.properties
-        key = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
-        k = seen.get(key)
-        if k is None:
-            k = seen[key] = len(props)
-            props.append(_properties_doc(p))
-        items.append([idx.fqn, offset, idx.index, _KINDS[item.type], k,
-                      list(td.chunk.offsets), list(td.chunk.sizes), list(td.size)])
-    doc: dict[str, Any] = {"items": None if items_known else items, "properties": props,
-                           "step": plan.storage_data, "usable": bool(plan.usable)}
-    pd = plan.planner_data
-    if isinstance(pd, dict):
-        # The flattening map and the skeleton as one msgpack blob: the same on every rank of
-        # an SPMD job, so the coordinator decodes it once (`local_plan_of`'s ``seen``).
-        tree = getattr(pd, "tree", None)
-        blob = msgpack.packb([[[fqn, list(path)] for fqn, path in pd.items()], tree],
-                             use_bin_type=True)
-        doc["planner"] = {"layout": getattr(pd, "layout", None), "data": encode_bytes(blob)}
-    elif pd is not None:
-        raise TypeError(f"planner data of type {type(pd).__name__}: ckptfs's planner sends a "
-                        "dict")
-    return doc
-
-
-def _size(raw: Any, what: str) -> torch.Size:
-    try:
-        return torch.Size(raw)  # ints only: anything else is a TypeError
-    except TypeError as exc:
-        raise ValueError(f"{what}: a list of ints wanted, got {raw!r:.80}") from exc
-
-
-#: DCP's write item dataclasses hold their fields in their instance dicts (torch 2.13): a
-#: tensor item is then built with its fields set as such, about 3 times faster than through
-#: the frozen dataclasses' ``__init__`` (a coordinator at 4,096 ranks builds 200,000).
-_PLAIN = all(tuple(f.name for f in dataclasses.fields(cls)) == names for cls, names in (
-    (WriteItem, ("index", "type", "bytes_io_data", "tensor_data")),
-    (MetadataIndex, ("fqn", "offset", "index")),
-    (TensorWriteData, ("chunk", "properties", "size")),
-    (ChunkStorageMetadata, ("offsets", "sizes")))) and all(
-    "__slots__" not in vars(cls)
-    for cls in (WriteItem, MetadataIndex, TensorWriteData, ChunkStorageMetadata))
-
-
-def _item_of(raw: Any, props: list[TensorProperties]) -> WriteItem:
-    if not isinstance(raw, list) or len(raw) not in (5, 8) or not isinstance(raw[0], str):
-        raise ValueError(f"a write item: {raw!r:.80}")
-    fqn, offset, hint, kind = raw[0], raw[1], raw[2], _KIND_OF.get(raw[3])
-    if kind is None:
-        raise ValueError(f"write item {fqn!r:.80}: kind {raw[3]!r:.20}")
-    if hint is not None and type(hint) is not int:
-        raise ValueError(f"write item {fqn!r:.80}: index hint {hint!r:.20}")
-    if len(raw) == 5:
-        if kind != WriteItemType.BYTE_IO:
-            raise ValueError(f"write item {fqn!r:.80}: a tensor without its chunk")
-        nbytes = raw[4]
-        if nbytes is not None and type(nbytes) is not int:
-            raise ValueError(f"write item {fqn!r:.80}: nbytes {nbytes!r:.20}")
-        index = MetadataIndex(fqn, None if offset is None else _size(offset, fqn), hint)
-        return WriteItem(index=index, type=kind, bytes_io_data=None if nbytes is None
-                         else BytesIOWriteData(nbytes=nbytes))
-    k = raw[4]
-    if kind == WriteItemType.BYTE_IO or type(k) is not int or not 0 <= k < len(props):
-        raise ValueError(f"write item {fqn!r:.80}: properties {k!r:.20}")
-    offsets = _size(raw[5], fqn)
-    at = None if offset is None else offsets if offset == raw[5] else _size(offset, fqn)
-    sizes, size = _size(raw[6], fqn), _size(raw[7], fqn)
-    if not _PLAIN:  # pragma: no cover - another torch's dataclasses
-        return WriteItem(index=MetadataIndex(fqn, at, hint), type=kind,
-                         tensor_data=TensorWriteData(
-                             chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                             properties=props[k], size=size))
-    new = object.__new__
-    index = new(MetadataIndex)
-    index.__dict__.update(fqn=fqn, offset=at, index=hint)
-    chunk = new(ChunkStorageMetadata)
-    chunk.__dict__.update(offsets=offsets, sizes=sizes)
-    td = new(TensorWriteData)
-    td.__dict__.update(chunk=chunk, properties=props[k], size=size)
-    item = new(WriteItem)
-    item.__dict__.update(index=index, type=kind, bytes_io_data=None, tensor_data=td)
-    return item
-
-
-def _planner_data(text: str) -> tuple[dict[str, tuple[str | int, ...]], Any]:
-    """(the flattening map, the skeleton) of a local plan's planner blob."""
-    try:
-        raw = msgpack.unpackb(decode_bytes(text), raw=False, use_list=True,
-                              strict_map_key=True)
-    except Exception as exc:  # not base64, not msgpack
-        raise ValueError(f"a local save plan's planner data: {exc}") from exc
-    if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], list)):
-        raise ValueError("a local save plan's planner data: [mappings, tree] wanted")
-    mappings: dict[str, tuple[str | int, ...]] = {}
-    for pair in raw[0]:
-        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
-                and isinstance(pair[1], list)
-                and all(type(k) in (str, int) for k in pair[1])):
-            raise ValueError(f"a flattening map entry: {pair!r:.80}")
-        mappings[pair[0]] = tuple(pair[1])
-    return mappings, raw[1]
+def local_plan_doc(plan: SavePlan, *, known: str | None = None) -> dict[str, Any]:
+    """``plan`` (a rank's local save plan, after the writer's ``prepare_local_plan``) as its
+    table (`LocalTable.of_plan`): the skeleton's, numbers' and planner data's documents, the
+    plan's ``layout`` digest (`plan_table.layout_of`), the step and DCP's ``usable``.
+    ``known``: the layout of the plan this rank sent last, which the coordinator has: a plan
+    of that layout is sent without its skeleton, numbers and planner data (all None)."""
+    table = LocalTable.of_plan(plan)
+    left_out = table.layout == known
+    return {"skeleton": None if left_out else table.skeleton.blob,
+            "numbers": None if left_out else table.texts[0],
+            "planner": None if left_out else table.texts[1],
+            "layout": table.layout, "step": plan.storage_data, "usable": bool(plan.usable)}
 
 
 def items_left_out(doc: Any) -> bool:
-    """Whether a local plan's document left its items out (`local_plan_doc`'s
-    ``items_known``)."""
-    return isinstance(doc, dict) and doc.get("items", ()) is None
+    """Whether a local plan's document left its items out (`local_plan_doc`'s ``known``)."""
+    return isinstance(doc, dict) and "skeleton" in doc and doc["skeleton"] is None
 
 
-def local_plan_of(doc: Any, seen: dict[str, Any] | None = None,
-                  known: SavePlan | None = None) -> SavePlan:
-    """The local save plan `local_plan_doc` described.  ``seen``: the planner data already
-    decoded by the blob it came as (one dict for every rank's plan of one save).  ``known``:
-    the plan this rank sent last, whose items a document that left them out has (its layout
-    digest must be this one's)."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("properties"), list) or \
-            not (isinstance(doc.get("items"), list) or items_left_out(doc)):
-        raise ValueError("a local save plan: a document with items and properties wanted")
-    if items_left_out(doc):
-        layout = (doc.get("planner") or {}).get("layout")
-        if known is None or layout is None or \
-                getattr(known.planner_data, "layout", None) != layout:
-            raise ValueError("a local save plan without its items, and no earlier plan of its "
-                             "layout")
-        items = known.items
-    else:
-        props = [_properties_of(p) for p in doc["properties"]]
-        items = [_item_of(raw, props) for raw in doc["items"]]
-    planner = doc.get("planner")
-    planner_data: PlanMappings | None = None
-    if planner is not None:
-        if not isinstance(planner, dict) or not isinstance(planner.get("data"), str):
-            raise ValueError("a local save plan's planner data: its mappings wanted")
-        layout = planner.get("layout")
-        if layout is not None and not isinstance(layout, str):
-            raise ValueError("a local save plan's layout digest: a string wanted")
-        decoded = seen.get(planner["data"]) if seen is not None else None
-        if decoded is None:
-            decoded = _planner_data(planner["data"])
-            if seen is not None:
-                seen[planner["data"]] = decoded
-        planner_data = PlanMappings(decoded[0])
-        planner_data.tree, planner_data.layout = decoded[1], layout
+def doc_layout(doc: Any) -> Any:
+    """The layout digest a local plan's document names (None: none)."""
+    return doc.get("layout") if isinstance(doc, dict) else None
+
+
+def local_table_of(doc: Any, seen: dict[Any, Any] | None = None,
+                   known: LocalTable | None = None) -> LocalTable:
+    """The table `local_plan_doc` described.  ``seen``: the documents already decoded and
+    digested, by their text (one dict for every rank's plan of one save: an SPMD job's ranks
+    send one skeleton and one planner data).  ``known``: the table of the plan this rank sent
+    last, whose items a document that left them out has (its layout digest must be this
+    one's).  A document whose layout digest is not that of its content is refused."""
+    if not isinstance(doc, dict) or "skeleton" not in doc or "numbers" not in doc:
+        raise ValueError("a local save plan: a document with a skeleton and numbers wanted")
+    seen = {} if seen is None else seen
+    layout = doc_layout(doc)
+    if layout is not None and not isinstance(layout, str):
+        raise ValueError("a local save plan's layout digest: a string wanted")
     step = doc.get("step")
     if type(step) is not int:
         raise ValueError(f"a local save plan's step: {step!r:.40}")
-    return SavePlan(items, storage_data=step, planner_data=planner_data,
-                    usable=bool(doc.get("usable", True)))
+    usable = bool(doc.get("usable", True))
+    if items_left_out(doc):
+        if known is None or layout is None or known.layout != layout:
+            raise ValueError("a local save plan without its items, and no earlier plan of its "
+                             "layout")
+        return dataclasses.replace(known, step=step, usable=usable)
+    blob, numbers_text, planner_text = doc["skeleton"], doc["numbers"], doc.get("planner")
+    found = seen.get(("skeleton", blob)) if isinstance(blob, str) else None
+    skeleton = found if isinstance(found, Skeleton) else decode_skeleton(blob)
+    seen[("skeleton", blob)] = skeleton
+    numbers = decode_numbers(numbers_text, skeleton.width)
+    planner_data: PlanMappings | None = None
+    if planner_text is not None:
+        if not isinstance(planner_text, str):
+            raise ValueError("a local save plan's planner data: its mappings wanted")
+        planner_data = seen.get(("planner", planner_text))
+        if planner_data is None:
+            planner_data = seen[("planner", planner_text)] = decode_planner_data(planner_text)
+    digests = seen.setdefault("digests", {})
+    actual = layout_of(blob, numbers_text, planner_text, digests)
+    if layout is not None and layout != actual:
+        raise ValueError("a local save plan's layout digest is not that of its items")
+    return LocalTable(skeleton, numbers, step, usable, planner_data, (numbers_text, planner_text),
+                      actual)
+
+
+def local_plan_of(doc: Any) -> SavePlan:
+    """The local save plan `local_plan_doc` described (DCP's objects: a test's view; the
+    coordinator plans over tables)."""
+    table = local_table_of(doc)
+    return SavePlan(table.write_items(), storage_data=table.step,
+                    planner_data=table.planner_data, usable=table.usable)
 
 
 # ----------------------------------------------------------------------------------------------
 # A rank's part of the global plan
 
 
-def part_doc(local: SavePlan, part: SavePlan) -> dict[str, Any]:
-    """Rank ``i``'s part ``part`` of the global plan (its ``storage_data`` the `AttemptPlan`)
-    as the positions, in its local plan ``local``, of the items it writes, with their index
-    hints.  The part's items must be the local plan's, in order, but for their index hints."""
-    ap = part.storage_data
-    if not isinstance(ap, AttemptPlan):
-        raise ValueError("a global plan part without its attempt")
-    keep: list[list[Any]] = []
-    pos, n = 0, len(local.items)
-    for item in part.items:
-        idx = item.index
-        while pos < n and not (local.items[pos].index.fqn == idx.fqn
-                               and local.items[pos].index.offset == idx.offset):
-            pos += 1
-        if pos == n or local.items[pos].type != item.type:
-            raise ValueError(f"rank {ap.rank}: the global plan's item {idx.fqn!r:.80} is not "
-                             "one of its local plan's items, in order")
-        keep.append([pos, idx.index])
-        pos += 1
-    return {"attempt": ap.attempt, "rank": ap.rank, "items": keep}
+def part_doc(plan: GlobalPlan, rank: int, attempt: str) -> dict[str, Any]:
+    """Rank ``rank``'s part of the global plan ``plan``: the positions, in its local plan, of
+    the items it writes, with their index hints, and the attempt."""
+    pos, hints = plan.part(rank)
+    return {"attempt": attempt, "rank": rank,
+            "items": [[p, h] for p, h in zip(pos, hints, strict=True)]}
 
 
 def part_of(doc: Any, local: SavePlan) -> SavePlan:
@@ -394,7 +250,9 @@ _PLAIN_REPORT = tuple(f.name for f in dataclasses.fields(ItemReport)) == (
     "path", "offset", "length", "digest", "rank", "file_size", "header", "source", "protector",
     "store_checksums") and "__slots__" not in vars(ItemReport) and tuple(
     f.name for f in dataclasses.fields(WriteResult)) == (
-    "index", "size_in_bytes", "storage_data") and "__slots__" not in vars(WriteResult)
+    "index", "size_in_bytes", "storage_data") and "__slots__" not in vars(WriteResult) and \
+    tuple(f.name for f in dataclasses.fields(MetadataIndex)) == ("fqn", "offset", "index") \
+    and "__slots__" not in vars(MetadataIndex)
 
 
 def results_of(doc: Any, rank: int) -> list[WriteResult]:
@@ -416,7 +274,7 @@ def results_of(doc: Any, rank: int) -> list[WriteResult]:
             offset = None if raw[1] is None else torch.Size(raw[1])
         except TypeError as exc:
             raise ValueError(f"{what()}: a list of ints wanted, got {raw[1]!r:.80}") from exc
-        if not (_PLAIN and _PLAIN_REPORT):  # pragma: no cover - another torch
+        if not _PLAIN_REPORT:  # pragma: no cover - another torch
             out.append(WriteResult(index=MetadataIndex(raw[0], offset, raw[2]),
                                    size_in_bytes=raw[3], storage_data=report))
             continue

@@ -19,7 +19,7 @@ verify).
 from __future__ import annotations
 
 import dataclasses
-import threading
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -64,12 +64,63 @@ from ckptfs.format.versions import has_rank_metadata
 from ckptfs.protocol.chunks import read_chunks
 from ckptfs.protocol.commit import Attempt, now_text, placeholder_digest
 from ckptfs.protocol.listing import check_written
+from ckptfs.protocol.plan_table import GlobalPlan
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import Storage
 
 #: The features of a per-rank save's manifest (format v5).
 PER_RANK_FEATURES = frozenset({SHARDED, CHUNKED, RANK_METADATA})
 Read = Callable[[ChunkedFileEntry, int, int], memoryview]
+
+
+def layout_of_columns(size: tuple[int, ...], offsets: torch.Tensor, sizes: torch.Tensor,
+                      ranks: torch.Tensor
+                      ) -> tuple[tuple[int, ...] | None, tuple[int, int] | None,
+                                 tuple[Cell, ...] | None, tuple[Cell, ...]]:
+    """`layout_of` of a tensor's chunks given as columns (offsets and sizes m x d, their
+    ranks), the same answer: a grid is recognised with tensor operations, without a `Cell` per
+    chunk; the chunks without elements (and an explicit layout) are listed as `layout_of`
+    lists them."""
+
+    def cells(sel: torch.Tensor | None = None) -> list[Cell]:
+        o, z, r = (offsets, sizes, ranks) if sel is None else \
+            (offsets[sel], sizes[sel], ranks[sel])
+        return [Cell(tuple(a), tuple(b), c)
+                for a, b, c in zip(o.tolist(), z.tolist(), r.tolist(), strict=True)]
+
+    n = len(ranks)
+    if n <= 1 or not size or offsets.shape[1] != len(size) or 0 in size:
+        return layout_of(size, cells())
+    empty = (sizes == 0).any(dim=1)
+    full = ~empty
+    fo, fs, fr = offsets[full], sizes[full], ranks[full]
+    if len(fr) == 0 or bool((fo < 0).any()):
+        return layout_of(size, cells())
+    zero = torch.nonzero((fo == 0).all(dim=1)).flatten()
+    if len(zero) == 0:
+        return layout_of(size, cells())
+    grid = fs[int(zero[0])]
+    dims = torch.tensor(size, dtype=torch.int64)
+    counts = (dims + grid - 1) // grid
+    total = math.prod(counts.tolist())
+    if total != len(fr) or bool((fo % grid).any()) or \
+            not bool((fs == torch.minimum(grid, dims - fo)).all()) or \
+            bool((fo // grid >= counts).any()):
+        return layout_of(size, cells())
+    strides = torch.ones(len(size), dtype=torch.int64)
+    for k in range(len(size) - 2, -1, -1):
+        strides[k] = strides[k + 1] * counts[k + 1]
+    linear = (fo // grid * strides).sum(dim=1)
+    if int(torch.bincount(linear, minlength=total).max()) != 1:
+        return layout_of(size, cells())
+    by_index = torch.empty(total, dtype=torch.int64)
+    by_index[linear] = fr
+    base = int(by_index[0])
+    stride = int(by_index[1]) - base if total > 1 else 0
+    if stride < 0 or bool((by_index != base + torch.arange(total) * stride).any()):
+        return layout_of(size, cells())
+    listed = tuple(sorted(cells(empty), key=lambda c: c.offsets)) if bool(empty.any()) else ()
+    return tuple(grid.tolist()), (base, stride), None, listed
 
 
 @dataclass(frozen=True)
@@ -94,21 +145,14 @@ class PerRankSave:
                  rows_per_block: int = DEFAULT_ROWS_PER_BLOCK) -> None:
         self.storage, self.step, self.algorithm, self.durable = storage, step, algorithm, durable
         self.metadata, self.tree, self.rows_per_block = dict(metadata), tree, rows_per_block
-        self.owners: dict[tuple[str, tuple[int, ...] | None], int] = {}
-        #: The writer's key of this save's layout (`ShardedWriter._checked_key`; None: not
-        #: known), under which the spec's layout part is kept for the next save (`_SPEC_PART`).
-        self.layout_key: Any = None
 
     # -- the coordinator, before any rank writes -------------------------------------------
-    def placeholder(self, attempt: str, plans: list[Any]) -> Manifest:
+    def placeholder(self, attempt: str, world: int) -> Manifest:
         """The manifest this save will commit (placeholder digests, the spec counted as
-        empty), for `Attempt.check`; records which rank stores each item."""
-        self.owners = {(it.index.fqn, None if it.index.offset is None
-                        else tuple(int(o) for o in it.index.offset)): rank
-                       for rank, plan in enumerate(plans) for it in plan.items}
-        return self.manifest(attempt, len(plans), [RankRow.empty(r, self.algorithm)
-                                                   for r in range(len(plans))],
-                             {SPEC_NAME: b"", **self._blocks([], len(plans), empty=True)},
+        empty), for `Attempt.check`: O(ranks), whatever the items."""
+        return self.manifest(attempt, world, [RankRow.empty(r, self.algorithm)
+                                              for r in range(world)],
+                             {SPEC_NAME: b"", **self._blocks([], world, empty=True)},
                              placeholder=True)
 
     def _blocks(self, rows: list[RankRow], world: int, *, empty: bool = False
@@ -185,45 +229,36 @@ class PerRankSave:
         return [WriteResult(MetadataIndex(f"ckptfs-rank-{rank}"), 0,
                             RankReport(row, len(out)))]
 
-    def _spec_part(self, metadata: Any, world: int
-                   ) -> tuple[list[int], dict[str, int], dict[str, TensorSpec]]:
+    @staticmethod
+    def spec_part(plan: GlobalPlan) -> tuple[list[int], dict[str, int], dict[str, TensorSpec]]:
         """What the spec says of the global plan: items per rank, each value's rank, each
-        tensor's layout (a grid with its owners, or chunks).  The same for every save of one
-        layout (`layout_key`): kept for the next one."""
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-        owned = [0] * world
-        cells: dict[str, list[Cell]] = {}
-        values: dict[str, int] = {}
-        for (fqn, offsets), rank in self.owners.items():
-            owned[rank] += 1
-            if offsets is None:
-                values[fqn] = rank
-        for fqn, sm in metadata.state_dict_metadata.items():
-            if isinstance(sm, BytesStorageMetadata):
-                continue
-            cells[fqn] = [Cell(tuple(c.offsets), tuple(c.sizes),
-                               self.owners[(fqn, tuple(int(o) for o in c.offsets))])
-                          for c in sm.chunks]
-        tensors: dict[str, TensorSpec] = {}
-        for fqn, sm in metadata.state_dict_metadata.items():
-            if isinstance(sm, BytesStorageMetadata):
-                continue
-            p = sm.properties
-            fmt = {torch.channels_last: "channels_last",
-                   torch.preserve_format: "preserve_format"}.get(p.memory_format,
-                                                                 "contiguous_format")
-            size = tuple(int(s) for s in sm.size)
-            grid, owners, chunks, empty = layout_of(size, cells[fqn])
-            tensors[fqn] = TensorSpec(str(p.dtype).removeprefix("torch."), size,
-                                      bool(p.requires_grad), fmt, bool(p.pin_memory), grid,
-                                      owners, chunks, empty)
-        return owned, values, tensors
+        tensor's layout (a grid with its owners, or chunks), from the plan's columns: O(ranks
+        + tensors) for the grids sharding makes.  Kept with the plan (the same for every save
+        of its layout)."""
+        part = plan.memo.get("spec")
+        if part is None:
+            tensors: dict[str, TensorSpec] = {}
+            for fqn in plan.order:
+                t = plan.tensors.get(fqn)
+                if t is None:
+                    continue
+                p = t.props
+                fmt = {torch.channels_last: "channels_last",
+                       torch.preserve_format: "preserve_format"}.get(p.memory_format,
+                                                                     "contiguous_format")
+                grid, owners, chunks, empty = layout_of_columns(t.size, t.offsets, t.sizes,
+                                                                t.ranks)
+                tensors[fqn] = TensorSpec(str(p.dtype).removeprefix("torch."), t.size,
+                                          bool(p.requires_grad), fmt, bool(p.pin_memory), grid,
+                                          owners, chunks, empty)
+            part = plan.memo["spec"] = (plan.items_per_rank(), dict(plan.values), tensors)
+        return part
 
     # -- the coordinator, once every rank reported -------------------------------------------
-    def finish(self, att: Attempt, metadata: Any, results: list[list[Any]],
+    def finish(self, att: Attempt, plan: GlobalPlan, results: list[list[Any]],
                checkpoint_id: str, *, tree: Any = None) -> CheckpointInfo:
-        """Write the spec and the table blocks, check every file is there, commit.
+        """Write the spec of the global plan ``plan`` and the table blocks, check every file
+        is there, commit.
         ``tree``: the state's skeleton merged over every rank (the planner's, once it saw
         every rank's plan; else the one given at construction).  The spec is decoded by the
         reader's rules before it is written: one a reader would refuse is never committed."""
@@ -238,24 +273,16 @@ class PerRankSave:
                     raise UnsupportedValueError("a rank reported a write result ckptfs did not "
                                                 "produce")
                 rows[rank], counts[rank] = rep.row, rep.items
-        with _SPEC_PART.lock:
-            part = _SPEC_PART.part if self.layout_key is not None and \
-                _SPEC_PART.key == self.layout_key else None
-        if part is None:
-            part = self._spec_part(metadata, world)
-            if self.layout_key is not None:
-                with _SPEC_PART.lock:
-                    _SPEC_PART.key, _SPEC_PART.part = self.layout_key, part
-        owned, values, tensors = part
+        owned, values, tensors = self.spec_part(plan)
         if owned != counts:
             bad = next(r for r in range(world) if owned[r] != counts[r])
             raise CorruptCheckpointError(f"rank {bad} wrote {counts[bad]} items, its plan "
                                          f"has {owned[bad]}")
-        planner = None if metadata.planner_data is None else \
-            {k: tuple(v) for k, v in metadata.planner_data.items()}
+        planner = None if plan.planner_data is None else \
+            {k: tuple(v) for k, v in plan.planner_data.items()}
         spec = Spec(world, tensors, values, planner,
                     {"checkpoint_id": checkpoint_id, "save_id": att.name, "modules": []},
-                    metadata.version, self.tree if tree is None else tree, {})
+                    plan.metadata_version, self.tree if tree is None else tree, {})
         blob = encode_spec(spec)
         check_document_size(blob, MAX_METADATA_BYTES, SPEC_NAME)
         try:  # O(tensors): the spec a reader decodes, by its rules
@@ -274,19 +301,6 @@ class PerRankSave:
                       "the coordinator shares (not a node-local disk)")
         manifest = self.manifest(att.name, world, rows, docs)
         return att.commit(manifest, world_size=world)
-
-
-@dataclass
-class _SpecPart:
-    """The spec's layout part (`PerRankSave._spec_part`) of the last per-rank save this
-    process coordinated, by its layout key; one entry, as the global plan's cache."""
-
-    key: Any = None
-    part: Any = None
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
-_SPEC_PART = _SpecPart()
 
 
 def per_rank_save(storage: Storage, step: int, algorithm: str, durable: bool,

@@ -7,13 +7,17 @@ order DCP's ``dcp.save`` calls them (torch 2.13, ``state_dict_saver._save_state_
 1. every rank: ``set_up_planner``, ``set_up_storage_writer``, ``create_local_plan``,
    ``prepare_local_plan``; its plan (`plan_docs.local_plan_doc`) goes to the coordinator
    alone (`Group.gather_at_coordinator`);
-2. the coordinator: ``create_global_plan`` and ``prepare_global_plan``; each rank receives its
+2. the coordinator: the global plan, made in columns from every rank's table
+   (`SavePlanner.create_global_table`, `ckptfs.protocol.plan_table`: what DCP's
+   ``create_global_plan`` makes, without an object per write item), and the writer's
+   ``prepare_global_plan`` over it (`ShardedWriter.prepare_table`); each rank receives its
    own part only (`plan_docs.part_doc`: which of its items it writes, the attempt), by
    `Group.scatter_from_coordinator`;
 3. every rank: ``finish_plan`` and ``write_data``; its write results go to the coordinator
    alone;
-4. the coordinator: ``finish`` (the commit); every rank receives the outcome: the committed
-   checkpoint (its manifest and marker, `CheckpointInfo.to_doc`), or every rank's failure.
+4. the coordinator: the writer's ``finish`` (the commit, `ShardedWriter.finish_table`); every
+   rank receives the outcome: the committed checkpoint (its manifest and marker,
+   `CheckpointInfo.to_doc`), or every rank's failure.
 
 What DCP sends instead: the plans pickled both ways, and at the end the whole global metadata
 (every chunk of every rank: 22.8 MB per rank at 4,096 simulated ranks, docs/benchmarks.md)
@@ -34,22 +38,25 @@ import traceback
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import StorageWriter
+from torch.distributed.checkpoint.planner import SavePlan
 
 from ckptfs.errors import ShardedSaveError
 from ckptfs.protocol.gcpause import paused_collector
 from ckptfs.protocol.group import Group, carried, describe
 from ckptfs.protocol.plan_docs import (
+    doc_layout,
     items_left_out,
     local_plan_doc,
-    local_plan_of,
+    local_table_of,
     part_doc,
     part_of,
     results_doc,
     results_of,
 )
+from ckptfs.protocol.plan_table import GlobalPlan, LocalTable
 from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.sharded_io import ShardedWriter
+from ckptfs.protocol.sharded_plan import SavePlanner
 
 __all__ = ["RESEND", "SaveRounds", "drive_save"]
 
@@ -61,12 +68,13 @@ class SaveRounds:
     rounds over a group; the crash sweeps and ``ckptfs bench scale`` run the same methods for
     ranks simulated in one process."""
 
-    def __init__(self, state_dict: dict[str, Any], writer: StorageWriter,
+    def __init__(self, state_dict: dict[str, Any], writer: ShardedWriter,
                  planner: SavePlanner, rank: int) -> None:
         self.state_dict, self.writer, self.planner, self.rank = state_dict, writer, planner, rank
         self.own: BaseException | None = None
         self.local: SavePlan | None = None
-        self.metadata: Any = None
+        self.global_plan: GlobalPlan | None = None
+        self.layout: str | None = None  # the layout digest of this rank's plan
 
     def _failed(self, exc: BaseException) -> dict[str, Any]:
         self.own = exc
@@ -82,10 +90,11 @@ class SaveRounds:
             self.writer.set_up_storage_writer(self.rank == 0, rank=self.rank,
                                               use_collectives=True)
             self.local = self.writer.prepare_local_plan(self.planner.create_local_plan())
-            layout = _layout(self.local)
             with _CACHE.lock:
-                known = layout is not None and _CACHE.sent.get(self.rank) == layout
-            return {"plan": local_plan_doc(self.local, items_known=known)}
+                known = _CACHE.sent.get(self.rank)
+            doc = local_plan_doc(self.local, known=known)
+            self.layout = doc["layout"]
+            return {"plan": doc}
         except BaseException as exc:  # every rank must learn of it, as with DCP
             return self._failed(exc)
 
@@ -107,20 +116,19 @@ class SaveRounds:
         if not failures:
             try:
                 with _CACHE.lock:
-                    known = dict(_CACHE.plans)
-                if any(items_left_out(d["plan"]) and _layout(known.get(r)) !=
-                       (d["plan"].get("planner") or {}).get("layout")
+                    known = dict(_CACHE.tables)
+                if any(items_left_out(d["plan"]) and (known.get(r) is None or known[r].layout
+                                                      != doc_layout(d["plan"]))
                        for r, d in enumerate(docs)):
                     return [RESEND] * len(docs)  # a plan left out that this process lacks
                 seen: dict[str, Any] = {}
-                plans = [local_plan_of(d["plan"], seen, known.get(r))
-                         for r, d in enumerate(docs)]
+                tables = [local_table_of(d["plan"], seen, known.get(r))
+                          for r, d in enumerate(docs)]
                 with _CACHE.lock:
-                    _CACHE.plans = dict(enumerate(plans))
-                global_plans, self.metadata = self.planner.create_global_plan(plans)
-                global_plans = self.writer.prepare_global_plan(global_plans)
-                return [{"part": part_doc(lp, gp)}
-                        for lp, gp in zip(plans, global_plans, strict=True)]
+                    _CACHE.tables = dict(enumerate(tables))
+                plan = self.global_plan = self.planner.create_global_table(tables)
+                attempt = self.writer.prepare_table(plan, tables)
+                return [{"part": part_doc(plan, r, attempt)} for r in range(len(tables))]
             except BaseException as exc:
                 failures = {self.rank: self._failed(exc)["error"]}
         return [{"failures": {str(r): f for r, f in failures.items()}}] * len(docs)
@@ -149,9 +157,11 @@ class SaveRounds:
         if not failures:
             try:
                 results = [results_of(d["results"], r) for r, d in enumerate(docs)]
-                self.writer.finish(metadata=self.metadata, results=results)
+                if self.global_plan is None:  # pragma: no cover - the plan round made it
+                    raise AssertionError("the commit round before the plan round")
+                self.writer.finish_table(self.global_plan, results)
                 del results
-                info = getattr(self.writer, "info", None)
+                info = self.writer.info
                 return {"info": info.to_doc() if isinstance(info, CheckpointInfo) else None}
             except BaseException as exc:
                 failures = {self.rank: self._failed(exc)["error"]}
@@ -161,12 +171,11 @@ class SaveRounds:
         """Every rank, given the outcome: the committed checkpoint (None where the writer is
         not ckptfs's), or `CheckpointException` naming every failing rank."""
         self.raise_failures("write", outcome)
-        layout = _layout(self.local)
-        if layout is not None:  # the coordinator has this plan: its next save leaves it out
+        if self.layout is not None:  # the coordinator has this plan: the next save leaves it out
             with _CACHE.lock:
-                _CACHE.sent[self.rank] = layout
+                _CACHE.sent[self.rank] = self.layout
         if self.rank == 0:
-            info = getattr(self.writer, "info", None)
+            info = self.writer.info
             return info if isinstance(info, CheckpointInfo) else None
         return None if outcome.get("info") is None else CheckpointInfo.from_doc(outcome["info"])
 
@@ -194,31 +203,26 @@ class _PlanMemory:
     """What this process remembers of the last plan round, so that a save whose local plan
     keeps its layout (every save of a training run but the first) sends no items: as a rank,
     the layout digest of the plan it sent whose save committed (``sent``, by rank); as the
-    coordinator, every rank's decoded local plan of the last round (``plans``, by rank), from
+    coordinator, every rank's decoded table of the last round (``tables``, by rank), from
     which a document without items takes them, its layout digest checked."""
 
     sent: dict[int, str] = dataclasses.field(default_factory=dict)
-    plans: dict[int, SavePlan] = dataclasses.field(default_factory=dict)
+    tables: dict[int, LocalTable] = dataclasses.field(default_factory=dict)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 _CACHE = _PlanMemory()
 
 
-def _layout(plan: SavePlan | None) -> str | None:
-    layout = getattr(getattr(plan, "planner_data", None), "layout", None)
-    return layout if isinstance(layout, str) else None
-
-
 def _failures(docs: list[Any]) -> dict[int, Any]:
     return {r: d["error"] for r, d in enumerate(docs) if isinstance(d, dict) and "error" in d}
 
 
-def drive_save(state_dict: dict[str, Any], writer: StorageWriter, planner: SavePlanner,
+def drive_save(state_dict: dict[str, Any], writer: ShardedWriter, planner: SavePlanner,
                group: Group) -> CheckpointInfo | None:
-    """One collective save of ``state_dict`` (every rank of ``group`` calls it): the committed
-    checkpoint on every rank (None where the writer is not ckptfs's and has no manifest to
-    send), or `CheckpointException` naming every failing rank."""
+    """One collective save of ``state_dict`` (every rank of ``group`` calls it) by ckptfs's
+    writer and planner: the committed checkpoint on every rank, or `CheckpointException`
+    naming every failing rank."""
     rounds = SaveRounds(state_dict, writer, planner, group.rank)
     with paused_collector():  # the coordinator decodes every rank's documents
         docs = group.gather_at_coordinator(rounds.plan())

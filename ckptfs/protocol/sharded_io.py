@@ -97,6 +97,7 @@ from ckptfs.protocol.incremental import (
     reuse_index,
 )
 from ckptfs.protocol.listing import check_written
+from ckptfs.protocol.plan_table import GlobalPlan, LocalTable
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.protocol.sharded_read import check_checkpoint_id, read_document, sharded_manifest
 from ckptfs.storage.base import Storage
@@ -144,11 +145,9 @@ class ItemReport:
 @dataclass
 class _CheckedLayout:
     """The key (`ShardedWriter._checked_key`) of the last placeholder manifest this process's
-    coordinator checked and found committable, and a per-rank save's owners of the items
-    then; one entry, as the global plan's cache."""
+    coordinator checked and found committable; one entry, as the global plan's cache."""
 
     key: Any = None
-    owners: Any = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -185,6 +184,7 @@ class ShardedWriter(StorageWriter):
         self.info: CheckpointInfo | None = None
         self._paths = StepPaths(self.step)
         self._attempt: Attempt | None = None  # the coordinator's open attempt
+        self._global: GlobalPlan | None = None  # the coordinator's global plan (its rounds)
         #: Incremental (format v4): this rank reuses the unchanged items of its previous save
         #: in this process (``memory.rank_index``); the index of this save, installed by
         #: `remember` once it committed.
@@ -245,54 +245,69 @@ class ShardedWriter(StorageWriter):
                 tensor_code(props.dtype, item.index.fqn)
         return dataclasses.replace(plan, storage_data=self.step)
 
-    def _check_same_step(self, plans: list[SavePlan]) -> None:
-        steps = {p.storage_data for p in plans}
-        if steps != {self.step}:
+    def _check_same_step(self, steps: list[Any]) -> None:
+        if set(steps) != {self.step}:
             raise InvalidStepError(
-                f"the ranks are saving different steps ({sorted(map(str, steps))}) at "
+                f"the ranks are saving different steps ({sorted(map(str, set(steps)))}) at "
                 f"{self.storage.url}: every rank must save the same step")
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """DCP's hook (a plain ``dcp.save``): the attempt, opened and checked (`_open`), to
+        every rank in its plan's ``storage_data``."""
+        if self.per_rank is not None:
+            raise UnsupportedValueError("a per-rank save is driven by ckptfs's rounds "
+                                        "(store.save), not by dcp.save")
         with paused_collector():  # one placeholder chunk per item: gcpause's docstring
-            return self._prepare_global_plan(plans)
+            name = self._open([p.storage_data for p in plans],
+                              [getattr(p.planner_data, "layout", None) for p in plans],
+                              lambda attempt: self._placeholder_manifest(attempt, plans))
+        return [dataclasses.replace(p, storage_data=AttemptPlan(name, i))
+                for i, p in enumerate(plans)]
 
-    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self._check_same_step(plans)
+    def prepare_table(self, plan: GlobalPlan, tables: list[LocalTable]) -> str:
+        """ckptfs's rounds (`ckptfs.protocol.save_rounds`): ``prepare_global_plan`` over the
+        global plan made in columns; the attempt's name.  A per-rank save's placeholder is
+        O(ranks); format v2's lists every chunk, so it is built of DCP's save plans."""
+        self._global = plan
+        per_rank = self.per_rank
+        with paused_collector():
+            return self._open(
+                [t.step for t in tables], [t.layout for t in tables],
+                (lambda attempt: self._placeholder_manifest(attempt, plan.save_plans(tables)))
+                if per_rank is None else
+                (lambda attempt: per_rank.placeholder(attempt, len(tables))))
+
+    def _open(self, steps: list[Any], layouts: list[str | None],
+              placeholder: Callable[[str], Manifest]) -> str:
+        """Every rank saves this step; the attempt opened (fails fast if the step is
+        committed); the manifest this save will commit (``placeholder(attempt)``) checked by
+        every reader limit, unless its verdict is known for this layout (`_checked_key`)."""
+        self._check_same_step(steps)
         att = Attempt.open(self.storage, self.step, algorithm=self.algorithm,
                            durable=self.durable)
-        key = self._checked_key(plans)
+        key = self._checked_key(layouts)
         with att:  # a refused manifest discards the (empty) attempt
             with _CHECKED.lock:
-                known = _CHECKED.owners if key is not None and _CHECKED.key == key else None
-            if known is None:
-                att.check(self._placeholder_manifest(att.name, plans) if self.per_rank is None
-                          else self.per_rank.placeholder(att.name, plans),
-                          world_size=len(plans))
+                known = key is not None and _CHECKED.key == key
+            if not known:
+                att.check(placeholder(att.name), world_size=len(steps))
                 if key is not None:
                     with _CHECKED.lock:
                         _CHECKED.key = key
-                        _CHECKED.owners = {} if self.per_rank is None else self.per_rank.owners
-            elif self.per_rank is not None:
-                self.per_rank.owners = known
-            if self.per_rank is not None:
-                self.per_rank.layout_key = key
         self._attempt = att
         self._lease = Lease(self.lease_s)
-        return [dataclasses.replace(p, storage_data=AttemptPlan(att.name, i))
-                for i, p in enumerate(plans)]
+        return att.name
 
-    def _checked_key(self, plans: list[SavePlan]) -> Any:
+    def _checked_key(self, layouts: list[str | None]) -> Any:
         """What the verdict of the placeholder manifest's check depends on, when every rank
         sent its plan's layout digest (`sharded_plan.layout_digest`: items, chunks, dtypes,
         shapes, key paths): the layouts, the algorithm, the metadata, the width of the step
         number, whether items are reused and the metadata layout; None otherwise.  A save
         whose key is the last one this process checked and found committable skips building
-        and checking it again (4,096 ranks: about 0.9 s); a per-rank save takes the items'
-        owners its placeholder recorded then."""
-        layouts = tuple(getattr(p.planner_data, "layout", None) for p in plans)
+        and checking it again (4,096 ranks: about 0.9 s)."""
         if not layouts or None in layouts:
             return None
-        return (layouts, self.algorithm, json.dumps(self.metadata, sort_keys=True),
+        return (tuple(layouts), self.algorithm, json.dumps(self.metadata, sort_keys=True),
                 len(str(self.step)), self.memory is not None, self.per_rank is not None)
 
     def _placeholder_manifest(self, attempt: str, plans: list[SavePlan]) -> Manifest:
@@ -492,15 +507,33 @@ class ShardedWriter(StorageWriter):
                 self.memory.rank_resume = False
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's hook (a plain ``dcp.save``): the commit (`_commit`) of ``metadata``."""
+        self._commit(metadata, results)
+        metadata._ckptfs_info = self.info  # type: ignore[attr-defined]  # broadcast by DCP
+
+    def finish_table(self, plan: GlobalPlan, results: list[list[WriteResult]]) -> None:
+        """ckptfs's rounds: the commit of the global plan ``plan`` (format v2: its DCP
+        ``Metadata``, every chunk; a per-rank save: its spec's layouts, O(tensors))."""
+        self._global = plan
+        self._commit(None, results)
+
+    def _commit(self, metadata: Metadata | None, results: list[list[WriteResult]]) -> None:
         att = self._attempt
         if att is None:
             raise UnsupportedValueError("finish() before prepare_global_plan()")
         # One location and chunk per reported item: the collector paused (gcpause).
         with att, paused_collector():  # any failure before the marker discards the attempt
-            self.info = self._finish(att, metadata, results) if self.per_rank is None \
-                else self.per_rank.finish(att, metadata, results, self.checkpoint_id,
-                                          tree=self.tree)
-        metadata._ckptfs_info = self.info  # type: ignore[attr-defined]  # broadcast by DCP
+            if self.per_rank is not None:
+                if self._global is None:
+                    raise UnsupportedValueError("a per-rank save is driven by ckptfs's rounds")
+                self.info = self.per_rank.finish(att, self._global, results,
+                                                 self.checkpoint_id, tree=self.tree)
+            else:
+                if metadata is None:
+                    if self._global is None:  # pragma: no cover - finish_table sets it
+                        raise UnsupportedValueError("finish() without a global plan")
+                    metadata = self._global.metadata()
+                self.info = self._finish(att, metadata, results)
 
     def _finish(self, att: Attempt, metadata: Metadata,
                 results: list[list[WriteResult]]) -> CheckpointInfo:

@@ -32,10 +32,10 @@ from ckptfs.bench.scale import Spec, local_plans
 from ckptfs.format.tiling import tiling_errors
 from ckptfs.protocol import sharded_plan
 from ckptfs.protocol.sharded import save_sharded
+from ckptfs.protocol.plan_table import LocalTable
 from ckptfs.protocol.sharded_plan import (
     SavePlanner,
     check_global_plan,
-    layout_digest,
     values_from_lowest_rank,
 )
 
@@ -275,17 +275,17 @@ def test_the_planner_refuses_overlapping_shards() -> None:
 
 def test_a_save_of_the_same_layout_reuses_the_global_plan(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The coordinator plans once per layout (`layout_digest` of every rank's local plan): a
+    """The coordinator plans once per layout (`layout_of` every rank's local plan): a
     second save with new values and the same shapes reuses the global plan; a changed shape,
     or a value added, plans again; every save commits a checkpoint that loads back equal."""
     built: list[int] = []
-    real = sharded_plan.global_save_plan
+    real = sharded_plan.global_plan
 
     def counting(plans: list[SavePlan], **kw: Any) -> Any:
         built.append(len(plans))
         return real(plans, **kw)
 
-    monkeypatch.setattr(sharded_plan, "global_save_plan", counting)
+    monkeypatch.setattr(sharded_plan, "global_plan", counting)
     monkeypatch.setattr(sharded_plan, "_PLAN_CACHE", sharded_plan._PlanCache())
     store = ckptfs.open(str(tmp_path))
     states = [
@@ -308,6 +308,10 @@ def test_a_save_of_the_same_layout_reuses_the_global_plan(tmp_path: Path,
             else:
                 assert back[k] == v, (step, k)
     assert counts == [1, 1, 2, 2, 3]
+
+
+def layout_digest(plan: SavePlan) -> str:
+    return LocalTable.of_plan(plan).layout
 
 
 def test_the_layout_digest_follows_shapes_and_placements_not_values() -> None:

@@ -19,9 +19,10 @@ import ckptfs
 from ckptfs.errors import CorruptCheckpointError
 from ckptfs.format.sharded_tree import dcp_view
 from ckptfs.protocol import plan_docs
-from ckptfs.protocol.group import decode, encode, encode_bytes
+from ckptfs.protocol.group import decode, decode_bytes, encode, encode_bytes
+from ckptfs.protocol.plan_table import encode_numbers, layout_of
 from ckptfs.protocol.save_rounds import RESEND, SaveRounds
-from ckptfs.protocol.sharded_io import AttemptPlan, ItemReport, ShardedWriter
+from ckptfs.protocol.sharded_io import ItemReport, ShardedWriter
 from ckptfs.protocol.sharded_plan import SavePlanner
 
 
@@ -35,7 +36,7 @@ def fresh_plan_memory() -> Any:
     from ckptfs.protocol import save_rounds
 
     save_rounds._CACHE.sent.clear()
-    save_rounds._CACHE.plans.clear()
+    save_rounds._CACHE.tables.clear()
     yield
 
 
@@ -75,8 +76,8 @@ def test_a_local_plan_reads_back_as_sent(tmp_path: Path) -> None:
         assert [i.index.index for i in back.items] == [i.index.index for i in local.items]
         assert back.storage_data == local.storage_data == 5
         assert dict(back.planner_data) == dict(local.planner_data)
-        assert back.planner_data.layout == local.planner_data.layout
         assert back.planner_data.tree == local.planner_data.tree  # bytes keys survive
+        assert plan_docs.local_table_of(doc["plan"]).layout == doc["plan"]["layout"] == r.layout
 
 
 def test_each_rank_receives_its_own_part_only(tmp_path: Path) -> None:
@@ -138,25 +139,40 @@ def test_a_tampered_outcome_is_refused(tmp_path: Path) -> None:
         rounds[1].result(outcome)
 
 
-def _item(doc: dict[str, Any]) -> list[Any]:
-    return next(i for i in doc["plan"]["items"] if len(i) == 8)
+def _skeleton(damage: Any) -> Any:
+    """A damage to a plan document's skeleton (decoded, changed, encoded again)."""
+    def apply(d: dict[str, Any]) -> None:
+        sk = msgpack.unpackb(decode_bytes(d["plan"]["skeleton"]), raw=False)
+        damage(sk)
+        d["plan"]["skeleton"] = encode_bytes(msgpack.packb(sk, use_bin_type=True))
+    return apply
+
+
+def _item(sk: list[Any]) -> list[Any]:
+    return next(i for i in sk[1] if i[1] != "bytes")
 
 
 @pytest.mark.parametrize("damage, match", [
-    (lambda d: d["plan"]["properties"][0].__setitem__(0, "os.system"), "not a torch name"),
-    (lambda d: d["plan"]["properties"][0].__setitem__(0, "torch.nn"), "not a dtype"),
-    (lambda d: d["plan"]["properties"][0].__setitem__(1, "torch.float32"), "not a layout"),
-    (lambda d: d["plan"]["properties"].__setitem__(0, ["torch.float32"]), "5 fields"),
-    (lambda d: _item(d).__setitem__(3, "pickle"), "kind"),
-    (lambda d: _item(d).__setitem__(4, 99), "properties"),
-    (lambda d: _item(d).__setitem__(5, ["0"]), "a list of ints"),
-    (lambda d: _item(d).__setitem__(2, "0"), "index hint"),
-    (lambda d: d["plan"]["items"].append(["x"]), "a write item"),
+    (_skeleton(lambda sk: sk[0][0].__setitem__(0, "os.system")), "not a torch name"),
+    (_skeleton(lambda sk: sk[0][0].__setitem__(0, "torch.nn")), "not a dtype"),
+    (_skeleton(lambda sk: sk[0][0].__setitem__(1, "torch.float32")), "not a layout"),
+    (_skeleton(lambda sk: sk[0].__setitem__(0, ["torch.float32"])), "5 fields"),
+    (_skeleton(lambda sk: _item(sk).__setitem__(1, "pickle")), "kind"),
+    (_skeleton(lambda sk: _item(sk).__setitem__(2, 99)), "properties"),
+    (_skeleton(lambda sk: _item(sk).__setitem__(3, ["0"])), "size"),
+    (_skeleton(lambda sk: _item(sk).__setitem__(4, "0")), "index hint"),
+    (_skeleton(lambda sk: _item(sk).__setitem__(6, 99)), "offsets"),
+    (_skeleton(lambda sk: sk[1].append(["x"])), "a write item"),
+    (_skeleton(lambda sk: sk.pop()), "properties, items"),
+    (lambda d: d["plan"].__setitem__("skeleton", "%%"), "skeleton"),
+    (lambda d: d["plan"].__setitem__("numbers", d["plan"]["numbers"][:-12]), "numbers"),
+    (lambda d: d["plan"].__setitem__("numbers", 5), "numbers"),
     (lambda d: d["plan"].__setitem__("step", "5"), "step"),
-    (lambda d: d["plan"]["planner"].__setitem__("data", encode_bytes(msgpack.packb(
+    (lambda d: d["plan"].__setitem__("planner", encode_bytes(msgpack.packb(
         [[["k", [{"a": 1}]]], None]))), "flattening map"),
-    (lambda d: d["plan"]["planner"].__setitem__("data", "%%"), "planner data"),
-    (lambda d: d["plan"].pop("items"), "items and properties"),
+    (lambda d: d["plan"].__setitem__("planner", "%%"), "planner data"),
+    (lambda d: d["plan"].__setitem__("layout", "0" * 64), "not that of its items"),
+    (lambda d: d["plan"].pop("skeleton"), "a skeleton and numbers"),
 ])
 def test_a_malformed_plan_is_refused(tmp_path: Path, damage: Any, match: str) -> None:
     rounds, docs, _ = simulated(tmp_path)
@@ -188,14 +204,25 @@ def test_a_malformed_part_is_refused(tmp_path: Path, damage: Any) -> None:
         plan_docs.part_of(parts[1]["part"], rounds[1].local)
 
 
-def test_an_item_the_coordinator_changed_is_not_sent_as_a_position(tmp_path: Path) -> None:
-    _, docs, _ = simulated(tmp_path)
-    lp = plan_docs.local_plan_of(docs[0]["plan"])
-    other = dataclasses.replace(lp, items=[dataclasses.replace(
-        lp.items[0], index=dataclasses.replace(lp.items[0].index, fqn="elsewhere"))])
-    other = dataclasses.replace(other, storage_data=AttemptPlan("a", 0))
-    with pytest.raises(ValueError, match="not one of its local plan's items"):
-        plan_docs.part_doc(lp, other)
+def test_a_plan_of_chunks_that_do_not_fit_is_refused(tmp_path: Path) -> None:
+    """The global plan's checks (DCP's invariants, in columns): a rank whose copy of the whole
+    tensor ``w`` is moved elsewhere (so not the same item as rank 0's) fails the round on
+    every rank, nothing written."""
+    rounds, docs, _ = simulated(tmp_path, rows=4)
+    table = plan_docs.local_table_of(docs[1]["plan"])
+    sk = table.skeleton
+    row = next(r for r in sk.rows if r.fqn.endswith("w") and r.props >= 0)
+    numbers = table.numbers.clone()
+    numbers[row.start] = 5  # its offset along dim 0: past the tensor (4 rows)
+    text = encode_numbers(numbers)
+    docs[1]["plan"]["numbers"] = text
+    # Signed again (a plan whose digest is not its content's is refused: the last test).
+    docs[1]["plan"]["layout"] = layout_of(docs[1]["plan"]["skeleton"], text,
+                                          docs[1]["plan"]["planner"])
+    parts = rounds[0].plan_globally(docs)
+    assert all("failures" in p for p in parts)
+    assert "two write items of one value or whole tensor" in str(parts[0])
+    assert not list((tmp_path / "run").rglob("*.safetensors"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,14 +379,14 @@ def test_a_layout_sent_before_is_sent_without_its_items(tmp_path: Path) -> None:
     items out (the coordinator has them, checked by layout digest) and the checkpoint is the
     same as with every item sent."""
     rounds, docs, parts = simulated(tmp_path, step=20)
-    assert all(isinstance(d["plan"]["items"], list) for d in docs)  # the first: every item
+    assert all(isinstance(d["plan"]["skeleton"], str) for d in docs)  # the first: every item
     _commit_all(rounds, parts)
     rounds, docs, parts = simulated(tmp_path, step=21)
-    assert all(d["plan"]["items"] is None for d in docs)
+    assert all(plan_docs.items_left_out(d["plan"]) for d in docs)
     assert len(encode(docs[1])) < 1000
     _commit_all(rounds, parts)
     rounds, docs, parts = simulated(tmp_path, step=22, rows=7)  # another shape: sent again
-    assert all(isinstance(d["plan"]["items"], list) for d in docs)
+    assert all(isinstance(d["plan"]["skeleton"], str) for d in docs)
     _commit_all(rounds, parts)
     store = ckptfs.open(str(tmp_path / "run"))
     first, second = store.info(20).manifest, store.info(21).manifest
@@ -373,7 +400,7 @@ def test_a_coordinator_without_the_plan_asks_for_every_item(tmp_path: Path) -> N
 
     rounds, _, parts = simulated(tmp_path, step=30)
     _commit_all(rounds, parts)
-    save_rounds._CACHE.plans.clear()  # say, another save's plans replaced them
+    save_rounds._CACHE.tables.clear()  # say, another save's plans replaced them
     store = ckptfs.open(str(tmp_path / "run"))
     rounds = []
     for rank in range(2):
@@ -383,7 +410,7 @@ def test_a_coordinator_without_the_plan_asks_for_every_item(tmp_path: Path) -> N
         writer = ShardedWriter(store.storage, 31, threads=1, tree=tree)
         rounds.append(SaveRounds(view, writer, SavePlanner(tree=tree, tree_sink=writer), rank))
     docs = [sent(r.plan()) for r in rounds]
-    assert all(d["plan"]["items"] is None for d in docs)
+    assert all(plan_docs.items_left_out(d["plan"]) for d in docs)
     assert rounds[0].plan_globally(docs) == [RESEND, RESEND]
     docs = [sent(r.plan_in_full()) for r in rounds]
     parts = [sent(p) for p in rounds[0].plan_globally(docs)]
@@ -398,7 +425,7 @@ def test_a_plan_without_items_takes_none_of_another_layout(tmp_path: Path) -> No
     rounds, docs, parts = simulated(tmp_path, step=40)
     _commit_all(rounds, parts)
     rounds, docs, _ = simulated(tmp_path, step=41)
-    docs[1]["plan"]["planner"]["layout"] = "0" * 64
+    docs[1]["plan"]["layout"] = "0" * 64
     assert rounds[0].plan_globally(docs) == [RESEND, RESEND]
     with pytest.raises(ValueError, match="no earlier plan of its layout"):
-        plan_docs.local_plan_of(docs[1]["plan"], None, None)
+        plan_docs.local_table_of(docs[1]["plan"], None, None)
