@@ -31,8 +31,8 @@ import ckptfs
 from ckptfs.bench.scale import Spec, local_plans
 from ckptfs.format.tiling import tiling_errors
 from ckptfs.protocol import sharded_plan
-from ckptfs.protocol.sharded import save_sharded
 from ckptfs.protocol.plan_table import LocalTable
+from ckptfs.protocol.sharded import save_sharded
 from ckptfs.protocol.sharded_plan import (
     SavePlanner,
     check_global_plan,
@@ -324,3 +324,161 @@ def test_the_layout_digest_follows_shapes_and_placements_not_values() -> None:
     assert len(set(digests)) == 4  # each rank its own shards
     assert not set(digests) & {layout_digest(p) for p in other}
     assert not set(digests) & {layout_digest(p) for p in ranks8}
+
+
+# ----------------------------------------------------------------------------------------------
+# The planner in columns against DCP's own construction, on random plans
+
+
+def _random_plans(rng: random.Random) -> list[SavePlan]:
+    """Local plans of ``world`` ranks: tensors sharded along one dimension (uneven and empty
+    shards included), on 1 or 2 replica groups; whole tensors on a random set of ranks;
+    values on a random set; each rank's items in a random order; now and then a chunk grown
+    (an overlap or a chunk past the end, which DCP's check refuses; only where one rank holds
+    it: replicas of one item that differ are not a plan DCP's deduplication defines)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import (
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    world = rng.randint(1, 6)
+    items: list[list[Any]] = [[] for _ in range(world)]
+    dtypes = [torch.float32, torch.bfloat16, torch.int64]
+    for t in range(rng.randint(1, 4)):
+        shape = [rng.randint(1, 7) for _ in range(rng.randint(0, 3))]
+        props = TensorProperties(dtype=rng.choice(dtypes))
+        fqn = f"t{t}"
+        replicas = 2 if world % 2 == 0 and rng.random() < 0.3 else 1
+        if shape and rng.random() < 0.6:  # sharded along d over each replica group
+            d = rng.randrange(len(shape))
+            group = world // replicas
+            cuts = torch.arange(shape[d]).chunk(group)
+            for r in range(world):
+                k = r % group
+                if k < len(cuts):
+                    start, length = int(cuts[k][0]), len(cuts[k])
+                else:  # past the end: an empty shard at the end
+                    start, length = shape[d], 0
+                off = [0] * len(shape)
+                sz = list(shape)
+                off[d], sz[d] = start, length
+                if replicas == 1 and length and rng.random() < 0.05:
+                    sz[d] += 1  # grown over the next one or the end: DCP refuses the plan
+                c = ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sz))
+                items[r].append(WriteItem(
+                    index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=c, properties=props,
+                                                size=torch.Size(shape))))
+        else:  # a whole tensor on some ranks
+            holders = rng.sample(range(world), rng.randint(1, world))
+            zero = torch.Size([0] * len(shape))
+            for r in holders:
+                c = ChunkStorageMetadata(offsets=zero, sizes=torch.Size(shape))
+                items[r].append(WriteItem(
+                    index=MetadataIndex(fqn, zero), type=WriteItemType.TENSOR,
+                    tensor_data=TensorWriteData(chunk=c, properties=props,
+                                                size=torch.Size(shape))))
+    for v in range(rng.randint(0, 3)):
+        for r in rng.sample(range(world), rng.randint(1, world)):
+            items[r].append(WriteItem(index=MetadataIndex(f"v{v}"), type=WriteItemType.BYTE_IO))
+    plans = []
+    for r in range(world):
+        rng.shuffle(items[r])
+        plans.append(SavePlan(items[r], planner_data={
+            i.index.fqn: (i.index.fqn,) for i in items[r]}))
+    return plans
+
+
+def test_the_columns_plan_as_dcp_on_random_plans() -> None:
+    """On 400 random plans: ckptfs's planner in columns refuses exactly the plans DCP's own
+    refuses (its check of the global plan), and otherwise writes every item DCP writes
+    (each held by one rank by that rank, each value by its lowest holder, each replicated
+    tensor by one of its holders), its plans and metadata being DCP's own construction for
+    that choice of writers."""
+    rng = random.Random(2026)
+    refused = made = 0
+    for case in range(400):
+        plans = _random_plans(rng)
+        ours = SavePlanner()
+        ours.set_up_planner({}, None, True)
+        theirs = DefaultSavePlanner()
+        theirs.set_up_planner({}, None, True)
+        lowest = values_from_lowest_rank(plans)
+        try:
+            theirs.create_global_plan(lowest)
+            dcp_ok = True
+        except ValueError as exc:
+            assert "Failed to validate global plan" in str(exc)
+            dcp_ok = False
+        try:
+            gp_ours, md_ours = ours.create_global_plan(plans)
+        except ValueError as exc:
+            assert not dcp_ok, (case, exc)
+            assert "Failed to validate global plan" in str(exc)
+            refused += 1
+            continue
+        assert dcp_ok, case
+        made += 1
+        by = written(gp_ours)
+        holders: dict[tuple[str, Any], list[int]] = {}
+        for r, p in enumerate(lowest):
+            for i in p.items:
+                holders.setdefault((i.index.fqn, i.index.offset), []).append(r)
+        assert by.keys() == holders.keys(), case
+        assert all(by[k] in h for k, h in holders.items()), case
+        deduped = [dataclasses.replace(p, items=[i for i in p.items if by[
+            (i.index.fqn, i.index.offset)] == r]) for r, p in enumerate(lowest)]
+        gp_dcp, md_dcp = create_default_global_save_plan(deduped)
+        assert item_rows(gp_ours) == item_rows(gp_dcp), case
+        assert list(md_ours.state_dict_metadata.items()) == \
+            list(md_dcp.state_dict_metadata.items()), case
+        merged = dict(ChainMap(*[p.planner_data for p in gp_dcp]))
+        assert list(md_ours.planner_data.items()) == list(merged.items()), case
+    assert refused >= 10 and made >= 200, (refused, made)
+
+
+def test_the_spec_layouts_in_columns_are_layout_of() -> None:
+    """`layout_of_columns` (a grid found with tensor operations) gives `layout_of`'s answer
+    on grids of every shape, with owners in order, permuted, strided, with empty chunks, with
+    chunks moved or missing."""
+    from ckptfs.format.rank_metadata import Cell, layout_of
+    from ckptfs.protocol.rank_metadata import layout_of_columns
+
+    rng = random.Random(7)
+    kinds: set[str] = set()
+    for _ in range(600):
+        size = tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3)))
+        grid = tuple(rng.randint(1, s) for s in size)
+        counts = [-(-s // g) for s, g in zip(size, grid, strict=True)]
+        cells = []
+        base, stride = rng.randint(0, 3), rng.randint(0, 2)
+        for i, coords in enumerate(itertools.product(*[range(c) for c in counts])):
+            off = tuple(k * g for k, g in zip(coords, grid, strict=True))
+            sz = tuple(min(g, s - o) for g, s, o in zip(grid, size, off, strict=True))
+            cells.append(Cell(off, sz, base + i * stride))
+        roll = rng.random()
+        if roll < 0.15 and len(cells) > 1:
+            rng.shuffle(cells)  # plan order need not be grid order
+        elif roll < 0.3 and len(cells) > 1:
+            a, b = rng.sample(range(len(cells)), 2)
+            cells[a] = dataclasses.replace(cells[a], rank=cells[b].rank + 5)  # not in order
+        elif roll < 0.4:
+            cells.pop(rng.randrange(len(cells)))  # a gap
+        elif roll < 0.5:
+            c = cells[rng.randrange(len(cells))]
+            cells.append(dataclasses.replace(c, rank=c.rank + 1))  # twice
+        if rng.random() < 0.3:  # empty chunks past the end
+            d = rng.randrange(len(size))
+            for k in range(rng.randint(1, 3)):
+                off = tuple(size[d] if e == d else 0 for e in range(len(size)))
+                sz = tuple(0 if e == d else size[e] for e in range(len(size)))
+                cells.append(Cell(off, sz, 10 + k))
+        want = layout_of(size, cells)
+        got = layout_of_columns(size, torch.tensor([c.offsets for c in cells]).reshape(
+            len(cells), len(size)), torch.tensor([c.sizes for c in cells]).reshape(
+            len(cells), len(size)), torch.tensor([c.rank for c in cells], dtype=torch.int64))
+        assert got == want, (size, cells)
+        kinds.add("grid" if want[0] is not None else "explicit")
+    assert kinds == {"grid", "explicit"}

@@ -5,7 +5,6 @@ is pickled; a malformed document is refused with ``ValueError``."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
