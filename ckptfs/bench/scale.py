@@ -421,6 +421,14 @@ def _encoded(docs: Sequence[Any]) -> tuple[list[Any], int, float]:
     return [decode(b) for b in blobs], sum(map(len, blobs)), dt
 
 
+def writer_balance(plans: Sequence[Any]) -> float:
+    """The bytes the busiest rank writes over the mean, of a global save plan."""
+    loads = [sum(math.prod(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize
+                 for i in p.items if i.tensor_data is not None) for p in plans]
+    mean = sum(loads) / max(len(loads), 1)
+    return max(loads) / mean if mean else 1.0
+
+
 def coordinated_save(spec: Spec, root: str, step: int, local_plans: list[Any],
                      values: Mapping[str, bytes], *, per_rank: bool = False,
                      collect: bool = True) -> dict[str, Any]:
@@ -459,6 +467,7 @@ def coordinated_save(spec: Spec, root: str, step: int, local_plans: list[Any],
     parts, scatter_b, scatter_s = _encoded(parts)
     gplans = [part_of(d["part"], lp) for d, lp in zip(parts, plans, strict=True)]
     del parts, plans
+    balance = writer_balance(gplans)
     attempt = gplans[0].storage_data
     assert isinstance(attempt, AttemptPlan)
     att = Attempt.join(writer.storage, step, attempt.attempt, algorithm=writer.algorithm)
@@ -487,7 +496,7 @@ def coordinated_save(spec: Spec, root: str, step: int, local_plans: list[Any],
             "prepare_s": t_prep.seconds, "finish_s": t_finish, "index_s": t_index,
             "messages_bytes": gather_b + scatter_b + results_b,
             "messages_s": gather_s + scatter_s + results_s + t_dumps,
-            "outcome_bytes": len(blob), "outcome_s": t_outcome}
+            "outcome_bytes": len(blob), "outcome_s": t_outcome, "writers_balance": balance}
 
 
 def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | None = None,
@@ -512,7 +521,7 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
                 "plan_messages_s": r["plan_s"] - r["create_s"] - r["prepare_s"],
                 "finish_s": r["finish_s"], "plans_bytes": r["messages_bytes"],
                 "plans_pickle_s": r["messages_s"], "broadcast_bytes": r["outcome_bytes"],
-                "broadcast_unpickle_s": r["outcome_s"]}
+                "broadcast_unpickle_s": r["outcome_s"], "writers_balance": r["writers_balance"]}
 
     first = save(STEP)
     # The next save of the same layout: its ranks send no items (the coordinator has them),
@@ -658,6 +667,7 @@ def simulate_dcp(spec: Spec, world: int, root: str, *, reps: int = 1,
     (gplans, metadata), t_plan = _timed(planner.create_global_plan, plans,
                                         collect=collect)
     gplans, t_prepare = _timed(writer.prepare_global_plan, gplans)
+    balance = writer_balance(gplans)
     scatter_b, scatter_s = _pickled(gplans)
     results = dcp_write_results(gplans, sizes)
     del plans, gplans
@@ -676,6 +686,7 @@ def simulate_dcp(spec: Spec, world: int, root: str, *, reps: int = 1,
         "plans_bytes": gather_b + scatter_b, "plans_pickle_s": gather_s + scatter_s + t_dumps,
         "broadcast_bytes": len(blob), "broadcast_unpickle_s": t_bcast,
         "metadata_bytes": md_bytes, "read_per_rank_bytes": md_bytes, "load_per_rank_s": t_load,
+        "writers_balance": balance,
     }
 
 
@@ -735,10 +746,13 @@ COLUMNS: tuple[tuple[str, str, str | None, str], ...] = (
     ("broadcast unpickle s/rank", "broadcast_unpickle_s", "broadcast_unpickle_s", "s"),
     ("read MB/loading rank", "read_per_rank_bytes", "read_per_rank_bytes", "MB"),
     ("load s/rank", "load_per_rank_s", "load_per_rank_s", "s"),
+    ("busiest writer / mean", "writers_balance", "writers_balance", "x"),
 )
 
 
 def _fmt(v: float, unit: str) -> str:
+    if unit == "x":
+        return f"{v:.2f}"
     if unit == "MB":
         return f"{v / 1e6:.3f}" if v < 1e7 else f"{v / 1e6:.1f}"
     return f"{v:.3f}" if v < 10 else f"{v:.1f}"

@@ -1,6 +1,10 @@
 """Who reads what: pure, deterministic assignments of bytes to ranks, computed alike on every
 rank from the same inputs (so no rank has to be told the outcome).
 
+- `split_writers` (and `balance_writers`, its case of items written whole): a save.  Each
+  replicated item (a tensor several ranks hold) is written by one of its holders, or split
+  along its rows between several when it alone is larger than a rank's share, so that every
+  rank writes about the same bytes (replica-parallel save).
 - `plan_reads`: a cooperative load.  Each rank lists the stored chunks it needs; a chunk
   needed by several ranks (data-parallel replicas loading the same shard) is read from
   storage by one of them and sent to the others (`ckptfs.protocol.sharded_read`), so each byte
@@ -12,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Key", "ReadPlan", "Transfer", "balance_writers", "plan_reads"]
+__all__ = ["SPLIT_FRACTION", "SPLIT_MIN_BYTES", "Key", "ReadPlan", "Transfer", "balance_writers",
+           "plan_reads", "split_writers"]
 
 Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
 
@@ -121,26 +126,94 @@ def plan_reads(needs: Sequence[Sequence[Key]], *, max_piece: int, round_bytes: i
     return ReadPlan(rounds, alone, loads)
 
 
+#: A replicated tensor is split between its holders only into pieces of at least this many
+#: bytes (a smaller one costs more in metadata and requests than it saves in balance).
+SPLIT_MIN_BYTES = 8 << 20
+
+
 def balance_writers(items: Sequence[tuple[int, Sequence[int]]], world: int, *,
                     fixed: Sequence[int] | None = None) -> list[int]:
-    """The writer of each of ``items`` (``(bytes, the ranks holding it)``; an item several
-    ranks hold is replicated, each copy equal), balancing the bytes each rank writes:
-    largest items first, each to the least loaded rank holding it (ties: the lowest rank),
-    counting ``fixed[r]`` bytes rank ``r`` writes anyway (its values, say).  Deterministic: the
-    same on every rank.  Returns the writers in ``items``' order.
+    """The writer of each of ``items`` (``(bytes, the ranks holding it)``), each written whole:
+    `split_writers` with no item split.  Returns the writers in ``items``' order."""
+    return [pieces[0][0] for pieces in split_writers(
+        [(size, holders, 1) for size, holders in items], world, fixed=fixed)]
 
-    The greedy "largest first" rule is within 4/3 of the best split in the worst case and,
-    for a replicated model's many items, within a few percent of an even split (DCP's own
+
+#: An item larger than this fraction of a rank's share of all the bytes is split between its
+#: holders (`split_writers`); smaller ones are written whole, each by its least loaded holder.
+SPLIT_FRACTION = 1 / 8
+
+
+def split_writers(items: Sequence[tuple[int, Sequence[int], int]], world: int, *,
+                  fixed: Sequence[int] | None = None, min_piece: int = SPLIT_MIN_BYTES
+                  ) -> list[list[tuple[int, int, int]]]:
+    """Who writes each of ``items`` (``(bytes, the ranks holding it, its rows)``; an item
+    several ranks hold is replicated, each copy equal), balancing the bytes each rank writes,
+    largest items first, counting ``fixed[r]`` bytes rank ``r`` writes anyway (its values,
+    say):
+
+    * an item larger than `SPLIT_FRACTION` of a rank's share of all the bytes (and of at least
+      two ``min_piece``, with more than one row and one holder) is split along its rows between
+      its least loaded holders (replica-parallel save): its bytes fill the holders up to one
+      level, as water fills a basin, each piece at least ``min_piece`` bytes (HSDP's embedding
+      shard over 32 replicas is 3.8 times the mean: written whole, its writer writes 3.8
+      times what the others do);
+    * any other item is written whole by its least loaded holder (ties: the lowest rank).
+
+    Deterministic: the same on every rank.  Returns per item its pieces ``(writer, first row,
+    rows)`` in row order (one piece, all its rows, for an item written whole).  The greedy
+    "largest first" rule is within 4/3 of the best split in the worst case and, for a
+    replicated model's many items, within a few percent of an even split (DCP's own
     deduplication assigns in the order items come, which on 4 or more replicas leaves ranks
     10% to 100% above the mean: docs/sharded.md)."""
     loads = list(fixed) if fixed is not None else [0] * world
-    writers = [-1] * len(items)
+    share = (sum(loads) + sum(size for size, _, _ in items)) / max(world, 1)
+    out: list[list[tuple[int, int, int]]] = [[] for _ in items]
     order = sorted(range(len(items)), key=lambda i: (-items[i][0], i))
     for i in order:
-        size, holders = items[i]
+        size, holders, rows = items[i]
         if not holders:
             raise ValueError(f"item {i} is held by no rank")
-        writer = min(holders, key=lambda r: (loads[r], r))
-        loads[writer] += size
-        writers[i] = writer
-    return writers
+        ranks = sorted(set(holders), key=lambda r: (loads[r], r))
+        pieces = _water_fill(size, rows, ranks, loads, min_piece) \
+            if size > share * SPLIT_FRACTION and size >= 2 * min_piece and rows > 1 and \
+            len(ranks) > 1 else []
+        if len(pieces) < 2:
+            pieces = [(ranks[0], 0, rows)]
+            loads[ranks[0]] += size
+        else:
+            for writer, _, n in pieces:
+                loads[writer] += size * n // rows
+        out[i] = pieces
+    return out
+
+
+def _water_fill(size: int, rows: int, ranks: list[int], loads: list[int], min_piece: int
+                ) -> list[tuple[int, int, int]]:
+    """``size`` bytes (``rows`` rows) poured into the least loaded of ``ranks`` (sorted by
+    load) up to one level: the pieces ``(writer, first row, rows)``, each of at least
+    ``min_piece`` bytes (fewer writers where a piece would be smaller), rows shared by the
+    bytes each writer takes."""
+    per_row = size / rows
+    most = min(len(ranks), rows, max(1, size // min_piece))
+    chosen = ranks[:most]
+    while True:
+        level = (size + sum(loads[r] for r in chosen)) / len(chosen)
+        take = [level - loads[r] for r in chosen]
+        if len(chosen) > 1 and (min(take) < min_piece or take[-1] <= 0):
+            chosen = chosen[:-1]  # the most loaded one gets nothing, or too little
+            continue
+        break
+    counts = [max(1, int(t / per_row)) for t in take]
+    while sum(counts) > rows:  # rounding: take the extra rows from the largest pieces
+        counts[counts.index(max(counts))] -= 1
+    k = 0
+    while sum(counts) < rows:  # the rest to the least loaded first
+        counts[k % len(counts)] += 1
+        k += 1
+    pieces, start = [], 0
+    for writer, n in zip(chosen, counts, strict=True):
+        if n:
+            pieces.append((writer, start, n))
+            start += n
+    return pieces

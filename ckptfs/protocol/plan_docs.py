@@ -43,6 +43,7 @@ from ckptfs.protocol.plan_table import (
     decode_planner_data,
     decode_skeleton,
     layout_of,
+    piece_of,
 )
 from ckptfs.protocol.sharded_io import AttemptPlan, ItemReport
 
@@ -133,10 +134,13 @@ def local_plan_of(doc: Any) -> SavePlan:
 
 def part_doc(plan: GlobalPlan, rank: int, attempt: str) -> dict[str, Any]:
     """Rank ``rank``'s part of the global plan ``plan``: the positions, in its local plan, of
-    the items it writes, with their index hints, and the attempt."""
-    pos, hints = plan.part(rank)
+    the items it writes, with their index hints (``[position, hint]``; an item it writes in
+    part, a replicated tensor split between its holders: ``[position, hint, first row,
+    rows]``), and the attempt."""
+    pos, hints, pieces = plan.part(rank)
     return {"attempt": attempt, "rank": rank,
-            "items": [[p, h] for p, h in zip(pos, hints, strict=True)]}
+            "items": [[p, h] if piece is None else [p, h, *piece]
+                      for p, h, piece in zip(pos, hints, pieces, strict=True)]}
 
 
 def part_of(doc: Any, local: SavePlan) -> SavePlan:
@@ -147,12 +151,18 @@ def part_of(doc: Any, local: SavePlan) -> SavePlan:
     items = []
     last = -1
     for pair in doc["items"]:
-        if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
+        if not (isinstance(pair, list) and len(pair) in (2, 4)
+                and all(type(x) is int for x in pair[:1] + pair[2:])
                 and last < pair[0] < len(local.items)
                 and (pair[1] is None or type(pair[1]) is int)):
             raise ValueError(f"a global plan part's item: {pair!r:.80}")
         last = pair[0]
         item = local.items[pair[0]]
+        if len(pair) == 4:  # a piece of it
+            try:
+                item = piece_of(item, pair[2], pair[3])
+            except ValueError as exc:
+                raise ValueError(f"a global plan part's item: {exc}") from None
         if pair[1] != item.index.index:
             item = dataclasses.replace(item, index=dataclasses.replace(item.index,
                                                                        index=pair[1]))

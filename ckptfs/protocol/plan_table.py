@@ -16,7 +16,8 @@ and deriving the metadata from them cost the coordinator 3-4 s before any rank w
 `global_plan` stacks the numbers of the ranks sharing a skeleton into one matrix and makes the
 global plan with tensor operations over each item's column of ranks: DCP's deduplication
 (every value and, for format v5, every small replicated tensor from the lowest rank holding it;
-each other replicated tensor written by the holder `balance_writers` picks), the index hints,
+each other replicated tensor written by the holder `split_writers` picks, or split along its
+rows between several when it alone is larger than a rank's share), the index hints,
 DCP's check that each tensor's chunks tile it once (`tiling_errors`' verdict; a cut along one
 dimension is checked by sorting one column), and each rank's part.  What is O(items) by nature
 is made only on demand: DCP's ``Metadata`` and save plans (`GlobalPlan.metadata`,
@@ -34,6 +35,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import hashlib
+import itertools
 import math
 import re
 import sys
@@ -60,7 +62,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ckptfs.format.tiling import summary, tiling_errors
-from ckptfs.protocol.balance import balance_writers
+from ckptfs.protocol.balance import split_writers
 from ckptfs.protocol.group import decode_bytes, encode_bytes
 
 __all__ = ["KEY_CHUNK", "KEY_NONE", "SMALL_REPLICATED_BYTES", "GlobalPlan", "LocalTable",
@@ -73,7 +75,7 @@ KEY_CHUNK = -2
 #: A row's index offset is None (a value).
 KEY_NONE = -1
 #: A replicated tensor at most this large is stored by the lowest rank holding it, with
-#: ``gather_small`` (format v5); larger ones are spread over the ranks by `balance_writers`.
+#: ``gather_small`` (format v5); larger ones are spread over the ranks by `split_writers`.
 SMALL_REPLICATED_BYTES = 1 << 20
 
 
@@ -241,6 +243,10 @@ class GlobalPlan:
     values: dict[str, int]
     planner_data: dict[str, Any] | None
     tables: list[LocalTable]
+    #: The items written in part (a replicated tensor split between its holders):
+    #: (group, row in the group, position) -> (first row of the piece, its rows).
+    pieces: dict[tuple[int, int, int], tuple[int, int]] = dataclasses.field(
+        default_factory=dict)
     #: What is made on demand, once: DCP's state_dict_metadata, the spec's layouts.
     memo: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -254,13 +260,16 @@ class GlobalPlan:
             self.memo["where"] = where
         return where
 
-    def part(self, rank: int) -> tuple[list[int], list[int | None]]:
-        """Rank ``rank``'s part: the positions in its local plan of the items it writes, and
-        their index hints."""
+    def part(self, rank: int) -> tuple[list[int], list[int | None],
+                                       list[tuple[int, int] | None]]:
+        """Rank ``rank``'s part: the positions in its local plan of the items it writes, their
+        index hints, and for an item it writes in part the piece (its first row within the
+        item's chunk, its rows; None: the whole item)."""
         g, i = self._where()[rank]
-        pos = torch.nonzero(self.kept[g][i]).flatten()
+        pos: list[int] = torch.nonzero(self.kept[g][i]).flatten().tolist()
         hints = self.hints[g][i][pos].tolist()
-        return pos.tolist(), [None if h < 0 else h for h in hints]
+        pieces: list[tuple[int, int] | None] = [self.pieces.get((g, i, p)) for p in pos]
+        return pos, [None if h < 0 else h for h in hints], pieces
 
     def items_per_rank(self) -> list[int]:
         """How many items each rank writes."""
@@ -307,8 +316,9 @@ class GlobalPlan:
         out: list[SavePlan] = []
         for rank, table in enumerate(self.tables if tables is None else tables):
             items = table.write_items()
-            pos, hints = self.part(rank)
-            kept = [_hinted(items[p], h) for p, h in zip(pos, hints, strict=True)]
+            pos, hints, pieces = self.part(rank)
+            kept = [_hinted(items[p] if piece is None else piece_of(items[p], *piece), h)
+                    for p, h, piece in zip(pos, hints, pieces, strict=True)]
             out.append(SavePlan(kept, storage_data=table.step, planner_data=table.planner_data,
                                 usable=table.usable))
         return out
@@ -321,6 +331,21 @@ _PLAIN = tuple(f.name for f in dataclasses.fields(WriteItem)) == (
     "index", "type", "bytes_io_data", "tensor_data") and \
     tuple(f.name for f in dataclasses.fields(MetadataIndex)) == ("fqn", "offset", "index") \
     and "__slots__" not in vars(WriteItem) and "__slots__" not in vars(MetadataIndex)
+
+
+def piece_of(item: WriteItem, start: int, rows: int) -> WriteItem:
+    """The write item of rows ``start`` .. ``start + rows`` of ``item``'s chunk (a replicated
+    tensor split between its holders, `split_writers`): a shard, its index offset the
+    piece's."""
+    td = item.tensor_data
+    if td is None or not td.chunk.sizes or not 0 <= start < start + rows <= td.chunk.sizes[0]:
+        raise ValueError(f"write item {item.index.fqn!r:.80}: no rows {start}+{rows} to write")
+    offsets = torch.Size([td.chunk.offsets[0] + start, *td.chunk.offsets[1:]])
+    sizes = torch.Size([rows, *td.chunk.sizes[1:]])
+    chunk = ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+    return dataclasses.replace(item, index=dataclasses.replace(item.index, offset=offsets),
+                               type=WriteItemType.SHARD,
+                               tensor_data=dataclasses.replace(td, chunk=chunk))
 
 
 def _hinted(item: WriteItem, hint: int | None) -> WriteItem:
@@ -519,17 +544,6 @@ def decode_numbers(text: Any, width: int) -> torch.Tensor:
 # The global plan
 
 
-@dataclass
-class _Column:
-    """One item position of one skeleton group: its row and its ranks' numbers."""
-
-    group: int
-    pos: int
-    row: Row
-    ranks: torch.Tensor      # (n,)
-    numbers: torch.Tensor    # (n, width of the group)
-
-
 def global_plan(tables: Sequence[LocalTable], *, gather_small: bool = False,
                 merge_mappings: bool = True) -> GlobalPlan:
     """The global plan of every rank's local plan (``tables``, in rank order): module
@@ -537,7 +551,13 @@ def global_plan(tables: Sequence[LocalTable], *, gather_small: bool = False,
     `SMALL_REPLICATED_BYTES` is stored by the lowest rank holding it (format v5).  Raises
     ``ValueError`` ("Failed to validate global plan: ...", DCP's words) if a tensor's kept
     chunks do not tile it once, ``AssertionError`` for two items of one value or whole tensor
-    (DCP's own invariants)."""
+    (DCP's own invariants).
+
+    Every rank's every item is one *entry*; the entries of all ranks and names are columns of
+    one set of tensors (so the number of tensor operations does not grow with the ranks or
+    the names), sorted in plan order (rank, then position: DCP's order of the metadata's
+    chunks).  A Python loop runs only over the keys several ranks hold and, at the end, over
+    the names (one slice each)."""
     world = len(tables)
     by_blob: dict[str, int] = {}
     groups: list[tuple[Skeleton, list[int]]] = []
@@ -547,242 +567,272 @@ def global_plan(tables: Sequence[LocalTable], *, gather_small: bool = False,
             g = by_blob[t.skeleton.blob] = len(groups)
             groups.append((t.skeleton, []))
         groups[g][1].append(r)
+    e = _entries(tables, groups)
+    n = len(e.rank)
+    alive = torch.ones(n, dtype=torch.bool)
+    # The keys several ranks hold (a value or tensor replicated): their writers.
+    shared = _shared_keys(e, alive)
+    if gather_small and shared and bool(e.small.any()):
+        changed = False
+        for _, idx, _firsts in shared:
+            small = idx[e.small[idx]]
+            if len(small):
+                drop = idx[e.rank[idx] != e.rank[small[0]]]
+                if len(drop):
+                    alive[drop] = False
+                    changed = True
+        if changed:
+            shared = _shared_keys(e, alive)
+    tensor_live = alive & (e.nbytes >= 0)
+    fixed = torch.zeros(world, dtype=torch.int64).index_add_(0, e.rank[tensor_live],
+                                                              e.nbytes[tensor_live])
+    # (plan order of its second holder, key's entries, the first entry of each holder)
+    shared.sort(key=lambda s: int(e.order[s[2][1]]))
+    tensors = [(idx, firsts) for _, idx, firsts in shared if int(e.nbytes[firsts[-1]]) >= 0]
+    items = []
+    for _, firsts in tensors:
+        holders = e.rank[firsts]
+        size = int(e.nbytes[firsts[-1]])
+        fixed[holders] -= size
+        last = int(firsts[-1])
+        rows = int(e.sizes[last, 0]) if int(e.dims[last]) > 0 else 1
+        items.append((size, holders.tolist(), rows))
+    piece_start = torch.zeros(n, dtype=torch.int64)
+    piece_rows = torch.full((n,), -1, dtype=torch.int64)
+    for (idx, firsts), split in zip(tensors, split_writers(items, world, fixed=fixed.tolist()),
+                                    strict=True):
+        alive[idx] = False
+        if len(split) == 1:  # written whole: by the writer (its every item of the key)
+            alive[idx[e.rank[idx] == split[0][0]]] = True
+        else:  # in pieces: each writer's first item of the key writes its rows
+            keep = firsts[torch.isin(e.rank[firsts], torch.tensor([w for w, _, _ in split]))]
+            alive[keep] = True
+            by_rank = {int(e.rank[j]): int(j) for j in keep}
+            for writer, start, rows in split:
+                piece_start[by_rank[writer]], piece_rows[by_rank[writer]] = start, rows
+    for _, idx, firsts in shared:
+        if int(e.nbytes[firsts[-1]]) < 0:  # a value: the lowest rank holding it
+            alive[idx] = False
+            alive[idx[e.rank[idx] == e.rank[firsts[0]]]] = True
+    return _finish_plan(e, alive, piece_start, piece_rows, tables, groups, world,
+                        merge_mappings)
+
+
+@dataclass
+class _AllEntries:
+    """Every entry (one rank's one item) as columns, in plan order: its rank, position, group,
+    row in the group, column (group and position), name id, kind, properties' itemsize and
+    whether a small whole tensor, dimensions, chunk offsets and sizes (padded), bytes (-1 for
+    a value) and key id (equal ids: equal name and index offset)."""
+
+    rank: torch.Tensor
+    pos: torch.Tensor
+    group: torch.Tensor
+    row_in_group: torch.Tensor
+    order: torch.Tensor
+    fqn: torch.Tensor
+    kind: torch.Tensor
+    small: torch.Tensor
+    dims: torch.Tensor
+    offsets: torch.Tensor
+    sizes: torch.Tensor
+    nbytes: torch.Tensor
+    key: torch.Tensor
+    hint: torch.Tensor
+    names: list[str]
+    rows: list[Row]          # per column
+    column: torch.Tensor     # per entry: its column
+    props: list[TensorProperties | None]  # per column
+
+
+_KIND_CODE = {WriteItemType.TENSOR: 0, WriteItemType.SHARD: 1, WriteItemType.BYTE_IO: 2}
+
+
+def _entries(tables: Sequence[LocalTable], groups: list[tuple[Skeleton, list[int]]]
+             ) -> _AllEntries:
+    names: dict[str, int] = {}
+    rows: list[Row] = []
+    props: list[TensorProperties | None] = []
     width = max((len(sk.rows) for sk, _ in groups), default=0) + 1
-    columns: dict[str, list[_Column]] = {}
+    kdim = max((max(r.dims, max(r.key, 0)) for sk, _ in groups for r in sk.rows), default=0)
+    cols: dict[str, list[torch.Tensor]] = {k: [] for k in (
+        "rank", "pos", "group", "row", "column", "key", "offsets", "sizes")}
     for g, (sk, ranks) in enumerate(groups):
+        n, m = len(ranks), len(sk.rows)
+        if not m:
+            continue
+        base = len(rows)
+        rows += sk.rows
+        props += [sk.properties[r.props] if r.props >= 0 else None for r in sk.rows]
+        for r in sk.rows:
+            names.setdefault(r.fqn, len(names))
         nums = torch.stack([tables[r].numbers for r in ranks]) if sk.width else \
-            torch.zeros((len(ranks), 0), dtype=torch.int64)
+            torch.zeros((n, 0), dtype=torch.int64)
+        # Two extra columns to gather from: -1 (padding of offsets and keys), 1 (of sizes).
+        ext = torch.cat([nums, torch.full((n, 1), -1, dtype=torch.int64),
+                         torch.ones((n, 1), dtype=torch.int64)], dim=1)
+        pad, one = sk.width, sk.width + 1
+        key_at, off_at, size_at = [], [], []
+        for r in sk.rows:
+            k = -1 if r.key == KEY_NONE else r.dims if r.key == KEY_CHUNK else r.key
+            key_at.append([r.start + j if j < k else pad for j in range(kdim)])
+            lo = r.start + max(r.key, 0)
+            off_at.append([lo + j if j < r.dims else pad for j in range(kdim)])
+            size_at.append([lo + r.dims + j if j < r.dims else one for j in range(kdim)])
+        flat = n * m
+        for part, where in (("key", key_at), ("offsets", off_at), ("sizes", size_at)):
+            cols[part].append(ext[:, torch.tensor(where, dtype=torch.int64).reshape(m, kdim)]
+                              .reshape(flat, kdim))
         rt = torch.tensor(ranks, dtype=torch.int64)
-        for p, row in enumerate(sk.rows):
-            columns.setdefault(row.fqn, []).append(_Column(g, p, row, rt, nums))
-    kept = [torch.ones((len(ranks), len(sk.rows)), dtype=torch.bool) for sk, ranks in groups]
-    hints = [torch.tensor([[-1 if r.hint is None or r.props >= 0 else r.hint
-                            for r in sk.rows]], dtype=torch.int64).expand(len(ranks), -1).clone()
-             if sk.rows else torch.zeros((len(ranks), 0), dtype=torch.int64)
+        cols["rank"].append(rt.repeat_interleave(m))
+        cols["pos"].append(torch.arange(m).repeat(n))
+        cols["group"].append(torch.full((flat,), g, dtype=torch.int64))
+        cols["row"].append(torch.arange(n).repeat_interleave(m))
+        cols["column"].append(torch.arange(base, base + m).repeat(n))
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.int64)
+        pair = torch.zeros((0, kdim), dtype=torch.int64)
+        return _AllEntries(empty, empty, empty, empty, empty, empty, empty,
+                           torch.zeros(0, dtype=torch.bool), empty, pair, pair, empty, empty,
+                           empty, [], [], empty, [])
+    cat = {k: torch.cat(v) for k, v in cols.items()}
+    column = cat["column"]
+    order = cat["rank"] * width + cat["pos"]
+    perm = torch.argsort(order, stable=True)
+    column = column[perm]
+    per_col = {
+        "fqn": [names[r.fqn] for r in rows],
+        "kind": [_KIND_CODE[r.kind] for r in rows],
+        "kclass": [-1 if r.key == KEY_NONE else r.dims if r.key == KEY_CHUNK else r.key
+                   for r in rows],
+        "dims": [r.dims for r in rows],
+        "itemsize": [p.dtype.itemsize if p is not None else -1 for p in props],
+        "small": [r.kind == WriteItemType.TENSOR and p is not None and
+                  math.prod(r.size) * p.dtype.itemsize <= SMALL_REPLICATED_BYTES
+                  for r, p in zip(rows, props, strict=True)],
+        "hint": [-1 if r.hint is None or r.props >= 0 else r.hint for r in rows],
+    }
+    at = {k: torch.tensor(v)[column] for k, v in per_col.items()}
+    offsets, sizes, key = cat["offsets"][perm], cat["sizes"][perm], cat["key"][perm]
+    itemsize = at["itemsize"]
+    nbytes = torch.where(itemsize >= 0, torch.prod(sizes, dim=1) * itemsize,
+                         torch.full_like(itemsize, -1))
+    ids, _ = _row_ids(torch.cat([at["fqn"][:, None], at["kclass"][:, None], key], dim=1))
+    return _AllEntries(cat["rank"][perm], cat["pos"][perm], cat["group"][perm],
+                       cat["row"][perm], order[perm], at["fqn"], at["kind"], at["small"],
+                       at["dims"], offsets, sizes, nbytes, ids, at["hint"], list(names),
+                       rows, column, props)
+
+
+def _shared_keys(e: _AllEntries, alive: torch.Tensor
+                 ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The keys more than one rank holds among the entries still ``alive``: (key, its
+    entries, the first entry of each of its ranks), in plan order within each."""
+    idx = torch.nonzero(alive).flatten()
+    idx = idx[torch.argsort(e.key[idx], stable=True)]  # by key, plan order within
+    if len(idx) < 2:
+        return []
+    keys, ranks = e.key[idx], e.rank[idx]
+    new_key = torch.ones(len(idx), dtype=torch.bool)
+    new_key[1:] = keys[1:] != keys[:-1]
+    new_rank = new_key.clone()
+    new_rank[1:] |= ranks[1:] != ranks[:-1]
+    segment = torch.cumsum(new_key.long(), 0) - 1
+    distinct = torch.zeros(int(segment[-1]) + 1, dtype=torch.int64).index_add_(
+        0, segment, new_rank.long())
+    many = torch.nonzero(distinct > 1).flatten()
+    if len(many) == 0:
+        return []
+    starts = torch.nonzero(new_key).flatten()
+    ends = torch.cat([starts[1:], torch.tensor([len(idx)])])
+    return [(int(keys[s]), idx[s:t], idx[s:t][new_rank[s:t]])
+            for s, t in zip(starts[many].tolist(), ends[many].tolist(), strict=True)]
+
+
+def _finish_plan(e: _AllEntries, alive: torch.Tensor, piece_start: torch.Tensor,
+                 piece_rows: torch.Tensor, tables: Sequence[LocalTable],
+                 groups: list[tuple[Skeleton, list[int]]], world: int,
+                 merge_mappings: bool) -> GlobalPlan:
+    """What is kept per rank, the hints, per name its chunks or value, DCP's checks."""
+    kept = [torch.zeros((len(ranks), len(sk.rows)), dtype=torch.bool) for sk, ranks in groups]
+    hints = [torch.full((len(ranks), len(sk.rows)), -1, dtype=torch.int64)
              for sk, ranks in groups]
-    # Pass 1: every name's entries, their keys (name and index offset) and holders.
-    entries = {fqn: _Entries(cols, width, groups) for fqn, cols in columns.items()}
-    if gather_small:
-        for e in entries.values():
-            e.keep_lowest_of_small()
-    # Pass 2: the replicated keys and their writers.
-    fixed = torch.zeros(world, dtype=torch.int64)
-    replicated: list[tuple[int, _Entries, int]] = []  # (order, entries, key)
-    for e in entries.values():
-        live = e.alive & (e.nbytes >= 0)
-        fixed.index_add_(0, e.rank[live], e.nbytes[live])
-        for k, at in e.replicated_keys():
-            replicated.append((at, e, k))
-    replicated.sort(key=lambda x: x[0])
-    tensors = [(e, k) for _, e, k in replicated if e.key_size(k) >= 0]
-    for e, k in tensors:
-        holders = e.holders(k)
-        fixed[holders] -= e.key_size(k)
-    writers = balance_writers([(e.key_size(k), e.holders(k).tolist()) for e, k in tensors],
-                              world, fixed=fixed.tolist())
-    for (e, k), w in zip(tensors, writers, strict=True):
-        e.write_by(k, w)
-    for _, e, k in replicated:
-        if e.key_size(k) < 0:  # a value: the lowest rank holding it
-            e.write_by(k, int(e.holders(k)[0]))
-    # Pass 3: what is kept, the hints, the metadata's tensors and values, the check.
-    firsts: list[tuple[int, str]] = []
+    live = torch.nonzero(alive).flatten()  # plan order
+    live = live[torch.argsort(e.fqn[live], stable=True)]  # by name, plan order within
+    fqn = e.fqn[live]
+    first = torch.ones(len(live), dtype=torch.bool)
+    first[1:] = fqn[1:] != fqn[:-1]
+    starts = torch.nonzero(first).flatten()
+    seg = torch.cumsum(first.long(), 0) - 1
+    within = torch.arange(len(live)) - starts[seg] if len(live) else seg
+    is_value = e.kind[live] == _KIND_CODE[WriteItemType.BYTE_IO]
+    pieces_at = piece_rows[live] >= 0
+    # DCP's invariants: after a name's first item only shards (a piece is one) follow it.
+    bad = ~first & (e.kind[live] != _KIND_CODE[WriteItemType.SHARD]) & ~pieces_at
+    if bool(bad.any()):
+        name = e.names[int(fqn[torch.nonzero(bad).flatten()[0]])]
+        raise AssertionError(f"{name!r}: two write items of one value or whole tensor")
+    bad = ~first & is_value[starts[seg]] if len(live) else bad
+    if bool(bad.any()):
+        name = e.names[int(fqn[torch.nonzero(bad).flatten()[0]])]
+        raise AssertionError(f"{name!r}: a value and a tensor of one name")
+    bad = e.dims[live] != e.dims[live[starts]][seg] if len(live) else bad
+    if bool(bad.any()):
+        name = e.names[int(fqn[torch.nonzero(bad).flatten()[0]])]
+        raise AssertionError(f"{name!r}: chunks of different dimensions")
+    # Kept items and hints, per group (a value keeps its own hint).
+    hint = torch.where(is_value, e.hint[live], within)
+    for g in range(len(groups)):
+        mine = e.group[live] == g
+        kept[g][e.row_in_group[live[mine]], e.pos[live[mine]]] = True
+        hints[g][e.row_in_group[live[mine]], e.pos[live[mine]]] = hint[mine]
+    offsets, sizes = e.offsets[live], e.sizes[live]
+    if bool(pieces_at.any()):  # the rows each writer of a split item writes
+        offsets[pieces_at, 0] += piece_start[live][pieces_at]
+        sizes[pieces_at, 0] = piece_rows[live][pieces_at]
+    pieces: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for j in torch.nonzero(pieces_at).flatten().tolist():
+        at = int(live[j])
+        pieces[(int(e.group[at]), int(e.row_in_group[at]), int(e.pos[at]))] = (
+            int(piece_start[at]), int(piece_rows[at]))
+    # Per name: a slice of the kept entries; the metadata's order is their first items'.
+    bounds = [*starts.tolist(), len(live)]
+    order_of = e.order[live[starts]].tolist()
+    ranks = e.rank[live]
     out_tensors: dict[str, _Tensor] = {}
     values: dict[str, int] = {}
     errors: dict[str, list[str]] = {}
-    for fqn, e in entries.items():
-        keep = e.alive
-        for c, col in enumerate(e.columns):
-            sel = e.col == c
-            kept[col.group][e.row_in_group[sel], col.pos] = keep[sel]
-        idx = torch.nonzero(keep).flatten()  # plan order
-        if len(idx) == 0:
+    firsts: list[tuple[int, str]] = []
+    for k, (s, t) in enumerate(itertools.pairwise(bounds)):
+        j = int(live[s])
+        name = e.names[int(fqn[s])]
+        firsts.append((order_of[k], name))
+        row, props = e.rows[int(e.column[j])], e.props[int(e.column[j])]
+        if props is None:
+            values[name] = int(ranks[s])
             continue
-        firsts.append((int(e.order[idx[0]]), fqn))
-        cols = e.col[idx].tolist() if len(e.columns) > 1 else [0] * len(idx)
-        first = e.columns[cols[0]].row
-        if any(e.columns[c].row.kind != WriteItemType.SHARD for c in set(cols[1:])):
-            raise AssertionError(f"{fqn!r}: two write items of one value or whole tensor")
-        if first.props < 0:
-            if len(idx) > 1:
-                raise AssertionError(f"{fqn!r}: a value and a tensor of one name")
-            values[fqn] = int(e.rank[idx[0]])
-            continue
-        props = groups[e.columns[cols[0]].group][0].properties[first.props]
-        chunks = e.chunks(idx)
-        if chunks is None:
-            raise AssertionError(f"{fqn!r}: chunks of different dimensions")
-        offsets, sizes = chunks
-        hint_of = torch.arange(len(idx), dtype=torch.int64)
-        for c, col in enumerate(e.columns):
-            sel = e.col[idx] == c
-            hints[col.group][e.row_in_group[idx[sel]], col.pos] = hint_of[sel]
-        out_tensors[fqn] = _Tensor(props, first.size, offsets, sizes, e.rank[idx])
-        if first.size:
-            found = _tiling(fqn, first.size, offsets, sizes, check_volume=world > 1)
+        d = row.dims
+        t_off, t_size = offsets[s:t, :d], sizes[s:t, :d]
+        out_tensors[name] = _Tensor(props, row.size, t_off, t_size, ranks[s:t])
+        if row.size:
+            found = _tiling(name, row.size, t_off, t_size, check_volume=world > 1)
             if found:
-                errors[fqn] = found
+                errors[name] = found
     firsts.sort()
     if errors:  # in the metadata's order, as DCP's check reports them
         raise ValueError("Failed to validate global plan: " + summary(
-            [msg for _, fqn in firsts for msg in errors.get(fqn, ())]))
+            [msg for _, name in firsts for msg in errors.get(name, ())]))
     merged: dict[str, Any] | None = None
     if merge_mappings:
         merged = {}
         last: Any = None
-        for t in reversed(tables):  # ChainMap's order: the last map's keys first
-            pd = t.planner_data
+        for tb in reversed(tables):  # ChainMap's order: the last map's keys first
+            pd = tb.planner_data
             if isinstance(pd, dict) and not (last is not None and (pd is last or pd == last)):
                 merged.update(pd)  # (a map equal to the one before changes nothing)
                 last = pd
     return GlobalPlan(world, groups, kept, hints, [f for _, f in firsts], out_tensors, values,
-                      merged, list(tables))
-
-
-class _Entries:
-    """Every entry (a rank's item) of one name, in plan order (rank, then position): its
-    rank, column, row in its group, key id (equal ids: equal index offsets), bytes (-1 for a
-    value) and whether it is still kept; and the keys several ranks hold."""
-
-    def __init__(self, columns: list[_Column], width: int,
-                 groups: list[tuple[Skeleton, list[int]]]) -> None:
-        self.columns = columns
-        ranks, cols, order, rows_in, nbytes = [], [], [], [], []
-        by_width: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for c, col in enumerate(columns):
-            n, row, s = len(col.ranks), col.row, col.row.start
-            ranks.append(col.ranks)
-            cols.append(torch.full((n,), c, dtype=torch.int64))
-            order.append(col.ranks * width + col.pos)
-            rows_in.append(torch.arange(n, dtype=torch.int64))
-            k = -1 if row.key == KEY_NONE else row.dims if row.key == KEY_CHUNK else row.key
-            by_width.setdefault(k, []).append((c, col.numbers[:, s:s + max(k, 0)]))
-            if row.props < 0:
-                nbytes.append(torch.full((n,), -1, dtype=torch.int64))
-            else:
-                d, skip = row.dims, max(row.key, 0)
-                itemsize = groups[col.group][0].properties[row.props].dtype.itemsize
-                sz = col.numbers[:, s + skip + d:s + skip + 2 * d]
-                nbytes.append(torch.prod(sz, dim=1) * itemsize)
-        # Key ids: per width of the index offset (-1: None), one id per distinct offsets.
-        keys: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * len(columns)
-        base = 0
-        for k, parts in by_width.items():
-            stacked = torch.cat([p for _, p in parts])
-            if k > 0 and len(stacked):
-                inverse, count = _row_ids(stacked)
-            else:  # None, or a 0-dim tensor's empty offsets: one key
-                inverse, count = torch.zeros(len(stacked), dtype=torch.int64), 1
-            at = 0
-            for c, p in parts:
-                keys[c] = inverse[at:at + len(p)] + base
-                at += len(p)
-            base += count
-        order_t = torch.cat(order)
-        perm = torch.argsort(order_t, stable=True)
-        self.order = order_t[perm]
-        self.rank = torch.cat(ranks)[perm]
-        self.col = torch.cat(cols)[perm]
-        self.row_in_group = torch.cat(rows_in)[perm]
-        self.key = torch.cat(keys)[perm]
-        self.nbytes = torch.cat(nbytes)[perm]
-        self.alive = torch.ones(len(self.rank), dtype=torch.bool)
-        self.small = [c.row.kind == WriteItemType.TENSOR and c.row.props >= 0 and
-                      math.prod(c.row.size) * groups[c.group][0].properties[
-                          c.row.props].dtype.itemsize <= SMALL_REPLICATED_BYTES
-                      for c in columns]
-        self._holders: dict[int, torch.Tensor] = {}
-        self._sizes: dict[int, int] = {}
-        self._segments: list[tuple[int, torch.Tensor]] = []
-        self._recount()
-
-    def _recount(self) -> None:
-        """The keys more than one rank holds (among the entries still kept): each key with
-        its entries that are the first of their rank (plan order)."""
-        idx = torch.nonzero(self.alive).flatten()
-        idx = idx[torch.argsort(self.key[idx], stable=True)]  # by key, plan order within
-        self._segments = []
-        if len(idx) < 2:
-            return
-        keys, ranks = self.key[idx], self.rank[idx]
-        new_key = torch.ones(len(idx), dtype=torch.bool)
-        new_key[1:] = keys[1:] != keys[:-1]
-        new_rank = new_key.clone()
-        new_rank[1:] |= ranks[1:] != ranks[:-1]
-        segment = torch.cumsum(new_key.long(), 0) - 1
-        distinct = torch.zeros(int(segment[-1]) + 1, dtype=torch.int64).index_add_(
-            0, segment, new_rank.long())
-        shared = torch.nonzero(distinct > 1).flatten()
-        if len(shared) == 0:
-            return
-        starts = torch.nonzero(new_key).flatten()
-        ends = torch.cat([starts[1:], torch.tensor([len(idx)])])
-        for s, e in zip(starts[shared].tolist(), ends[shared].tolist(), strict=True):
-            self._segments.append((int(keys[s]), idx[s:e][new_rank[s:e]]))
-
-    def keep_lowest_of_small(self) -> None:
-        """``small_tensors_from_lowest_rank``: a small replicated whole tensor's key stays in
-        the plan of the lowest rank holding it (every item of that key there), no other."""
-        if not any(self.small):
-            return
-        small = torch.tensor(self.small, dtype=torch.bool)[self.col]
-        changed = False
-        for key, _ in self._segments:
-            sel = self.key == key
-            mine = small & sel & self.alive
-            if not bool(mine.any()):
-                continue
-            drop = sel & (self.rank != self.rank[mine][0])
-            if bool((drop & self.alive).any()):
-                self.alive &= ~drop
-                changed = True
-        if changed:
-            self._recount()
-
-    def replicated_keys(self) -> list[tuple[int, int]]:
-        """(key, the plan order at which it got its second holder) of each key held by more
-        than one rank; notes each one's holders and size (that of the last holder's first
-        item, -1 for a value)."""
-        out = []
-        for key, firsts in self._segments:
-            self._holders[key] = self.rank[firsts]
-            self._sizes[key] = int(self.nbytes[firsts[-1]])
-            out.append((key, int(self.order[firsts[1]])))
-        return out
-
-    def holders(self, key: int) -> torch.Tensor:
-        return self._holders[key]
-
-    def key_size(self, key: int) -> int:
-        return self._sizes[key]
-
-    def write_by(self, key: int, rank: int) -> None:
-        self.alive &= ~((self.key == key) & (self.rank != rank))
-
-    def chunks(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The offsets and sizes (m x d) of the entries ``idx`` (tensors of one dimension
-        count, else None)."""
-        cols = self.col[idx]
-        present = sorted(set(cols.tolist())) if len(self.columns) > 1 else [0]
-        dims = {self.columns[c].row.dims for c in present}
-        if len(dims) != 1:
-            return None
-        d = dims.pop()
-        if len(present) == 1:
-            col = self.columns[present[0]]
-            lo = col.row.start + max(col.row.key, 0)
-            rows = self.row_in_group[idx]
-            return col.numbers[rows, lo:lo + d], col.numbers[rows, lo + d:lo + 2 * d]
-        offsets = torch.empty((len(idx), d), dtype=torch.int64)
-        sizes = torch.empty((len(idx), d), dtype=torch.int64)
-        for c in present:
-            col = self.columns[c]
-            sel = cols == c
-            lo = col.row.start + max(col.row.key, 0)
-            rows = self.row_in_group[idx[sel]]
-            offsets[sel] = col.numbers[rows, lo:lo + d]
-            sizes[sel] = col.numbers[rows, lo + d:lo + 2 * d]
-        return offsets, sizes
+                      merged, list(tables), pieces)
 
 
 def _row_ids(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -800,11 +850,17 @@ def _row_ids(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inverse, int(ids[-1]) + 1
 
 
+#: A tensor of at most this many chunks is checked by `tiling_errors` itself; more, by one sort
+#: of tensor columns first (`_tiles_by_one_cut`).
+_FEW_CHUNKS = 64
+
+
 def _tiling(fqn: str, size: tuple[int, ...], offsets: torch.Tensor, sizes: torch.Tensor, *,
             check_volume: bool) -> list[str]:
     """`tiling_errors`' findings on the chunks (m x d), without building them where they are
-    a cut of the tensor along one dimension that tiles it (checked here by one sort)."""
-    if _tiles_by_one_cut(size, offsets, sizes):
+    many and a cut of the tensor along one dimension that tiles it (checked here by one
+    sort)."""
+    if len(offsets) > _FEW_CHUNKS and _tiles_by_one_cut(size, offsets, sizes):
         return []
     chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
               for o, s in zip(offsets.tolist(), sizes.tolist(), strict=True)]

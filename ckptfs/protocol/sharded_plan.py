@@ -64,6 +64,8 @@ class SavePlanner(DefaultSavePlanner):
         self._encoded: dict[str, bytes] = {}
         self._tree = tree            # this rank's skeleton (store.save), sent with its plan
         self._tree_sink = tree_sink  # the coordinator's writer: gets the merged skeleton
+        #: The items this rank writes in part: each one's local item and first row (finish_plan).
+        self._pieces: dict[MetadataIndex, tuple[WriteItem, int]] = {}
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
                        is_coordinator: bool = False) -> None:
@@ -129,6 +131,39 @@ class SavePlanner(DefaultSavePlanner):
                 with _PLAN_CACHE.lock:
                     _PLAN_CACHE.key, _PLAN_CACHE.plan = key, plan
             return plan
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        # The items this rank writes in part (a replicated tensor split between its holders,
+        # `plan_table.piece_of`): each one's item of the local plan, and its first row there.
+        local = getattr(self, "plan", None)
+        mine = {item.index: item for item in local.items} if local is not None else {}
+        self._pieces = {}
+        for item in new_plan.items:
+            td = item.tensor_data
+            same = mine.get(item.index)
+            if td is None or (same is not None and same.tensor_data is not None
+                              and same.tensor_data.chunk == td.chunk):
+                continue  # a whole item of its own
+            for orig in (o for o in mine.values() if o.index.fqn == item.index.fqn):
+                oc = orig.tensor_data.chunk if orig.tensor_data is not None else None
+                if oc is not None and len(oc.offsets) == len(td.chunk.offsets) > 0 and \
+                        oc.offsets[1:] == td.chunk.offsets[1:] and \
+                        oc.sizes[1:] == td.chunk.sizes[1:] and \
+                        oc.offsets[0] <= td.chunk.offsets[0] and \
+                        td.chunk.offsets[0] + td.chunk.sizes[0] <= oc.offsets[0] + oc.sizes[0]:
+                    self._pieces[item.index] = (orig, td.chunk.offsets[0] - oc.offsets[0])
+                    break
+        return super().finish_plan(new_plan)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        piece = self._pieces.get(write_item.index)
+        if piece is None or write_item.tensor_data is None:
+            return super().resolve_data(write_item)
+        orig, start = piece
+        whole = super().resolve_data(orig)
+        if not isinstance(whole, torch.Tensor):
+            raise UnsupportedValueError(f"{write_item.index.fqn!r}: a piece of a value")
+        return whole.narrow(0, start, write_item.tensor_data.chunk.sizes[0])
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
