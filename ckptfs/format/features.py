@@ -21,13 +21,42 @@ The features:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+from ckptfs.errors import UnsupportedValueError
 from ckptfs.format.layout import FORMAT_VERSION
 
 SHARDED = "sharded"
 CHUNKED = "chunked"
 REFERENCES = "references"
 RANK_METADATA = "rank-metadata"
+
+#: The metadata layouts of a sharded save (a store's ``metadata_layout=``): ``"per-rank"``
+#: writes the ``rank-metadata`` feature (format v5); None one ``dcp.msgpack`` (v2, v4);
+#: ``"auto"`` (the default) ``"per-rank"`` for a save of at least `PER_RANK_MIN_WORLD` ranks
+#: where the store allows it (neither incremental nor per-node storage), else None.
+PER_RANK = "per-rank"
+AUTO = "auto"
+METADATA_LAYOUTS = (AUTO, PER_RANK, None)
+PER_RANK_MIN_WORLD = 64
+
+
+def check_metadata_layout(layout: Any) -> str | None:
+    """``layout`` if it names a metadata layout, else ``UnsupportedValueError`` naming them."""
+    if layout not in METADATA_LAYOUTS or not (layout is None or isinstance(layout, str)):
+        raise UnsupportedValueError(f"metadata_layout {layout!r:.40}: one of "
+                                    f"{', '.join(map(repr, METADATA_LAYOUTS))}")
+    return layout
+
+
+def metadata_layout_for(layout: str | None, world: int, *, incremental: bool,
+                        node_local: bool) -> str | None:
+    """The layout a save of ``world`` ranks writes for the store's ``metadata_layout``
+    (`AUTO` decided here; any other name as given)."""
+    if layout != AUTO:
+        return layout
+    return PER_RANK if world >= PER_RANK_MIN_WORLD and not incremental and not node_local \
+        else None
 
 #: Format v2, the sharded layout (docs/protocol.md §8).
 SHARDED_FORMAT_VERSION = 2

@@ -36,6 +36,7 @@ import msgpack
 from ckptfs.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 from ckptfs.format.entries import RANK_ROW_HEAD_BYTES, Chunk, chunk_list_digest, digest_width
 from ckptfs.format.entries import rank_row_bytes as row_bytes
+from ckptfs.format.features import PER_RANK as PER_RANK
 from ckptfs.format.features import RANK_METADATA_FORMAT_VERSION
 from ckptfs.format.hashing import ALGORITHMS
 from ckptfs.format.layout import SPEC_NAME as SPEC_NAME
@@ -65,8 +66,6 @@ SPEC_SCHEMA = "ckptfs.dcp-spec"
 INDEX_SCHEMA = "ckptfs.rank-index"
 #: Rows per table block a ckptfs writer uses (at most; the last block holds the rest).
 DEFAULT_ROWS_PER_BLOCK = 128
-#: The metadata layout names a store accepts (``metadata_layout=``).
-PER_RANK = "per-rank"
 SPEC_KEYS = frozenset({"schema", "format_version", "world_size", "version", "tensors", "values",
                        "planner_data", "storage_meta", "tree", "extra"})
 SPEC_TENSOR_KEYS = frozenset({"dtype", "size", "requires_grad", "memory_format", "pin_memory",

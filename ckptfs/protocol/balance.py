@@ -3,7 +3,7 @@ rank from the same inputs (so no rank has to be told the outcome).
 
 - `split_writers` (and `balance_writers`, its case of items written whole): a save.  Each
   replicated item (a tensor several ranks hold) is written by one of its holders, or split
-  along its rows between several when it alone is larger than a rank's share, so that every
+  along its rows between several where it does not fit under a rank's share, so that every
   rank writes about the same bytes (replica-parallel save).
 - `plan_reads`: a cooperative load.  Each rank lists the stored chunks it needs; a chunk
   needed by several ranks (data-parallel replicas loading the same shard) is read from
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["SPLIT_FRACTION", "SPLIT_MIN_BYTES", "Key", "ReadPlan", "Transfer", "balance_writers",
+__all__ = ["SPLIT_MIN_BYTES", "Key", "ReadPlan", "Transfer", "balance_writers",
            "plan_reads", "split_writers"]
 
 Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
@@ -128,7 +128,7 @@ def plan_reads(needs: Sequence[Sequence[Key]], *, max_piece: int, round_bytes: i
 
 #: A replicated tensor is split between its holders only into pieces of at least this many
 #: bytes (a smaller one costs more in metadata and requests than it saves in balance).
-SPLIT_MIN_BYTES = 8 << 20
+SPLIT_MIN_BYTES = 256 << 10
 
 
 def balance_writers(items: Sequence[tuple[int, Sequence[int]]], world: int, *,
@@ -139,33 +139,28 @@ def balance_writers(items: Sequence[tuple[int, Sequence[int]]], world: int, *,
         [(size, holders, 1) for size, holders in items], world, fixed=fixed)]
 
 
-#: An item larger than this fraction of a rank's share of all the bytes is split between its
-#: holders (`split_writers`); smaller ones are written whole, each by its least loaded holder.
-SPLIT_FRACTION = 1 / 8
-
-
 def split_writers(items: Sequence[tuple[int, Sequence[int], int]], world: int, *,
                   fixed: Sequence[int] | None = None, min_piece: int = SPLIT_MIN_BYTES
                   ) -> list[list[tuple[int, int, int]]]:
     """Who writes each of ``items`` (``(bytes, the ranks holding it, its rows)``; an item
     several ranks hold is replicated, each copy equal), balancing the bytes each rank writes,
-    largest items first, counting ``fixed[r]`` bytes rank ``r`` writes anyway (its values,
-    say):
+    counting ``fixed[r]`` bytes rank ``r`` writes anyway (its values, say).
 
-    * an item larger than `SPLIT_FRACTION` of a rank's share of all the bytes (and of at least
-      two ``min_piece``, with more than one row and one holder) is split along its rows between
-      its least loaded holders (replica-parallel save): its bytes fill the holders up to one
-      level, as water fills a basin, each piece at least ``min_piece`` bytes (HSDP's embedding
-      shard over 32 replicas is 3.8 times the mean: written whole, its writer writes 3.8
-      times what the others do);
-    * any other item is written whole by its least loaded holder (ties: the lowest rank).
+    Largest items first, each to its least loaded holder (ties: the lowest rank); an item
+    that does not fit under the mean (``share``: every byte over every rank) on that holder is
+    split along its rows (replica-parallel save): the holder is filled up to the mean with a
+    piece of it, the rest goes on to the next least loaded holder, and so on (McNaughton's
+    wrap-around: at most one cut per holder filled, so few pieces; each at least
+    ``min_piece`` bytes, a smaller remainder going whole to one holder).  HSDP's embedding
+    shard over 32 replicas is 3.8 times the mean: written whole its writer writes 3.8 times
+    what the others do; split, every rank writes within a few percent of the mean.
+    Deterministic: the same on every rank.
 
-    Deterministic: the same on every rank.  Returns per item its pieces ``(writer, first row,
-    rows)`` in row order (one piece, all its rows, for an item written whole).  The greedy
-    "largest first" rule is within 4/3 of the best split in the worst case and, for a
-    replicated model's many items, within a few percent of an even split (DCP's own
-    deduplication assigns in the order items come, which on 4 or more replicas leaves ranks
-    10% to 100% above the mean: docs/sharded.md)."""
+    Returns per item its pieces ``(writer, first row, rows)`` in row order (one piece, all its
+    rows, for an item written whole).  For items written whole the greedy "largest first"
+    rule is within 4/3 of the best in the worst case (DCP's own deduplication assigns in the
+    order items come, which on 4 or more replicas leaves ranks 10% to 100% above the mean:
+    docs/sharded.md)."""
     loads = list(fixed) if fixed is not None else [0] * world
     share = (sum(loads) + sum(size for size, _, _ in items)) / max(world, 1)
     out: list[list[tuple[int, int, int]]] = [[] for _ in items]
@@ -175,15 +170,37 @@ def split_writers(items: Sequence[tuple[int, Sequence[int], int]], world: int, *
         if not holders:
             raise ValueError(f"item {i} is held by no rank")
         ranks = sorted(set(holders), key=lambda r: (loads[r], r))
-        pieces = _water_fill(size, rows, ranks, loads, min_piece) \
-            if size > share * SPLIT_FRACTION and size >= 2 * min_piece and rows > 1 and \
-            len(ranks) > 1 else []
-        if len(pieces) < 2:
-            pieces = [(ranks[0], 0, rows)]
+        if rows < 2 or size < 2 * min_piece or len(ranks) < 2:
             loads[ranks[0]] += size
-        else:
-            for writer, _, n in pieces:
-                loads[writer] += size * n // rows
+            out[i] = [(ranks[0], 0, rows)]
+            continue
+        per_row = size / rows
+        pieces: list[tuple[int, int, int]] = []
+        start, left = 0, rows
+        for writer in ranks:  # fill the least loaded holders up to the mean
+            n = min(left, int((share - loads[writer]) / per_row))
+            if n * per_row < min_piece:
+                break  # this holder and the more loaded ones are (nearly) full
+            if (left - n) * per_row < min_piece:
+                n = left  # a remainder too small to cut: this holder takes it
+            pieces.append((writer, start, n))
+            loads[writer] += int(n * per_row)
+            start, left = start + n, left - n
+            if not left:
+                break
+        if left:  # every holder is at the mean: the rest spread over those without a piece
+            free = [r for r in ranks if r not in {w for w, _, _ in pieces}]
+            free.sort(key=lambda r: (loads[r], r))
+            rest = _water_fill(int(left * per_row), left, free, loads, min_piece) \
+                if free else []
+            if rest:
+                for writer, first, n in rest:
+                    pieces.append((writer, start + first, n))
+                    loads[writer] += int(n * per_row)
+            else:  # no holder left without one: the last piece takes the rest
+                writer, first, n = pieces[-1]
+                pieces[-1] = (writer, first, n + left)
+                loads[writer] += int(left * per_row)
         out[i] = pieces
     return out
 
@@ -192,11 +209,10 @@ def _water_fill(size: int, rows: int, ranks: list[int], loads: list[int], min_pi
                 ) -> list[tuple[int, int, int]]:
     """``size`` bytes (``rows`` rows) poured into the least loaded of ``ranks`` (sorted by
     load) up to one level: the pieces ``(writer, first row, rows)``, each of at least
-    ``min_piece`` bytes (fewer writers where a piece would be smaller), rows shared by the
+    ``min_piece`` bytes (fewer writers where a piece would be smaller), rows shared as the
     bytes each writer takes."""
     per_row = size / rows
-    most = min(len(ranks), rows, max(1, size // min_piece))
-    chosen = ranks[:most]
+    chosen = ranks[:min(len(ranks), rows, max(1, size // max(min_piece, 1)))]
     while True:
         level = (size + sum(loads[r] for r in chosen)) / len(chosen)
         take = [level - loads[r] for r in chosen]
@@ -205,7 +221,7 @@ def _water_fill(size: int, rows: int, ranks: list[int], loads: list[int], min_pi
             continue
         break
     counts = [max(1, int(t / per_row)) for t in take]
-    while sum(counts) > rows:  # rounding: take the extra rows from the largest pieces
+    while sum(counts) > rows:  # rounding: the extra rows from the largest pieces
         counts[counts.index(max(counts))] -= 1
     k = 0
     while sum(counts) < rows:  # the rest to the least loaded first

@@ -29,7 +29,7 @@ import torch
 
 from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 from ckptfs.format.entries import Chunk, ChunkedFileEntry, RankTable, chunk_list_digest, make_entry
-from ckptfs.format.features import CHUNKED, RANK_METADATA, SHARDED
+from ckptfs.format.features import CHUNKED, METADATA_LAYOUTS, RANK_METADATA, SHARDED
 from ckptfs.format.layout import CHECKPOINTS_DIR, rank_file_name
 from ckptfs.format.limits import MAX_METADATA_BYTES, MAX_RANK_INDEX_BYTES
 from ckptfs.format.manifest import Manifest, check_document_size
@@ -306,13 +306,14 @@ class PerRankSave:
 def per_rank_save(storage: Storage, step: int, algorithm: str, durable: bool,
                   metadata: Mapping[str, Any], tree: Any, layout: str | None, *,
                   incremental: bool, node_local: bool) -> PerRankSave | None:
-    """The v5 half of a sharded save for ``metadata_layout=layout`` (None: format v2/v4).
-    Not yet with an incremental store (references) nor per-node storage."""
+    """The v5 half of a sharded save for ``metadata_layout=layout`` as the save decided it
+    (`metadata_layout_for`; None: format v2/v4).  Not yet with an incremental store
+    (references) nor per-node storage."""
     if layout is None:
         return None
-    if layout != PER_RANK:
-        raise UnsupportedValueError(f"metadata_layout {layout!r:.40}: ckptfs writes None (one "
-                                    f"dcp.msgpack) or {PER_RANK!r}")
+    if layout != PER_RANK:  # pragma: no cover - the store checked the name
+        raise UnsupportedValueError(f"metadata_layout {layout!r:.40}: one of "
+                                    f"{', '.join(map(repr, METADATA_LAYOUTS))}")
     if incremental or node_local:
         raise UnsupportedValueError(
             f"metadata_layout={PER_RANK!r} is not supported yet with incremental=True or a "

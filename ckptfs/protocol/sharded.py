@@ -322,12 +322,13 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
     except CkptfsError as exc:
         deferred = exc
     what = f"sharded save of step {step} at {storage.url}"
+    world = dist.get_world_size(group) if is_distributed() else 1  # (None: the world)
 
     def make(v: dict[str, Any], live: Liveness | None) -> SavePrep:
         writer = ShardedWriter(storage, step, algorithm=algorithm, durable=durable,
                                threads=threads, metadata=metadata, tree=skeleton,
                                memory=memory, lease_s=lease_s, node_local=node_local,
-                               metadata_layout=metadata_layout)
+                               metadata_layout=metadata_layout, world=world)
         planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer,
                               gather_small=writer.per_rank is not None)
         if live is None:

@@ -61,6 +61,7 @@ from ckptfs.errors import (
     InvalidStepError,
     UnsupportedValueError,
 )
+from ckptfs.format.features import check_metadata_layout, metadata_layout_for
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.incremental import (
     DEFAULT_LEASE_S,
@@ -169,7 +170,8 @@ class ShardedWriter(StorageWriter):
                  durable: bool = True, threads: int | None = None,
                  metadata: Mapping[str, Any] | None = None, tree: Any = None,
                  memory: ReuseMemory | None = None, lease_s: float = DEFAULT_LEASE_S,
-                 node_local: bool = False, metadata_layout: str | None = None) -> None:
+                 node_local: bool = False, metadata_layout: str | None = None,
+                 world: int | None = None) -> None:
         super().__init__()
         self.storage = storage
         self.step = check_step(step)
@@ -202,6 +204,9 @@ class ShardedWriter(StorageWriter):
         #: ``metadata_layout="per-rank"``: format v5, the metadata split per rank
         #: (docs/protocol.md §9.7); None: one ``dcp.msgpack`` (v2, v4).
         self.per_rank: PerRankSave | None = None
+        metadata_layout = metadata_layout_for(
+            check_metadata_layout(metadata_layout), _world_size() if world is None else world,
+            incremental=memory is not None, node_local=node_local)
         if metadata_layout is not None:  # imported for format v5 only
             from ckptfs.protocol.rank_metadata import per_rank_save
             self.per_rank = per_rank_save(self.storage, self.step, algorithm, durable,

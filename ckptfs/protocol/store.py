@@ -14,6 +14,7 @@ from ckptfs.errors import (
     LoadOptionError,
     StorageError,
 )
+from ckptfs.format.features import AUTO, check_metadata_layout
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
@@ -209,7 +210,7 @@ class CheckpointStore:
                  durable: bool = True, threads: int | None = None,
                  shard_bytes: int = DEFAULT_SHARD_BYTES, incremental: bool = False,
                  lease_s: float = DEFAULT_LEASE_S, tiers: Tiers | None = None,
-                 metadata_layout: str | None = None) -> None:
+                 metadata_layout: str | None = AUTO) -> None:
         new_hasher(algorithm)
         self.storage = storage
         #: What reads resolve across and what is told of commits and deletes (default: this
@@ -222,8 +223,10 @@ class CheckpointStore:
         self.reuse: ReuseMemory | None = ReuseMemory() if incremental else None
         self.lease_s = lease_s
         #: Sharded saves: ``"per-rank"`` writes format v5, whose metadata each loading rank
-        #: reads in part (docs/protocol.md §9.7); None (the default): one ``dcp.msgpack``.
-        self.metadata_layout = metadata_layout
+        #: reads in part (docs/protocol.md §9.7); None: one ``dcp.msgpack`` (v2, v4);
+        #: ``"auto"`` (the default): ``"per-rank"`` from `PER_RANK_MIN_WORLD` ranks where the
+        #: store allows it (not incremental, not per-node storage), else None.
+        self.metadata_layout = check_metadata_layout(metadata_layout)
         self.algorithm = algorithm
         self.durable = durable
         self.threads = threads or default_threads()
@@ -592,7 +595,7 @@ class CheckpointStore:
 
 def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
          threads: int | None = None, retries: int = 3, incremental: bool = False,
-         lease_s: float = DEFAULT_LEASE_S, metadata_layout: str | None = None,
+         lease_s: float = DEFAULT_LEASE_S, metadata_layout: str | None = AUTO,
          **storage_options: Any) -> CheckpointStore:
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
 
@@ -603,8 +606,11 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     sharded saves (under a process group) write format v4, every rank referencing the items
     of its previous save in this process that did not change (docs/protocol.md §9.6);
     ``lease_s``: how long such a save may take before it gives up its references.
-    ``metadata_layout="per-rank"``: sharded saves write format v5, whose metadata every
-    loading rank reads only in part (docs/protocol.md §9.7; not yet with ``incremental``).
+    ``metadata_layout``: how sharded saves store their metadata: ``"per-rank"``, format v5,
+    whose metadata every loading rank reads only in part (docs/protocol.md §9.7; not yet with
+    ``incremental`` nor a two-tier store's per-node storage); None, one ``dcp.msgpack`` that
+    every loading rank reads whole (v2, v4); ``"auto"`` (the default), ``"per-rank"`` for a
+    save of at least 64 ranks (`PER_RANK_MIN_WORLD`) where the store allows it, else None.
     ``storage_options`` go to the fsspec implementation (e.g. ``endpoint_url``, ``key``,
     ``secret`` for S3; ``token`` for GCS; ``connection_string`` for Azure)."""
     storage: Storage = FsspecStorage(url, **storage_options)

@@ -66,3 +66,65 @@ def test_two_rank_save_reshards_bit_exact(tmp_path: Any) -> None:
                                                       "rank-table/block-00000.bin"}
     for ok_w, ok_b, step, lr in run_ranks(job_load, 4, url, timeout=300):  # 2 -> 4
         assert ok_w and ok_b and step == 11 and lr == 0.5
+
+
+# -- The default layout ("auto"): per-rank metadata for a large world ---------------------------
+
+
+def test_auto_picks_per_rank_metadata_for_a_large_world_where_allowed() -> None:
+    from ckptfs.format.features import (
+        AUTO,
+        PER_RANK,
+        PER_RANK_MIN_WORLD,
+        metadata_layout_for,
+    )
+
+    big, small = PER_RANK_MIN_WORLD, PER_RANK_MIN_WORLD - 1
+    assert metadata_layout_for(AUTO, big, incremental=False, node_local=False) == PER_RANK
+    assert metadata_layout_for(AUTO, small, incremental=False, node_local=False) is None
+    assert metadata_layout_for(AUTO, big, incremental=True, node_local=False) is None
+    assert metadata_layout_for(AUTO, big, incremental=False, node_local=True) is None
+    assert metadata_layout_for(None, big, incremental=False, node_local=False) is None
+    assert metadata_layout_for(PER_RANK, 2, incremental=False, node_local=False) == PER_RANK
+    assert ckptfs.open("memory://auto-layout").metadata_layout == AUTO  # the default
+
+
+def test_an_unknown_metadata_layout_is_refused_at_open(tmp_path: Any) -> None:
+    import pytest
+
+    from ckptfs.errors import UnsupportedValueError
+
+    with pytest.raises(UnsupportedValueError, match="metadata_layout 'by-rank': one of"):
+        ckptfs.open(str(tmp_path), metadata_layout="by-rank")
+
+
+def job_auto(rank: int, world: int, url: str) -> Any:
+    """With the threshold lowered to this world: the default store writes format v5, an
+    incremental one v4, ``metadata_layout=None`` v2; each loads back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckptfs.format.features as features
+
+    features.PER_RANK_MIN_WORLD = world
+    mesh = init_device_mesh("cpu", (world,))
+    full = _state()
+    state = {"w": distribute_tensor(full["w"], mesh, [Shard(0)]), "b": full["b"],
+             "step": full["step"], "opt": full["opt"]}
+    out = []
+    for root, kw in (("auto", {}), ("incremental", {"incremental": True}),
+                     ("one", {"metadata_layout": None})):
+        store = ckptfs.open(f"{url}/{root}", **kw)
+        info = store.save(1, state)
+        into = {"w": distribute_tensor(torch.zeros(8, 5), mesh, [Shard(0)]),
+                "b": torch.zeros(7), "step": 0, "opt": {"lr": 0.0}}
+        store.load(1, into=into)
+        out.append([info.manifest.format_version,
+                    bool(torch.equal(into["w"].full_tensor(), full["w"])),
+                    into["step"] == full["step"]])
+    return out
+
+
+def test_the_default_store_writes_per_rank_metadata_from_the_threshold(tmp_path: Any) -> None:
+    for out in run_ranks(job_auto, 2, str(tmp_path / "run"), timeout=240):
+        assert out == [[5, True, True], [4, True, True], [2, True, True]], out
