@@ -27,6 +27,7 @@ from dist_util import run_ranks
 from sharded_tamper import RANK_FILE, attempt_dir
 
 import ckptfs
+from ckptfs.errors import CorruptCheckpointError
 from ckptfs.protocol.balance import balance_writers, plan_reads, split_writers
 from ckptfs.protocol.sharded import load_into, save_sharded
 from ckptfs.protocol.sharded_read import ShardedReader
@@ -386,3 +387,13 @@ def test_a_replicated_tensor_larger_than_a_share_is_written_by_several_ranks(
     assert store.verify(STEP).ok
     got = store.load(STEP)
     assert all(torch.equal(got[k], v) for k, v in _replicated().items())
+    # A byte of one piece changed on storage: refused by its chunk's digest, naming the file.
+    info = store.info(STEP)
+    name = max(files, key=lambda f: files[f])
+    path = Path(url) / info.path / name
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=name.split("/")[0]):
+        store.load(STEP)
+    assert not store.verify(STEP).ok
