@@ -405,6 +405,21 @@ def _encode_skeleton(props: list[TensorProperties], rows: list[Row]) -> str:
     return encode_bytes(msgpack.packb(doc, use_bin_type=True))
 
 
+def _pair(text: Any, what: str, shape: str) -> list[Any]:
+    """A plan document's part: base64 text of a msgpack pair whose first is a list, else
+    ``ValueError`` naming ``what`` and its ``shape``."""
+    if not isinstance(text, str):
+        raise ValueError(f"a local save plan's {what}: {shape} as text wanted")
+    try:
+        doc = msgpack.unpackb(decode_bytes(text), raw=False, use_list=True,
+                              strict_map_key=True)
+    except Exception as exc:  # not base64, not msgpack
+        raise ValueError(f"a local save plan's {what}: {exc}") from exc
+    if not (isinstance(doc, list) and len(doc) == 2 and isinstance(doc[0], list)):
+        raise ValueError(f"a local save plan's {what}: {shape} wanted")
+    return doc
+
+
 def _is_int(v: Any) -> bool:
     return type(v) is int
 
@@ -412,15 +427,8 @@ def _is_int(v: Any) -> bool:
 def decode_skeleton(blob: Any) -> Skeleton:
     """The skeleton a rank sent (`LocalTable.of_plan`'s ``blob``), every field checked:
     ``ValueError`` naming what is wrong."""
-    if not isinstance(blob, str):
-        raise ValueError("a local save plan's skeleton: a string wanted")
-    try:
-        doc = msgpack.unpackb(decode_bytes(blob), raw=False, use_list=True,
-                              strict_map_key=True)
-    except Exception as exc:  # not base64, not msgpack
-        raise ValueError(f"a local save plan's skeleton: {exc}") from exc
-    if not (isinstance(doc, list) and len(doc) == 2 and isinstance(doc[0], list)
-            and isinstance(doc[1], list)):
+    doc = _pair(blob, "skeleton", "[properties, items]")
+    if not isinstance(doc[1], list):
         raise ValueError("a local save plan's skeleton: [properties, items] wanted")
     props = tuple(_properties_of(p) for p in doc[0])
     rows: list[Row] = []
@@ -469,15 +477,7 @@ def encode_planner_data(pd: Any) -> str | None:
 def decode_planner_data(text: Any) -> PlanMappings:
     """`encode_planner_data`'s map, every entry checked: ``ValueError`` naming what is
     wrong."""
-    if not isinstance(text, str):
-        raise ValueError("a local save plan's planner data: its mappings wanted")
-    try:
-        raw = msgpack.unpackb(decode_bytes(text), raw=False, use_list=True,
-                              strict_map_key=True)
-    except Exception as exc:  # not base64, not msgpack
-        raise ValueError(f"a local save plan's planner data: {exc}") from exc
-    if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], list)):
-        raise ValueError("a local save plan's planner data: [mappings, tree] wanted")
+    raw = _pair(text, "planner data", "[mappings, tree]")
     mappings = PlanMappings()
     for pair in raw[0]:
         if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
