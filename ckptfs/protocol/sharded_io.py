@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import os
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -143,16 +142,6 @@ class ItemReport:
     store_checksums: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass
-class _CheckedLayout:
-    """The key (`ShardedWriter._checked_key`) of the last placeholder manifest this process's
-    coordinator checked and found committable; one entry, as the global plan's cache."""
-
-    key: Any = None
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
-_CHECKED = _CheckedLayout()
 
 
 def _world_size() -> int:
@@ -263,8 +252,7 @@ class ShardedWriter(StorageWriter):
             raise UnsupportedValueError("a per-rank save is driven by ckptfs's rounds "
                                         "(store.save), not by dcp.save")
         with paused_collector():  # one placeholder chunk per item: gcpause's docstring
-            name = self._open([p.storage_data for p in plans],
-                              [getattr(p.planner_data, "layout", None) for p in plans],
+            name = self._open([p.storage_data for p in plans], None,
                               lambda attempt: self._placeholder_manifest(attempt, plans))
         return [dataclasses.replace(p, storage_data=AttemptPlan(name, i))
                 for i, p in enumerate(plans)]
@@ -272,48 +260,44 @@ class ShardedWriter(StorageWriter):
     def prepare_table(self, plan: GlobalPlan, tables: list[LocalTable]) -> str:
         """ckptfs's rounds (`ckptfs.protocol.save_rounds`): ``prepare_global_plan`` over the
         global plan made in columns; the attempt's name.  A per-rank save's placeholder is
-        O(ranks); format v2's lists every chunk, so it is built of DCP's save plans."""
+        O(ranks); format v2's lists every chunk, so it is built of DCP's save plans.  The
+        verdicts of the placeholder's check are kept with the plan (kept for its layout by
+        the planner, `sharded_plan._PLAN_CACHE`): a save of a layout and writer already
+        checked skips building and checking it again (4,096 ranks: about 0.9 s)."""
         self._global = plan
         per_rank = self.per_rank
         with paused_collector():
             return self._open(
-                [t.step for t in tables], [t.layout for t in tables],
+                [t.step for t in tables], plan.memo.setdefault("checked", set()),
                 (lambda attempt: self._placeholder_manifest(attempt, plan.save_plans(tables)))
                 if per_rank is None else
                 (lambda attempt: per_rank.placeholder(attempt, len(tables))))
 
-    def _open(self, steps: list[Any], layouts: list[str | None],
+    def _open(self, steps: list[Any], checked: set[Any] | None,
               placeholder: Callable[[str], Manifest]) -> str:
         """Every rank saves this step; the attempt opened (fails fast if the step is
         committed); the manifest this save will commit (``placeholder(attempt)``) checked by
-        every reader limit, unless its verdict is known for this layout (`_checked_key`)."""
+        every reader limit, unless ``checked`` (the verdicts known for this layout) holds
+        this writer's `_checked_key`."""
         self._check_same_step(steps)
         att = Attempt.open(self.storage, self.step, algorithm=self.algorithm,
                            durable=self.durable)
-        key = self._checked_key(layouts)
+        key = self._checked_key()
         with att:  # a refused manifest discards the (empty) attempt
-            with _CHECKED.lock:
-                known = key is not None and _CHECKED.key == key
-            if not known:
+            if checked is None or key not in checked:
                 att.check(placeholder(att.name), world_size=len(steps))
-                if key is not None:
-                    with _CHECKED.lock:
-                        _CHECKED.key = key
+                if checked is not None:
+                    checked.add(key)
         self._attempt = att
         self._lease = Lease(self.lease_s)
         return att.name
 
-    def _checked_key(self, layouts: list[str | None]) -> Any:
-        """What the verdict of the placeholder manifest's check depends on, when every rank
-        sent its plan's layout digest (`sharded_plan.layout_digest`: items, chunks, dtypes,
-        shapes, key paths): the layouts, the algorithm, the metadata, the width of the step
-        number, whether items are reused and the metadata layout; None otherwise.  A save
-        whose key is the last one this process checked and found committable skips building
-        and checking it again (4,096 ranks: about 0.9 s)."""
-        if not layouts or None in layouts:
-            return None
-        return (tuple(layouts), self.algorithm, json.dumps(self.metadata, sort_keys=True),
-                len(str(self.step)), self.memory is not None, self.per_rank is not None)
+    def _checked_key(self) -> Any:
+        """What the verdict of the placeholder manifest's check depends on besides the layout
+        of the ranks' plans: the algorithm, the metadata, the width of the step number,
+        whether items are reused and the metadata layout."""
+        return (self.algorithm, json.dumps(self.metadata, sort_keys=True), len(str(self.step)),
+                self.memory is not None, self.per_rank is not None)
 
     def _placeholder_manifest(self, attempt: str, plans: list[SavePlan]) -> Manifest:
         """The manifest this save will commit, from the global plan: every rank file with its
