@@ -11,7 +11,7 @@ here, made by one function and read back by its inverse:
   flattening map, the rank's state skeleton as msgpack, its layout digest);
 * each rank's **part of the global plan**, from the coordinator (`part_doc` / `part_of`): the
   attempt, the rank's index, and which of its own local items it writes with their index
-  hints: the global plan only selects and hints items (`plan_table.global_plan`), so a rank
+  hints: the global plan only selects and hints items (`global_plan.global_plan`), so a rank
   rebuilds its part from its own plan;
 * a rank's **write results**, to the coordinator (`results_doc` / `results_of`): per item its
   `ItemReport`, or a per-rank save's one `RankReport` (format v5);
@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptfs.format.entries import Chunk
+from ckptfs.protocol.global_plan import GlobalPlan, piece_of
 from ckptfs.protocol.plan_table import (
-    GlobalPlan,
     LocalTable,
     PlanMappings,
     Skeleton,
@@ -43,7 +43,6 @@ from ckptfs.protocol.plan_table import (
     decode_planner_data,
     decode_skeleton,
     layout_of,
-    piece_of,
 )
 from ckptfs.protocol.sharded_io import AttemptPlan, ItemReport
 

@@ -63,8 +63,8 @@ from ckptfs.format.sharded_metadata import DcpDocument
 from ckptfs.format.versions import has_rank_metadata
 from ckptfs.protocol.chunks import read_chunks
 from ckptfs.protocol.commit import Attempt, now_text, placeholder_digest
+from ckptfs.protocol.global_plan import GlobalPlan
 from ckptfs.protocol.listing import check_written
-from ckptfs.protocol.plan_table import GlobalPlan
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import Storage
 

@@ -8,7 +8,7 @@ order DCP's ``dcp.save`` calls them (torch 2.13, ``state_dict_saver._save_state_
    ``prepare_local_plan``; its plan (`plan_docs.local_plan_doc`) goes to the coordinator
    alone (`Group.gather_at_coordinator`);
 2. the coordinator: the global plan, made in columns from every rank's table
-   (`SavePlanner.create_global_table`, `ckptfs.protocol.plan_table`: what DCP's
+   (`SavePlanner.create_global_table`, `ckptfs.protocol.global_plan`: what DCP's
    ``create_global_plan`` makes, without an object per write item), and the writer's
    ``prepare_global_plan`` over it (`ShardedWriter.prepare_table`); each rank receives its
    own part only (`plan_docs.part_doc`: which of its items it writes, the attempt), by
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from ckptfs.errors import ShardedSaveError
 from ckptfs.protocol.gcpause import paused_collector
+from ckptfs.protocol.global_plan import GlobalPlan
 from ckptfs.protocol.group import Group, carried, describe
 from ckptfs.protocol.plan_docs import (
     doc_layout,
@@ -53,7 +54,7 @@ from ckptfs.protocol.plan_docs import (
     results_doc,
     results_of,
 )
-from ckptfs.protocol.plan_table import GlobalPlan, LocalTable
+from ckptfs.protocol.plan_table import LocalTable
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.sharded_io import ShardedWriter
 from ckptfs.protocol.sharded_plan import SavePlanner

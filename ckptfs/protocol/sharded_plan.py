@@ -41,7 +41,8 @@ from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.format.tiling import summary, tiling_errors
 from ckptfs.protocol.collective import is_dtensor
 from ckptfs.protocol.gcpause import paused_collector
-from ckptfs.protocol.plan_table import GlobalPlan, LocalTable, PlanMappings, global_plan
+from ckptfs.protocol.global_plan import GlobalPlan, global_plan
+from ckptfs.protocol.plan_table import LocalTable, PlanMappings
 from ckptfs.protocol.sharded_read import dtype_mismatch
 from ckptfs.torch_compat import EmptyStateDictLoadPlanner, dtensor_local, set_element
 
@@ -107,7 +108,7 @@ class SavePlanner(DefaultSavePlanner):
         """The global plan of every rank's local plan (``tables``, rank order): the last one
         again when every rank's plan has the layout it had at the last save this process
         coordinated (`plan_table.layout_of`, of what each rank sent; `_PLAN_CACHE`), else made in
-        columns (`ckptfs.protocol.plan_table.global_plan`: DCP's plan and metadata, every
+        columns (`ckptfs.protocol.global_plan.global_plan`: DCP's plan and metadata, every
         value from the lowest rank holding it, each replicated tensor written by the holder
         `balance_writers` picks; DCP's check that every tensor's chunks tile it, by sorting).
         Values only some ranks hold (rank-keyed entries, e.g. each rank's RNG state) are stored
@@ -134,7 +135,7 @@ class SavePlanner(DefaultSavePlanner):
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         # The items this rank writes in part (a replicated tensor split between its holders,
-        # `plan_table.piece_of`): each one's item of the local plan, and its first row there.
+        # `global_plan.piece_of`): each one's item of the local plan, and its first row there.
         local = getattr(self, "plan", None)
         mine = {item.index: item for item in local.items} if local is not None else {}
         self._pieces = {}
