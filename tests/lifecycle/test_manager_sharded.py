@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from dist_util import run_ranks
 from test_sharded import FailingWrites, to_plain
@@ -75,9 +76,20 @@ def outcome(fn: Any) -> tuple[str, bool, str]:
     return "no error", False, ""
 
 
-def job_save(rank: int, world: int, url: str, plain_url: str) -> dict[str, Any]:
+def per_rank_from(threshold: int | None) -> None:
+    """The world size from which a store writes per-rank metadata by default (None: ckptfs's,
+    64): lowered, this job's saves take the path a job of that many ranks takes."""
+    if threshold is not None:
+        import ckptfs.format.features as features
+
+        features.PER_RANK_MIN_WORLD = threshold
+
+
+def job_save(rank: int, world: int, url: str, plain_url: str, threshold: int | None
+             ) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    per_rank_from(threshold)
     model, opt, sched = build(world, 0)
     mgr = ckptfs.CheckpointManager(url, keep_last=2, run_seed=7,
                                    best=ckptfs.Best(metric="loss", mode="min", keep=1))
@@ -116,9 +128,10 @@ def job_save(rank: int, world: int, url: str, plain_url: str) -> dict[str, Any]:
     return out
 
 
-def job_restore(rank: int, world: int, url: str) -> dict[str, Any]:
+def job_restore(rank: int, world: int, url: str, threshold: int | None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    per_rank_from(threshold)
     model, opt, sched = build(world, 123)  # another init: the restore must overwrite it
     mgr = ckptfs.CheckpointManager(url, keep_last=2, run_seed=7)
     rng.seed_all(5)
@@ -133,9 +146,13 @@ def job_restore(rank: int, world: int, url: str) -> dict[str, Any]:
             "full": to_plain({"model": msd, "optimizer": osd}), "sched": sched.state_dict()}
 
 
-def test_manager_sharded_save_restore_any_world_size(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threshold, version", [(None, 2), (2, 5)])
+def test_manager_sharded_save_restore_any_world_size(tmp_path: Path, threshold: int | None,
+                                                     version: int) -> None:
+    """The default store (``metadata_layout="auto"``) at 2 ranks (format v2) and as at 64 ranks
+    or more (the threshold lowered: format v5, per-rank metadata): the same behaviour."""
     url, plain_url = str(tmp_path / "run"), str(tmp_path / "plain")
-    saved = run_ranks(job_save, 2, url, plain_url, timeout=150, pg_timeout=60)
+    saved = run_ranks(job_save, 2, url, plain_url, threshold, timeout=150, pg_timeout=60)
 
     # Every rank returned the same SaveResult: committed info, best pool, prune (keep_last=2).
     for step_results in zip(*(s["results"] for s in saved), strict=True):
@@ -154,13 +171,13 @@ def test_manager_sharded_save_restore_any_world_size(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / StepPaths(4).marker).exists()
     assert not (tmp_path / "run" / StepPaths(5).marker).exists()
     info = store.info(3)
-    assert info.manifest.format_version == 2 and info.metadata["rng_ranks"] == [0, 1]
+    assert info.manifest.format_version == version and info.metadata["rng_ranks"] == [0, 1]
     full = store.load(3)
     assert sorted(full["rng"]["ranks"]) == [0, 1]  # each rank's own state, written by it
     assert not torch.equal(full["rng"]["ranks"][0]["torch"], full["rng"]["ranks"][1]["torch"])
 
     # A new W=2 job: each rank gets its own shards and RNG state back, bit for bit.
-    again = run_ranks(job_restore, 2, url, timeout=150, pg_timeout=60)
+    again = run_ranks(job_restore, 2, url, threshold, timeout=150, pg_timeout=60)
     for rank in (0, 1):
         got = again[rank]
         assert got["start"] == 4 and got["action"] == "restored"
@@ -173,7 +190,7 @@ def test_manager_sharded_save_restore_any_world_size(tmp_path: Path) -> None:
     assert_state_equal(again[0]["full"], saved[0]["full"])
 
     # W'=1 (FSDP2 on one rank): the whole model in one rank; rank 0's RNG state.
-    (one,) = run_ranks(job_restore, 1, url, timeout=150, pg_timeout=60)
+    (one,) = run_ranks(job_restore, 1, url, threshold, timeout=150, pg_timeout=60)
     assert one["start"] == 4 and one["action"] == "restored" and one["rng"] == saved[0]["rng"]
     assert_state_equal(one["full"], saved[0]["full"])
     assert_state_equal(one["local"], saved[0]["full"])  # one rank holds every row
