@@ -95,11 +95,14 @@ def mutate_extra(extra: dict[str, Any]) -> None:
     extra["z"].mul_(2)
 
 
-def job_async_w2(rank: int, world: int, url: str) -> Any:
+def job_async_w2(rank: int, world: int, url: str, threshold: int | None) -> Any:
     import torch.distributed as dist
 
+    import ckptfs.format.features as features
     from ckptfs.protocol import async_save, sharded
 
+    if threshold is not None:  # the default store as a job of this many ranks or more
+        features.PER_RANK_MIN_WORLD = threshold
     state, _ = build_state(world)
     extra = extra_values()
     extra["zc"] = extra["z"].conj()  # a conjugate view beside its base: two tensors
@@ -179,14 +182,18 @@ def check_extra(loaded: dict[str, Any]) -> None:
     assert torch.equal(loaded["zc"], expected["z"].conj().resolve_conj())
 
 
-def test_sharded_save_async_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threshold, version", [(None, 2), (2, 5)])
+def test_sharded_save_async_two_ranks(tmp_path: Path, threshold: int | None,
+                                      version: int) -> None:
+    """The default store at 2 ranks (format v2) and as a job of 64 ranks or more takes it (the
+    threshold lowered: format v5, per-rank metadata)."""
     url = str(tmp_path / "run")
-    r0, r1 = run_ranks(job_async_w2, 2, url, timeout=180)
+    r0, r1 = run_ranks(job_async_w2, 2, url, threshold, timeout=180)
     expected = r0["plain"]
     expected_extra = expected.pop("extra")
-    # Both ranks: the same committed checkpoint, format v2, written by 2 ranks.
+    # Both ranks: the same committed checkpoint, of its format, written by 2 ranks.
     assert r0["info"] == r1["info"] and r0["info"][0] == 10
-    assert r0["info"][2:] == (2, 2)
+    assert r0["info"][2:] == (version, 2)
     assert r0["info11"] == r1["info11"] == 11
     assert r0["all_reduce"] == r1["all_reduce"] == 3.0
     assert r0["own_group"] and r1["own_group"]
