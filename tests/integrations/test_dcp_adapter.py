@@ -148,3 +148,27 @@ def test_writer_refuses_foreign_checkpoint_id(tmp_path: Any) -> None:
     else:  # pragma: no cover
         raise AssertionError("a foreign checkpoint_id was accepted")
     assert not ckptfs.dcp.Writer.validate_checkpoint_id(str(tmp_path))
+
+
+def job_replicated(rank: int, world: int, url: str) -> Any:
+    """A plain ``dcp.save`` of a tensor every rank holds (DDP), large enough that its writing is
+    split between the ranks (replica-parallel save), then ``dcp.load`` back."""
+    g = torch.Generator().manual_seed(4)
+    full = torch.randn(1024, 512, generator=g)  # 2 MiB: more than a rank's share of the bytes
+    writer = ckptfs.dcp.Writer(url, 1)
+    md = dcp.save({"w": full.clone()}, storage_writer=writer, planner=ckptfs.dcp.SavePlanner())
+    info = md._ckptfs_info  # type: ignore[attr-defined]
+    into = {"w": torch.zeros(1024, 512)}
+    dcp.load(into, storage_reader=ckptfs.dcp.Reader(url, 1), planner=ckptfs.dcp.LoadPlanner())
+    chunks = md.state_dict_metadata["w"].chunks
+    return {"exact": bool(torch.equal(into["w"], full)), "chunks": len(chunks),
+            "files": sorted(f.path for f in info.manifest.files)}
+
+
+def test_dcp_save_splits_a_large_replicated_tensor_between_ranks(tmp_path: Any) -> None:
+    url = str(tmp_path / "run")
+    for out in run_ranks(job_replicated, 2, url, timeout=240):
+        assert out["exact"] and out["chunks"] == 2, out
+        assert out["files"] == ["dcp.msgpack", "rank-00000/data-0.safetensors",
+                                "rank-00001/data-0.safetensors"], out
+    assert ckptfs.open(url).verify(1).ok
