@@ -137,15 +137,22 @@ class SavePlanner(DefaultSavePlanner):
         # The items this rank writes in part (a replicated tensor split between its holders,
         # `global_plan.piece_of`): each one's item of the local plan, and its first row there.
         local = getattr(self, "plan", None)
-        mine = {item.index: item for item in local.items} if local is not None else {}
+        items = local.items if local is not None else []
         self._pieces = {}
-        for item in new_plan.items:
+        # ckptfs's rounds hand each rank its own items (only a piece's data is new); DCP's own
+        # scatter hands copies, each then looked up by its index.
+        own = {id(i.tensor_data) for i in items if i.tensor_data is not None}
+        suspects = [i for i in new_plan.items
+                    if i.tensor_data is not None and id(i.tensor_data) not in own]
+        mine = {item.index: item for item in items} if suspects else {}
+        for item in suspects:
             td = item.tensor_data
+            assert td is not None
             same = mine.get(item.index)
-            if td is None or (same is not None and same.tensor_data is not None
-                              and same.tensor_data.chunk == td.chunk):
+            if same is not None and same.tensor_data is not None \
+                    and same.tensor_data.chunk == td.chunk:
                 continue  # a whole item of its own
-            for orig in (o for o in mine.values() if o.index.fqn == item.index.fqn):
+            for orig in (o for o in items if o.index.fqn == item.index.fqn):
                 oc = orig.tensor_data.chunk if orig.tensor_data is not None else None
                 if oc is not None and len(oc.offsets) == len(td.chunk.offsets) > 0 and \
                         oc.offsets[1:] == td.chunk.offsets[1:] and \
