@@ -23,7 +23,7 @@ import math
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,10 +63,12 @@ from ckptfs.format.sharded_metadata import DcpDocument
 from ckptfs.format.versions import has_rank_metadata
 from ckptfs.protocol.chunks import read_chunks
 from ckptfs.protocol.commit import Attempt, now_text, placeholder_digest
-from ckptfs.protocol.global_plan import GlobalPlan
 from ckptfs.protocol.listing import check_written
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import Storage
+
+if TYPE_CHECKING:
+    from ckptfs.protocol.global_plan import GlobalPlan
 
 #: The features of a per-rank save's manifest (format v5).
 PER_RANK_FEATURES = frozenset({SHARDED, CHUNKED, RANK_METADATA})

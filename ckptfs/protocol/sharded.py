@@ -94,7 +94,6 @@ from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url, walk_latest
-from ckptfs.protocol.save_rounds import drive_save
 from ckptfs.protocol.sharded_io import ShardedWriter
 from ckptfs.protocol.sharded_plan import (
     FullLoadPlanner,
@@ -343,6 +342,8 @@ def _save_once(p: SavePrep, group: Any) -> CheckpointInfo:
     """One collective save of a prepared save on ``group`` (every rank), driven by ckptfs
     over its group (`ckptfs.protocol.save_rounds`: DCP's planner and the writer called as
     ``dcp.save`` calls them, the messages JSON, no whole plan sent to every rank)."""
+    from ckptfs.protocol.save_rounds import drive_save  # a save's modules: not a load's
+
     info = _run(lambda: drive_save(p.view, p.writer, p.planner, group_of(group)),
                 p.what, ShardedSaveError, p.live)
     return p.finished(info)

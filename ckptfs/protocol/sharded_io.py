@@ -87,7 +87,6 @@ from ckptfs.format.sharded_metadata import DcpDocument, ItemLocation, encode_met
 from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED, features
 from ckptfs.protocol.commit import Attempt, Lease, default_threads, now_text, placeholder_digest
 from ckptfs.protocol.gcpause import paused_collector
-from ckptfs.protocol.global_plan import GlobalPlan
 from ckptfs.protocol.incremental import (
     Item,
     ReuseIndex,
@@ -98,12 +97,13 @@ from ckptfs.protocol.incremental import (
     reuse_index,
 )
 from ckptfs.protocol.listing import check_written
-from ckptfs.protocol.plan_table import LocalTable
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.protocol.sharded_read import check_checkpoint_id, read_document, sharded_manifest
 from ckptfs.storage.base import Storage
 
 if TYPE_CHECKING:
+    from ckptfs.protocol.global_plan import GlobalPlan
+    from ckptfs.protocol.plan_table import LocalTable
     from ckptfs.protocol.rank_metadata import PerRankSave
 
 log = logging.getLogger("ckptfs")

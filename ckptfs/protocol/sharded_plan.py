@@ -13,7 +13,7 @@ import dataclasses
 import io
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import (
@@ -41,10 +41,12 @@ from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.format.tiling import summary, tiling_errors
 from ckptfs.protocol.collective import is_dtensor
 from ckptfs.protocol.gcpause import paused_collector
-from ckptfs.protocol.global_plan import GlobalPlan, global_plan
-from ckptfs.protocol.plan_table import LocalTable, PlanMappings
 from ckptfs.protocol.sharded_read import dtype_mismatch
 from ckptfs.torch_compat import EmptyStateDictLoadPlanner, dtensor_local, set_element
+
+if TYPE_CHECKING:  # the save's planning modules, imported by a save only (not by a load)
+    from ckptfs.protocol.global_plan import GlobalPlan
+    from ckptfs.protocol.plan_table import LocalTable
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -88,6 +90,8 @@ class SavePlanner(DefaultSavePlanner):
                 self._encoded[fqn] = encode_value(self.lookup_object(item.index), key=fqn,
                                                   path=self._key_path(fqn))
         if isinstance(plan.planner_data, dict):
+            from ckptfs.protocol.plan_table import PlanMappings  # a save's modules
+
             mappings = PlanMappings(plan.planner_data)
             mappings.tree = self._tree
             plan = dataclasses.replace(plan, planner_data=mappings)
@@ -100,6 +104,8 @@ class SavePlanner(DefaultSavePlanner):
             return super().create_global_plan(all_plans)
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        from ckptfs.protocol.plan_table import LocalTable
+
         tables = [LocalTable.of_plan(p) for p in all_plans]
         plan = self.create_global_table(tables)
         return plan.save_plans(tables), plan.metadata()
@@ -126,7 +132,9 @@ class SavePlanner(DefaultSavePlanner):
                     if key is not None and _PLAN_CACHE.key == key else None
             if cached is not None:
                 return cached
-            plan = global_plan(tables, gather_small=self._gather_small,
+            from ckptfs.protocol import global_plan as planning
+
+            plan = planning.global_plan(tables, gather_small=self._gather_small,
                                merge_mappings=self.flatten_state_dict)
             if key is not None:
                 with _PLAN_CACHE.lock:

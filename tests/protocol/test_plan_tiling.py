@@ -279,13 +279,15 @@ def test_a_save_of_the_same_layout_reuses_the_global_plan(tmp_path: Path,
     second save with new values and the same shapes reuses the global plan; a changed shape,
     or a value added, plans again; every save commits a checkpoint that loads back equal."""
     built: list[int] = []
-    real = sharded_plan.global_plan
+    from ckptfs.protocol import global_plan as planning
+
+    real = planning.global_plan
 
     def counting(plans: list[SavePlan], **kw: Any) -> Any:
         built.append(len(plans))
         return real(plans, **kw)
 
-    monkeypatch.setattr(sharded_plan, "global_plan", counting)
+    monkeypatch.setattr(planning, "global_plan", counting)
     monkeypatch.setattr(sharded_plan, "_PLAN_CACHE", sharded_plan._PlanCache())
     store = ckptfs.open(str(tmp_path))
     states = [
