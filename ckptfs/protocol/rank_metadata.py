@@ -1,11 +1,12 @@
 """Format v5 (``rank-metadata``, docs/protocol.md §9.7), the I/O half: what a sharded save
 writes instead of ``dcp.msgpack``, and what a loading rank reads of it.
 
-Save (`PerRankSave`, opted into with ``metadata_layout="per-rank"``): the coordinator checks
-the v5 manifest it will commit and records which rank stores each chunk (from the global
-plan); every rank writes its rank file as in v2 and then its own index document, and reports
-one row (sizes and digests) instead of one result per item; the coordinator writes the tensor
-spec and the table blocks (O(tensors) + O(ranks)) and commits the small manifest.
+Save (`PerRankSave`: ``metadata_layout="per-rank"``, or ``"auto"`` from 64 ranks,
+`ckptfs.format.features.metadata_layout_for`): the coordinator checks the v5 manifest it will
+commit (O(ranks)) and takes which rank stores each chunk from the global plan; every rank
+writes its rank file as in v2 and then its own index document, and reports one row (sizes and
+digests) instead of one result per item; the coordinator writes the tensor spec and the table
+blocks (O(tensors) + O(ranks)) and commits the small manifest.
 
 Load (`read_partial`): the manifest, the spec, the blocks holding the rows of the ranks whose
 chunks overlap the regions the rank loads, and those ranks' index documents, each checked

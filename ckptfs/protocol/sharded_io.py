@@ -191,8 +191,10 @@ class ShardedWriter(StorageWriter):
         #: The reuse hint of a resolved tensor (``version_of``); an async save, whose tensors
         #: are staged copies, gives the caller's tensors' hints taken at its snapshot.
         self.hint: Callable[[torch.Tensor], tuple[int, int]] = version_of
-        #: ``metadata_layout="per-rank"``: format v5, the metadata split per rank
-        #: (docs/protocol.md §9.7); None: one ``dcp.msgpack`` (v2, v4).
+        #: Format v5, the metadata split per rank (docs/protocol.md §9.7), for
+        #: ``metadata_layout="per-rank"`` or ``"auto"`` from 64 ranks (``world``: the save's
+        #: ranks; default the world's) where the store allows it; else None: one
+        #: ``dcp.msgpack`` (v2, v4).
         self.per_rank: PerRankSave | None = None
         metadata_layout = metadata_layout_for(
             check_metadata_layout(metadata_layout), _world_size() if world is None else world,
