@@ -27,7 +27,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -459,13 +459,13 @@ def _finish_plan(e: _AllEntries, alive: torch.Tensor, piece_start: torch.Tensor,
     values: dict[str, int] = {}
     errors: dict[str, list[str]] = {}
     firsts: list[tuple[int, str]] = []
+    fqn_of, col_of, rank_of = fqn.tolist(), e.column[live].tolist(), ranks.tolist()
     for k, (s, t) in enumerate(itertools.pairwise(bounds)):
-        j = int(live[s])
-        name = e.names[int(fqn[s])]
+        name = e.names[fqn_of[s]]
         firsts.append((order_of[k], name))
-        row, props = e.rows[int(e.column[j])], e.props[int(e.column[j])]
+        row, props = e.rows[col_of[s]], e.props[col_of[s]]
         if props is None:
-            values[name] = int(ranks[s])
+            values[name] = rank_of[s]
             continue
         d = row.dims
         t_off, t_size = offsets[s:t, :d], sizes[s:t, :d]
@@ -518,9 +518,21 @@ def _tiling(fqn: str, size: tuple[int, ...], offsets: torch.Tensor, sizes: torch
     sort)."""
     if len(offsets) > _FEW_CHUNKS and _tiles_by_one_cut(size, offsets, sizes):
         return []
-    chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+    chunks = [_Chunk(tuple(o), tuple(s))
               for o, s in zip(offsets.tolist(), sizes.tolist(), strict=True)]
     return tiling_errors(fqn, size, chunks, check_volume=check_volume)
+
+
+class _Chunk(NamedTuple):
+    """A chunk as `tiling_errors` reads it (``offsets``, ``sizes``), printed as DCP prints
+    its ``ChunkStorageMetadata`` in the check's findings."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return (f"ChunkStorageMetadata(offsets=torch.Size({list(self.offsets)}), "
+                f"sizes=torch.Size({list(self.sizes)}))")
 
 
 def _tiles_by_one_cut(size: tuple[int, ...], offsets: torch.Tensor, sizes: torch.Tensor
