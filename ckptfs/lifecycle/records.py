@@ -145,12 +145,26 @@ class RecordLog:
         except (TypeError, ValueError) as exc:
             raise UnsupportedValueError(f"{self.storage.url}/{self._path(gen)}: the record must "
                                         f"be plain, finite JSON: {exc}") from None
+        conflict = (f"{self.storage.url}/{self._path(gen)}: another writer updated this "
+                    "record concurrently; re-read it and retry")
         try:
             self.storage.create_exclusive(self._path(gen), data)
         except CheckpointExistsError as exc:
-            raise CheckpointExistsError(
-                f"{self.storage.url}/{self._path(gen)}: another writer updated this record "
-                "concurrently; re-read it and retry") from exc
+            raise CheckpointExistsError(conflict) from exc
+        # A generation pruned by writers that went past it can be created again by a writer
+        # that read before them: its create succeeds, yet it is not the newest, and readers
+        # (newest first) would never see its update.  Pruning ``gen`` needs a generation at
+        # least ``keep_generations`` newer, created before the prune, so before this create:
+        # one listed now means this write came too late; withdraw it and let the caller
+        # re-read.  (A newer one that is fewer generations ahead may be a writer building on
+        # this one: kept.  For writers to build ``keep_generations`` on it between its create
+        # and this listing would take that many whole updates within one storage call.)
+        if any(g >= gen + self.keep_generations for g in self._generations()):
+            try:
+                self.storage.delete(self._path(gen))
+            except Exception:  # best effort: readers take the newest generation anyway
+                log.debug("could not withdraw %s", self._path(gen), exc_info=True)
+            raise CheckpointExistsError(conflict)
         self._prune(gen)
         return Record(gen, dict(doc), self._path(gen))
 

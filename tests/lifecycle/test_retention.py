@@ -230,3 +230,24 @@ def test_record_unparseable_generation_falls_back(backend: Backend,
     assert "does not parse" in caplog.text
     with pytest.raises(ValueError):
         RecordLog(backend.open().storage, "../escape")
+
+
+def test_a_write_into_a_pruned_generation_is_not_an_update(backend: Backend) -> None:
+    """A writer that read generation 1 while others went on to 4 and pruned 1 (keep 3): its
+    create of generation 2 fails (it exists), but a writer that read nothing yet (generation
+    0) creates generation 1 again, pruned: that write is refused as the concurrent update it
+    is, withdrawn, and an update re-reads the newest instead of losing its increment."""
+    storage = backend.open().storage
+    log = RecordLog(storage, "aba", keep_generations=3)
+
+    def generations() -> list[str]:
+        return sorted(e.basename for e in storage.list_dir(log.dir))
+
+    for _ in range(4):
+        log.update(lambda d: {"n": (d or {"n": 0})["n"] + 1})
+    assert generations() == [f"gen-{g:012d}.json" for g in (2, 3, 4)]
+    with pytest.raises(CheckpointExistsError, match="concurrently"):
+        log.write({"n": 1}, expect_generation=None)  # generation 1 again: stale
+    assert generations() == [f"gen-{g:012d}.json" for g in (2, 3, 4)]  # withdrawn
+    rec = log.update(lambda d: {"n": (d or {"n": 0})["n"] + 1})
+    assert rec.generation == 5 and rec.doc == {"n": 5} and log.read() == rec
