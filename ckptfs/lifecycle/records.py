@@ -16,6 +16,18 @@ silently overwriting (the caller re-reads and retries).  A reader lists the dire
 request, caches bypassed) and reads the highest generation: a crash mid-write never leaves a torn
 record, because a generation appears whole (single-request create) or not at all.  Old
 generations are deleted after a successful write, keeping a few for forensics.
+
+Pruning makes a generation number free again: a writer that read generation ``g - 1`` long ago
+can create ``g`` a second time after the others went past it and pruned it.  Its create
+succeeds, yet its update is not in the record's history.  So each generation carries its
+**lineage**: a random id of its own and the ids of the generations it was built on (the newest
+`LINEAGE` of them), under the reserved key ``"__record__"`` (stripped from what readers get).
+A writer that finds newer generations right after its create asks the newest one: a lineage
+that holds this write's id at ``g`` built on it (the update is in the history, whatever
+happened since); another id at ``g`` means the write re-created a pruned number (withdrawn,
+`CheckpointExistsError`, the caller re-reads).  A lineage that no longer reaches back to ``g``
+(more than `LINEAGE` updates within one listing) cannot tell: `RecordOutcomeUnknownError`,
+never a retry that could apply the update twice.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +56,17 @@ LIFECYCLE_DIR = "lifecycle"
 # be rebuilt; ``$`` a trailing newline).
 _GEN_RE = re.compile(r"gen-([0-9]{12})\.json")
 MAX_RECORD_BYTES = 16 * 1024 * 1024
+#: The reserved key of a generation's own bookkeeping (its id and lineage).
+LINEAGE_KEY = "__record__"
+#: How many generations' ids a generation carries (itself included).
+LINEAGE = 64
+
+
+class RecordOutcomeUnknownError(StorageError):
+    """A record write whose create succeeded while so many other updates followed it that
+    the newest generation's lineage no longer reaches back to it: whether it is part of the
+    record's history cannot be told.  Never retried automatically (a retry could apply the
+    update twice); re-read the record and decide."""
 
 
 class CorruptRecordError(CorruptCheckpointError):
@@ -78,6 +102,23 @@ class Record:
     generation: int
     doc: dict[str, Any]
     path: str = field(default="", compare=False)
+    #: ``{generation: id}`` of this generation and the ones it was built on (empty for a
+    #: generation written before lineages existed).
+    lineage: dict[int, str] = field(default_factory=dict, compare=False, repr=False)
+
+
+def _lineage_of(doc: dict[str, Any]) -> dict[int, str]:
+    """The lineage a generation's document carries, popped from it; a malformed one is
+    treated as absent (a generation of an older writer, or tampering: never trusted)."""
+    raw = doc.pop(LINEAGE_KEY, None)
+    if not isinstance(raw, dict) or not isinstance(raw.get("lineage"), list):
+        return {}
+    out: dict[int, str] = {}
+    for item in raw["lineage"][:LINEAGE]:
+        if (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                and isinstance(item[1], str)):
+            out[item[0]] = item[1]
+    return out
 
 
 class RecordLog:
@@ -133,15 +174,28 @@ class RecordLog:
                 log.warning("%s/%s does not parse (%s); using the previous generation",
                             self.storage.url, path, exc)
                 continue
-            return False, Record(gen, doc, path)
+            return False, Record(gen, doc, path, _lineage_of(doc))
         return False, None
 
-    def write(self, doc: Mapping[str, Any], *, expect_generation: int | None) -> Record:
+    def write(self, doc: Mapping[str, Any], *, expect_generation: int | None,
+              parent: Record | None = None) -> Record:
         """Create generation ``expect_generation + 1`` (1 if ``None``) with ``doc``.  Raises
-        `CheckpointExistsError` if another writer got there first."""
+        `CheckpointExistsError` if another writer got there first (or went past it: see the
+        module docstring), `RecordOutcomeUnknownError` if that cannot be told.  ``parent``:
+        the record ``doc`` was made from (read again from storage when not given)."""
         gen = (expect_generation or 0) + 1
+        if LINEAGE_KEY in doc:
+            raise UnsupportedValueError(f"{self.storage.url}/{self._path(gen)}: the key "
+                                        f"{LINEAGE_KEY!r} is reserved for the record's lineage")
+        if parent is None or parent.generation != gen - 1:
+            parent = self._read_generation(gen - 1)
+        own = secrets.token_hex(8)
+        ancestors = sorted((parent.lineage if parent is not None else {}).items(),
+                           reverse=True)
+        lineage = [[gen, own], *([g, i] for g, i in ancestors if g < gen)][:LINEAGE]
+        body = {**dict(doc), LINEAGE_KEY: {"id": own, "lineage": lineage}}
         try:
-            data = json.dumps(dict(doc), sort_keys=True, allow_nan=False).encode()
+            data = json.dumps(body, sort_keys=True, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise UnsupportedValueError(f"{self.storage.url}/{self._path(gen)}: the record must "
                                         f"be plain, finite JSON: {exc}") from None
@@ -151,22 +205,48 @@ class RecordLog:
             self.storage.create_exclusive(self._path(gen), data)
         except CheckpointExistsError as exc:
             raise CheckpointExistsError(conflict) from exc
-        # A generation pruned by writers that went past it can be created again by a writer
-        # that read before them: its create succeeds, yet it is not the newest, and readers
-        # (newest first) would never see its update.  Pruning ``gen`` needs a generation at
-        # least ``keep_generations`` newer, created before the prune, so before this create:
-        # one listed now means this write came too late; withdraw it and let the caller
-        # re-read.  (A newer one that is fewer generations ahead may be a writer building on
-        # this one: kept.  For writers to build ``keep_generations`` on it between its create
-        # and this listing would take that many whole updates within one storage call.)
-        if any(g >= gen + self.keep_generations for g in self._generations()):
+        mine = Record(gen, dict(doc), self._path(gen), {g: i for g, i in lineage})
+        if max(self._generations(), default=gen) > gen and not self._in_history(mine, own):
             try:
                 self.storage.delete(self._path(gen))
             except Exception:  # best effort: readers take the newest generation anyway
                 log.debug("could not withdraw %s", self._path(gen), exc_info=True)
             raise CheckpointExistsError(conflict)
         self._prune(gen)
-        return Record(gen, dict(doc), self._path(gen))
+        return mine
+
+    def _read_generation(self, gen: int) -> Record | None:
+        """Generation ``gen`` alone, or ``None`` (never written, pruned, or not parsing)."""
+        if gen < 1:
+            return None
+        try:
+            data = self.storage.read_bytes(self._path(gen))
+            doc = parse_json(data, f"{self.storage.url}/{self._path(gen)}")
+        except (StorageNotFoundError, CorruptRecordError):
+            return None
+        if not isinstance(doc, dict):
+            return None
+        return Record(gen, doc, self._path(gen), _lineage_of(doc))
+
+    def _in_history(self, mine: Record, own: str) -> bool:
+        """Whether generation ``mine`` (just created with id ``own``, newer ones listed) is
+        the one the newest generation was built on, rather than a pruned number re-created."""
+        newest = self.read()
+        if newest is None or newest.generation <= mine.generation:
+            return True  # the newer ones were withdrawn meanwhile: this one is the newest
+        if mine.generation in newest.lineage:
+            return newest.lineage[mine.generation] == own
+        if len(newest.lineage) >= LINEAGE:
+            raise RecordOutcomeUnknownError(
+                f"{self.storage.url}/{mine.path}: {newest.generation - mine.generation} "
+                f"updates followed this write before it could be checked (more than the "
+                f"{LINEAGE} a lineage holds): whether it took effect is unknown; re-read the "
+                "record before writing again")
+        # The newest lineage starts after this number: it was built on a generation written
+        # before lineages existed.  Pruning this number needs a generation at least
+        # ``keep_generations`` newer, created before the prune, so before this create.
+        return not any(g >= mine.generation + self.keep_generations
+                       for g in self._generations())
 
     def update(self, fn: Callable[[dict[str, Any] | None], Mapping[str, Any]], *,
                retries: int = 5) -> Record:
@@ -177,7 +257,8 @@ class RecordLog:
             cur = self.read()
             new = fn(dict(cur.doc) if cur is not None else None)
             try:
-                return self.write(new, expect_generation=cur.generation if cur else None)
+                return self.write(new, expect_generation=cur.generation if cur else None,
+                                  parent=cur)
             except CheckpointExistsError as exc:
                 last = exc
         raise CorruptCheckpointError(

@@ -251,3 +251,65 @@ def test_a_write_into_a_pruned_generation_is_not_an_update(backend: Backend) -> 
     assert generations() == [f"gen-{g:012d}.json" for g in (2, 3, 4)]  # withdrawn
     rec = log.update(lambda d: {"n": (d or {"n": 0})["n"] + 1})
     assert rec.generation == 5 and rec.doc == {"n": 5} and log.read() == rec
+
+
+def test_a_write_built_upon_before_its_check_is_applied_once(backend: Backend) -> None:
+    """A write whose generation others build on (and prune) between its create and its check
+    is part of the history: it must not be withdrawn and retried (the update would then be
+    applied twice).  keep 1: the next writer prunes it at once."""
+    storage = backend.open().storage
+    log = RecordLog(storage, "once", keep_generations=1)
+    log.update(lambda d: {"n": 1})
+    real = storage.create_exclusive
+    fired: list[int] = []
+
+    def create_then_others_update(path: str, data: bytes) -> None:
+        real(path, data)
+        if not fired:  # another writer builds on this one and prunes it, before the check
+            fired.append(1)
+            other = RecordLog(storage, "once", keep_generations=1)
+            other.update(lambda d: {"n": (d or {"n": 0})["n"] + 1})
+
+    storage.create_exclusive = create_then_others_update  # type: ignore[method-assign]
+    try:
+        rec = log.update(lambda d: {"n": (d or {"n": 0})["n"] + 1})
+    finally:
+        del storage.create_exclusive  # type: ignore[method-assign]
+    assert fired and rec.generation == 2
+    newest = log.read()
+    assert newest is not None and newest.generation == 3 and newest.doc == {"n": 3}
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_record_concurrent_updates_apply_exactly_once(backend: Backend, keep: int) -> None:
+    """Several writers incrementing one record: every increment counted exactly once (no
+    update lost, none applied twice), at the smallest keep_generations too."""
+    errors: list[BaseException] = []
+    writers, each = 6, 12
+
+    def bump() -> None:
+        try:
+            for _ in range(each):
+                RecordLog(backend.open().storage, "count", keep_generations=keep).update(
+                    lambda d: {"n": (d or {"n": 0})["n"] + 1}, retries=500)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=bump) for _ in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    rec = RecordLog(backend.open().storage, "count", keep_generations=keep).read()
+    assert rec is not None and rec.doc == {"n": writers * each}
+    assert rec.generation == writers * each
+
+
+def test_record_lineage_key_is_reserved_and_hidden(backend: Backend) -> None:
+    log = RecordLog(backend.open().storage, "hidden")
+    log.write({"v": 1}, expect_generation=None)
+    rec = log.read()
+    assert rec is not None and rec.doc == {"v": 1} and len(rec.lineage) == 1
+    with pytest.raises(TypeError, match="reserved"):
+        log.write({"__record__": 1}, expect_generation=1)
