@@ -192,8 +192,8 @@ class RecordLog:
         own = secrets.token_hex(8)
         ancestors = sorted((parent.lineage if parent is not None else {}).items(),
                            reverse=True)
-        lineage = [[gen, own], *([g, i] for g, i in ancestors if g < gen)][:LINEAGE]
-        body = {**dict(doc), LINEAGE_KEY: {"id": own, "lineage": lineage}}
+        lineage = [(gen, own), *((g, i) for g, i in ancestors if g < gen)][:LINEAGE]
+        body = {**dict(doc), LINEAGE_KEY: {"id": own, "lineage": [list(p) for p in lineage]}}
         try:
             data = json.dumps(body, sort_keys=True, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
@@ -205,7 +205,7 @@ class RecordLog:
             self.storage.create_exclusive(self._path(gen), data)
         except CheckpointExistsError as exc:
             raise CheckpointExistsError(conflict) from exc
-        mine = Record(gen, dict(doc), self._path(gen), {g: i for g, i in lineage})
+        mine = Record(gen, dict(doc), self._path(gen), dict(lineage))
         if max(self._generations(), default=gen) > gen and not self._in_history(mine, own):
             try:
                 self.storage.delete(self._path(gen))
