@@ -32,6 +32,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
+
 import ckptfs
 from ckptfs.format.hashing import DEFAULT_ALGORITHM
 from ckptfs.protocol.sharded import (
@@ -44,8 +48,12 @@ from ckptfs.protocol.sharded import (
 from ckptfs.protocol.sharded_io import ShardedWriter
 from ckptfs.protocol.sharded_read import ShardedReader
 
-__all__ = ["COLLECTIVE_TIMEOUT", "FullLoadPlanner", "LoadPlanner", "Reader", "SavePlanner",
-           "Writer", "map_failure"]
+#: The ``Metadata.version`` a `Writer` stamps: the one DCP's own ``FileSystemWriter`` stamps
+#: (torch 2.13: ``"1.0.0"``; ``None`` with a torch whose writer stamps none).
+DCP_VERSION: str | None = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
+
+__all__ = ["COLLECTIVE_TIMEOUT", "DCP_VERSION", "FullLoadPlanner", "LoadPlanner", "Reader",
+           "SavePlanner", "Writer", "map_failure"]
 
 
 class Writer(ShardedWriter):
@@ -63,6 +71,13 @@ class Writer(ShardedWriter):
                             retries=retries, **storage_options)
         super().__init__(store.storage, step, algorithm=algorithm, durable=durable,
                          threads=store.threads, metadata=metadata)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's hook: stamp ``metadata.version`` as DCP's own ``FileSystemWriter`` does
+        (`DCP_VERSION`, stored in ``dcp.msgpack`` and returned by a load's
+        ``planner.metadata.version``), then commit."""
+        metadata.version = DCP_VERSION
+        super().finish(metadata, results)
 
 
 class Reader(ShardedReader):

@@ -28,6 +28,9 @@ here                                torch's private API                         
 `SavePlanner`'s hooks         ``DefaultSavePlanner._create_global_plan``,     sharded
                                     ``DefaultSavePlanner._dedup_save_plans``        save's
                                     (overridden, called: ckptfs checks the plan)    global plan
+`sharded_tensor_shards`       ``_shard.sharded_tensor.ShardedTensor``         FSDP1 save
+                                    (``local_shards()``: its shards' tensors;       checks
+                                    optional: none to save if missing)
 `FsspecWriter`,               ``checkpoint._fsspec_filesystem``               benchmark
 `FsspecReader`                (optional: an error when used, if missing)      baseline
 ==================================  ==============================================  ==========
@@ -91,6 +94,14 @@ def lookup(module: str, name: str) -> Any:
         raise _need(f"{module}.{name}") from None
 
 
+def optional_module(module: str) -> Any:
+    """The module ``module``, or ``None`` if this torch lacks it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
 check_version()
 
 if TYPE_CHECKING:  # the type checker sees torch's own class
@@ -114,6 +125,12 @@ _DefaultSavePlanner = lookup("torch.distributed.checkpoint.default_planner",
 for _attr in ("_create_global_plan", "_dedup_save_plans"):  # the save planner's hooks
     if not hasattr(_DefaultSavePlanner, _attr):
         raise _need(f"torch.distributed.checkpoint.default_planner.DefaultSavePlanner.{_attr}")
+#: FSDP1's sharded state dict's tensor (deprecated by torch; a torch without it has no
+#: ShardedTensor to save, so its absence is no error: `sharded_tensor_shards` is then None).
+_ShardedTensor: Any = getattr(
+    optional_module("torch.distributed._shard.sharded_tensor"), "ShardedTensor", None)
+if _ShardedTensor is not None and not hasattr(_ShardedTensor, "local_shards"):
+    raise _need("torch.distributed._shard.sharded_tensor.ShardedTensor.local_shards")
 if not hasattr(torch.distributed.ProcessGroup, "_get_backend"):
     raise _need("torch.distributed.ProcessGroup._get_backend")
 
@@ -165,6 +182,15 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
     return _DTensor(local, like._spec, requires_grad=False)
 
 
+def sharded_tensor_shards(t: Any) -> list[torch.Tensor] | None:
+    """The tensors of this rank's local shards of ``t`` if it is a ``ShardedTensor`` (FSDP1's
+    ``SHARDED_STATE_DICT``; DCP plans each shard as a chunk at its global offsets), else
+    ``None``."""
+    if _ShardedTensor is None or not isinstance(t, _ShardedTensor):
+        return None
+    return [shard.tensor for shard in t.local_shards()]
+
+
 def optional_lookup(module: str, name: str) -> Any:
     """``module.name``, or a class whose construction raises `TorchCompatError`
     naming it (for the benchmarks' baselines: their absence must not break checkpoints)."""
@@ -188,4 +214,6 @@ FsspecReader: Any = optional_lookup(_FSSPEC, "FsspecReader")
 __all__ = ["MIN_TORCH", "EmptyStateDictLoadPlanner", "FsspecReader", "FsspecWriter",
            "TorchCompatError", "check_version", "default_store", "dtensor_like",
            "dtensor_local", "group_timeout", "load_state_dict", "lookup",
-           "narrow_tensor_by_index", "optional_lookup", "set_element", "torch_version"]
+           "narrow_tensor_by_index", "optional_lookup", "optional_module", "set_element",
+           "sharded_tensor_shards",
+           "torch_version"]

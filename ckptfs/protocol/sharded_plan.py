@@ -42,7 +42,12 @@ from ckptfs.format.tiling import summary, tiling_errors
 from ckptfs.protocol.collective import is_dtensor
 from ckptfs.protocol.gcpause import paused_collector
 from ckptfs.protocol.sharded_read import dtype_mismatch
-from ckptfs.torch_compat import EmptyStateDictLoadPlanner, dtensor_local, set_element
+from ckptfs.torch_compat import (
+    EmptyStateDictLoadPlanner,
+    dtensor_local,
+    set_element,
+    sharded_tensor_shards,
+)
 
 if TYPE_CHECKING:  # the save's planning modules, imported by a save only (not by a load)
     from ckptfs.protocol.global_plan import GlobalPlan
@@ -193,7 +198,8 @@ class SavePlanner(DefaultSavePlanner):
 
 def check_tensors(state_dict: Mapping[str, Any]) -> None:
     """Every tensor DCP would plan (the leaves of dicts and lists of ``state_dict``; a DTensor
-    by its local shard) is one the format can store
+    by its local shard, a ``ShardedTensor`` (FSDP1) by its local shards' tensors) is one the
+    format can store
     (`check_tensor`, the single-process save's own check), else
     `UnsupportedValueError` naming its key path, raised in the planner's set-up, so on
     every rank and before DCP's planning touches it (a nested or meta tensor, or a wrapper
@@ -202,8 +208,11 @@ def check_tensors(state_dict: Mapping[str, Any]) -> None:
     while todo:
         node, path = todo.pop()
         if isinstance(node, torch.Tensor):
-            check_tensor(dtensor_local(node) if is_dtensor(node) else node,
-                         "/".join(str(p) for p in path) or "<root>")
+            where = "/".join(str(p) for p in path) or "<root>"
+            shards = sharded_tensor_shards(node)
+            for t in shards if shards is not None else \
+                    [dtensor_local(node) if is_dtensor(node) else node]:
+                check_tensor(t, where)
         elif isinstance(node, Mapping):
             todo.extend(reversed([(v, (*path, k)) for k, v in node.items()]))
         elif isinstance(node, list):

@@ -172,3 +172,228 @@ def test_dcp_save_splits_a_large_replicated_tensor_between_ranks(tmp_path: Any) 
         assert out["files"] == ["dcp.msgpack", "rank-00000/data-0.safetensors",
                                 "rank-00001/data-0.safetensors"], out
     assert ckptfs.open(url).verify(1).ok
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP1's SHARDED_STATE_DICT: ShardedTensors (with non-tensor values beside them) through
+# ckptfs's planners, by plain dcp.save/dcp.load and by store.save/store.load(into=...).
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    """The full tensors the ShardedTensor job shards (every process builds the same ones)."""
+    g = torch.Generator().manual_seed(34)
+    return {"w": torch.randn(7, 3, generator=g),
+            "h": torch.randn(5, generator=g).to(torch.bfloat16),
+            "m": torch.randn(7, 3, generator=g)}
+
+
+def sharded(full: torch.Tensor, dim: int, rank: int, world: int) -> Any:
+    """``full`` as a ShardedTensor of ``world`` chunks along ``dim`` (torch's chunking: 4 and 3
+    rows of 7), this rank's chunk filled from ``full``."""
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(dim=dim, placements=[f"rank:{r}/cpu" for r in range(world)])
+    st = sharded_tensor.empty(spec, *full.shape, dtype=full.dtype)
+    for shard in st.local_shards():
+        md = shard.metadata
+        idx = tuple(slice(o, o + s) for o, s in zip(md.shard_offsets, md.shard_sizes,
+                                                    strict=True))
+        shard.tensor.copy_(full[idx])
+    return st
+
+
+def fsdp1_like_state(rank: int, world: int, dim: int = 0, fill: bool = True) -> dict[str, Any]:
+    """A model's and an optimizer's state as FSDP1 gives them (ShardedTensors; optimizer state
+    keyed by name, ``param_groups`` of values); zeros when not ``fill``."""
+    full = full_tensors() if fill else {k: torch.zeros_like(v)
+                                        for k, v in full_tensors().items()}
+    return {"model": {"w": sharded(full["w"], dim, rank, world),
+                      "h": sharded(full["h"], 0, rank, world)},
+            "optim": {"state": {"w": {"exp_avg": sharded(full["m"], dim, rank, world),
+                                      "step": torch.tensor(3.0 if fill else 0.0)}},
+                      "param_groups": [{"lr": 0.1 if fill else 0.0,
+                                        "betas": (0.9, 0.99) if fill else (0.0, 0.0),
+                                        "params": ["w"] if fill else []}]},
+            "trainer": {"step": 10 if fill else 0}}
+
+
+def local_parts(value: Any) -> Any:
+    """Every ShardedTensor of ``value`` as its local shards' (offsets, tensor) pairs."""
+    if isinstance(value, dict):
+        return {k: local_parts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [local_parts(v) for v in value]
+    if hasattr(value, "local_shards"):
+        return [(tuple(s.metadata.shard_offsets), s.tensor.clone())
+                for s in value.local_shards()]
+    return value
+
+
+def job_sharded_tensor(rank: int, world: int, url: str) -> Any:
+    import warnings
+
+    warnings.filterwarnings("ignore", "Please use DTensor", FutureWarning)
+    full = full_tensors()
+    state = fsdp1_like_state(rank, world)
+    md = dcp.save(state, storage_writer=ckptfs.dcp.Writer(url, 1),
+                  planner=ckptfs.dcp.SavePlanner())
+    out: dict[str, Any] = {"saved_version": md.version}
+    ckptfs.open(url).save(2, state)
+    # dcp.load of each step into ShardedTensors chunked along the other dimension (resharded).
+    for step in (1, 2):
+        into = fsdp1_like_state(rank, world, dim=1, fill=False)
+        planner = ckptfs.dcp.LoadPlanner()
+        dcp.load(into, storage_reader=ckptfs.dcp.Reader(url, step), planner=planner)
+        out[f"version{step}"] = planner.metadata.version if planner.metadata else "no metadata"
+        out[f"dcp_load{step}"] = local_parts(into)
+    # store.load(into=...) of the dcp.save checkpoint, into ShardedTensors chunked as saved.
+    into = fsdp1_like_state(rank, world, fill=False)
+    ckptfs.open(url).load(1, into=into)
+    out["store_load"] = local_parts(into)
+    out["expected_dim1"] = local_parts(fsdp1_like_state(rank, world, dim=1))
+    out["expected_dim0"] = local_parts(fsdp1_like_state(rank, world))
+    out["full"] = full
+    return out
+
+
+def assert_parts_equal(got: Any, want: Any) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (got, want)
+        for k in want:
+            assert_parts_equal(got[k], want[k])
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), (got, want)
+        for g, w in zip(got, want, strict=True):
+            assert_parts_equal(g, w)
+    elif isinstance(want, tuple) and len(want) == 2 and isinstance(want[1], torch.Tensor):
+        assert got[0] == want[0]
+        assert got[1].dtype == want[1].dtype and torch.equal(got[1], want[1]), (got, want)
+    elif isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype
+        assert torch.equal(got, want), (got, want)
+    else:
+        assert got == want and type(got) is type(want), (got, want)
+
+
+def test_sharded_tensor_states_save_and_load_through_ckptfs_planners(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    outs = run_ranks(job_sharded_tensor, 2, url, timeout=240)
+    for out in outs:
+        assert out["saved_version"] == ckptfs.dcp.DCP_VERSION == "1.0.0"
+        assert out["version1"] == ckptfs.dcp.DCP_VERSION  # stamped by Writer.finish
+        # bit for bit, values included (the tuple of betas stays a tuple), resharded
+        for step in (1, 2):
+            assert_parts_equal(out[f"dcp_load{step}"], out["expected_dim1"])
+        assert_parts_equal(out["store_load"], out["expected_dim0"])
+    # Each rank held its own rows: the ranks' chunks differ and cover the tensor.
+    offsets = [[o for o, _ in out["expected_dim0"]["model"]["w"]] for out in outs]
+    assert offsets == [[(0, 0)], [(4, 0)]]
+    full = outs[0]["full"]
+    store = ckptfs.open(url)
+    for step in (1, 2):
+        assert store.verify(step).ok
+        loaded = store.load(step)  # one process: plain full-size tensors
+        assert_parts_equal(loaded["model"]["w"], full["w"])
+        assert_parts_equal(loaded["model"]["h"], full["h"])
+        assert_parts_equal(loaded["optim"]["state"]["w"]["exp_avg"], full["m"])
+        assert loaded["optim"]["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.99),
+                                                    "params": ["w"]}]
+        assert loaded["trainer"] == {"step": 10}
+        # two rank files: each rank wrote its own shards
+        assert sorted(f.path for f in store.info(step).manifest.files) == [
+            "dcp.msgpack", "rank-00000/data-0.safetensors", "rank-00001/data-0.safetensors"]
+
+
+def _fsdp1_model(seed: int) -> Any:
+    """A small MLP wrapped by FSDP1 on CPU (``device_id=cpu``: without it FSDP1 asks for an
+    accelerator) with AdamW after one step (the optimizer's state exists)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(seed)
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(),
+                                     torch.nn.Linear(6, 3)), device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01 * seed)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _fsdp1_state(model: Any, opt: Any) -> dict[str, Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt),
+                "trainer": {"step": 7}}
+
+
+def _fsdp1_restore(model: Any, opt: Any, state: dict[str, Any]) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, state["optim"]))
+
+
+def job_fsdp1(rank: int, world: int, url: str) -> Any:
+    """FSDP1's SHARDED_STATE_DICT and optimizer state (accelerate's FSDP1 path) saved with
+    plain ``dcp.save`` and ckptfs's planners, and with ``store.save``; each loaded into another
+    FSDP1 model and optimizer, whose sharded state is then the saved one, bit for bit."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    model, opt = _fsdp1_model(1)
+    state = _fsdp1_state(model, opt)
+    kinds = sorted({type(v).__name__ for v in state["model"].values()})
+    saved = local_parts(state)
+    dcp.save(state, storage_writer=ckptfs.dcp.Writer(url, 1), planner=ckptfs.dcp.SavePlanner())
+    ckptfs.open(url).save(2, state)
+    out: dict[str, Any] = {"kinds": kinds, "saved": saved}
+    for step in (1, 2):
+        model2, opt2 = _fsdp1_model(2)  # other weights, other lr, other optimizer state
+        into = _fsdp1_state(model2, opt2)
+        if step == 1:
+            dcp.load(into, storage_reader=ckptfs.dcp.Reader(url, 1),
+                     planner=ckptfs.dcp.LoadPlanner())
+        else:
+            ckptfs.open(url).load(2, into=into)
+        _fsdp1_restore(model2, opt2, into)
+        out[f"restored{step}"] = local_parts(_fsdp1_state(model2, opt2))
+    return out
+
+
+def assemble(parts: list[Any], like: torch.Tensor) -> torch.Tensor:
+    """The full tensor of the ranks' (offsets, tensor) parts (each rank's list)."""
+    out = torch.full_like(like, float("nan")) if like.is_floating_point() else \
+        torch.zeros_like(like)
+    for rank_parts in parts:
+        for offsets, t in rank_parts:
+            idx = tuple(slice(o, o + s) for o, s in zip(offsets, t.shape, strict=True))
+            out[idx] = t
+    return out
+
+
+def test_fsdp1_sharded_state_dict_through_ckptfs(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    outs = run_ranks(job_fsdp1, 2, url, timeout=240)
+    for out in outs:
+        assert out["kinds"] == ["ShardedTensor"]  # a real FSDP1 sharded state dict
+        assert out["saved"]["optim"]["param_groups"][0]["lr"] == 0.01
+        for step in (1, 2):
+            assert_parts_equal(out[f"restored{step}"], out["saved"])
+    # The full load in one process: every tensor equals the ranks' shards put together.
+    store = ckptfs.open(url)
+    for step in (1, 2):
+        assert store.verify(step).ok
+        full = store.load(step)
+        for name, t in full["model"].items():
+            parts = [o["saved"]["model"][name] for o in outs]
+            assert sum(p[0][1].numel() for p in parts if p) == t.numel()
+            assert torch.equal(assemble(parts, t), t), name
+        exp_avg = full["optim"]["state"]["0.weight"]["exp_avg"]
+        assert torch.equal(assemble([o["saved"]["optim"]["state"]["0.weight"]["exp_avg"]
+                                     for o in outs], exp_avg), exp_avg)
+        assert full["optim"]["param_groups"] == outs[0]["saved"]["optim"]["param_groups"]

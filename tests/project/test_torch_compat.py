@@ -85,3 +85,29 @@ def test_the_looked_up_apis_work() -> None:
     assert root == {"a": {"b": [None, 5]}}
     assert issubclass(torch_compat.EmptyStateDictLoadPlanner,
                       torch.distributed.checkpoint.DefaultLoadPlanner)
+
+
+def test_sharded_tensor_shards(tmp_path: Path) -> None:
+    """FSDP1's ShardedTensor is recognised by its local shards' tensors (a one-rank group: a
+    ShardedTensor needs one); anything else is not one."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    assert torch_compat.sharded_tensor_shards(torch.ones(2)) is None
+    assert torch_compat.sharded_tensor_shards({"a": 1}) is None
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
+                            world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            st = sharded_tensor.zeros(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 3, 2)
+            shards = torch_compat.sharded_tensor_shards(st)
+        assert shards is not None and len(shards) == 1
+        assert shards[0].shape == (3, 2) and type(shards[0]) is torch.Tensor
+        assert shards[0].data_ptr() == st.local_shards()[0].tensor.data_ptr()  # no copy
+    finally:
+        dist.destroy_process_group()
+    assert torch_compat.optional_module("torch_nowhere.sharded_tensor") is None
