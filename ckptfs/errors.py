@@ -59,6 +59,13 @@ class CheckpointExistsError(CkptfsError, FileExistsError):
     concurrent writer)."""
 
 
+class ExportExistsError(CkptfsError, FileExistsError):
+    """An export's output already exists: a directory holding an earlier Hugging Face export's
+    files (``model*.safetensors``, ``model.safetensors.index.json``), or a file where a
+    directory is wanted.  Pass ``force=True`` (``--force``) to replace the export, or choose
+    another directory."""
+
+
 class CorruptCheckpointError(CkptfsError, ValueError):
     """A committed checkpoint whose files do not match its manifest (or whose manifest does not
     match its marker).  Never silently skipped."""
@@ -111,6 +118,14 @@ class StorageAccessError(StorageError, PermissionError):
     """The storage refused the credentials or the operation."""
 
 
+class InvalidURLError(CkptfsError, ValueError):
+    """A run root URL that fsspec would read as something else than what was almost surely
+    meant: ``s3:/bucket/run`` or ``s3:bucket/run`` (one slash or none after the protocol) is a
+    *local* relative path (``./s3:/bucket/run``), so a save would "succeed" on the node's disk.
+    The message names the URL and the intended form (``s3://bucket/run``); a local directory
+    whose name ends in ``:`` is written ``./s3:/...`` or as an absolute path."""
+
+
 class BackendUnavailableError(CkptfsError, ImportError):
     """The URL's protocol is unknown, or the package that implements it is not installed."""
 
@@ -156,6 +171,12 @@ class ShardedCheckpointError(CkptfsError, RuntimeError):
 class ShardedSaveError(ShardedCheckpointError):
     """A sharded save failed: nothing was committed (no marker), the previous checkpoint stays
     the latest, and garbage collection removes the attempt's files."""
+
+
+class ReplicaMismatchError(ShardedSaveError):
+    """A tensor that several ranks hold, and that a collective save stores once, differs
+    between them: nothing is written.  The message names the key and the ranks of each copy
+    (``ckptfs.protocol.replicas``)."""
 
 
 class ShardedLoadError(ShardedCheckpointError):

@@ -50,8 +50,32 @@ from ckptfs.protocol.plan_table import (
     Row,
     Skeleton,
 )
+from ckptfs.protocol.replicas import check_replicas, is_divergent
 
 __all__ = ["GlobalPlan", "global_plan", "piece_of"]
+
+
+@dataclass(frozen=True)
+class _Holders:
+    """Every entry of a key several ranks hold: its key's number (``seg``, into ``names``),
+    its rank and its position in that rank's plan."""
+
+    names: list[str]
+    seg: torch.Tensor
+    rank: torch.Tensor
+    pos: torch.Tensor
+
+
+def _holders_of(e: _AllEntries, shared: list[tuple[int, torch.Tensor, torch.Tensor]]
+                ) -> _Holders | None:
+    if not shared:
+        return None
+    idx = torch.cat([i for _, i, _ in shared])
+    lengths = torch.tensor([len(i) for _, i, _ in shared], dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(len(shared)), lengths)
+    firsts = torch.stack([i[0] for _, i, _ in shared])
+    names = [e.names[f] for f in e.fqn[firsts].tolist()]
+    return _Holders(names, seg, e.rank[idx], e.pos[idx])
 
 
 @dataclass
@@ -88,6 +112,37 @@ class GlobalPlan:
         default_factory=dict)
     #: What is made on demand, once: DCP's state_dict_metadata, the spec's layouts.
     memo: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Who holds each key several ranks hold, to compare their copies at every save.
+    holders: _Holders | None = None
+
+    def check_replicas(self, tables: Sequence[LocalTable]) -> None:
+        """Refuse (`ReplicaMismatchError`, naming the keys and ranks) a save whose ranks hold
+        different copies of a key the checkpoint stores once: the digests ``tables`` carry
+        (this save's: a plan kept for their layout was made of an earlier save's) of every
+        key several ranks hold, compared in columns."""
+        h = self.holders
+        if h is None or all(t.replicas is None for t in tables):
+            return
+        lens = [len(t.skeleton.rows) for t in tables]
+        flat = torch.cat([t.replicas if t.replicas is not None
+                          else torch.zeros(n, dtype=torch.int64)
+                          for t, n in zip(tables, lens, strict=True)])
+        starts = torch.cumsum(torch.tensor([0, *lens[:-1]], dtype=torch.int64), 0)
+        d = flat[starts[h.rank] + h.pos]
+        nz = d != 0
+        if not bool(nz.any()):
+            return
+        lim = torch.iinfo(torch.int64)
+        n = len(h.names)
+        lo = torch.full((n,), lim.max).scatter_reduce(0, h.seg[nz], d[nz], "amin")
+        hi = torch.full((n,), lim.min).scatter_reduce(0, h.seg[nz], d[nz], "amax")
+        bad = torch.nonzero((lo != hi) & (hi != lim.min)).flatten().tolist()
+        if bad:
+            found = []
+            for k in bad:
+                m = h.seg == k
+                found.append((h.names[k], h.rank[m].tolist(), d[m].tolist()))
+            check_replicas(found)
 
     def _where(self) -> list[tuple[int, int]]:
         where = self.memo.get("where")
@@ -201,7 +256,7 @@ def _hinted(item: WriteItem, hint: int | None) -> WriteItem:
 
 
 def global_plan(tables: Sequence[LocalTable], *, gather_small: bool = False,
-                merge_mappings: bool = True) -> GlobalPlan:
+                merge_mappings: bool = True, divergent: Sequence[str] = ()) -> GlobalPlan:
     """The global plan of every rank's local plan (``tables``, in rank order): module
     docstring.  ``gather_small``: every replicated whole tensor of at most
     `SMALL_REPLICATED_BYTES` is stored by the lowest rank holding it (format v5).  Raises
@@ -212,7 +267,9 @@ def global_plan(tables: Sequence[LocalTable], *, gather_small: bool = False,
     Every rank's every item is one *entry*; the entries of all ranks and names are columns of
     one set of tensors (so the number of tensor operations does not grow with the ranks or
     the names), sorted in plan order (rank, then position: DCP's order of the metadata's
-    chunks).  A Python loop runs only over the keys several ranks hold and, at the end, over
+    chunks).  ``divergent``: key prefixes of tensors meant to differ between ranks, each
+    written whole by its lowest holder (never in pieces from several).  A Python loop runs
+    only over the keys several ranks hold and, at the end, over
     the names (one slice each)."""
     world = len(tables)
     by_blob: dict[str, int] = {}
@@ -228,6 +285,7 @@ def global_plan(tables: Sequence[LocalTable], *, gather_small: bool = False,
     alive = torch.ones(n, dtype=torch.bool)
     # The keys several ranks hold (a value or tensor replicated): their writers.
     shared = _shared_keys(e, alive)
+    copies = _holders_of(e, shared)
     if gather_small and shared and bool(e.small.any()):
         changed = False
         for _, idx, _firsts in shared:
@@ -257,6 +315,8 @@ def global_plan(tables: Sequence[LocalTable], *, gather_small: bool = False,
     piece_rows = torch.full((n,), -1, dtype=torch.int64)
     for (idx, firsts), split in zip(tensors, split_writers(items, world, fixed=fixed.tolist()),
                                     strict=True):
+        if divergent and is_divergent(e.names[int(e.fqn[idx[0]])], divergent):
+            split = [(int(e.rank[firsts[0]]), 0, 0)]  # one copy, whole: the lowest holder's
         alive[idx] = False
         if len(split) == 1:  # written whole: by the writer (its every item of the key)
             alive[idx[e.rank[idx] == split[0][0]]] = True
@@ -270,8 +330,10 @@ def global_plan(tables: Sequence[LocalTable], *, gather_small: bool = False,
         if int(e.nbytes[firsts[-1]]) < 0:  # a value: the lowest rank holding it
             alive[idx] = False
             alive[idx[e.rank[idx] == e.rank[firsts[0]]]] = True
-    return _finish_plan(e, alive, piece_start, piece_rows, tables, groups, world,
+    plan = _finish_plan(e, alive, piece_start, piece_rows, tables, groups, world,
                         merge_mappings)
+    plan.holders = copies
+    return plan
 
 
 @dataclass

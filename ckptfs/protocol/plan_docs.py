@@ -42,6 +42,7 @@ from ckptfs.protocol.plan_table import (
     decode_numbers,
     decode_planner_data,
     decode_skeleton,
+    encode_numbers,
     layout_of,
 )
 from ckptfs.protocol.sharded_io import AttemptPlan, ItemReport
@@ -64,7 +65,9 @@ def local_plan_doc(plan: SavePlan, *, known: str | None = None) -> dict[str, Any
     return {"skeleton": None if left_out else table.skeleton.blob,
             "numbers": None if left_out else table.texts[0],
             "planner": None if left_out else table.texts[1],
-            "layout": table.layout, "step": plan.storage_data, "usable": bool(plan.usable)}
+            "layout": table.layout, "step": plan.storage_data, "usable": bool(plan.usable),
+            "replicas": None if table.replicas is None or not bool(table.replicas.any())
+            else encode_numbers(table.replicas)}
 
 
 def items_left_out(doc: Any) -> bool:
@@ -98,7 +101,8 @@ def local_table_of(doc: Any, seen: dict[Any, Any] | None = None,
         if known is None or layout is None or known.layout != layout:
             raise ValueError("a local save plan without its items, and no earlier plan of its "
                              "layout")
-        return dataclasses.replace(known, step=step, usable=usable)
+        return dataclasses.replace(known, step=step, usable=usable,
+                                   replicas=_replicas_of(doc, len(known.skeleton.rows)))
     blob, numbers_text, planner_text = doc["skeleton"], doc["numbers"], doc.get("planner")
     found = seen.get(("skeleton", blob)) if isinstance(blob, str) else None
     skeleton = found if isinstance(found, Skeleton) else decode_skeleton(blob)
@@ -116,7 +120,13 @@ def local_table_of(doc: Any, seen: dict[Any, Any] | None = None,
     if layout is not None and layout != actual:
         raise ValueError("a local save plan's layout digest is not that of its items")
     return LocalTable(skeleton, numbers, step, usable, planner_data, (numbers_text, planner_text),
-                      actual)
+                      actual, replicas=_replicas_of(doc, len(skeleton.rows)))
+
+
+def _replicas_of(doc: dict[str, Any], items: int) -> torch.Tensor | None:
+    """The replicas' digests a local plan's document carries (one int64 per item), or None."""
+    text = doc.get("replicas")
+    return None if text is None else decode_numbers(text, items)
 
 
 def local_plan_of(doc: Any) -> SavePlan:

@@ -98,6 +98,9 @@ class PlanMappings(dict):  # type: ignore[type-arg]
     (``tree``) to the coordinator, which merges the maps as DCP's ``ChainMap`` does."""
 
     tree: Any = None
+    #: Per item of the plan, the digest of this rank's copy where other ranks may hold it
+    #: too (0: not hashed; None: nothing hashed): `ckptfs.protocol.replicas`.
+    replicas: list[int] | None = None
 
 
 @dataclass(eq=False)
@@ -117,6 +120,9 @@ class LocalTable:
     texts: tuple[str, str | None]
     layout: str
     items: list[WriteItem] | None = None
+    #: Per item, the digest of this rank's copy where other ranks may hold it too (0: not
+    #: hashed); None: nothing hashed.  Not part of the layout: it changes with the values.
+    replicas: torch.Tensor | None = None
 
     @classmethod
     def of_plan(cls, plan: SavePlan) -> LocalTable:
@@ -160,9 +166,12 @@ class LocalTable:
         skeleton = Skeleton(tuple(props), tuple(rows), len(numbers), blob)
         nums = torch.tensor(numbers, dtype=torch.int64)
         numbers_text, planner_text = encode_numbers(nums), encode_planner_data(plan.planner_data)
+        reps = getattr(plan.planner_data, "replicas", None)
+        replicas = torch.tensor(reps, dtype=torch.int64) \
+            if reps is not None and len(reps) == len(rows) else None
         return cls(skeleton, nums, plan.storage_data, bool(plan.usable), plan.planner_data,
                    (numbers_text, planner_text), layout_of(blob, numbers_text, planner_text),
-                   list(plan.items))
+                   list(plan.items), replicas)
 
     def write_items(self) -> list[WriteItem]:
         """DCP's write items of this table (the plan's own where it was made of one)."""

@@ -201,6 +201,8 @@ def map_failure(exc: CheckpointException, what: str,
                 return cls(msg)
             except TypeError:  # pragma: no cover - a subclass with required arguments
                 pass
+        if issubclass(cls, default):  # a refinement of it (ReplicaMismatchError, say)
+            return cls(msg, failures=summary)
     return default(msg, failures=summary)
 
 

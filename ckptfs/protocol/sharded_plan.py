@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +54,13 @@ if TYPE_CHECKING:  # the save's planning modules, imported by a save only (not b
     from ckptfs.protocol.plan_table import LocalTable
 
 
+def _several_ranks() -> bool:
+    """Whether other ranks may hold copies of this rank's items (a world of more than one)."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
 class SavePlanner(DefaultSavePlanner):
     """DCP's ``DefaultSavePlanner`` (flattening, deduplication of replicated items), with every
     non-tensor value encoded by ckptfs (tagged msgpack) instead of ``torch.save``.  Values are
@@ -62,8 +69,11 @@ class SavePlanner(DefaultSavePlanner):
 
     def __init__(self, *args: Any, deferred_error: BaseException | None = None,
                  tree: Any = None, tree_sink: Any = None, gather_small: bool = False,
-                 **kwargs: Any) -> None:
+                 divergent_keys: Iterable[str] | None = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: Key prefixes whose copies may differ between ranks (the lowest rank's is stored);
+        #: None: replicas are not compared at all (`ckptfs.protocol.replicas`).
+        self._divergent = None if divergent_keys is None else tuple(divergent_keys)
         #: Format v5 (per-rank metadata): small replicated tensors are stored by the lowest
         #: rank holding them (`small_tensors_from_lowest_rank`), so a loading rank reads the
         #: index documents of few ranks besides its own.
@@ -99,6 +109,11 @@ class SavePlanner(DefaultSavePlanner):
 
             mappings = PlanMappings(plan.planner_data)
             mappings.tree = self._tree
+            if self._divergent is not None and _several_ranks():
+                from ckptfs.protocol.replicas import replica_digests
+
+                mappings.replicas = replica_digests(plan.items, self.state_dict,
+                                                    self.lookup_object, self._divergent)
             plan = dataclasses.replace(plan, planner_data=mappings)
         return plan
 
@@ -130,17 +145,20 @@ class SavePlanner(DefaultSavePlanner):
             if self._tree_sink is not None and any(t is not None for t in trees):
                 self._tree_sink.tree = merge_trees(trees)
             layouts = tuple(t.layout for t in tables)
-            key = (self.flatten_state_dict, self._gather_small, layouts) \
+            key = (self.flatten_state_dict, self._gather_small, self._divergent, layouts) \
                 if None not in layouts else None
             with _PLAN_CACHE.lock:
                 cached: GlobalPlan | None = _PLAN_CACHE.plan \
                     if key is not None and _PLAN_CACHE.key == key else None
             if cached is not None:
+                cached.check_replicas(tables)
                 return cached
             from ckptfs.protocol import global_plan as planning
 
             plan = planning.global_plan(tables, gather_small=self._gather_small,
-                               merge_mappings=self.flatten_state_dict)
+                                        merge_mappings=self.flatten_state_dict,
+                                        divergent=self._divergent or ())
+            plan.check_replicas(tables)
             if key is not None:
                 with _PLAN_CACHE.lock:
                     _PLAN_CACHE.key, _PLAN_CACHE.plan = key, plan
