@@ -231,8 +231,8 @@ def fsspec_fsdp1(rank: int, steps: Steps, threads: int) -> None:
     """TestFSSpec.test_fsspec: an FSDP1 model's and Adam's SHARDED_STATE_DICT saved, loaded
     into another FSDP1 model and optimizer; parameters and Adam's state then equal.  The
     optimizer state is loaded by ``dcp.load`` into ``FSDP.optim_state_dict`` of the new
-    optimizer (PyTorch's ``load_sharded_optimizer_state_dict`` loads with DCP's pickling planner:
-    see `optimizer_helper_refused`)."""
+    optimizer (PyTorch's ``load_sharded_optimizer_state_dict``: see
+    `load_sharded_optimizer_state_dict_case`)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
 
@@ -269,24 +269,124 @@ def fsspec_fsdp1(rank: int, steps: Steps, threads: int) -> None:
     assert optim_2.param_groups[0]["lr"] == 0.1
 
 
-def optimizer_helper_refused(rank: int, steps: Steps, threads: int) -> None:
-    """TestFSSpec.test_fsspec's ``load_sharded_optimizer_state_dict`` (DCP's helper): it loads
-    with DCP's own planner, which unpickles values; the ckptfs Reader refuses that with the
-    typed error naming ``ckptfs.dcp.LoadPlanner``, on every rank, rather than unpickling."""
-    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+def _fsdp1_dummy(world: int) -> Any:
+    """PyTorch's ``TestDummyModel`` of test_fsdp_optim_state.py, wrapped by FSDP1 on CPU."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    w = torch.arange(8.0).reshape(4, 2)
-    save({"model": {"w": w}, "optim": {"state": {"w": {"exp_avg": w * 2}},
-                                       "param_groups": [{"lr": 0.1, "params": ["w"]}]}},
-         steps, threads)
-    try:
-        load_sharded_optimizer_state_dict(model_state_dict={"w": torch.zeros(4, 2)},
-                                          optimizer_key="optim", storage_reader=steps.reader())
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        text = str(exc)
-        assert "ckptfs.dcp.LoadPlanner" in text and "unpickle" in text, text
-    else:
-        raise AssertionError("the pickling helper was not refused")
+    d1, d2, d3 = world, world * 2, world * 3
+    net = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, d1), torch.nn.ReLU()),
+                              torch.nn.Sequential(torch.nn.Linear(d1, d2), torch.nn.ReLU()),
+                              torch.nn.Sequential(torch.nn.Linear(d2, d3), torch.nn.ReLU()))
+    return FSDP(net, device_id=torch.device("cpu"))
+
+
+def load_sharded_optimizer_state_dict_case(rank: int, steps: Steps, threads: int,
+                                           pass_planner: bool) -> None:
+    """FsdpOptimStateCheckpoint.test_load_sharded_optimizer_state_dict: FSDP1's model and Adam
+    state saved; the model loaded by ``dcp.load``, the optimizer by DCP's helper
+    ``load_sharded_optimizer_state_dict``, into a new model and optimizer whose optimizer state
+    then equals the saved one.  ``pass_planner``: the helper given ``ckptfs.dcp.LoadPlanner()``
+    (PyTorch's case passes DCP's ``DefaultLoadPlanner``); without it the helper loads with DCP's
+    default planner, which unpickles values: the ckptfs Reader refuses that, on every rank,
+    with the error naming ``ckptfs.dcp.LoadPlanner``."""
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = _fsdp1_dummy(world)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.rand(8, 8)).sum().backward()
+    optim.step()
+    FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+    optim_osd = FSDP.optim_state_dict(model, optim)
+    save({"model": model.state_dict(), "optim": optim_osd}, steps, threads)
+    torch.manual_seed(1)
+    model_2 = _fsdp1_dummy(world)
+    optim_2 = torch.optim.Adam(model_2.parameters(), lr=0.1)
+    FSDP.set_state_dict_type(model_2, StateDictType.SHARDED_STATE_DICT)
+    assert len(optim_2.state) == 0  # Adam makes its state lazily
+    state = {"model": model_2.state_dict()}
+    load(state, steps)
+    model_2.load_state_dict(state["model"])
+    if not pass_planner:
+        try:
+            load_sharded_optimizer_state_dict(model_state_dict=state["model"],
+                                              optimizer_key="optim",
+                                              storage_reader=steps.reader())
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            text = str(exc)
+            assert "ckptfs.dcp.LoadPlanner" in text and "unpickle" in text, text
+            return
+        raise AssertionError("DCP's unpickling planner was not refused")
+    optim_state = load_sharded_optimizer_state_dict(
+        model_state_dict=state["model"], optimizer_key="optim",
+        storage_reader=steps.reader(), planner=ckptfs.dcp.LoadPlanner())
+    optim_2.load_state_dict(FSDP.optim_state_dict_to_load(model_2, optim_2,
+                                                          optim_state["optim"]))
+    after = FSDP.optim_state_dict(model_2, optim_2)["state"]
+    before = optim_osd["state"]
+    assert len(before) == len(after)
+    for fqn, states in before.items():
+        for name, value in states.items():
+            value2 = after[fqn][name]
+            if hasattr(value, "local_shards"):
+                assert hasattr(value2, "local_shards")
+                for a, b in zip(value.local_shards(), value2.local_shards(), strict=True):
+                    assert torch.equal(a.tensor, b.tensor), (fqn, name)
+            elif isinstance(value, torch.Tensor):
+                assert torch.equal(value, value2), (fqn, name)
+            else:
+                assert value == value2, (fqn, name)
+
+
+def optim_with_planner(rank: int, steps: Steps, threads: int) -> None:
+    load_sharded_optimizer_state_dict_case(rank, steps, threads, pass_planner=True)
+
+
+def optim_without_planner(rank: int, steps: Steps, threads: int) -> None:
+    load_sharded_optimizer_state_dict_case(rank, steps, threads, pass_planner=False)
+
+
+def _fsdp_model_state(steps: Steps, threads: int, process_group: Any) -> None:
+    """FsdpModelStateCheckpoint._test_fsdp_model_state: an FSDP1 ``Linear`` saved (sharded
+    over every rank) and loaded into one sharded over ``process_group`` (None: every rank)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Linear(8, 8), device_id=torch.device("cpu"))
+    model(torch.rand(8, 8)).sum().backward()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        save({"model": model.state_dict()}, steps, threads)
+    torch.manual_seed(1)
+    model_2 = FSDP(torch.nn.Linear(8, 8), device_id=torch.device("cpu"),
+                   process_group=process_group)
+    with FSDP.summon_full_params(model), FSDP.summon_full_params(model_2):
+        assert not torch.equal(model.weight, model_2.weight)
+        assert not torch.equal(model.bias, model_2.bias)
+    with FSDP.state_dict_type(model_2, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model_2.state_dict()}
+        load(state, steps)
+        model_2.load_state_dict(state["model"])
+    with FSDP.summon_full_params(model), FSDP.summon_full_params(model_2):
+        assert torch.equal(model.weight, model_2.weight)
+        assert torch.equal(model.bias, model_2.bias)
+
+
+def fsdp_model_state_no_resharding(rank: int, steps: Steps, threads: int) -> None:
+    """FsdpModelStateCheckpoint.test_fsdp_model_state_no_resharding."""
+    _fsdp_model_state(steps, threads, None)
+
+
+def fsdp_model_state_with_resharding(rank: int, steps: Steps, threads: int) -> None:
+    """FsdpModelStateCheckpoint.test_fsdp_model_state_with_resharding: loaded into FSDP1
+    groups of the even and of the odd ranks (of 2 ranks: each rank a group of its own)."""
+    world = dist.get_world_size()
+    groups = [dist.new_group(ranks=[r for r in range(world) if r % 2 == parity])
+              for parity in (0, 1)]
+    _fsdp_model_state(steps, threads, groups[rank % 2])
 
 
 def overwrite(rank: int, steps: Steps, threads: int) -> None:
@@ -459,9 +559,19 @@ DISTRIBUTED: dict[str, tuple[str, Callable[[int, Steps, int], None], tuple[int, 
         "::test_switch_between_sharded_tensor_to_tensor", switch_between_sharded_tensor_to_tensor,
         THREADS),
     "fsspec": ("test_fsspec.py::TestFSSpec::test_fsspec", fsspec_fsdp1, (1,)),
-    "fsspec_optimizer_helper": ("test_fsspec.py::TestFSSpec::test_fsspec "
-                                "(load_sharded_optimizer_state_dict)",
-                                optimizer_helper_refused, (1,)),
+    "load_sharded_optimizer_state_dict[pass_planner=True]": (
+        "test_fsdp_optim_state.py::FsdpOptimStateCheckpoint"
+        "::test_load_sharded_optimizer_state_dict[pass_planner=True]", optim_with_planner, (1,)),
+    "load_sharded_optimizer_state_dict[pass_planner=False]": (
+        "test_fsdp_optim_state.py::FsdpOptimStateCheckpoint"
+        "::test_load_sharded_optimizer_state_dict[pass_planner=False]", optim_without_planner,
+        (1,)),
+    "fsdp_model_state_no_resharding": (
+        "test_fsdp_model_state.py::FsdpModelStateCheckpoint"
+        "::test_fsdp_model_state_no_resharding", fsdp_model_state_no_resharding, (1,)),
+    "fsdp_model_state_with_resharding": (
+        "test_fsdp_model_state.py::FsdpModelStateCheckpoint"
+        "::test_fsdp_model_state_with_resharding", fsdp_model_state_with_resharding, (1,)),
     "overwrite": ("test_fsspec.py::TestFSSpec::test_overwrite", overwrite, (1,)),
     "distributed_tensor_planner": (
         "test_dtensor_checkpoint.py::DTensorPlanner::test_distributed_tensor_planner",
@@ -499,6 +609,25 @@ NOT_PORTED: dict[str, str] = {
     "test_create_read_item_from_chunks)":
         "unit tests of DCP's planning functions (create_default_*), not of a storage layer; "
         "ckptfs's global plan is checked against DCP's own in tests/protocol/test_plan_tiling.py",
+    "test_file_system_checkpoint.py":
+        "the CUDA twin of test_file_system_checkpoint_cpu.py (the same cases on GPU tensors, "
+        "NCCL); its cases are ported above on CPU tensors",
+    "test_state_dict_utils.py":
+        "tests DCP's state-dict utilities (gather, offload to CPU, copy), which use no storage "
+        "layer",
+    "test_checkpoint.py":
+        "DCP's error propagation through fault-injecting storages of its own (no storage "
+        "layer under test); ckptfs's failures: tests/protocol/test_sharded.py",
+    "test_format_utils.py, test_dcp_to_torch_save.py, test_torch_save_to_dcp.py, "
+    "test_compatibility.py":
+        "convert or read DCP's own .distcp/.metadata files (its format, not a storage layer)",
+    "test_hf_storage.py, test_hf_safetensor_e2e.py, test_consolidate_hf_safetensors.py":
+        "DCP's Hugging Face storage layer and its safetensors layout, a storage layer of its "
+        "own",
+    "test_tp_checkpoint.py, test_hsdp_checkpoint.py, test_2d_*.py, test_fsdp_tp_checkpoint_"
+    "conversion.py":
+        "need 2-4 CUDA devices and NCCL; the DTensor save and load paths they take are the "
+        "DTensor cases above",
 }
 
 
