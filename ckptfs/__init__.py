@@ -19,6 +19,7 @@ from ckptfs.errors import (
     CheckpointNotFoundError,
     CkptfsError,
     CorruptCheckpointError,
+    ExportExistsError,
     ExtensionTypeError,
     FormatVersionError,
     HashAlgorithmUnavailableError,
@@ -47,6 +48,7 @@ from ckptfs.lifecycle.manager import CheckpointManager, SaveResult, TrainerState
 from ckptfs.lifecycle.provenance import Provenance
 from ckptfs.lifecycle.retention import Best, RetentionPolicy
 from ckptfs.protocol.async_save import AsyncStats, SaveFuture
+from ckptfs.protocol.hf_export import HfExport, export_hf
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.replication import ReplicationStatus, StepReplication
 from ckptfs.protocol.resolve import CheckpointInfo
@@ -76,9 +78,11 @@ __all__ = [
     "CheckpointStore",
     "CkptfsError",
     "CorruptCheckpointError",
+    "ExportExistsError",
     "ExtensionTypeError",
     "FormatVersionError",
     "HashAlgorithmUnavailableError",
+    "HfExport",
     "InvalidStepError",
     "LoadOptionError",
     "Provenance",
@@ -107,6 +111,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "available_algorithms",
+    "export_hf",
     "open",
     "register_type",
     "tiered",

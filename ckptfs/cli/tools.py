@@ -285,11 +285,60 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     return 8 + len(hbytes) + offset
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    """``export --format hf``: a directory of Hugging Face sharded safetensors
+    (`ckptfs.protocol.hf_export`)."""
+    from ckptfs.format.hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_size
+    from ckptfs.protocol.hf_export import export_hf
+
+    try:
+        limit = parse_size(args.max_shard_size if args.max_shard_size is not None
+                           else DEFAULT_MAX_SHARD_SIZE)
+    except ValueError as exc:
+        raise UsageError(f"--max-shard-size: {exc}") from None
+    store = open_from_args(args)
+    info = resolve(store, args.step)
+    bar: Any = None
+
+    def start(total: int) -> None:
+        nonlocal bar
+        bar = progress_bar(args, total, "export")
+
+    try:
+        result = export_hf(store, info.step, args.out, key=args.key, max_shard_size=limit,
+                           force=args.force, start=start,
+                           progress=lambda n: bar.update(n))
+    except OSError as exc:
+        if isinstance(exc, CkptfsError):
+            raise
+        raise UsageError(f"cannot write {args.out}: {exc}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+    if result.skipped:
+        shown = ", ".join(result.skipped[:10]) + (", ..." if len(result.skipped) > 10 else "")
+        print(f"ckptfs: note: skipped {len(result.skipped)} non-tensor value(s) (Hugging Face "
+              f"weights are tensors only): {shown}", file=sys.stderr)
+    emit(args, result.as_dict(),
+         f"exported step {info.step} to {args.out}: {len(result.files)} shard(s), "
+         f"{result.tensors} tensors, {result.total_size} B, index {result.index}")
+    return EXIT_OK
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     kind = out.suffix.lower()
+    fmt = args.format or ("hf" if kind not in (".safetensors", ".pt") and out.is_dir()
+                          else kind[1:])
+    if fmt == "hf":
+        return cmd_export_hf(args)
+    if args.max_shard_size is not None:
+        raise UsageError("--max-shard-size applies to --format hf only")
+    if fmt != kind[1:]:
+        raise UsageError(f"{out}: --format {fmt} writes a .{fmt} file: name it OUT.{fmt}")
     if kind not in (".safetensors", ".pt"):
-        raise UsageError(f"{out}: the output must end in .safetensors or .pt")
+        raise UsageError(f"{out}: the output must end in .safetensors or .pt (or pass "
+                         "--format hf for a directory of Hugging Face sharded safetensors)")
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
     store = open_from_args(args)
@@ -358,13 +407,22 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_cp)
 
-    p = sub.add_parser("export", help="write one step as a .safetensors file (or a .pt file)")
+    p = sub.add_parser("export", help="write one step as a .safetensors file, a .pt file, or "
+                       "Hugging Face sharded safetensors (--format hf)")
     add_store_args(p)
-    p.add_argument("out", help="output file: OUT.safetensors, or OUT.pt (torch.save: pickle)")
+    p.add_argument("out", help="output: OUT.safetensors, OUT.pt (torch.save: pickle), or a "
+                   "directory with --format hf")
+    p.add_argument("--format", choices=("safetensors", "pt", "hf"), default=None,
+                   help="safetensors or pt (default: from OUT's suffix), or hf: "
+                   "model-0000k-of-0000n.safetensors and model.safetensors.index.json in OUT")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="--format hf: tensor bytes per shard, e.g. 500MB, 2GiB or bytes "
+                   "(default 5GB, as save_pretrained)")
     p.add_argument("--step", type=step_option, default=None, help="step (default: latest)")
     p.add_argument("--key", default=None, metavar="PATH",
                    help="export only this subtree, e.g. --key model (keys then relative to it)")
-    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.add_argument("--force", action="store_true", help="replace an existing output file "
+                   "(--format hf: an earlier export's model*.safetensors files)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
 
