@@ -25,6 +25,20 @@ newer ``dcp.msgpack`` (and a missing step) inside DCP's planning step, never fro
 ``FormatVersionError``...) rather than DCP's "metadata is None".  The ``Reader`` never converts a
 tensor to another dtype, whatever the planner (``LoadOptionError``).
 ``ckptfs.open(url).save/load`` raise ckptfs errors directly.
+
+``dcp.save(state, checkpoint_id=path)`` with no ``storage_writer`` (and ``dcp.load`` with no
+``storage_reader``) is not ckptfs: DCP picks its own ``FileSystemWriter``/``FsspecWriter`` by
+the path and silently writes its own format (pickled ``.metadata``, ``.distcp`` files, no
+digests, no marker), which ``ckptfs.open(path)`` does not list.  The `Writer` and `Reader`
+never claim a ``checkpoint_id`` (``validate_checkpoint_id`` is False): pass them, as above
+(``storage_writer=ckptfs.dcp.Writer(url, step)``); a ``checkpoint_id`` other than the one they
+name is refused (`InvalidStepError`).
+
+FSDP1's ``SHARDED_STATE_DICT`` and ``FSDP.optim_state_dict`` (``ShardedTensor``s beside values
+such as ``param_groups``) save and load through these planners, each rank writing its local
+shards; DCP's ``load_sharded_optimizer_state_dict`` takes ``planner=LoadPlanner()``.  The
+`Writer` stamps ``Metadata.version`` (`DCP_VERSION`) as DCP's own writer does; a load returns
+it.  docs/sharded.md, "Existing DCP code".
 """
 
 from __future__ import annotations

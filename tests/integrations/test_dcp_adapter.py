@@ -251,6 +251,17 @@ def job_sharded_tensor(rank: int, world: int, url: str) -> Any:
     into = fsdp1_like_state(rank, world, fill=False)
     ckptfs.open(url).load(1, into=into)
     out["store_load"] = local_parts(into)
+    # ... and into a DTensor (Shard(1)) and a plain tensor.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    into = {"model": {"w": distribute_tensor(torch.zeros(7, 3), mesh, [Shard(1)]),
+                      "h": torch.zeros(5, dtype=torch.bfloat16)}}
+    dcp.load(into, storage_reader=ckptfs.dcp.Reader(url, 1),
+             planner=ckptfs.dcp.LoadPlanner(allow_partial_load=True))
+    out["into_dtensor"] = into["model"]["w"].full_tensor()
+    out["into_plain"] = into["model"]["h"]
     out["expected_dim1"] = local_parts(fsdp1_like_state(rank, world, dim=1))
     out["expected_dim0"] = local_parts(fsdp1_like_state(rank, world))
     out["full"] = full
@@ -286,6 +297,8 @@ def test_sharded_tensor_states_save_and_load_through_ckptfs_planners(tmp_path: P
         for step in (1, 2):
             assert_parts_equal(out[f"dcp_load{step}"], out["expected_dim1"])
         assert_parts_equal(out["store_load"], out["expected_dim0"])
+        assert_parts_equal(out["into_dtensor"], out["full"]["w"])
+        assert_parts_equal(out["into_plain"], out["full"]["h"])
     # Each rank held its own rows: the ranks' chunks differ and cover the tensor.
     offsets = [[o for o, _ in out["expected_dim0"]["model"]["w"]] for out in outs]
     assert offsets == [[(0, 0)], [(4, 0)]]
