@@ -149,6 +149,12 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
     lacks, on the meta device, with dimension names).  Every writer checks every tensor with
     this before anything is written: the single-process serializer, and the sharded save's
     planner (its DTensors by their local shards)."""
+    if _is_dispatch_subclass(t) and type(t).__qualname__ == "ShardedTensor":
+        raise UnsupportedValueError(  # FSDP1's: its shards are saved collectively
+            f"tensor at {where!r} is a ShardedTensor (FSDP1's SHARDED_STATE_DICT), which only "
+            "a collective save stores (each rank its shards): call store.save on every rank "
+            "with torch.distributed initialized (a job of one rank: pass process_group=), or "
+            "dcp.save with ckptfs.dcp.Writer")
     if _is_dispatch_subclass(t):
         raise UnsupportedValueError(
             f"tensor at {where!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor "

@@ -410,3 +410,29 @@ def test_fsdp1_sharded_state_dict_through_ckptfs(tmp_path: Path) -> None:
         assert torch.equal(assemble([o["saved"]["optim"]["state"]["0.weight"]["exp_avg"]
                                      for o in outs], exp_avg), exp_avg)
         assert full["optim"]["param_groups"] == outs[0]["saved"]["optim"]["param_groups"]
+
+
+def job_one_rank_sharded_tensor(rank: int, world: int, url: str) -> Any:
+    """A job of one rank: a ShardedTensor state with no process group given is a plain
+    (single-process) save, refused with the error saying how to save it; with one, saved."""
+    import warnings
+
+    warnings.filterwarnings("ignore", "Please use DTensor", FutureWarning)
+    full = torch.arange(6.0).reshape(3, 2)
+    state = {"w": sharded(full, 0, rank, world)}
+    out: dict[str, Any] = {}
+    try:
+        ckptfs.open(url).save(1, state)
+        out["plain"] = "saved"
+    except ckptfs.UnsupportedValueError as exc:
+        out["plain"] = str(exc)
+    ckptfs.open(url).save(2, state, process_group=dist.group.WORLD)
+    return out
+
+
+def test_sharded_tensor_in_a_job_of_one_rank(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    (out,) = run_ranks(job_one_rank_sharded_tensor, 1, url, timeout=120)
+    assert "ShardedTensor" in out["plain"] and "process_group=" in out["plain"], out
+    assert ckptfs.open(url).steps() == [2]
+    assert torch.equal(ckptfs.open(url).load(2)["w"], torch.arange(6.0).reshape(3, 2))
