@@ -262,6 +262,22 @@ def job_sharded_tensor(rank: int, world: int, url: str) -> Any:
              planner=ckptfs.dcp.LoadPlanner(allow_partial_load=True))
     out["into_dtensor"] = into["model"]["w"].full_tensor()
     out["into_plain"] = into["model"]["h"]
+    # Several shards a rank, uneven, in format v5 (per-rank metadata), loaded along columns.
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+
+    spec = EnumerableShardingSpec([ShardMetadata([o, 0], [n, 3], f"rank:{r % world}/cpu")
+                                   for o, n, r in ((0, 2, 0), (2, 1, 1), (3, 3, 0), (6, 1, 1))])
+    st = sharded_tensor.empty(spec, 7, 3)
+    for shard in st.local_shards():
+        o, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+        shard.tensor.copy_(full["w"][o:o + n])
+    out["v5_shards"] = len(st.local_shards())
+    ckptfs.open(url, metadata_layout="per-rank").save(3, {"w": st, "lr": 0.5})
+    into = {"w": sharded(torch.zeros(7, 3), 1, rank, world), "lr": 0.0}
+    ckptfs.open(url).load(3, into=into)
+    out["v5_load"] = local_parts(into)
+    out["v5_expected"] = local_parts({"w": sharded(full["w"], 1, rank, world), "lr": 0.5})
     out["expected_dim1"] = local_parts(fsdp1_like_state(rank, world, dim=1))
     out["expected_dim0"] = local_parts(fsdp1_like_state(rank, world))
     out["full"] = full
@@ -299,11 +315,15 @@ def test_sharded_tensor_states_save_and_load_through_ckptfs_planners(tmp_path: P
         assert_parts_equal(out["store_load"], out["expected_dim0"])
         assert_parts_equal(out["into_dtensor"], out["full"]["w"])
         assert_parts_equal(out["into_plain"], out["full"]["h"])
+        assert out["v5_shards"] == 2
+        assert_parts_equal(out["v5_load"], out["v5_expected"])
     # Each rank held its own rows: the ranks' chunks differ and cover the tensor.
     offsets = [[o for o, _ in out["expected_dim0"]["model"]["w"]] for out in outs]
     assert offsets == [[(0, 0)], [(4, 0)]]
     full = outs[0]["full"]
     store = ckptfs.open(url)
+    assert store.info(3).manifest.format_version == 5 and store.verify(3).ok
+    assert torch.equal(store.load(3)["w"], full["w"])
     for step in (1, 2):
         assert store.verify(step).ok
         loaded = store.load(step)  # one process: plain full-size tensors
