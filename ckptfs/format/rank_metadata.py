@@ -488,8 +488,9 @@ def layout_of(size: tuple[int, ...], cells: list[Cell]
         by_index[i] = c
     ranks = [by_index[i].rank for i in range(len(cells))]
     stride = ranks[1] - ranks[0] if len(ranks) > 1 else 0
-    if stride < 0 or any(r != ranks[0] + i * stride for i, r in enumerate(ranks)):
-        return explicit
+    if (stride <= 0 and len(ranks) > 1) or any(r != ranks[0] + i * stride
+                                               for i, r in enumerate(ranks)):
+        return explicit  # a grid's owners are distinct ranks (one rank's chunks are listed)
     return grid, (ranks[0], stride), None, empty
 
 
@@ -541,12 +542,15 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
     """Decode ``dcp-spec.msgpack`` (its size and digest checked against the manifest): every
     key required, ``world_size`` the manifest's; per tensor a dtype name of §8.4, its size,
     flags, and exactly one layout: a grid (one block size >= 1 per dimension, every dimension
-    of the tensor >= 1, at most `MAX_GRID_CELLS` cells, every owner ``base + i * stride`` a
-    rank; ``empty``: at most ``world_size`` chunks without elements, inside the tensor, each
+    of the tensor >= 1, every owner ``base + i * stride`` a rank, distinct (stride >= 1)
+    unless there is one cell; ``empty``: at most ``world_size`` chunks without elements, inside the tensor, each
     with a rank) or explicit chunks (each of the tensor's dimensions, with a rank; ``empty``
     then ``[]``), the chunks either places on the ranks tiling the tensor exactly once
     (`placement_errors`: no two at the same offsets, none overlapping another, no gap); each
-    value's rank; planner data naming exactly the stored names, and the tree."""
+    value's rank; planner data naming exactly the stored names, and the tree.  The chunks
+    of all tensors together (grid cells counted, never enumerated) are at most
+    `MAX_GRID_CELLS`: a small hostile document cannot make a load or verify build millions
+    of objects before any other check."""
     raw, bad = _document(data, where, SPEC_SCHEMA, SPEC_KEYS, "tensor spec")
     if raw["world_size"] != world or not _is_int(raw["world_size"]):
         raise bad(f"world_size {raw['world_size']!r:.20} is not the manifest's {world}")
@@ -558,6 +562,7 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
     if not isinstance(raw_t, dict) or not isinstance(raw_v, dict):
         raise bad("tensors or values is not a map")
     tensors: dict[str, TensorSpec] = {}
+    placed = 0  # chunks placed by every tensor so far
     for fqn, e in raw_t.items():
         if not isinstance(fqn, str) or not isinstance(e, dict) or not set(e) >= SPEC_TENSOR_KEYS:
             raise bad(f"tensor {fqn!r:.80}: a key missing")
@@ -582,6 +587,10 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
                     not _is_int(ow[1]) or ow[1] < 0 or not rank_ok(ow[0] + (cells - 1) * ow[1]):
                 raise bad(f"tensor {fqn!r:.80}: owners {ow!r:.40} are not ranks of the "
                           f"{world}-rank save")
+            if ow[1] == 0 and cells > 1:  # the writer lists one rank's several chunks
+                raise bad(f"tensor {fqn!r:.80}: a grid of {cells} cells all owned by rank "
+                          f"{ow[0]} (a grid's owners are distinct ranks)")
+            placed += cells
             grid, owners = g, (ow[0], ow[1])
             raw_e = e["empty"]
             if not isinstance(raw_e, list) or len(raw_e) > world:
@@ -601,6 +610,7 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
             if len({c.offsets for c in em}) != len(em):
                 raise bad(f"tensor {fqn!r:.80}: two empty chunks at the same offsets")
             empty = tuple(em)
+            placed += len(em)
         else:
             if e["grid"] is not None or e["owners"] is not None or \
                     not isinstance(e["chunks"], list) or e["empty"] != []:
@@ -619,6 +629,10 @@ def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str)
                               f"{len(c.offsets)}/{len(c.sizes)} dimensions, the tensor "
                               f"{len(size)}")
             chunks = tuple(cl)
+            placed += len(cl)
+        if placed > MAX_GRID_CELLS:  # counted, never enumerated: bounded before allocation
+            raise bad(f"the spec places more than {MAX_GRID_CELLS} chunks (at tensor "
+                      f"{fqn!r:.80})")
         t = TensorSpec(e["dtype"], size, e["requires_grad"], e["memory_format"],
                        e["pin_memory"], grid, owners, chunks, empty)
         problems = placement_errors(fqn, t)

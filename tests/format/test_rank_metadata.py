@@ -145,16 +145,22 @@ def test_tampered_spec_is_refused(edit: object, match: str) -> None:
         decode_spec(msgpack.packb(doc), 4, where="s")
 
 
-def _one_tensor(**layout: Any) -> bytes:
-    """A 4-rank spec of one float32 tensor ``w`` of ``layout`` (size, and grid and owners,
-    empty, or chunks), encoded."""
-    entry = {"dtype": "float32", "requires_grad": False, "memory_format": "contiguous_format",
-             "pin_memory": False, "grid": None, "owners": None, "chunks": None, "empty": [],
-             **layout}
-    return msgpack.packb({"schema": "ckptfs.dcp-spec", "format_version": 5, "world_size": 4,
-                          "version": None, "tensors": {"w": entry}, "values": {},
-                          "planner_data": None, "storage_meta": None, "tree": None,
-                          "extra": {}})
+def _one_tensor(world: int = 4, **layout: Any) -> bytes:
+    """A ``world``-rank spec of one float32 tensor ``w`` of ``layout`` (size, and grid and
+    owners, empty, or chunks), encoded."""
+    return _spec_doc({"w": layout}, world)
+
+
+def _spec_doc(layouts: dict[str, dict[str, Any]], world: int = 4) -> bytes:
+    """A ``world``-rank spec of float32 tensors, each of its ``layout``, encoded."""
+    entries = {name: {"dtype": "float32", "requires_grad": False,
+                      "memory_format": "contiguous_format", "pin_memory": False, "grid": None,
+                      "owners": None, "chunks": None, "empty": [], **layout}
+               for name, layout in layouts.items()}
+    return msgpack.packb({"schema": "ckptfs.dcp-spec", "format_version": 5,
+                          "world_size": world, "version": None, "tensors": entries,
+                          "values": {}, "planner_data": None, "storage_meta": None,
+                          "tree": None, "extra": {}})
 
 
 GRID = {"size": [8, 5], "grid": [4, 5], "owners": [0, 1]}  # rank 0: rows 0-3, rank 1: 4-7
@@ -218,13 +224,45 @@ def test_a_grid_is_checked_by_its_empty_chunks_only(monkeypatch: pytest.MonkeyPa
         return real(key, size, chunks, **kw)
 
     monkeypatch.setattr(rank_metadata, "tiling_errors", counting)
-    big = {"size": [1 << 12, 1 << 12], "grid": [4, 4], "owners": [0, 0]}  # 2^20 cells
-    decode_spec(_one_tensor(**big, empty=[[[1 << 12, 0], [0, 1 << 12], 1],
-                                          [[8, 9], [0, 3], 2]]), 4, where="s")
+    big = {"size": [1 << 12, 1 << 12], "grid": [4, 4], "owners": [0, 1]}  # 2^20 cells
+    world = 1 << 20
+    decode_spec(_one_tensor(world, **big, empty=[[[1 << 12, 0], [0, 1 << 12], 1],
+                                                 [[8, 9], [0, 3], 2]]), world, where="s")
     assert seen == [3]  # the two empty chunks and the cell at (8, 8)
     with pytest.raises(CorruptCheckpointError, match="same offsets"):
-        decode_spec(_one_tensor(**big, empty=[[[8, 8], [0, 3], 2]]), 4, where="s")
+        decode_spec(_one_tensor(world, **big, empty=[[[8, 8], [0, 3], 2]]), world, where="s")
     assert seen[-1] == 2
+
+
+def test_a_small_hostile_spec_cannot_declare_millions_of_chunks() -> None:
+    """A spec entry of ~100 bytes declaring a 2^24-cell grid (every cell on one rank) is
+    refused at once, before any cell is built (it made load and verify allocate 3.9 GB); so
+    are chunks of all tensors together past 2^24, counted, not enumerated."""
+    import time
+
+    t0 = time.perf_counter()
+    hostile = _one_tensor(2, size=[1 << 12, 1 << 12], grid=[1, 1], owners=[0, 0], empty=[])
+    assert len(hostile) < 400
+    with pytest.raises(CorruptCheckpointError, match="all owned by rank 0"):
+        decode_spec(hostile, 2, where="s")
+    assert time.perf_counter() - t0 < 1.0
+    many = _spec_doc({f"t{i}": {"size": [1 << 12, 1 << 12], "grid": [4, 4],
+                                "owners": [0, 1], "empty": []} for i in range(17)}, 1 << 20)
+    with pytest.raises(CorruptCheckpointError, match="more than 16777216 chunks"):
+        decode_spec(many, 1 << 20, where="s")
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_the_writer_lists_one_ranks_several_chunks() -> None:
+    """Two equal blocks of a tensor on one rank are not a grid (owners must be distinct)."""
+    from ckptfs.format.rank_metadata import Cell, layout_of
+
+    cells = [Cell((0, 0), (2, 3), 0), Cell((2, 0), (2, 3), 0)]
+    grid, owners, chunks, _ = layout_of((4, 3), cells)
+    assert grid is None and owners is None and chunks is not None and len(chunks) == 2
+    grid, owners, chunks, _ = layout_of((4, 3), [Cell((0, 0), (2, 3), 0),
+                                                 Cell((2, 0), (2, 3), 1)])
+    assert grid == (2, 3) and owners == (0, 1) and chunks is None
 
 
 def test_document_needs_the_owner_to_hold_the_chunk() -> None:
