@@ -539,18 +539,18 @@ def encode_spec(spec: Spec) -> bytes:
 
 
 def decode_spec(data: bytes | bytearray | memoryview, world: int, *, where: str) -> Spec:
-    """Decode ``dcp-spec.msgpack`` (its size and digest checked against the manifest): every
-    key required, ``world_size`` the manifest's; per tensor a dtype name of §8.4, its size,
-    flags, and exactly one layout: a grid (one block size >= 1 per dimension, every dimension
-    of the tensor >= 1, every owner ``base + i * stride`` a rank, distinct (stride >= 1)
-    unless there is one cell; ``empty``: at most ``world_size`` chunks without elements, inside the tensor, each
-    with a rank) or explicit chunks (each of the tensor's dimensions, with a rank; ``empty``
-    then ``[]``), the chunks either places on the ranks tiling the tensor exactly once
+    """Decode ``dcp-spec.msgpack`` (its size and digest checked against the manifest): every key
+    required, ``world_size`` the manifest's; per tensor a dtype name of §8.4, its size, flags,
+    and exactly one layout: a grid (one block size >= 1 per dimension, every dimension of the
+    tensor >= 1, every owner ``base + i * stride`` a rank, distinct (stride >= 1) unless there
+    is one cell; ``empty``: at most ``world_size`` chunks without elements, inside the tensor,
+    each with a rank) or explicit chunks (each of the tensor's dimensions, with a rank;
+    ``empty`` then ``[]``), the chunks either places on the ranks tiling the tensor exactly once
     (`placement_errors`: no two at the same offsets, none overlapping another, no gap); each
-    value's rank; planner data naming exactly the stored names, and the tree.  The chunks
-    of all tensors together (grid cells counted, never enumerated) are at most
-    `MAX_GRID_CELLS`: a small hostile document cannot make a load or verify build millions
-    of objects before any other check."""
+    value's rank; planner data naming exactly the stored names, and the tree. The chunks of all
+    tensors together (grid cells counted, never enumerated) are at most `MAX_GRID_CELLS`: a
+    small hostile document cannot make a load or verify build millions of objects before any
+    other check."""
     raw, bad = _document(data, where, SPEC_SCHEMA, SPEC_KEYS, "tensor spec")
     if raw["world_size"] != world or not _is_int(raw["world_size"]):
         raise bad(f"world_size {raw['world_size']!r:.20} is not the manifest's {world}")
