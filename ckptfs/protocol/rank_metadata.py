@@ -169,7 +169,8 @@ class PerRankSave:
         return out
 
     def manifest(self, attempt: str, world: int, rows: list[RankRow],
-                 docs: Mapping[str, Any], *, placeholder: bool = False) -> Manifest:
+                 docs: Mapping[str, Any], *, placeholder: bool = False,
+                 tensor_count: int = 0) -> Manifest:
         hexd = placeholder_digest(self.algorithm).split(":", 1)[1]
         entries = []
         for path, doc in docs.items():
@@ -184,7 +185,7 @@ class PerRankSave:
         table = RankTable(self.rows_per_block, sum(r.has_file for r in rows),
                           sum(r.file_size + r.index_size for r in rows))
         return Manifest(self.step, attempt, tuple(entries), now_text(), self.algorithm,
-                        {"tensor_count": 0, **self.metadata}, PER_RANK_FEATURES,
+                        {"tensor_count": tensor_count, **self.metadata}, PER_RANK_FEATURES,
                         world_size=world, rank_table=table)
 
     # -- every rank, after writing its file --------------------------------------------------
@@ -302,7 +303,7 @@ class PerRankSave:
         check_written(self.storage, att.write_dir, files, step=self.step,
                       who="the coordinator sees", hint="; every rank must write to storage "
                       "the coordinator shares (not a node-local disk)")
-        manifest = self.manifest(att.name, world, rows, docs)
+        manifest = self.manifest(att.name, world, rows, docs, tensor_count=len(tensors))
         return att.commit(manifest, world_size=world)
 
 

@@ -45,7 +45,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
@@ -567,7 +572,9 @@ class ShardedWriter(StorageWriter):
         self._check_files(att.write_dir, [e for e in entries if not self.node_local
                                           or e.rank in (None, self.rank)])
         world = len(results)
-        meta = {"tensor_count": 0, **self.metadata}
+        meta = {"tensor_count": sum(isinstance(v, TensorStorageMetadata)
+                                    for v in metadata.state_dict_metadata.values()),
+                **self.metadata}
         # v4 (references) for a save with a reuse memory, v2 otherwise.
         feats = SHARDED_FEATURES | ({REFERENCES} if self.memory is not None else set())
         manifest = Manifest(self.step, attempt, tuple(entries), now_text(), self.algorithm,

@@ -357,3 +357,18 @@ def test_a_new_world_gets_its_own_gloo_group(monkeypatch: pytest.MonkeyPatch) ->
             dist.barrier(group=group)  # a group of a destroyed world raises here
             groups.append(group)
     assert groups[0] is not groups[1] and groups[1] is not groups[2]
+
+
+@pytest.mark.parametrize("layout", [None, "per-rank"])
+def test_sharded_manifests_count_the_tensors(tmp_path: Path, layout: str | None) -> None:
+    """A collective save's manifest records how many tensors the state holds (v2 and v5
+    recorded 0 for a 12-tensor state), as a single-process save's does."""
+    from ckptfs.testing.reliability.paths import save_v2
+
+    state = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(12)}
+    state["trainer"] = {"step": 3}  # a value: not a tensor
+    store = ckptfs.open(str(tmp_path))
+    info = save_v2(store, 1, state, metadata_layout=layout)
+    assert info.manifest.format_version == (5 if layout else 2)
+    assert info.manifest.metadata["tensor_count"] == 12
+    assert store.save(2, state).manifest.metadata["tensor_count"] == 12  # v1: the same
