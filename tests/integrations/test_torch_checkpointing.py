@@ -34,8 +34,8 @@ from ckptfs.testing.backend import Backend
 from ckptfs.torch_checkpointing import CkptfsStorage, CkptfsStorageConfig
 
 FOLDER = "outputs/checkpoint"
-STEPS = 5
-KILL_AT = 4  # the job dies inside the save of this step, before its commit
+STEPS = 4
+KILL_AT = 3  # the job dies inside the save of this step, before its commit
 
 
 def config(backend: Backend, **kw: Any) -> CkptfsStorageConfig:
@@ -203,6 +203,12 @@ def test_committed_directory_is_immutable_and_rmdir_removes_it(backend: Backend)
                lambda: st.mkdir(Path("r/a/sub"))):
         with pytest.raises(OSError, match="committed"):
             op()
+    # its files stay in tmp_a, which is as fixed (a second save of the same step lands there)
+    for op in (lambda: st.write(Path("r/tmp_a/x.bin"), b"n"), lambda: st.mkdir(Path("r/tmp_a")),
+               lambda: st.rmdir(Path("r/tmp_a")), lambda: st.delete(Path("r/tmp_a/x.bin"))):
+        with pytest.raises(OSError, match="holds the files of the committed"):
+            op()
+    assert st.read(Path("r/a/x.bin")) == b"xx"
     with pytest.raises(ValueError, match="reserved"):
         st.write(Path("r/.ckptfs-commit.b"), b"{}")
     st.rmdir(Path("r/a"))
