@@ -24,7 +24,7 @@ pytest.importorskip("torch_checkpointing", reason="pip install 'ckptfs[torch-che
 
 import numpy as np
 from torch_checkpointing.checkpoint_manager import CheckpointManager
-from torch_checkpointing.config import SyncCheckpointSaverConfig
+from torch_checkpointing.config import AsyncCheckpointSaverConfig, SyncCheckpointSaverConfig
 from torch_checkpointing.default_resharder import DefaultResharder
 from torch_checkpointing.schema import ItemSpec
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage
@@ -440,6 +440,33 @@ def test_sigkill_mid_save_resumes_newest_committed_slow(
     for key, value in b.env.items():
         monkeypatch.setenv(key, value)
     kill_loop(b)
+
+
+def test_async_saver_builds_the_storage_in_its_subprocess(local_backend: Backend) -> None:
+    """torchtitan's default saver: the config goes to its writer subprocess (pickled), which
+    writes and commits there; metadata.pkl is in every save, so discovery sees each step."""
+    cfg = config(local_backend)
+    m, opt = fresh()
+    mgr = CheckpointManager.Config(items={"model": ItemSpec(resharder=DefaultResharder())},
+                                   save=AsyncCheckpointSaverConfig(), storage_config=cfg).build()
+    try:
+        for step in (1, 2):
+            train_step(m, opt, step)
+            mgr.save(f"{FOLDER}/step-{step}",
+                     {"model": m.state_dict(), "trainer": {"step": step}}).result(timeout=120)
+    finally:
+        mgr.close()
+    st = cfg.create_storage()
+    assert newest_step(st) == 2 and st.ls(Path(FOLDER)) == ["step-1", "step-2"]
+    rec = st.committed(Path(FOLDER, "step-2"))
+    assert rec is not None and {"metadata.pkl", "model_0.pt"} <= set(rec.files)
+    target = model(7)
+    mgr = manager(cfg)
+    try:
+        mgr.load(f"{FOLDER}/step-2", into={"model": target.state_dict(), "trainer": None})
+    finally:
+        mgr.close()
+    assert_same(target.state_dict(), m.state_dict())
 
 
 def test_missing_package_names_the_extra() -> None:
