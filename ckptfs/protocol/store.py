@@ -42,7 +42,7 @@ from ckptfs.protocol.resolve import (
     walk_tiers,
 )
 from ckptfs.storage.base import Capabilities, Storage
-from ckptfs.storage.fsspec import FsspecStorage
+from ckptfs.storage.fsspec import DEFAULT_PROBE_TIMEOUT, FsspecStorage
 from ckptfs.storage.retry import RetryingStorage
 
 log = logging.getLogger("ckptfs")
@@ -596,9 +596,21 @@ class CheckpointStore:
 def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
          threads: int | None = None, retries: int = 3, incremental: bool = False,
          lease_s: float = DEFAULT_LEASE_S, metadata_layout: str | None = AUTO,
+         probe: bool = True, probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
          **storage_options: Any) -> CheckpointStore:
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
 
+    A URL whose protocol lacks its ``//`` (``s3:/bucket/run``, ``s3:bucket/run``, ``gs:/b``),
+    which fsspec would read as a local relative path, is refused with `InvalidURLError`
+    naming the intended ``s3://bucket/run``.
+
+    ``algorithm``: the content hash of new checkpoints' files (``ckptfs.ALGORITHMS``; the
+    default `DEFAULT_ALGORITHM` needs no optional package, ``xxh3-128`` and ``crc32c`` need
+    ``ckptfs[xxhash]`` / ``ckptfs[crc32c]``); reading verifies each checkpoint with the one
+    its manifest names.
+    ``durable``: fsync each file and directory on local disk before the commit marker
+    (``False`` is faster and loses crash consistency across a power loss, not a process kill).
+    ``threads``: parallel file writes and reads of one save or load (default: by CPU count).
     ``retries``: how many times an idempotent storage call that failed transiently is repeated
     (with capped exponential backoff; 0 disables, see `ckptfs.storage.retry`).
     ``incremental``: single-process saves write format v3 and reference the bytes an earlier
@@ -611,9 +623,22 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     ``incremental`` nor a two-tier store's per-node storage); None, one ``dcp.msgpack`` that
     every loading rank reads whole (v2, v4); ``"auto"`` (the default), ``"per-rank"`` for a
     save of at least 64 ranks (`PER_RANK_MIN_WORLD`) where the store allows it, else None.
+    ``probe``: on object stores (S3, GCS, Azure), check the bucket/container at once, so a
+    missing bucket, refused credentials or a dead endpoint raise here (`StorageError` and its
+    subclasses, naming the URL and the cause) before anything is written; ``False`` skips it
+    (one request fewer per open).  The probe first resolves the endpoint's host name (at most
+    5 s): a name that cannot be resolved fails at once, naming the host.
+    ``probe_timeout``: seconds the probe's request may take (default 10) against an endpoint
+    that refuses connections or cannot be reached; one that accepts connections but does not
+    answer (a loaded or cold-starting server) gets ``SLOW_PROBE_FACTOR`` (5) times more before
+    the open fails, saying so.
     ``storage_options`` go to the fsspec implementation (e.g. ``endpoint_url``, ``key``,
-    ``secret`` for S3; ``token`` for GCS; ``connection_string`` for Azure)."""
-    storage: Storage = FsspecStorage(url, **storage_options)
+    ``secret`` for S3; ``token`` for GCS; ``connection_string`` for Azure), except
+    ``full_object_checksums`` (S3; default True): multi-part uploads ask the store to keep a
+    full-object CRC32 for ``verify(remote=True)``; ``False`` for an S3-compatible server that
+    refuses those requests."""
+    storage: Storage = FsspecStorage(url, probe=probe, probe_timeout=probe_timeout,
+                                     **storage_options)
     if retries > 0:
         storage = RetryingStorage(storage, attempts=retries + 1)
     return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads,

@@ -19,10 +19,13 @@ s3fs's ``config_kwargs`` are merged one level deep).  They exist for three reaso
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptfs.errors import InvalidURLError
 from ckptfs.storage.base import Capabilities
 
 #: botocore: fail a refused/blackholed connection in seconds, keep AWS's standard retry mode
@@ -201,6 +204,10 @@ _AZURE = BackendSpec(
     mtime_keys=("last_modified",),
 )
 
+#: The package that implements a protocol -> the extra of ckptfs that installs it
+#: (pyproject.toml), named by the error of a store whose package is missing.
+EXTRAS: Mapping[str, str] = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "az"}
+
 #: fsspec protocol name -> spec.  Unknown protocols get a conservative spec (no exclusive create,
 #: no rename), which the store reports when opened.
 BACKENDS: dict[str, BackendSpec] = {
@@ -232,6 +239,101 @@ def spec_for(protocols: str | tuple[str, ...]) -> BackendSpec:
         exclusive_how="none: exists-check then write (racy)",
         listing_cache="invalidate_cache() and ls(refresh=True) where the library accepts it",
     )
+
+
+#: ``name:`` at the start of a URL: a protocol's shape (RFC 3986: a letter, then letters,
+#: digits, ``+``, ``-``, ``.``), not followed by a second ``:`` (fsspec's ``a::b`` chaining).
+_SCHEME_PREFIX = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(?!:)(.*)", re.DOTALL)
+#: Protocols fsspec reads a ``name:`` prefix of (``file:/x`` is ``/x``): legal without ``//``.
+_PREFIX_PROTOCOLS = frozenset({"file", "local"})
+
+
+def check_url(url: str) -> None:
+    """Refuse a run root URL that fsspec would take for a local relative path although it was
+    almost surely meant as a URL: a protocol followed by one slash or none (``s3:/bucket/run``,
+    ``s3:bucket/run``, ``gs:/b``, ``memory:/x``) opens ``./s3:/bucket/run`` on local disk, where
+    a save "succeeds" and the checkpoint disappears with the node.
+
+    Refused (`InvalidURLError`, naming the URL and ``s3://bucket/run``): any ``name:`` prefix
+    whose first path component ends in ``:`` (``foo:/x``, ``s3:``), and a known protocol's
+    ``name:`` prefix followed by anything but ``//`` (``s3:bucket``); each link of a chained
+    URL (``simplecache::s3:/b``) alike.  Left alone: ``file:`` and ``local:``, which fsspec
+    reads as local paths (``file:/data/run`` is ``/data/run``), an unknown name followed by
+    more than a slash (``run:1/x``, a directory named ``run:1``), and on Windows a drive
+    letter (``C:/x``).  A local directory whose name ends in ``:`` is written ``./s3:/x``
+    or as an absolute path."""
+    if os.name == "nt" and re.match(r"[A-Za-z]:[\\/]", url):
+        return
+    for link in url.split("::"):
+        m = _SCHEME_PREFIX.fullmatch(link)
+        if m is None or m.group(2).startswith("//"):
+            continue
+        name, rest = m.group(1), m.group(2)
+        if name.lower() in _PREFIX_PROTOCOLS:
+            continue
+        if len(name) == 1 and rest.startswith(("/", "\\")):
+            raise InvalidURLError(
+                f"{url!r} looks like a Windows drive path; on this system it is the local "
+                f"relative path './{link}'. Write './{link}' if that is meant, or an absolute "
+                "path or URL (file:///..., s3://bucket/...)")
+        first_ends_in_colon = rest == "" or rest.startswith("/")
+        if not first_ends_in_colon and not _known_protocol(name):
+            continue
+        intended = f"{name.lower()}://{rest.lstrip('/')}"
+        raise InvalidURLError(
+            f"{url!r}: without '//' after '{name}:' fsspec reads this as the local relative "
+            f"path './{link}', and a checkpoint saved there stays on this "
+            f"machine's disk. Did you mean {intended!r}? (A local directory of that name: write "
+            f"'./{link}' or an absolute path.)")
+
+
+def _known_protocol(name: str) -> bool:
+    """Whether fsspec knows ``name`` as a protocol (registered or importable by name)."""
+    from fsspec.registry import known_implementations, registry
+
+    lower = name.lower()
+    return lower in BACKENDS or lower in known_implementations or lower in registry
+
+
+def endpoint_of(protocol: str, options: Mapping[str, Any]) -> str | None:
+    """The endpoint URL an object store's library will connect to, from the storage options
+    and the environment as the library reads them (its own default where none is given);
+    None where ckptfs does not know it.  The open-time probe resolves its host first."""
+    env = os.environ
+    if protocol in ("s3", "s3a"):
+        client = options.get("client_kwargs")
+        given = (options.get("endpoint_url")
+                 or (client.get("endpoint_url") if isinstance(client, Mapping) else None)
+                 or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
+        if given:
+            return str(given)
+        # botocore also reads an endpoint_url from the config file's profile: then unknown
+        config = os.path.expanduser(env.get("AWS_CONFIG_FILE", "~/.aws/config"))
+        try:
+            with open(config, encoding="utf-8", errors="replace") as f:
+                if "endpoint_url" in f.read():
+                    return None
+        except OSError:
+            pass
+        return "https://s3.amazonaws.com"
+    if protocol in ("gs", "gcs"):  # as gcsfs.core._location decides (mTLS aside)
+        emulator = env.get("STORAGE_EMULATOR_HOST", "")
+        if emulator and emulator != "default" and "://" not in emulator:
+            emulator = f"http://{emulator}"
+        universe = env.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN", "googleapis.com")
+        return str(options.get("endpoint_url") or (emulator != "default" and emulator)
+                   or f"https://storage.{universe}")
+    if protocol in ("az", "abfs", "abfss"):
+        if options.get("account_url"):
+            return str(options["account_url"])
+        parts = dict(p.split("=", 1) for p in str(options.get("connection_string") or "")
+                     .split(";") if "=" in p)
+        if parts.get("BlobEndpoint"):
+            return parts["BlobEndpoint"]
+        account = parts.get("AccountName") or options.get("account_name")
+        suffix = parts.get("EndpointSuffix", "core.windows.net")
+        return f"https://{account}.blob.{suffix}" if account else None
+    return None
 
 
 def merge_options(defaults: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:

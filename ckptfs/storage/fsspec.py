@@ -21,6 +21,7 @@ import stat
 import threading
 import time
 import urllib.parse
+import urllib.request
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -40,7 +41,14 @@ from ckptfs.errors import (
     StorageError,
     StorageNotFoundError,
 )
-from ckptfs.storage.backends import BackendSpec, merge_options, spec_for
+from ckptfs.storage.backends import (
+    EXTRAS,
+    BackendSpec,
+    check_url,
+    endpoint_of,
+    merge_options,
+    spec_for,
+)
 from ckptfs.storage.base import (
     Capabilities,
     CapabilityUnavailableError,
@@ -73,6 +81,11 @@ T = TypeVar("T")
 #: connections gets ``SLOW_PROBE_FACTOR`` times more.
 DEFAULT_PROBE_TIMEOUT = 10.0
 SLOW_PROBE_FACTOR = 5
+#: Seconds the probe waits for the endpoint's host name to resolve before it gives up on that
+#: check (and goes on to the request, which the libraries bound by ``probe_timeout``): a name
+#: that cannot be resolved fails at once, with the resolver's cause, instead of after the
+#: libraries' retries (75 s for gcsfs with no network).
+RESOLVE_TIMEOUT = 5.0
 
 
 class FsspecStorage:
@@ -92,16 +105,19 @@ class FsspecStorage:
         ``probe_timeout`` seconds), so a missing bucket, refused credentials or a dead endpoint
         raise here, naming the URL and the cause, before anything is written.  ``probe=False``
         skips it (one request fewer per open)."""
+        check_url(url)
         self.url = url.rstrip("/")
         protocol = fsspec.core.split_protocol(url)[0] or "file"
         self.spec: BackendSpec = spec_for(protocol)
         options = merge_options(self.spec.default_options, storage_options)
+        if probe and self.spec.probe_on_open:  # before the library looks for credentials
+            _check_resolves(url, endpoint_of(protocol, options), min(probe_timeout,
+                                                                     RESOLVE_TIMEOUT))
         try:
             fs, root = _make_fs(url, protocol, options)
         except ImportError as exc:
-            known = known_implementations.get(protocol, {})
-            hint = known.get("err") or f"install the fsspec implementation of {protocol!r}"
-            raise BackendUnavailableError(f"cannot open {url}: {hint}") from exc
+            raise BackendUnavailableError(
+                f"cannot open {url}: {missing_package_hint(protocol, self.spec, exc)}") from exc
         except ValueError as exc:
             if "Protocol not known" in str(exc) or "not known" in str(exc):
                 raise BackendUnavailableError(
@@ -386,7 +402,13 @@ class FsspecStorage:
             if parent == d:
                 break
             d = parent
-        os.makedirs(full, exist_ok=True)
+        for tries_left in (2, 1, 0):
+            try:
+                os.makedirs(full, exist_ok=True)
+                break
+            except FileNotFoundError:  # a parent was removed meanwhile (an empty step
+                if not tries_left:     # directory, by a failed writer's discard or gc)
+                    raise
         root = os.path.abspath(self.full(""))
         for created in reversed(missing):
             if sync_all or created == root or root.startswith(created.rstrip(os.sep) + os.sep):
@@ -798,7 +820,7 @@ def _make_fs(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str
 
 
 def _endpoint(fs: Any) -> str | None:
-    for attr in ("endpoint_url", "_endpoint", "account_url"):
+    for attr in ("endpoint_url", "_endpoint", "account_url", "_location"):
         value = getattr(fs, attr, None)
         if isinstance(value, str) and value.startswith(("http://", "https://")):
             return value
@@ -807,6 +829,49 @@ def _endpoint(fs: Any) -> str | None:
         return str(client_kwargs["endpoint_url"])
     url = getattr(getattr(fs, "service_client", None), "url", None)
     return url if isinstance(url, str) else None
+
+
+def missing_package_hint(protocol: str, spec: BackendSpec, exc: ImportError) -> str:
+    """What to install for ``protocol`` when importing its implementation failed: the extra
+    of ckptfs that installs it (``pip install "ckptfs[s3]"``) where there is one."""
+    package = spec.package or getattr(exc, "name", None)
+    extra = EXTRAS.get(package or "")
+    if extra is not None:
+        return (f"the {protocol}:// protocol needs the {package} package, which is not "
+                f'installed: pip install "ckptfs[{extra}]"')
+    known = known_implementations.get(protocol, {})
+    return str(known.get("err") or f"install the fsspec implementation of {protocol!r}")
+
+
+def _check_resolves(url: str, endpoint: str | None, timeout: float) -> None:
+    """Raise `StorageError` naming the host when the host of ``endpoint`` cannot be resolved.
+    Silent when it resolves, when the resolver gives no answer within ``timeout`` (the probe's
+    request is then bounded by its own timeout), when the endpoint is unknown, or when a proxy
+    from the environment serves it (the proxy resolves it, not this machine)."""
+    host = urllib.parse.urlsplit(endpoint).hostname if endpoint else None
+    if not host:
+        return
+    proxies = urllib.request.getproxies_environment()
+    if proxies and not urllib.request.proxy_bypass(host):
+        return
+    outcome: list[OSError | None] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=resolve, name="ckptfs-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    exc = outcome[0] if outcome else None
+    if isinstance(exc, socket.gaierror):
+        raise StorageError(
+            f"cannot open {url}: the endpoint's host {host!r} ({endpoint}) cannot be resolved "
+            f"({exc.strerror or exc}); check the host name in the endpoint (endpoint_url / "
+            "connection string), the DNS and the network") from exc
 
 
 def _host_port(fs: Any) -> tuple[str, str, int] | None:
