@@ -61,8 +61,9 @@ def bench_hash(nbytes: int = GiB, *, chunk_sizes: Sequence[int] = (64 * KiB, MiB
     for name in ALGORITHMS:
         try:
             new_hasher(name)
-        except ImportError as exc:
+        except ImportError as exc:  # said, never skipped silently: the message names the extra
             rows.append({"algorithm": name, "error": str(exc)})
+            log(f"  hash {name}: skipped: {exc}")
             continue
         make_raw, one_shot = raw[name]
         # Interleaved: every rep times each way once, so drift (other work on this shared

@@ -157,8 +157,9 @@ def new_hasher(algorithm: str) -> Hasher:
         return algo.factory()
     except ImportError as exc:
         raise HashAlgorithmUnavailableError(
-            f"hash algorithm {algorithm!r} needs the {algo.package!r} package: "
-            f"pip install {algo.package}"
+            f"hash algorithm {algorithm!r} needs the {algo.package!r} package, which is not "
+            f'installed: pip install "ckptfs[{algo.package}]" (or "ckptfs[fast]" for every '
+            "fast hash)"
         ) from exc
 
 
