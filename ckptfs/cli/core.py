@@ -19,8 +19,8 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import ckptfs
 from ckptfs.errors import (
@@ -31,13 +31,15 @@ from ckptfs.errors import (
 )
 from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import MAX_STEP, parse_step_dir
-from ckptfs.protocol.references import run_usage
-from ckptfs.protocol.store import CheckpointStore
-from ckptfs.protocol.store import open as open_store
-from ckptfs.storage.base import check_tier_roots
+
+if TYPE_CHECKING:
+    from ckptfs.protocol.store import CheckpointStore
 
 #: The modules that add verbs (``add_subcommands``), each with its verbs and the extra that
-#: installs what it imports beyond the core dependencies (None: it needs none).
+#: installs what it imports beyond the core dependencies (None: it needs none).  A plug-in is
+#: imported only when one of its verbs runs (or shows its ``--help``): ``ckptfs --help`` lists
+#: its verbs with their `VERB_HELP` lines, ``ckptfs --version`` imports none of them (none
+#: imports torch; tests/cli/test_cli_startup.py keeps the two in step).
 _PLUGINS: tuple[tuple[str, tuple[str, ...], str | None], ...] = (
     ("ckptfs.cli.doctor", ("doctor",), None),
     ("ckptfs.cli.lifecycle", ("prune", "gc", "best"), None),
@@ -46,6 +48,23 @@ _PLUGINS: tuple[tuple[str, tuple[str, ...], str | None], ...] = (
     ("ckptfs.cli.tiers", ("replicate",), None),
     ("ckptfs.bench.cli", ("bench",), "bench"),
 )
+
+#: The one-line help ``ckptfs --help`` shows for a plug-in's verb without importing it (the
+#: same text as the verb's own ``add_parser(help=...)``).
+VERB_HELP: dict[str, str] = {
+    "doctor": "check that a store gives the guarantees ckptfs relies on",
+    "prune": "delete checkpoints outside a retention policy",
+    "gc": "remove uncommitted attempts and leftovers older than a grace period",
+    "best": "show the running-best record",
+    "inspect": "show a checkpoint's keys, dtypes, shapes and sizes without reading tensor "
+               "bytes",
+    "cp": "copy committed checkpoints to another URL (verified, marker last)",
+    "export": "write one step as a .safetensors file, a .pt file, or Hugging Face sharded "
+              "safetensors (--format hf)",
+    "replicate": "copy every checkpoint of a local tier that the remote tier lacks (finish a "
+                 "two-tier job's replication)",
+    "bench": "run the benchmarks (see docs/benchmarks.md)",
+}
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 #: ``verify --remote``: no mismatch, but the store could not vouch for every file.
@@ -108,6 +127,8 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
 
 
 def open_from_args(args: argparse.Namespace) -> CheckpointStore:
+    from ckptfs.protocol.store import open as open_store
+
     return open_store(args.url, **parse_options(args.option))
 
 
@@ -169,6 +190,9 @@ def _ls_tiers(args: argparse.Namespace, local: CheckpointStore) -> int:
     """``ls LOCAL --remote REMOTE``: per step, the tiers where it is committed (``local``,
     ``remote``, ``both``; ``none`` for a step incomplete in each tier that has it) and each
     tier's row as ``ls`` shows it."""
+    from ckptfs.protocol.store import open as open_store
+    from ckptfs.storage.base import check_tier_roots
+
     remote = open_store(args.remote, **parse_options(args.remote_option))
     check_tier_roots(local.storage, remote.storage)  # the same root twice: all "both"
     merged: dict[int, dict[str, Any]] = {}
@@ -204,6 +228,8 @@ def _tier_cell(row: dict[str, Any] | None) -> str:
 
 def _ls_rows(store: CheckpointStore) -> tuple[list[dict[str, Any]], Any]:
     """The rows of ``ls`` (committed and incomplete steps, ascending) and the run's usage."""
+    from ckptfs.protocol.references import run_usage
+
     committed = store.steps()
     everything = store.all_steps()
     usage = run_usage(store.storage)
@@ -357,7 +383,19 @@ def _missing_extra(sub: Any, verbs: Sequence[str], extra: str | None,
         p.set_defaults(func=run, takes_anything=True)  # whatever follows: the same answer
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_stub(sub: Any, verb: str) -> None:
+    """A plug-in's verb in ``ckptfs --help`` without importing the plug-in: if argparse ever
+    picks it (`main` loads the plug-in of the verb it finds first in the arguments), `main`
+    parses again with every plug-in loaded."""
+    p = sub.add_parser(verb, help=VERB_HELP.get(verb, f"see ckptfs {verb} --help"),
+                       add_help=False)
+    p.set_defaults(stub=True, takes_anything=True)
+
+
+def build_parser(load: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``ckptfs`` parser.  ``load``: the verbs whose plug-ins are imported (their verbs
+    get their real parsers; the others are listed, `_add_stub`); None imports every plug-in
+    (every verb's parser, as the tests enumerate them)."""
     parser = SuggestingParser(
         prog="ckptfs", description="Crash-consistent PyTorch checkpoints on any fsspec storage.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what ckptfs does")
@@ -391,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     for module, verbs, extra in _PLUGINS:
+        if load is not None and not set(verbs) & set(load):
+            for verb in verbs:
+                _add_stub(sub, verb)
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -403,10 +445,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _verb_of(argv: Sequence[str]) -> str | None:
+    """The verb of a command line: its first word that is not an option (the top-level
+    options, ``-v``, ``--version``, ``-h``, take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    named = _verb_of(argv)
+    parser = build_parser(load=() if named is None else (named,))
     try:
         args, extras = parser.parse_known_args(argv)
+        if getattr(args, "stub", False):  # argparse chose another verb than _verb_of
+            parser = build_parser()
+            args, extras = parser.parse_known_args(argv)
         # Reported by the verb's own parser, with its usage and close matches.
         if extras and not getattr(args, "takes_anything", False):
             verb = _chosen_parser(parser, args)

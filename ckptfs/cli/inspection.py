@@ -23,20 +23,17 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfs.cli.core import EXIT_OK, add_store_args, emit, int_option, open_from_args, step_option
-from ckptfs.cli.tools import resolve
-from ckptfs.format.extensions import EXT_TAG
 from ckptfs.format.incremental import references_of
-from ckptfs.format.serialize import (
-    TensorSlot,
-    dtype_code,
-)
-from ckptfs.protocol.formats import check_checkpoint
-from ckptfs.protocol.reader import CheckedSingleProcess
-from ckptfs.protocol.resolve import CheckpointInfo
-from ckptfs.protocol.store import CheckpointStore
+
+# The modules that import torch are imported by the verb when it runs (`cmd_inspect`), not with
+# this module: ``ckptfs inspect --help`` imports none of them.
+if TYPE_CHECKING:
+    from ckptfs.format.serialize import TensorSlot
+    from ckptfs.protocol.resolve import CheckpointInfo
+    from ckptfs.protocol.store import CheckpointStore
 
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1,
              "F8_E5M2FNUZ": 1, "F16": 2, "BF16": 2, "I16": 2, "U16": 2, "F32": 4, "I32": 4,
@@ -79,6 +76,8 @@ def _seq_text(items: list[Any], first: int = 16) -> str:
 def _key_text(node: Any, room: int = KEY_CHARS) -> str:
     """A dict key of the tagged tree as text (a tuple key as ``(a, b)``), in about ``room``
     characters."""
+    from ckptfs.format.extensions import EXT_TAG  # imports torch: when inspect runs
+
     if isinstance(node, list) and len(node) == 2:
         tag, payload = node
         if tag in ("t", "S") and isinstance(payload, list):
@@ -110,6 +109,8 @@ def _tensor_slot(node: Any, slots: list[TensorSlot]) -> TensorSlot | None:
 def _children(node: Any, *, keys: bool = True) -> tuple[Iterator[tuple[str, Any]], int] | None:
     """A container node's children, lazily, with their key text (``keys``), and how many; an
     extension value's children are those of its payload.  ``None`` for a leaf."""
+    from ckptfs.format.extensions import EXT_TAG  # imports torch: when inspect runs
+
     if not (isinstance(node, list) and len(node) == 2):
         return None
     tag, payload = node
@@ -130,6 +131,8 @@ def _children(node: Any, *, keys: bool = True) -> tuple[Iterator[tuple[str, Any]
 
 def _row(node: Any, slots: list[TensorSlot]) -> dict[str, Any]:
     """What one node shows (without its key): nothing is decoded or constructed."""
+    from ckptfs.format.extensions import EXT_TAG  # imports torch: when inspect runs
+
     s = _tensor_slot(node, slots)
     if s is not None:
         return {"kind": "tensor", "dtype": s.dtype, "shape": list(s.shape), "file": s.file,
@@ -161,6 +164,8 @@ def _row(node: Any, slots: list[TensorSlot]) -> dict[str, Any]:
 
 def _kid_nodes(node: list[Any]) -> Iterator[Any] | None:
     """The child nodes of a container node (an extension value: of its payload), lazily."""
+    from ckptfs.format.extensions import EXT_TAG  # imports torch: when inspect runs
+
     tag, payload = node
     if tag == EXT_TAG and type(payload) is list and len(payload) == 2:
         inner = payload[1]
@@ -262,6 +267,9 @@ def inspect_info(store: CheckpointStore, info: CheckpointInfo, *,
     table's check (`ckptfs.protocol.formats.check_checkpoint`, the one ``ckptfs cp`` runs
     too), so inspect refuses what load refuses, with the same typed error, except what only
     the tensor bytes would show (``verify``); the rows are then rendered from what it decoded."""
+    from ckptfs.protocol.formats import check_checkpoint
+    from ckptfs.protocol.reader import CheckedSingleProcess
+
     m = info.manifest
     checked = check_checkpoint(store.storage, info)
     out: dict[str, Any] = {
@@ -295,6 +303,8 @@ def inspect_info(store: CheckpointStore, info: CheckpointInfo, *,
 def _sharded_rows(entries: dict[str, Any], max_rows: int) -> list[dict[str, Any]]:
     """The first ``max_rows`` flat DCP keys (sorted), then one summary row for the rest."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ckptfs.format.serialize import dtype_code
 
     shown = set(heapq.nsmallest(max_rows, entries))
     rows = []
@@ -340,6 +350,8 @@ def _row_text(r: dict[str, Any]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from ckptfs.cli.tools import resolve
+
     store = open_from_args(args)
     doc = inspect_info(store, resolve(store, args.step), max_items=args.max_items,
                        max_rows=args.max_rows)

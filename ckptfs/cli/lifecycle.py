@@ -23,14 +23,16 @@ from ckptfs.cli.core import (
     step_option,
 )
 from ckptfs.format.layout import MAX_STEP
-from ckptfs.lifecycle.artifacts import SideOutputs
-from ckptfs.lifecycle.gc import InvalidDurationError, collect, parse_duration
-from ckptfs.lifecycle.retention import RetentionPolicy, best_steps_of, prune, read_best
+
+# The lifecycle modules (and torch, which they import) are imported by the verbs when they
+# run, not with this module: ``ckptfs gc --help`` imports none of them.
 
 
 def grace_option(text: str) -> timedelta:
     """argparse ``type`` of ``--older-than``: a duration of more than zero (a zero grace would
     remove the attempt of a writer that is saving right now)."""
+    from ckptfs.lifecycle.gc import InvalidDurationError, parse_duration
+
     try:
         grace = parse_duration(text)
     except InvalidDurationError as exc:
@@ -61,6 +63,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if args.keep_last is None and args.keep_every is None:
         print("ckptfs prune: give --keep-last and/or --keep-every")
         return EXIT_USAGE
+    from ckptfs.lifecycle.artifacts import SideOutputs
+    from ckptfs.lifecycle.retention import RetentionPolicy, best_steps_of, prune, read_best
+
     store = open_from_args(args)
     # --keep-every alone keeps only the milestones (and the newest, always kept)
     policy = RetentionPolicy(args.keep_last if args.keep_last is not None else 1,
@@ -86,6 +91,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     grace = args.older_than
     if isinstance(grace, str):  # the default, not passed through the option's type
         grace = grace_option(grace)
+    from ckptfs.lifecycle.gc import collect
+
     store = open_from_args(args)
     report = collect(store.storage, older_than=grace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
@@ -104,6 +111,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_best(args: argparse.Namespace) -> int:
+    from ckptfs.lifecycle.retention import read_best
+
     store = open_from_args(args)
     doc = read_best(store)
     if doc is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfs.cli.core import (
     EXIT_FAILED,
@@ -28,14 +28,15 @@ from ckptfs.cli.core import (
     option_pair,
     parse_options,
 )
-from ckptfs.cli.tools import progress_bar
 from ckptfs.errors import CkptfsError, ReplicationError, StorageError
 from ckptfs.format.content import same_content
-from ckptfs.protocol.replication import ReplicationStatus
-from ckptfs.protocol.resolve import committed_steps
-from ckptfs.protocol.store import CheckpointStore
-from ckptfs.protocol.store import open as open_store
-from ckptfs.protocol.tiers import TieredStore, check_tiers, tiered
+
+# The protocol (and torch, which it imports) is imported by the verb when it runs, not with
+# this module: ``ckptfs replicate --help`` imports neither.
+if TYPE_CHECKING:
+    from ckptfs.protocol.replication import ReplicationStatus
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.protocol.tiers import TieredStore
 
 #: How often the progress is refreshed while waiting (seconds).
 POLL_S = 0.25
@@ -97,6 +98,9 @@ def _rows(status: ReplicationStatus, steps: list[int]) -> list[dict[str, Any]]:
 
 
 def cmd_replicate(args: argparse.Namespace) -> int:
+    from ckptfs.protocol.store import open as open_store
+    from ckptfs.protocol.tiers import tiered
+
     shared = parse_options(args.option)
     local_options = {**shared, **parse_options(args.local_option)}
     remote_options = {**shared, **parse_options(args.remote_option)}
@@ -118,6 +122,9 @@ def _dry_run(args: argparse.Namespace, local: CheckpointStore, remote: Checkpoin
     store's open-time scan and of the copy, `same_content`); one with other content (another
     run's step of that number) is reported as differing: ``replicate`` would fail it
     (CheckpointExistsError), never overwrite it, and exit 1, so the dry run exits 1 too."""
+    from ckptfs.protocol.resolve import committed_steps
+    from ckptfs.protocol.tiers import check_tiers
+
     check_tiers(local, remote)
     at_remote = set(committed_steps(remote.storage))
     steps = committed_steps(local.storage)
@@ -150,6 +157,8 @@ def _dry_run(args: argparse.Namespace, local: CheckpointStore, remote: Checkpoin
 
 
 def _replicate(args: argparse.Namespace, store: TieredStore) -> int:
+    from ckptfs.cli.tools import progress_bar
+
     todo, done, total = _plan(store)
     remote = store.remote.url
     _say(args, f"replicating {len(todo)} checkpoint(s) ({total} B) from {store.url} to "

@@ -177,7 +177,7 @@ def test_a_plugin_whose_dependency_is_missing_says_what_to_install(
     monkeypatch.setattr(core, "_PLUGINS",
                         (*core._PLUGINS, ("needs_extra_plugin", ("fancy",), "bench")))
     code, out, _ = run(["--help"], capsys)
-    assert code == 0 and "fancy" in out and "not available" in out
+    assert code == 0 and "fancy" in out  # listed; --help imports no plug-in (not torch)
     code, out, _ = run(["ls", str(tmp_path)], capsys)
     assert code == 0  # every other verb works
     code, _, err = run(["fancy", "--some", "args"], capsys)
