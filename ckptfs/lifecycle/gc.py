@@ -1,6 +1,6 @@
 """Garbage collection: what crashed or losing writers leave behind.
 
-Three kinds of garbage, each removed only when it is older than a grace period:
+Four kinds of garbage, each removed only when it is older than a grace period:
 
 - **uncommitted attempts**: ``checkpoints/step-N/a-<UTC time>-<token>/`` directories that the
   step's marker does not name (a crash before the commit, or the loser of a race).  The age is
@@ -10,6 +10,12 @@ Three kinds of garbage, each removed only when it is older than a grace period:
   before the rename; aged by the attempt name they embed) and ``.tmp-<uuid>`` files of a crashed
   local marker creation (aged by the file's modification time where the storage offers
   `ModifiedTimes`; never removed when it does not);
+- **empty step directories** (local disk) that a crashed save left with nothing in them: aged
+  by the directory's modification time (the last entry made or removed in it; never removed
+  where the storage offers no `ModifiedTimes`), removed by a non-recursive ``rmdir`` that
+  never takes what a writer put in it meanwhile.  (A step directory whose attempts gc removes
+  in the same run goes with them.)  A failed save removes its own empty step directory when
+  it discards its attempt;
 - **orphaned multipart uploads** of files inside attempt directories
   (``checkpoints/step-N/a-.../<file>``, also ``.tmp-a-...`` and under ``artifacts/<name>/``) on
   stores that have them (S3): found and aborted through the storage interface's optional
@@ -221,6 +227,9 @@ def _collect_checkpoints(storage: Storage, prefix: str, grace: timedelta, now: d
                 continue
         scan = _StepScan(step_dir, len(children), committed is not None)
         steps.append(scan)
+        if not children:  # left empty by a crashed save: removed once older than the grace
+            _consider_empty_step(storage, step_dir, grace, now, report)
+            continue
         for child in children:
             name = child.basename
             if name in (MARKER_NAME, committed):
@@ -308,6 +317,25 @@ def _consider_tmp_file(storage: Storage, path: str, size: int, grace: timedelta,
         report.kept_young.append(path)
         return
     report.items.append(GcItem("tmp-file", path, size, age.total_seconds()))
+
+
+def _consider_empty_step(storage: Storage, path: str, grace: timedelta, now: datetime,
+                         report: GcReport) -> None:
+    """A step directory with nothing in it (a save that crashed after making it, before or
+    after its attempt directory was removed): removed by gc like an attempt, once its
+    modification time (the last entry made or removed in it) is older than the grace, so the
+    directory a writer made a moment ago for its attempt survives; the removal is a
+    non-recursive ``rmdir`` (`_remove_empty_dir`), so what a writer put in it meanwhile is
+    never removed.  Unknown age: left alone."""
+    mtime = _mtime(storage, path)
+    if mtime is None:
+        report.skipped.append(f"{path}: empty step directory of unknown age; left alone")
+        return
+    age = now - mtime
+    if age < grace:
+        report.kept_young.append(path)
+        return
+    report.items.append(GcItem("empty-step", path, 0, age.total_seconds()))
 
 
 def _mtime(storage: Storage, path: str) -> datetime | None:

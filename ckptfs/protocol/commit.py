@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ckptfs.errors import CheckpointExistsError, CkptfsError, CorruptCheckpointError
 from ckptfs.format.content import same_content
@@ -98,7 +98,13 @@ from ckptfs.protocol.resolve import (
     read_marker,
     storage_url,
 )
-from ckptfs.storage.base import ServerChecksums, Storage, retry_call, supports
+from ckptfs.storage.base import (
+    EmptyDirRemoval,
+    ServerChecksums,
+    Storage,
+    retry_call,
+    supports,
+)
 
 log = logging.getLogger("ckptfs")
 
@@ -597,13 +603,21 @@ class Attempt:
         return marker.attempt if marker is not None else None
 
     def discard(self) -> None:
-        """Best effort: remove what this attempt wrote (GC catches what a crash leaves)."""
+        """Best effort: remove what this attempt wrote (GC catches what a crash leaves), and
+        the step directory when that leaves it empty (local disk: ``rmdir``, which never
+        removes what another writer of the step put in it meanwhile)."""
         for d in dict.fromkeys((self.write_dir, self.final_dir)):
             try:
                 self.storage.delete_tree(d)
             except Exception:  # pragma: no cover - best effort, garbage collection retries
                 log.warning("could not remove failed attempt %s",
                             storage_url(self.storage, d), exc_info=True)
+        if supports(self.storage, EmptyDirRemoval):
+            try:
+                cast(EmptyDirRemoval, self.storage).remove_empty_dir(self.paths.dir)
+            except Exception:  # best effort: gc removes an empty step directory too
+                log.debug("step directory %s left in place",
+                          storage_url(self.storage, self.paths.dir), exc_info=True)
 
     def reread(self) -> CheckpointInfo:
         """The committed checkpoint as a reader sees it (after `commit`)."""
