@@ -747,20 +747,36 @@ class CkptfsStorage(Storage):
                 "after it was written; restore it or write it again", path=name)
         return VerifiedReader(self.adapter, key, name, e.size, expected, block_size)
 
+    def _forget(self, key: str) -> bool:
+        """Drop the cached markers of ``key``'s levels; whether there were any."""
+        parts = key.split("/") if key else []
+        with self._lock:
+            gone = [self._records.pop(_marker_key("/".join(parts[:i])), None)
+                    for i in range(1, len(parts) + 1)]
+        return any(r is not None for r in gone)
+
+    def _read_all(self, key: str, name: str) -> bytes:
+        """The whole file, checked.  A marker read earlier may be stale (another process
+        deleted the directory and committed it again): on a failure, once more from storage."""
+        try:
+            with self._reader(key, name) as reader:
+                return reader.readall()
+        except (CorruptCheckpointError, FileNotFoundError):
+            if not self._forget(key):
+                raise
+        with self._reader(key, name) as reader:
+            return reader.readall()
+
     def stream_read(self, path: Path, read_args: ReadArgs | None = None) -> io.RawIOBase:
         """A seekable stream (``pre_read_full_file``, the default: the whole file, read and
         checked at once); every block is checked before any of its bytes is returned."""
         k = self.key(path)
-        reader = self._reader(k, self.remap_path(path))
         if read_args is None or read_args.pre_read_full_file:
-            with reader:
-                return io.BytesIO(reader.readall())  # type: ignore[return-value]
-        return reader
+            return io.BytesIO(self._read_all(k, self.remap_path(path)))  # type: ignore[return-value]
+        return self._reader(k, self.remap_path(path))
 
     def read(self, path: Path, read_args: ReadArgs | None = None) -> bytes:
-        k = self.key(path)
-        with self._reader(k, self.remap_path(path)) as reader:
-            return reader.readall()
+        return self._read_all(self.key(path), self.remap_path(path))
 
     # -- names ---------------------------------------------------------------------------------
 

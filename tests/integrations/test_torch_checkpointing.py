@@ -227,6 +227,17 @@ def test_two_commits_of_one_name_exactly_one_wins(backend: Backend) -> None:
     assert b.read(Path("r/step-1/w.bin")) == b"one"
 
 
+def test_a_directory_committed_again_elsewhere_is_read_fresh(backend: Backend) -> None:
+    reader, other = config(backend).create_storage(), config(backend).create_storage()
+    make_dir(other, "r/tmp_a", {"x.bin": b"first"})
+    other.rename(Path("r/tmp_a"), Path("r/a"), is_directory=True)
+    assert reader.read(Path("r/a/x.bin")) == b"first"  # its marker is cached now
+    other.rmdir(Path("r/a"))
+    make_dir(other, "r/tmp_a", {"x.bin": b"second!"})
+    other.rename(Path("r/tmp_a"), Path("r/a"), is_directory=True)
+    assert reader.read(Path("r/a/x.bin")) == b"second!"
+
+
 def test_paths_map_under_the_url(tmp_path: Path) -> None:
     st = CkptfsStorageConfig(url=f"memory://{tmp_path.name}", mount="/job/out").create_storage()
     assert st.remap_path(Path("/job/out/ckpt/step-1")) == f"memory://{tmp_path.name}/ckpt/step-1"
