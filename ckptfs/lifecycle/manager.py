@@ -575,8 +575,20 @@ class CheckpointManager:
         every committed checkpoint is corrupt, `CheckpointNotFoundError` lists
         them (never a silent start from step 0).
 
+        ``model``, ``optimizer``, ``scheduler``: restored with their ``load_state_dict``
+        from the checkpoint's ``model``, ``optimizer`` and ``scheduler`` entries (a distributed
+        optimizer restore needs ``model`` too); ``stateful``: more objects by name
+        (``{"sampler": s}``), each from the entry its name was saved under.
+        ``expect``: the `Provenance` this run expects; ``mode="exact"`` refuses any recorded
+        difference with `ProvenanceMismatchError`, ``"execution_change"`` accepts changes in
+        ``execution.*`` keys (docs/lifecycle.md, provenance).
+        ``strict_rng``: a rank whose saved RNG state is missing raises `RngStateError`
+        instead of being reseeded (docs/lifecycle.md, RNG state).
         ``map_location``: every form ``torch.load`` accepts, applied to every loaded tensor;
         under a process group the model and optimizer load into today's placement instead.
+        ``allow_rollback``: skip a corrupt newest checkpoint for the next older one (above).
+        ``discard_uncommitted``: delete side outputs written by a run that stopped before its
+        checkpoint (``False`` keeps them; docs/lifecycle.md, side outputs).
         Under a process group every rank calls it (docs/lifecycle.md §11); a one-process
         checkpoint restores into a sharded model too (each rank loads it whole)."""
         self.wait()  # a pending async save of this store commits first
