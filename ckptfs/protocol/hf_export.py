@@ -31,6 +31,7 @@ Design, in the order it runs:
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from collections.abc import Callable
@@ -45,7 +46,6 @@ from ckptfs.errors import (
     ExportExistsError,
     UnsupportedValueError,
 )
-from ckptfs.format.extensions import FALLBACK_TYPE_KEY, unregistered_as_dict
 from ckptfs.format.hf_shards import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -59,11 +59,11 @@ from ckptfs.format.hf_shards import (
     shard_name,
 )
 from ckptfs.format.versions import SHARDED, features
-from ckptfs.protocol.resolve import CheckpointInfo, check_still_committed
 
 if TYPE_CHECKING:
     import torch
 
+    from ckptfs.protocol.resolve import CheckpointInfo
     from ckptfs.protocol.store import CheckpointStore
     from ckptfs.storage.base import Storage
 
@@ -252,6 +252,7 @@ def _inventory(storage: Storage, info: CheckpointInfo, key: str | None
     key paths of the other values there, from the checkpoint's documents alone."""
     import torch
 
+    from ckptfs.format.extensions import FALLBACK_TYPE_KEY, unregistered_as_dict
     from ckptfs.format.serialize import CODE_DTYPES, build_tree
     from ckptfs.protocol.formats import check_checkpoint
 
@@ -317,6 +318,8 @@ def _inventory(storage: Storage, info: CheckpointInfo, key: str | None
 def _select(tree: Any, key: str | None, where: str) -> tuple[Any, tuple[Any, ...], int]:
     """The node ``key`` names (``/``-separated; each part a dict key as ``str()`` shows it,
     or a list index), its key path, and how many of its leading components are dict keys."""
+    from ckptfs.format.extensions import FALLBACK_TYPE_KEY
+
     node: Any = tree
     path: tuple[Any, ...] = ()
     depth = 0
@@ -415,7 +418,8 @@ class _Reader:
     def tensor(self, i: int) -> torch.Tensor:
         group = self.group_of[i]
         if group != self.loaded:
-            self.state = None  # the previous group's memory goes first
+            self.state = None  # the previous group's memory goes first: a loaded tree is
+            gc.collect()       # freed only by the cyclic collector (build_tree's closures)
             self.state = self._load(self.members[group])
             self.loaded = group
         node = self.state
@@ -427,11 +431,14 @@ class _Reader:
         self.state, self.loaded = None, None
 
     def _load(self, members: list[int]) -> Any:
+        from ckptfs.format.extensions import unregistered_as_dict
+
         paths = list(dict.fromkeys(self.entries[i].path[:max(self.entries[i].dict_depth, 1)]
                                    for i in members))
         if not self.sharded:
             with unregistered_as_dict():
                 return self.store.load_info(self.info, keys=paths)
+        from ckptfs.protocol.resolve import check_still_committed
         from ckptfs.protocol.sharded import load_full
 
         keys = {".".join(str(c) for c in p) for p in paths}

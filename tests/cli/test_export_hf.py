@@ -83,6 +83,15 @@ def check_index(out: Path, limit: int) -> dict[str, Any]:
     return index  # type: ignore[no-any-return]
 
 
+def load_files(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the export, by name, read with safetensors."""
+    got: dict[str, torch.Tensor] = {}
+    for name in sorted(p.name for p in out.glob("model-*.safetensors")):
+        with safe_open(str(out / name), framework="pt") as f:
+            got.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    return got
+
+
 # -- the pure layout ----------------------------------------------------------------------------
 
 
@@ -182,6 +191,67 @@ def test_tensor_larger_than_shard_size_gets_its_own_shard(tmp_path: Path,
     # the CLI notes the skipped value on stderr
     main(["export", str(tmp_path / "run"), "--format", "hf", str(tmp_path / "hf2"), "--quiet"])
     assert "skipped 1 non-tensor value(s)" in capsys.readouterr().err
+
+
+def test_reads_one_tensor_file_at_a_time_and_frees_it(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounded memory, format v1: one load per tensor file (its digest covers the whole file),
+    each selecting only that file's tensors, and the previous load's tensors freed before the
+    next load starts."""
+    import weakref
+
+    store = ckptfs.open(str(tmp_path / "run"))
+    store.shard_bytes = 256 * 1024  # 4 tensor files of the model's 8 x 128 KiB
+    sd = {f"layers.{i}.weight": torch.randn(128, 256) for i in range(8)}
+    info = store.save(1, {"model": sd})
+    files = [e.path for e in info.manifest.files if e.path.startswith("tensors-")]
+    assert len(files) == 4
+    loads: list[list[Any]] = []
+    alive: list[weakref.ref[torch.Tensor]] = []
+    real = type(store).load_info
+
+    def load_info(self: Any, info: Any, **kw: Any) -> Any:
+        assert all(ref() is None for ref in alive), "an earlier load is still held"
+        loads.append(sorted(p[1] for p in kw["keys"]))
+        state = real(self, info, **kw)
+        alive.extend(weakref.ref(t) for t in state["model"].values())
+        return state
+
+    monkeypatch.setattr(type(store), "load_info", load_info)
+    export_hf(store, 1, tmp_path / "hf", key="model", max_shard_size="300KB")
+    assert loads == [[f"layers.{i}.weight" for i in (j, j + 1)] for j in range(0, 8, 2)]
+    got = load_files(tmp_path / "hf")
+    assert_bit_exact(sd, got)
+
+
+def test_sharded_reads_batches_and_frees_them(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounded memory, sharded formats: each load reads at most READ_BATCH_BYTES of tensors
+    (here 40 KB: two of the 16 KiB tensors), the previous batch freed first."""
+    import weakref
+
+    from ckptfs.protocol import sharded
+
+    sd = {f"layers.{i}.weight": torch.randn(64, 64) for i in range(5)}
+    url = str(tmp_path / "run")
+    run_ranks(job_save_dtensors, 2, url, sd, None, timeout=240)
+    monkeypatch.setattr(hf_export, "READ_BATCH_BYTES", 40_000)
+    loads: list[list[str]] = []
+    alive: list[weakref.ref[torch.Tensor]] = []
+    real = sharded.load_full
+
+    def load_full(*args: Any, **kw: Any) -> Any:
+        assert all(ref() is None for ref in alive), "an earlier batch is still held"
+        loads.append(sorted(kw["keys"]))
+        state = real(*args, **kw)
+        alive.extend(weakref.ref(t) for t in state["model"].values())
+        return state
+
+    monkeypatch.setattr(sharded, "load_full", load_full)
+    export_hf(url, 4, tmp_path / "hf", key="model")
+    assert loads == [[f"model.layers.{i}.weight" for i in (j, j + 1) if i < 5]
+                     for j in range(0, 5, 2)]
+    assert_bit_exact(sd, load_files(tmp_path / "hf"))
 
 
 def test_refuses_an_earlier_export_unless_forced(tmp_path: Path,
