@@ -122,7 +122,7 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                            durable=durable, threads=threads, metadata=cmeta,
                            node_local=store.node_local, memory=memory, lease_s=lease_s,
                            metadata_layout=store.metadata_layout,
-                           live=live)
+                           divergent_keys=store.divergent_keys, live=live)
 
     def over_view(view: Any, hint: Hint | None) -> Callable[[], CheckpointInfo]:
         prep.view = view

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from ckptfs.errors import ReplicaMismatchError
+from ckptfs.errors import ReplicaMismatchError, UnsupportedValueError
 from ckptfs.format.serialize import cpu_contiguous, tensor_memoryview
 
-__all__ = ["ReplicaMismatchError", "check_replicas", "is_divergent", "replica_digests",
+__all__ = ["check_divergent_keys", "check_replicas", "is_divergent", "replica_digests",
            "tensor_digest"]
 
 #: A tensor not in host memory is hashed through host copies of at most this many bytes.
@@ -95,6 +95,21 @@ def replica_digests(items: Sequence[Any], state: dict[str, Any],
             continue
         obj = lookup(item.index)
         out.append(tensor_digest(obj) if isinstance(obj, torch.Tensor) else 0)
+    return out
+
+
+def check_divergent_keys(keys: Any) -> tuple[str, ...]:
+    """``divergent_keys`` as a tuple of key prefixes, or `UnsupportedValueError` (a bare
+    string, which would be read as its characters, or anything but non-empty strings)."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise UnsupportedValueError(
+            f"divergent_keys {keys!r:.60}: a list of key prefixes wanted, e.g. "
+            f"divergent_keys=[{keys!r:.40}]")
+    out = tuple(keys)
+    for k in out:
+        if not isinstance(k, str) or not k:
+            raise UnsupportedValueError(f"divergent_keys: {k!r:.60} is not a key prefix "
+                                        "(a non-empty string such as 'model.head')")
     return out
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -309,7 +309,8 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
                  kind: str = "save", live: Liveness | None = None,
                  memory: ReuseMemory | None = None,
                  lease_s: float = DEFAULT_LEASE_S, node_local: bool = False,
-                 metadata_layout: str | None = None) -> SavePrep:
+                 metadata_layout: str | None = None,
+                 divergent_keys: Sequence[str] = ()) -> SavePrep:
     """Writer, planner and DCP view of a collective save.  A bad state or metadata does not
     raise here: the planner raises it inside DCP, so every rank fails together.  ``memory``:
     an incremental save (format v4), each rank reusing its own unchanged items."""
@@ -331,7 +332,8 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
                                memory=memory, lease_s=lease_s, node_local=node_local,
                                metadata_layout=metadata_layout, world=world)
         planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer,
-                              gather_small=writer.per_rank is not None)
+                              gather_small=writer.per_rank is not None,
+                              divergent_keys=divergent_keys)
         if live is None:
             live = Liveness(group, kind, step)
         live.wrap(writer, "write_data")
@@ -492,6 +494,7 @@ def _load_once(storage: Storage, step: int | None, into: dict[str, Any], group: 
     if reader.peers is None:  # chunks several ranks need are read once (docs/sharded.md)
         reader.peers = bytes_group(group)
     planner = LoadPlanner()
+    reader.on_progress = live.progress
     live.wrap(reader, "read_data")
     _run(lambda: _quiet(dcp_load, view, storage_reader=reader, planner=planner,
                         process_group=group, no_dist=group is None), where, ShardedLoadError,

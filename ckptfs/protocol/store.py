@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 from ckptfs.errors import (
@@ -27,6 +27,7 @@ from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tenso
 from ckptfs.protocol.prepare import prepare
 from ckptfs.protocol.references import free_step, shared_attempts
 from ckptfs.protocol.remote_verify import RemoteVerifyReport, verify_remote
+from ckptfs.protocol.replicas import check_divergent_keys
 from ckptfs.protocol.resolve import (
     MAX_RESOLVE_PASSES,
     CheckpointInfo,
@@ -210,7 +211,8 @@ class CheckpointStore:
                  durable: bool = True, threads: int | None = None,
                  shard_bytes: int = DEFAULT_SHARD_BYTES, incremental: bool = False,
                  lease_s: float = DEFAULT_LEASE_S, tiers: Tiers | None = None,
-                 metadata_layout: str | None = AUTO) -> None:
+                 metadata_layout: str | None = AUTO,
+                 divergent_keys: Sequence[str] = ()) -> None:
         new_hasher(algorithm)
         self.storage = storage
         #: What reads resolve across and what is told of commits and deletes (default: this
@@ -227,6 +229,9 @@ class CheckpointStore:
         #: ``"auto"`` (the default): ``"per-rank"`` from `PER_RANK_MIN_WORLD` ranks where the
         #: store allows it (not incremental, not per-node storage), else None.
         self.metadata_layout = check_metadata_layout(metadata_layout)
+        #: Sharded saves: key prefixes of tensors meant to differ between the ranks holding
+        #: them (not compared; stored whole from the lowest holder): `ckptfs.protocol.replicas`.
+        self.divergent_keys = check_divergent_keys(divergent_keys)
         self.algorithm = algorithm
         self.durable = durable
         self.threads = threads or default_threads()
@@ -596,6 +601,7 @@ class CheckpointStore:
 def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
          threads: int | None = None, retries: int = 3, incremental: bool = False,
          lease_s: float = DEFAULT_LEASE_S, metadata_layout: str | None = AUTO,
+         divergent_keys: Sequence[str] = (),
          probe: bool = True, probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
          **storage_options: Any) -> CheckpointStore:
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
@@ -623,6 +629,11 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     ``incremental`` nor a two-tier store's per-node storage); None, one ``dcp.msgpack`` that
     every loading rank reads whole (v2, v4); ``"auto"`` (the default), ``"per-rank"`` for a
     save of at least 64 ranks (`PER_RANK_MIN_WORLD`) where the store allows it, else None.
+    ``divergent_keys``: key prefixes (``"loss_buf"``, ``"model.head"``) of tensors that the
+    ranks of a sharded save hold under one key but that are meant to differ between them.
+    Every other tensor several ranks hold is compared (digests) before anything is written,
+    and a save whose copies differ raises `ReplicaMismatchError` naming the key and ranks
+    (docs/sharded.md); a divergent one is stored whole from the lowest rank holding it.
     ``probe``: on object stores (S3, GCS, Azure), check the bucket/container at once, so a
     missing bucket, refused credentials or a dead endpoint raise here (`StorageError` and its
     subclasses, naming the URL and the cause) before anything is written; ``False`` skips it
@@ -643,4 +654,4 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
         storage = RetryingStorage(storage, attempts=retries + 1)
     return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads,
                            incremental=incremental, lease_s=lease_s,
-                           metadata_layout=metadata_layout)
+                           metadata_layout=metadata_layout, divergent_keys=divergent_keys)

@@ -72,6 +72,9 @@ def job_replicas(rank: int, world: int, url: str) -> dict[str, Any]:
     dcp.save(_state(rank, mesh, mesh, differ="big"),
              storage_writer=ckptfs.dcp.Writer(url + "-dcp", 2),
              planner=ckptfs.dcp.SavePlanner(divergent_keys=["big"]))
+    # The store's opt-out: divergent tensors stored whole from the lowest rank.
+    div = ckptfs.open(url + "-div", divergent_keys=["big"])
+    out["div"] = _outcome(lambda: div.save(1, _state(rank, mesh, mesh, differ="big")))
     return out
 
 
@@ -88,8 +91,16 @@ def test_replicas_that_differ_are_refused_on_two_ranks(tmp_path: Path) -> None:
         assert r["steps"] == [1]  # nothing of the refused saves committed
         assert r["fresh"][0] == "ReplicaMismatchError" and r["fresh_steps"] == []
         assert r["dcp"][0] != "ok" and "'big' differs" in r["dcp"][1]
-    got = ckptfs.open(str(tmp_path / "run-dcp")).load(2)  # one process: the stored copy
-    assert torch.equal(got["big"], torch.arange(BIG, dtype=torch.float32).reshape(-1, 4))
+    want = torch.arange(BIG, dtype=torch.float32).reshape(-1, 4)
+    for name, step in (("run-dcp", 2), ("run-div", 1)):  # one process: the stored copy
+        assert torch.equal(ckptfs.open(str(tmp_path / name)).load(step)["big"], want)
+    assert r0["div"] == r1["div"] == ("ok", "")
+
+
+def test_divergent_keys_must_be_key_prefixes(tmp_path: Path) -> None:
+    for bad in ("loss", [""], [3]):
+        with pytest.raises(TypeError, match="divergent_keys"):
+            ckptfs.open(str(tmp_path), divergent_keys=bad)
 
 
 def test_check_replicas_names_keys_and_rank_ranges() -> None:
@@ -112,3 +123,4 @@ def test_tensor_digest_sees_values_dtype_and_shape() -> None:
     assert tensor_digest(t) != tensor_digest(u)
     assert tensor_digest(t[::2]) == tensor_digest(t[::2].contiguous())
     assert tensor_digest(t) != 0
+
