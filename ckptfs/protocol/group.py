@@ -411,6 +411,8 @@ class Liveness:
         self.kind = kind
         self.me = -1
         self.finished = False
+        #: How far this rank got in the exchanges of a cooperative load (`progress`).
+        self.mark = 0
         self.started = time.monotonic()
         self.timeout = timeout
         if group is None:
@@ -445,6 +447,28 @@ class Liveness:
 
         setattr(obj, method, wrapped)
 
+    def progress(self, mark: int) -> None:
+        """This rank reached exchange ``mark`` (>= 1, in the order every rank runs them) of
+        the operation: a survivor of a failed exchange names the ranks that did not reach it
+        (`report`), where it could otherwise only say that every rank entered."""
+        if self.store is None or mark <= self.mark:
+            return
+        self.mark = mark
+        self._set(f"at {mark}".encode())
+
+    @staticmethod
+    def _mark_of(state: bytes | None) -> int:
+        if state is None:
+            return -1
+        if state == b"done":
+            return 1 << 62
+        if state.startswith(b"at "):
+            try:
+                return int(state[3:])
+            except ValueError:
+                return 0
+        return 0
+
     def _set(self, value: bytes) -> None:
         try:
             self.store.set(self.key, value)
@@ -477,12 +501,14 @@ class Liveness:
 
     def report(self) -> tuple[list[int] | None, list[int] | None, str]:
         """(ranks that never entered, ranks that entered but did not finish (None when this
-        rank did not finish its own part either: then nobody's keys say who is to blame), a
+        rank did not finish its own part either and reached no exchange: then nobody's keys
+        say who is to blame; when it reached exchange ``mark``, the ranks that did not), a
         reason when the store could not be asked)."""
         if self.store is None:
             return None, None, "no c10d store to ask"
         found: dict[str, Any] = {}
         limit = self.wait_seconds()
+        mark = (1 << 62) if self.finished else self.mark
 
         def look() -> None:
             try:
@@ -490,10 +516,10 @@ class Liveness:
                 while True:
                     states = {r: self._state(r) for r in self.ranks if r != self.me}
                     absent = [r for r, s in states.items() if s is None]
-                    unfinished = [r for r, s in states.items() if s != b"done"]
-                    if (not absent and (not self.finished or not unfinished)) or \
+                    behind = [r for r, s in states.items() if self._mark_of(s) < mark]
+                    if (not absent and (not mark or not behind)) or \
                             time.monotonic() >= deadline:
-                        found["states"] = absent, unfinished
+                        found["states"] = absent, behind
                         return
                     time.sleep(0.1)
             except Exception as exc:
@@ -503,8 +529,8 @@ class Liveness:
         t.start()
         t.join(limit + 5)
         if "states" in found:
-            absent, unfinished = found["states"]
-            return absent, (unfinished if self.finished else None), ""
+            absent, behind = found["states"]
+            return absent, (behind if mark else None), ""
         why = found.get("error")
         return None, None, (f"the coordinator's store is unreachable ({type(why).__name__}: "
                             f"{why})" if why is not None else "the coordinator's store did not "
@@ -526,13 +552,21 @@ def collective_failure(exc: BaseException, what: str, default: type[ShardedCheck
                         "before it)" for r in absent}
             named = (f"rank(s) {absent} did not enter this {live.kind} (not called there, or "
                      "died or hung before it); ")
+        elif unfinished and not live.finished:
+            failures = {r: f"did not reach exchange {live.mark} of this {live.kind} (died or "
+                        "hung)" for r in unfinished}
+            named = (f"rank(s) {unfinished} did not reach exchange {live.mark} of this "
+                     f"{live.kind} within {waited:.3g} s (died or hung); ")
         elif unfinished:
             failures = {r: "did not finish its part (died or hung)" for r in unfinished}
             named = (f"rank(s) {unfinished} did not finish their part within {waited:.3g} s "
                      "(died or hung); ")
-        elif unfinished == [] and live.ranks:
+        elif unfinished == [] and live.ranks and live.finished:
             named = (f"every rank finished its part, so the coordinator (rank "
                      f"{live.ranks[0]}) most likely failed after it; ")
+        elif unfinished == [] and live.ranks:
+            named = (f"rank(s) unknown: every rank reached exchange {live.mark} of this "
+                     f"{live.kind}, and it failed; ")
         elif why:
             named = f"rank(s) unknown: {why}; "
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -78,6 +79,8 @@ Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
 
 #: Largest ranged read: adjacent chunks a rank needs are fetched together up to this size.
 MAX_RANGE = 64 * 1024 * 1024
+
+log = logging.getLogger("ckptfs")
 
 
 def sharded_manifest(info: CheckpointInfo) -> Manifest:
@@ -192,6 +195,17 @@ class ShardedReader(StorageReader):
         #: Bytes of data chunks this reader read from storage, and received from its peers.
         self.bytes_read = 0
         self.bytes_received = 0
+        #: Told the number of each exchange of a cooperative load as this rank reaches it
+        #: (the collective load's `Liveness.progress`: a survivor names who did not).
+        self.on_progress: Callable[[int], None] | None = None
+        self._marks = 0
+        #: Chunks a peer sent whose bytes were not the stored ones (read from storage here).
+        self.refused_from_peers: list[tuple[Key, int]] = []
+
+    def _progress(self) -> None:
+        self._marks += 1
+        if self.on_progress is not None:
+            self.on_progress(self._marks)
 
     @property
     def checkpoint_id(self) -> str:
@@ -375,6 +389,7 @@ class ShardedReader(StorageReader):
         mine: dict[str, list[int]] = {}
         for path, off, length in keys:
             mine.setdefault(path, []).extend((off, length))
+        self._progress()
         docs = peers.all_gather({"keys": mine})
         if any("error" in d for d in docs):
             return None
@@ -441,6 +456,7 @@ class ShardedReader(StorageReader):
                         use(key, view)
             except Exception as exc:
                 error = exc
+            self._progress()
             if self._settle(peers, error):
                 stopped = True
                 break
@@ -453,18 +469,26 @@ class ShardedReader(StorageReader):
                             send[r].append(mine[t.key])
                 elif me in t.needers:
                     expect[t.reader].append(t.key)
+            self._progress()
             got = peers.exchange_bytes(send, [sum(k[2] for k in ks) for ks in expect])
             try:
+                again: list[Key] = []
                 for src, ks in enumerate(expect):
                     pos = 0
                     for key in ks:
                         view = got[src][pos:pos + key[2]]
                         pos += key[2]
-                        self._check_received(manifest, key, view, peers.ranks[src])
+                        if not self._received_ok(manifest, key, view, peers.ranks[src]):
+                            again.append(key)
+                            continue
                         self.bytes_received += key[2]
+                        use(key, view)
+                for views in self._fetch(manifest, again, {}):  # the stored bytes, verified
+                    for key, view in views:
                         use(key, view)
             except Exception as exc:
                 error = exc
+            self._progress()
             if self._settle(peers, error):
                 stopped = True
                 break
@@ -473,20 +497,28 @@ class ShardedReader(StorageReader):
             for key, view in views:
                 use(key, view)
 
-    def _check_received(self, manifest: Manifest, key: Key, view: memoryview,
-                        src: int) -> None:
-        """A chunk another rank sent, checked against its digest (with `verify`) like one read
-        here: a faulty peer cannot hand this rank bytes the manifest does not bind."""
+    def _received_ok(self, manifest: Manifest, key: Key, view: memoryview, src: int) -> bool:
+        """Whether a chunk another rank sent matches its digest (with `verify`), checked like
+        one read here: a faulty peer cannot hand this rank bytes the manifest does not bind.
+        Bytes that do not match are the peer's fault (its memory, or the network), not the
+        stored file's: logged naming the peer, and this rank reads the chunk from storage
+        itself (a stored chunk that is corrupt too fails that read, naming the file)."""
         if not self.verify:
-            return
+            return True
         info = self.resolve()
         entry = manifest.chunked(key[0])
         try:
             check_chunk(self.storage, StoredChunks.of_entry(info, entry),
                         _stored_chunk(info, entry, key), view)
-        except CorruptCheckpointError as exc:
-            raise CorruptCheckpointError(f"{exc} (sent by rank {src})", step=exc.step,
-                                         path=exc.path) from None
+        except CorruptCheckpointError:
+            log.warning("ckptfs: %d B at %d of %s sent by rank %d do not match their digest in "
+                        "the manifest: that rank's memory or the network altered them (the "
+                        "stored file is not at fault); read from storage here instead",
+                        key[2], key[1], storage_url(self.storage, entry_location(info, entry)),
+                        src)
+            self.refused_from_peers.append((key, src))
+            return False
+        return True
 
     @staticmethod
     def _settle(peers: Group, error: Exception | None) -> bool:
