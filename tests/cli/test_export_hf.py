@@ -372,6 +372,61 @@ def test_sharded_corrupt_chunk_fails(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert list(out.iterdir()) == []  # and the first shard's temporary file is gone
 
 
+def job_plain_dcp_save(rank: int, world: int, url: str, full: dict[str, torch.Tensor]) -> Any:
+    """A plain ``dcp.save`` through ckptfs's Writer: no stored tree, DCP's flat names only."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckptfs.dcp
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in full.items()}
+    dcp.save({"model": model, "epoch": 2}, storage_writer=ckptfs.dcp.Writer(url, 6),
+             planner=ckptfs.dcp.SavePlanner())
+    return 0
+
+
+def test_plain_dcp_save_exports(tmp_path: Path) -> None:
+    sd = {"embed.weight": torch.randn(8, 4), "layers.0.w": torch.randn(6, 4),
+          "norm.weight": torch.randn(4)}
+    url = str(tmp_path / "run")
+    run_ranks(job_plain_dcp_save, 2, url, sd, timeout=240)
+    result = export_hf(url, 6, tmp_path / "hf", key="model", max_shard_size=100)
+    assert result.tensors == 3 and len(result.files) == 3  # 128 B alone, 96 B, 16 B
+    assert_bit_exact(sd, load_files(tmp_path / "hf"))
+    check_index(tmp_path / "hf", 100)
+
+
+def test_lists_and_nested_keys(tmp_path: Path) -> None:
+    """Tensors in lists and nested dicts get their ``"."``-joined key paths; ``--key`` takes a
+    ``/``-separated path; tensors in a list are read with the list."""
+    state = {"run": {"net": {"blocks": [torch.randn(3), {"w": torch.randn(2, 2)}],
+                             "head": {"b": torch.zeros(4, dtype=torch.int32)}, "name": "x"}}}
+    store = ckptfs.open(str(tmp_path / "run"))
+    store.save(1, state)
+    result = export_hf(store, 1, tmp_path / "hf", key="run/net")
+    net = state["run"]["net"]
+    assert_bit_exact({"blocks.0": net["blocks"][0], "blocks.1.w": net["blocks"][1]["w"],
+                      "head.b": net["head"]["b"]}, load_files(tmp_path / "hf"))
+    assert result.skipped == ["run/net/name"]
+
+
+@pytest.mark.parametrize("backend", ["memory_backend", "s3_backend"])
+def test_exports_from_object_stores(tmp_path: Path, request: pytest.FixtureRequest,
+                                    backend: str) -> None:
+    b = request.getfixturevalue(backend)
+    model = llama(seed=4)
+    sd = model.state_dict()
+    store = ckptfs.open(b.url, **b.options)
+    store.save(9, {"model": sd, "step": 9})
+    out = tmp_path / "hf"
+    result = export_hf(store, 9, out, key="model", max_shard_size="40KB")
+    assert result.source.startswith(b.url.split("://")[0]) and len(result.files) > 1
+    check_index(out, 40_000)
+    assert_bit_exact(sd, load_back(model, out))
+
+
 def test_itemsize_table_matches_torch() -> None:
     from ckptfs.format.serialize import CODE_DTYPES
 
