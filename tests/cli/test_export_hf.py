@@ -398,6 +398,22 @@ def test_plain_dcp_save_exports(tmp_path: Path) -> None:
     check_index(tmp_path / "hf", 100)
 
 
+def test_incremental_checkpoint_exports(tmp_path: Path) -> None:
+    """Format v3 (incremental): the unchanged tensors are references to the earlier step's
+    files, read and verified where they are stored."""
+    store = ckptfs.open(str(tmp_path / "run"), incremental=True)
+    sd = {f"layers.{i}.weight": torch.randn(128, 256) for i in range(8)}
+    store.save(1, {"model": sd})
+    sd = {**sd, "layers.3.weight": torch.randn(128, 256)}
+    info = store.save(2, {"model": sd})
+    from ckptfs.format.incremental import references_of
+
+    assert references_of(info.manifest)  # the unchanged tensors live in step 1's files
+    result = export_hf(store, 2, tmp_path / "hf", key="model", max_shard_size="300KB")
+    assert len(result.files) == 4
+    assert_bit_exact(sd, load_files(tmp_path / "hf"))
+
+
 def test_lists_and_nested_keys(tmp_path: Path) -> None:
     """Tensors in lists and nested dicts get their ``"."``-joined key paths; ``--key`` takes a
     ``/``-separated path; tensors in a list are read with the list."""
