@@ -8,12 +8,14 @@ Run as a script (``python this_file.py '<json>'``), it is the training job the l
 from __future__ import annotations
 
 import array
+import io
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +278,25 @@ def test_flipped_byte_after_commit_is_refused_naming_the_file(backend: Backend) 
     with pytest.raises(CorruptCheckpointError):
         reader.readinto(bytearray(1))
     mgr.close()
+
+
+def test_ranged_reads_serve_torch_load_as_the_resharder_does(backend: Backend) -> None:
+    """The resharder's offset reads: ``zipfile`` over the stream, then ``torch.load`` of it
+    (seek + readinto across many small blocks, each checked)."""
+    cfg = config(backend, block_size=100)
+    st = cfg.create_storage()
+    m = model(3)
+    st.mkdir(Path("r/tmp_a"))
+    with st.stream_write(Path("r/tmp_a/model.pt")) as f:
+        torch.save(m.state_dict(), f)
+    st.rename(Path("r/tmp_a"), Path("r/a"), is_directory=True)
+    stream = st.stream_read(Path("r/a/model.pt"), ReadArgs(pre_read_full_file=False))
+    with zipfile.ZipFile(stream) as archive:  # type: ignore[arg-type]
+        assert archive.namelist()
+    stream.seek(0)
+    assert_same(torch.load(stream, weights_only=True), m.state_dict())  # type: ignore[arg-type]
+    stream.seek(0, io.SEEK_END)
+    assert stream.tell() == st.getsize(Path("r/a/model.pt")) and stream.read(10) == b""
 
 
 def test_truncated_file_is_refused(backend: Backend) -> None:
