@@ -109,6 +109,8 @@ class NodeReader(ShardedReader):
     node when it holds it, else a peer's node (through the group), else the remote copy
     (module docstring)."""
 
+    reads_any_layout = False  # a node copy is of a sharded checkpoint
+
     #: Each file is read where it lies (this node, a peer's, the remote copy): never shared
     #: out as a cooperative load's chunks.
     cooperative = False

@@ -519,10 +519,12 @@ def _placeholder(slot: TensorSlot) -> torch.Tensor:
 @dataclass(frozen=True)
 class CheckedSingleProcess:
     """What `check_single_process` decoded: the tagged tree and the tensor slots (``ckptfs inspect``
-    renders them without reading anything again)."""
+    renders them without reading anything again), and the state with a placeholder (of the
+    stored dtype and shape, one element broadcast) for every tensor."""
 
     tree: Any
     slots: list[TensorSlot]
+    state: dict[Any, Any] | None = None
 
 
 def check_single_process(storage: Storage, info: CheckpointInfo) -> CheckedSingleProcess:
@@ -561,7 +563,7 @@ def check_single_process(storage: Storage, info: CheckpointInfo) -> CheckedSingl
         state = build_tree(tree, [_placeholder(s) for s in slots], where=where)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{where}: the state root is not a dict", step=info.step)
-    return CheckedSingleProcess(tree, slots)
+    return CheckedSingleProcess(tree, slots, state)
 
 
 def verify_single_process(storage: Storage, info: CheckpointInfo, report: VerifyReport, *,

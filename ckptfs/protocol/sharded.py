@@ -77,7 +77,7 @@ from ckptfs.format.serialize import build_tree
 from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry, decode_value
 from ckptfs.format.sharded_metadata import DcpDocument, check_rank_header, items_by_file
 from ckptfs.format.sharded_tree import dcp_view, regions_of, restore, write_back
-from ckptfs.format.versions import SHARDED, features, has_rank_metadata
+from ckptfs.format.versions import has_rank_metadata, is_sharded
 from ckptfs.protocol.chunks import entry_location, read_chunks
 from ckptfs.protocol.collective import is_distributed
 from ckptfs.protocol.commit import write_again_if_gone
@@ -429,8 +429,6 @@ def load_into(storage: Storage, step: int | None, into: dict[str, Any], *,
         one.info = info
         keys = first.pop() if first else liveness(process_group, "load", info.step)
         try:
-            if SHARDED not in features(info.manifest):
-                sharded_manifest(info)  # raises the refusal: not a sharded checkpoint
             return _load_once(storage, info.step, into, group, keys, where, verify=verify,
                               threads=threads, reader=one)
         except CheckpointDeletedError:
@@ -484,11 +482,23 @@ def _load_once(storage: Storage, step: int | None, into: dict[str, Any], group: 
     if reader is None:
         reader = ShardedReader(storage, step, verify=verify, threads=threads,
                                allow_rollback=allow_rollback, regions=regions_of(view))
+    files_layout: CheckpointInfo | None = None
     if deferred is None:
         try:
-            reader.resolve()
+            info = reader.resolve_any()
+            if is_sharded(info.manifest) or not reader.reads_any_layout:
+                reader.resolve()
+            else:
+                files_layout = info
         except CkptfsError as exc:  # raised on every rank through DCP, not before it
             deferred = exc
+    if files_layout is not None:  # format v1/v3: each rank reads what its targets hold
+        from ckptfs.protocol.files_into import load_files_into
+
+        _run(lambda: load_files_into(storage, files_layout, into, group_of(group),
+                                     verify=verify, threads=threads or 4),
+             where, ShardedLoadError, live)
+        return into
     if deferred is not None:
         reader.defer(deferred)
     if reader.peers is None:  # chunks several ranks need are read once (docs/sharded.md)

@@ -162,6 +162,10 @@ class ShardedReader(StorageReader):
     #: Whether chunks several ranks need are read once and sent to the others (with `peers`);
     #: a reader whose own reads are already placed elsewhere (a node copy's) says False.
     cooperative = True
+    #: Whether a collective load through this reader takes a checkpoint of the files layout
+    #: (format v1, v3) too (`ckptfs.protocol.files_into`): a reader of one storage does; a
+    #: reader placing its reads on tiers of its own refuses it as not sharded.
+    reads_any_layout = True
 
     def __init__(self, storage: Storage, step: int | None = None, *, verify: bool = True,
                  threads: int | None = None, allow_rollback: bool = False,
@@ -221,7 +225,15 @@ class ShardedReader(StorageReader):
         return False
 
     def resolve(self) -> CheckpointInfo:
-        """The committed checkpoint this reader reads (resolved once)."""
+        """The committed checkpoint this reader reads (resolved once), of a sharded format."""
+        info = self.resolve_any()
+        sharded_manifest(info)
+        return info
+
+    def resolve_any(self) -> CheckpointInfo:
+        """The committed checkpoint this reader's step names (the latest for None), whatever
+        its format (a collective load of the files layout takes another strategy:
+        `ckptfs.protocol.files_into`)."""
         if self.info is None:
             if self.step is None:
                 info = resolve_latest(self.storage, allow_rollback=self.allow_rollback)
@@ -230,7 +242,6 @@ class ShardedReader(StorageReader):
                         f"no committed checkpoint at {self.storage.url}")
             else:
                 info = read_committed(self.storage, self.step)
-            sharded_manifest(info)
             self.info = info
         return self.info
 

@@ -298,12 +298,8 @@ class TwoTiers(Tiers):
                 default=ShardedLoadError))
 
         def use(info: CheckpointInfo) -> dict[str, Any]:
-            if not is_sharded(info.manifest):
-                raise LoadOptionError(
-                    f"step {info.step} at {info.url} is a single-process (format "
-                    f"v{info.manifest.format_version}) checkpoint: load(into=) fills a state "
-                    f"dict from a sharded one; load it with store.load({info.step})")
-            if self.node_local and group is not None and self.tier_of(info)[0] == "local":
+            if self.node_local and group is not None and is_sharded(info.manifest) and \
+                    self.tier_of(info)[0] == "local":
                 from ckptfs.protocol.node_copy import load_node_copy
                 return load_node_copy(self.local.storage, self.remote.storage, info, into,
                                       group, verify=verify, threads=threads,

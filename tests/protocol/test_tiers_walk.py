@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.errors import CorruptCheckpointError, LoadOptionError, TierMismatchError
+from ckptfs.errors import CorruptCheckpointError, TierMismatchError
 from ckptfs.protocol.group import Default, Group
 from ckptfs.protocol.resolve import CheckpointInfo, Tier, use_step, walk_tiers
 from ckptfs.protocol.store import CheckpointStore
@@ -131,11 +131,12 @@ def test_the_walk_of_a_group_of_one_is_the_walk(tmp_path: Path) -> None:
     assert found[0].url.startswith(tiers[0][1].url) and torch.equal(found[1]["w"], state["w"])
 
 
-def test_load_into_of_a_single_process_checkpoint_is_refused(tmp_path: Path) -> None:
+def test_load_into_of_a_single_process_checkpoint_fills_it(tmp_path: Path) -> None:
+    """load(into=) reads either layout, on a two-tier store too (it refused format v1)."""
     store = ckptfs.tiered(str(tmp_path / "local"), str(tmp_path / "remote"))
     try:
         store.save(1, {"w": torch.arange(3.0)})
-        with pytest.raises(LoadOptionError, match="single-process"):
-            store.load(into={"w": torch.zeros(3)})
+        into = {"w": torch.zeros(3)}
+        assert store.load(into=into) is into and torch.equal(into["w"], torch.arange(3.0))
     finally:
         store.close()
