@@ -692,7 +692,12 @@ def build_tree(tree: Any, tensors: list[torch.Tensor], *, where: str) -> Any:
             return decode_extension(payload, lambda p: dec(p, depth + 1, in_key), node)
         raise bad(f"unknown tag {tag!r:.20}")
 
-    return reporting_key_paths(lambda: dec(tree, 0), tree, where)
+    try:
+        return reporting_key_paths(lambda: dec(tree, 0), tree, where)
+    finally:
+        # ``dec`` refers to itself through its closure: a reference cycle holding ``tensors``
+        # until the cyclic collector runs (a load's whole state outliving it).  Broken here.
+        dec = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
