@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from ckptfs.errors import CorruptCheckpointError, ExtensionTypeError, UnsupportedValueError
+from ckptfs.format.codec_errors import Malformed, Refused
 
 #: The tag of an extension node: ``["x", [name, payload]]``.
 EXT_TAG = "x"
@@ -43,16 +44,6 @@ NAME_RE = re.compile(r"[A-Za-z0-9_.<>-]{1,200}")
 FALLBACK_TYPE_KEY = "__ckptfs_type__"
 
 C = TypeVar("C", bound=type)
-
-
-class Malformed(Exception):
-    """Raised by a built-in decoder for a payload no writer produces (a hostile or corrupt
-    file): reported as `CorruptCheckpointError`, not as a refused decode."""
-
-
-class Refused(Exception):
-    """Raised by a built-in encoder for a value of its type that it cannot store (an object
-    array): reported as `UnsupportedValueError` naming the key path."""
 
 
 @dataclasses.dataclass(frozen=True)

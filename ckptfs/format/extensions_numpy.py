@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ckptfs.format.codec_errors import Malformed, Refused
+
 #: Kinds of numpy dtypes that hold plain data: bool, ints, floats, complex, datetime/timedelta,
 #: bytes and unicode strings.  Never ``O`` (objects) or ``V`` (structured / raw void).
 _KINDS = frozenset("biufcmMSU")
@@ -32,8 +34,6 @@ _SAME_IN_TORCH = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16",
 def numpy_types(np: Any, entry: Callable[..., Any]) -> list[tuple[type, Any]]:
     """(class, registration) pairs of the numpy built-ins: ``numpy.ndarray`` and
     ``numpy.generic`` (every concrete scalar type: ``np.float32``, ``np.int64``...)."""
-    from ckptfs.format.extensions import Malformed, Refused  # the caller is importing it
-
     to_torch: dict[Any, torch.dtype] = {
         np.dtype(n): getattr(torch, n) for n in _SAME_IN_TORCH if hasattr(torch, n)}
 

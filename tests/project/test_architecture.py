@@ -171,8 +171,6 @@ def test_no_upward_or_sideways_import(name: str) -> None:
 #: (in-function) imports count: they hide a cycle from the interpreter, not from a reader.
 #: Imports under ``if TYPE_CHECKING:`` (annotations only) do not.
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"ckptfs.format.extensions", "ckptfs.format.extensions_numpy"}):
-        "the NumPy types register lazily from the registry (NumPy is optional)",
     frozenset({"ckptfs.testing.reliability", "ckptfs.testing.reliability.report"}):
         "the report module imports the package's __init__ that imports it",
 }
