@@ -23,9 +23,7 @@ import struct
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptfs.cli.core import (
     EXIT_FAILED,
@@ -46,12 +44,13 @@ from ckptfs.errors import (
     HashAlgorithmUnavailableError,
     UnsupportedValueError,
 )
-from ckptfs.format.extensions import FALLBACK_TYPE_KEY, unregistered_as_dict
 from ckptfs.format.limits import MAX_DEPTH
-from ckptfs.format.serialize import dtype_code, tensor_memoryview
-from ckptfs.protocol.resolve import CheckpointInfo
-from ckptfs.protocol.store import CheckpointStore
-from ckptfs.protocol.store import open as open_store
+
+if TYPE_CHECKING:  # torch and the protocol load when a verb runs, not for its --help
+    import torch
+
+    from ckptfs.protocol.resolve import CheckpointInfo
+    from ckptfs.protocol.store import CheckpointStore
 
 #: What makes one step of ``cp`` fail without stopping the others (an unreachable store, bad
 #: usage, stop the command: exit 2).
@@ -89,6 +88,8 @@ def resolve(store: CheckpointStore, step: int | None) -> CheckpointInfo:
 
 def cmd_cp(args: argparse.Namespace) -> int:
     from ckptfs.protocol.copy import copy_step
+    from ckptfs.protocol.resolve import CheckpointInfo
+    from ckptfs.protocol.store import open as open_store
 
     shared = parse_options(args.option)
     src = open_store(args.src, **{**shared, **parse_options(args.src_option)})
@@ -152,6 +153,7 @@ def _failed_step(step: int, exc: Exception) -> dict[str, Any]:
 def _holds_tensor(value: Any, depth: int = 0) -> bool:
     """Whether a tensor is reachable from ``value`` through containers, a ``Namespace``'s or
     other object's attributes, or a dataclass's fields (numpy arrays are data, not tensors)."""
+    import torch
     if depth > MAX_DEPTH + 8:
         return False
     if isinstance(value, torch.Tensor):
@@ -179,6 +181,10 @@ def _flatten(value: Any, prefix: str, tensors: dict[str, torch.Tensor],
     registered); the other leaves as JSON values.  A tensor that has no stable key path (in a
     set, or in an object of another kind) is refused, naming the key path: it is never written
     as text."""
+    import torch
+
+    from ckptfs.format.extensions import FALLBACK_TYPE_KEY
+    from ckptfs.format.serialize import dtype_code
     def name_for(key: str) -> str:
         name, n = key or "<root>", 1
         while name in tensors or name in values or name == "__metadata__":
@@ -262,6 +268,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
                       progress: Any) -> int:
     """Stream ``tensors`` into one safetensors file (ordered by element size, so each tensor is
     aligned); tensors sharing memory are written separately."""
+    from ckptfs.format.serialize import dtype_code, tensor_memoryview
     order = sorted(tensors, key=lambda n: -tensors[n].element_size())
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -326,6 +333,9 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from ckptfs.format.extensions import unregistered_as_dict
     out = Path(args.out)
     kind = out.suffix.lower()
     fmt = args.format or ("hf" if kind not in (".safetensors", ".pt") and out.is_dir()
