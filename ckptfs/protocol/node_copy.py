@@ -53,7 +53,8 @@ from ckptfs.format.layout import StepPaths
 from ckptfs.format.manifest import Manifest
 from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry
 from ckptfs.protocol.chunks import entry_location, read_chunks
-from ckptfs.protocol.copy import committed_at, own_files, settle_node_attempt
+from ckptfs.protocol.copy import own_files, settle_node_attempt
+from ckptfs.protocol.copy_io import committed_at
 from ckptfs.protocol.formats import VerifyReport
 from ckptfs.protocol.group import Group, carried, decode_bytes, describe, encode_bytes
 from ckptfs.protocol.listing import list_attempt, problems

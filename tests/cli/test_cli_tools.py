@@ -313,7 +313,8 @@ def test_cp_of_files_larger_than_a_copy_slice(incremental: bool, dst_kind: str,
     used to refill one buffer for every slice, so a healthy source failed as "digest differs"
     (and the replicator gave the step up)."""
     from ckptfs.protocol import commit
-    from ckptfs.protocol.copy import COPY_CHUNK, copy_step
+    from ckptfs.protocol.copy import copy_step
+    from ckptfs.protocol.copy_io import COPY_CHUNK
 
     class SlowHasher(commit.MultiHasher):  # type: ignore[misc,name-defined]
         def update(self, data: Any) -> None:

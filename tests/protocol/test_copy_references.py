@@ -127,7 +127,7 @@ def test_a_failed_lone_v4_copy_leaves_no_retired_attempt(tmp_path: Path) -> None
 def test_sharded_replica_of_a_step_not_at_the_remote_is_refused(tmp_path: Path) -> None:
     """Without the source run root (the sharded replicator: files on several nodes) a step
     the remote does not hold cannot be referenced: refused, nothing written."""
-    from ckptfs.protocol.copy import references_at
+    from ckptfs.protocol.copy_io import references_at
     src = _golden_v4(tmp_path)
     m2 = ckptfs.open(str(src)).info(2).manifest
     with pytest.raises(ReplicationError, match="cannot be copied by reference"):

@@ -27,7 +27,7 @@ from ckptfs.errors import (
     UnreplicatedCheckpointError,
 )
 from ckptfs.lifecycle.gc import collect
-from ckptfs.protocol.copy import COPY_CHUNK, COPY_HASH_LEAD
+from ckptfs.protocol.copy_io import COPY_CHUNK, COPY_HASH_LEAD
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.tiers import SCAN_TIMEOUT_S, TieredStore, tiered
 from ckptfs.testing.backend import Backend
@@ -509,7 +509,7 @@ def test_copying_pauses_while_a_save_writes(local_backend: Backend,
     """A local save has the disk and the cores to itself: the replication of an earlier step
     stops after the slice in flight while ``save`` writes, and goes on when it returns (the
     blocking time of a tiered save stays that of a local one: ``ckptfs bench tiers``)."""
-    from ckptfs.protocol.copy import COPY_CHUNK
+    from ckptfs.protocol.copy_io import COPY_CHUNK
 
     started = threading.Event()
     seen: list[int] = []
