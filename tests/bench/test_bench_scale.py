@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.bench import scale
+from ckptfs.bench import scale, scale_report
 from ckptfs.bench.cli import main as bench_main
 
 
@@ -45,7 +45,7 @@ def test_simulator_equals_a_real_two_rank_save(mesh: str) -> None:
 
 def test_table_has_the_columns_and_the_growth() -> None:
     rows = scale.run_scale([8, 16], ["fsdp", "hsdp"], shrink=64, reps=1, collect=False)
-    text = scale.table(rows)
+    text = scale_report.table(rows)
     for column in ("coordinator s", "metadata MB", "read MB/loading rank", "load s/rank",
                    "broadcast MB", "plans MB", "growth in W"):
         assert column in text
@@ -62,20 +62,20 @@ def test_table_has_the_columns_and_the_growth() -> None:
     assert fsdp[1] > 1.5 * fsdp[0]
     assert hsdp[1] == pytest.approx(hsdp[0], rel=0.05)
     # format v5 (metadata_layout="per-rank") beside them: what one loading rank reads
-    loads = scale.load_table(rows)
+    loads = scale_report.load_table(rows)
     assert "v2 / v5 / DCP" in loads and "| 16 |" in loads
     for r in rows:
         v5 = r["v5"]
         assert v5["read_per_rank_bytes"] == v5["decoded_per_rank_bytes"] > v5["manifest_bytes"]
         assert v5["load_per_rank_s"] > 0 and v5["coordinator_s"] > 0
-    g = scale.growth(rows)["fsdp"]["ckptfs/metadata_bytes"]
+    g = scale_report.growth(rows)["fsdp"]["ckptfs/metadata_bytes"]
     assert g is not None and 0.5 < g < 1.2
 
 
 def test_slope() -> None:
-    assert scale.slope([1, 10, 100], [3, 30, 300]) == pytest.approx(1.0)
-    assert scale.slope([1, 10], [5, 500]) == pytest.approx(2.0)
-    assert scale.slope([8], [1.0]) is None
+    assert scale_report.slope([1, 10, 100], [3, 30, 300]) == pytest.approx(1.0)
+    assert scale_report.slope([1, 10], [5, 500]) == pytest.approx(2.0)
+    assert scale_report.slope([8], [1.0]) is None
 
 
 def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
