@@ -49,6 +49,22 @@ def check_metadata_layout(layout: Any) -> str | None:
     return layout
 
 
+#: The file layouts of a store's saves (its ``layout=``): ``"auto"`` (the default) writes the
+#: files of one process (format v1, v3) in a single process and the rank files of the
+#: `SHARDED` feature (v2, v4, v5) under a process group; ``"ranks"`` writes the rank files
+#: always, a single process being the world of one of the collective save.
+RANKS = "ranks"
+LAYOUTS = (AUTO, RANKS)
+
+
+def check_layout(layout: Any) -> str:
+    """``layout`` if it names a file layout of a store, else ``UnsupportedValueError``."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise UnsupportedValueError(f"layout {layout!r:.40}: one of "
+                                    f"{', '.join(map(repr, LAYOUTS))}")
+    return layout
+
+
 def metadata_layout_for(layout: str | None, world: int, *, incremental: bool,
                         node_local: bool) -> str | None:
     """The layout a save of ``world`` ranks writes for the store's ``metadata_layout``

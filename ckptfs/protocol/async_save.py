@@ -259,12 +259,16 @@ class AsyncSaver:
         background save's collectives never share a group with the training loop's or a
         synchronous save's.  Its creation is bounded by the collective timeout; a rank that
         never joins it fails it on the others with `ShardedSaveError` naming that rank
-        (``live``: the save's `Liveness`)."""
+        (``live``: the save's `Liveness`).  None in a process without a process group (a
+        store of ``layout="ranks"``: the world of one)."""
         import torch.distributed as dist
 
+        from ckptfs.protocol.collective import is_distributed
         from ckptfs.protocol.group import gloo_group
         from ckptfs.protocol.sharded import COLLECTIVE_TIMEOUT
 
+        if not is_distributed():
+            return None
         world = dist.group.WORLD  # by identity, never id(): a new world may reuse an old id
         if self._group is None or self._group[0] is not world:
             group = gloo_group(COLLECTIVE_TIMEOUT, what=f"{what}: creating the store's gloo "

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptfs.errors import ShardedSaveError, UnsupportedValueError
+from ckptfs.format.features import RANKS
 from ckptfs.format.hashing import new_hasher
 from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import StatePlan
@@ -86,7 +87,7 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     thread, its collectives on the group this gives."""
     check_step(step)
     new_hasher(store.algorithm)
-    collective = wants_sharded_save(state, process_group)
+    collective = store.layout == RANKS or wants_sharded_save(state, process_group)
     storage, algorithm, durable = store.storage, store.algorithm, store.durable
     threads, memory, lease_s = store.threads, store.reuse, store.lease_s
     if not collective:

@@ -14,7 +14,7 @@ from ckptfs.errors import (
     LoadOptionError,
     StorageError,
 )
-from ckptfs.format.features import AUTO, check_metadata_layout
+from ckptfs.format.features import AUTO, check_layout, check_metadata_layout
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
@@ -212,7 +212,7 @@ class CheckpointStore:
                  shard_bytes: int = DEFAULT_SHARD_BYTES, incremental: bool = False,
                  lease_s: float = DEFAULT_LEASE_S, tiers: Tiers | None = None,
                  metadata_layout: str | None = AUTO,
-                 divergent_keys: Sequence[str] = ()) -> None:
+                 divergent_keys: Sequence[str] = (), layout: str = AUTO) -> None:
         new_hasher(algorithm)
         self.storage = storage
         #: What reads resolve across and what is told of commits and deletes (default: this
@@ -229,6 +229,10 @@ class CheckpointStore:
         #: ``"auto"`` (the default): ``"per-rank"`` from `PER_RANK_MIN_WORLD` ranks where the
         #: store allows it (not incremental, not per-node storage), else None.
         self.metadata_layout = check_metadata_layout(metadata_layout)
+        #: ``"ranks"``: every save writes the rank files of a sharded checkpoint (v2, v4, v5),
+        #: in one process too (the world of one of the collective save); ``"auto"``: only
+        #: under a process group (docs/sharded.md).
+        self.layout = check_layout(layout)
         #: Sharded saves: key prefixes of tensors meant to differ between the ranks holding
         #: them (not compared; stored whole from the lowest holder): `ckptfs.protocol.replicas`.
         self.divergent_keys = check_divergent_keys(divergent_keys)
@@ -601,7 +605,7 @@ class CheckpointStore:
 def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
          threads: int | None = None, retries: int = 3, incremental: bool = False,
          lease_s: float = DEFAULT_LEASE_S, metadata_layout: str | None = AUTO,
-         divergent_keys: Sequence[str] = (),
+         divergent_keys: Sequence[str] = (), layout: str = AUTO,
          probe: bool = True, probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
          **storage_options: Any) -> CheckpointStore:
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
@@ -634,6 +638,10 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     Every other tensor several ranks hold is compared (digests) before anything is written,
     and a save whose copies differ raises `ReplicaMismatchError` naming the key and ranks
     (docs/sharded.md); a divergent one is stored whole from the lowest rank holding it.
+    ``layout``: ``"auto"`` (the default): a single process writes its files (format v1, v3),
+    a process group the rank files of a sharded checkpoint (v2, v4, v5); ``"ranks"``: every
+    save writes the rank files, in one process too (a world of one; docs/sharded.md). Either
+    layout loads into any world size and placement.
     ``probe``: on object stores (S3, GCS, Azure), check the bucket/container at once, so a
     missing bucket, refused credentials or a dead endpoint raise here (`StorageError` and its
     subclasses, naming the URL and the cause) before anything is written; ``False`` skips it
@@ -654,4 +662,5 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
         storage = RetryingStorage(storage, attempts=retries + 1)
     return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads,
                            incremental=incremental, lease_s=lease_s,
-                           metadata_layout=metadata_layout, divergent_keys=divergent_keys)
+                           metadata_layout=metadata_layout, divergent_keys=divergent_keys,
+                           layout=layout)

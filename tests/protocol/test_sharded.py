@@ -372,3 +372,36 @@ def test_sharded_manifests_count_the_tensors(tmp_path: Path, layout: str | None)
     assert info.manifest.format_version == (5 if layout else 2)
     assert info.manifest.metadata["tensor_count"] == 12
     assert store.save(2, state).manifest.metadata["tensor_count"] == 12  # v1: the same
+
+
+def test_a_store_of_layout_ranks_writes_rank_files_in_one_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``layout="ranks"``: a single process writes the rank files (v2; v4 incremental; v5
+    per-rank metadata, its async save too) through the collective save's driver, a world of
+    one; each loads back bit for bit; an unknown layout is refused at open."""
+    from ckptfs.protocol import save_rounds
+
+    calls: list[int] = []
+    real = save_rounds.drive_save
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_rounds, "drive_save", counted)
+    state = {"w": torch.arange(6.0).reshape(2, 3), "t": {"step": 4, "names": ["a"]}}
+    for name, opts, version in (("v2", {}, 2), ("v4", {"incremental": True}, 4),
+                                ("v5", {"metadata_layout": "per-rank"}, 5)):
+        store = ckptfs.open(str(tmp_path / name), layout="ranks", **opts)
+        store.save(1, state)
+        info = store.save(2, state)
+        assert info.manifest.format_version == version, name
+        got = store.load(2)
+        assert torch.equal(got["w"], state["w"]) and got["t"] == state["t"]
+        fut = store.save_async(3, state)
+        assert fut.result().manifest.format_version == version
+        store.close()
+    assert len(calls) == 9  # every save through the one collective driver
+    assert ckptfs.open(str(tmp_path / "v1")).save(1, state).manifest.format_version == 1
+    with pytest.raises(TypeError, match="layout 'rank'"):
+        ckptfs.open(str(tmp_path / "x"), layout="rank")

@@ -6,9 +6,8 @@ exactly what the single-process save gives it:
 
 =========  ====================================================================================
 ``v1``     ``store.save`` in one process (format v1)
-``v2``     the collective save on one rank (``save_sharded`` with no process group:
-           ``dcp.save(no_dist=True)`` driving `ShardedWriter`,
-           as ``ckptfs.dcp.Writer`` is driven)
+``v2``     ``store.save`` of a store opened with ``layout="ranks"`` in one process: the
+           collective save's driver with a world of one (format v2)
 ``async``  ``store.save_async(...).result()`` (the snapshot, then the commit on the store's
            background thread)
 ``cp``     a save into a scratch ``memory://`` root, then ``ckptfs cp``
@@ -20,7 +19,7 @@ exactly what the single-process save gives it:
            format v3), saving `frozen_state_for`, whose model does not change from step
            to step: every save after the first references the model's tensors in the file an
            earlier checkpoint holds (`WritePath.references`)
-``v4``     the collective save on one rank of an incremental store (format v4): the store's
+``v4``     ``store.save`` of an incremental store of ``layout="ranks"`` (format v4): the store's
            reuse memory is kept between the saves of a run root (`reuse_memory`), and the
            frozen model is the same tensor objects at every step, so each save after the first
            references the model's items in an earlier checkpoint's rank file
@@ -42,13 +41,13 @@ exactly what the single-process save gives it:
            collectively on the local tier and replicated as a sharded step
 ``replica-v4`` the same on incremental tiers (format v4; the frozen model's DTensors kept
            between saves, as for ``async-v4``)
-``v5``     the collective save on one rank with ``metadata_layout="per-rank"`` (format v5:
+``v5``     ``store.save`` of a store of ``layout="ranks"`` and ``metadata_layout="per-rank"`` (v5:
            the rank's index document, the tensor spec and the table of rank files; the
            manifest lists only the spec and the table's blocks, docs/protocol.md §9.7)
 =========  ====================================================================================
 
 Rollback reads (`ROLLBACK_READS`, `rollback_read`): ``load(allow_rollback=True)``,
-``load(into=, allow_rollback=True)`` (sharded cells only) and the manager's
+``load(into=, allow_rollback=True)`` (of either layout) and the manager's
 ``restore_latest(allow_rollback=True)``: each reads the newest checkpoint, skipping one that
 fails for the next older one.  A sweep damages the newest and checks that each returns the
 previous step's state (or raises a typed error when that one is damaged too), never the
@@ -189,13 +188,13 @@ class WritePath:
 def save_v2(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
             metadata: Mapping[str, Any] | None = None,
             metadata_layout: str | None = None) -> CheckpointInfo:
-    """The collective (format v2) save, on one rank; ``metadata_layout="per-rank"``: format
-    v5 (the metadata split per rank, docs/protocol.md §9.7)."""
-    from ckptfs.protocol.sharded import save_sharded  # imports DCP: only when used
-
-    return save_sharded(store.storage, step, state, algorithm=store.algorithm,
-                        durable=store.durable, threads=store.threads, metadata=metadata,
-                        metadata_layout=metadata_layout)
+    """``store.save`` on a store of ``store``'s storage and settings opened with
+    ``layout="ranks"``: the collective save's driver in a world of one (format v2);
+    ``metadata_layout="per-rank"``: format v5 (the metadata split per rank, docs/protocol.md
+    §9.7)."""
+    return CheckpointStore(store.storage, algorithm=store.algorithm, durable=store.durable,
+                           threads=store.threads, metadata_layout=metadata_layout,
+                           layout="ranks").save(step, state, metadata=metadata)
 
 
 _FROZEN_MODEL: dict[str, Any] = {}
@@ -273,13 +272,13 @@ def kept_root(store: CheckpointStore, kind: str) -> str:
 
 def save_v4(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
             metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
-    """The collective save on one rank of an incremental store (format v4), with the reuse
-    memory of the run root (`reuse_memory`)."""
-    from ckptfs.protocol.sharded import save_sharded  # imports DCP: only when used
-
-    return save_sharded(store.storage, step, state, algorithm=store.algorithm,
-                        durable=store.durable, threads=store.threads, metadata=metadata,
-                        memory=reuse_memory(store), lease_s=store.lease_s)
+    """``store.save`` of an incremental store of ``layout="ranks"`` (format v4) on ``store``'s
+    storage, with the reuse memory of the run root (`reuse_memory`)."""
+    saver = CheckpointStore(store.storage, algorithm=store.algorithm, durable=store.durable,
+                            threads=store.threads, incremental=True, lease_s=store.lease_s,
+                            metadata_layout=None, layout="ranks")
+    saver.reuse = reuse_memory(store)
+    return saver.save(step, state, metadata=metadata)
 
 
 @contextlib.contextmanager
@@ -467,10 +466,9 @@ ROLLBACK_READS = ("load-rollback", "load-into-rollback", "restore-rollback")
 
 
 def rollback_reads(path: WritePath) -> tuple[str, ...]:
-    """The rollback reads of a checkpoint of ``path``: ``load(into=)`` fills a state from a
-    sharded checkpoint only."""
-    sharded = SHARDED in FEATURES[path.format_version]
-    return tuple(r for r in ROLLBACK_READS if sharded or r != "load-into-rollback")
+    """The rollback reads of a checkpoint of ``path``: every one, on every layout
+    (``load(into=)`` reads either)."""
+    return ROLLBACK_READS
 
 
 def _zeros_like(value: Any) -> Any:
