@@ -120,7 +120,8 @@ def layout_of_columns(size: tuple[int, ...], offsets: torch.Tensor, sizes: torch
     by_index[linear] = fr
     base = int(by_index[0])
     stride = int(by_index[1]) - base if total > 1 else 0
-    if stride < 0 or bool((by_index != base + torch.arange(total) * stride).any()):
+    if (stride <= 0 and total > 1) or bool((by_index != base + torch.arange(total) * stride)
+                                           .any()):
         return layout_of(size, cells())
     listed = tuple(sorted(cells(empty), key=lambda c: c.offsets)) if bool(empty.any()) else ()
     return tuple(grid.tolist()), (base, stride), None, listed

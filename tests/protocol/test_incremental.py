@@ -667,13 +667,17 @@ def test_damage_outside_the_referenced_chunks_only_hurts_its_owner(backend: Back
         reader.load(1)
 
 
-def test_load_into_names_the_format(backend: Backend) -> None:
-    """load(into=) fills a sharded (v2) checkpoint's state dict; a v3 one is refused with the
-    typed error naming its format, as v1 is."""
+def test_load_into_reads_format_v3(backend: Backend) -> None:
+    """load(into=) fills a state from a v3 checkpoint (references followed, every byte
+    verified) as from any layout (it was refused as not sharded)."""
     store = backend.open(incremental=True)
-    store.save(1, {"w": torch.ones(3)})
-    with pytest.raises(ckptfs.CheckpointNotFoundError, match="format v3"):
-        store.load(1, into={"w": torch.zeros(3)})
+    store.save(1, {"w": torch.ones(3), "frozen": torch.arange(4.0)})
+    store.save(2, {"w": torch.full((3,), 2.0), "frozen": torch.arange(4.0)})
+    assert store.info(2).manifest.references  # step 2 references step 1's frozen tensor
+    into = {"w": torch.zeros(3), "frozen": torch.zeros(4)}
+    assert store.load(2, into=into) is into
+    assert torch.equal(into["w"], torch.full((3,), 2.0))
+    assert torch.equal(into["frozen"], torch.arange(4.0))
 
 
 class _Clock:
