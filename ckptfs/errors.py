@@ -189,6 +189,19 @@ class AsyncSaveError(CkptfsError, RuntimeError):
     pending saves from the background save thread itself, which would deadlock)."""
 
 
+class StagingBudgetError(AsyncSaveError, ValueError):
+    """``save_async(..., staging_bytes=...)``: something that must be staged at once does not
+    fit the staging budget (a tensor larger than it; docs/async.md section 5).  ``key`` names
+    the tensor (its key path), ``nbytes`` what it needs, ``budget`` the budget."""
+
+    def __init__(self, message: str, *, key: str | None = None, nbytes: int = 0,
+                 budget: int = 0) -> None:
+        super().__init__(message)
+        self.key = key
+        self.nbytes = nbytes
+        self.budget = budget
+
+
 class ReplicationError(CkptfsError, RuntimeError):
     """Replication to the remote tier of a two-tier store cannot complete (docs/tiers.md): a
     step failed for good (the message says why), or the replicator stopped.  The local

@@ -51,6 +51,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -105,6 +106,9 @@ from ckptfs.storage.base import (
     retry_call,
     supports,
 )
+
+#: ``gate(i)``: a context manager around the write of file ``i`` (`Attempt.write_files`).
+FileGate = Callable[[int], AbstractContextManager[None]]
 
 log = logging.getLogger("ckptfs")
 
@@ -446,19 +450,29 @@ class Attempt:
 
     def write_files(self, files: Sequence[tuple[str, int, Chunks]], *, threads: int,
                     hash_lead: int = MAX_HASH_LEAD,
-                    pieces: Sequence[Sequence[int] | None] | None = None
-                    ) -> list[WrittenFile]:
+                    pieces: Sequence[Sequence[int] | None] | None = None,
+                    gate: FileGate | None = None) -> list[WrittenFile]:
         """`write_file` of each ``(relpath, size, chunks)`` (whole-file digests, or by the
         file's ``pieces`` where given), several at once (bounded by ``threads`` and the
-        storage's write-memory budget)."""
+        storage's write-memory budget), started in order.  ``gate(i)``: a context manager
+        around the whole write of file ``i`` (its retries included): an async save streamed
+        through a staging budget waits there until the file's bytes are staged, and reuses
+        them once it is written (`ckptfs.protocol.staging.Stream`)."""
         split = list(pieces) if pieces is not None else [None] * len(files)
+
+        def one(i: int, p: str, s: int, c: Chunks, k: Sequence[int] | None) -> WrittenFile:
+            if gate is None:
+                return self.write_file(p, s, c, pieces=k, hash_lead=hash_lead)
+            with gate(i):
+                return self.write_file(p, s, c, pieces=k, hash_lead=hash_lead)
+
         n = write_streams(self.storage, threads, len(files))
         if n <= 1:
-            return [self.write_file(p, s, c, pieces=k, hash_lead=hash_lead)
-                    for (p, s, c), k in zip(files, split, strict=True)]
+            return [one(i, p, s, c, k)
+                    for i, ((p, s, c), k) in enumerate(zip(files, split, strict=True))]
         with ThreadPoolExecutor(n, thread_name_prefix="ckptfs-save") as pool:
-            futures = [pool.submit(self.write_file, p, s, c, pieces=k, hash_lead=hash_lead)
-                       for (p, s, c), k in zip(files, split, strict=True)]
+            futures = [pool.submit(one, i, p, s, c, k)
+                       for i, ((p, s, c), k) in enumerate(zip(files, split, strict=True))]
             return [fut.result() for fut in futures]
 
     def write_document(self, relpath: str, data: bytes) -> WrittenFile:
@@ -745,13 +759,14 @@ def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, A
               algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
               threads: int | None = None, feats: frozenset[str] = frozenset(),
               references: Sequence[Reference] = (), protectors: Sequence[tuple[int, str]] = (),
-              lease_s: float | None = None) -> CheckpointInfo:
+              lease_s: float | None = None, gate: FileGate | None = None) -> CheckpointInfo:
     """Write and commit a planned single-process save (the world of one): open the attempt,
     check its manifest before any byte, write the plan's files (several at once; chunked, a
     digest per tensor, with the ``chunked`` feature), commit.  An incremental save (format v3,
     `ckptfs.protocol.incremental`) passes the features ``{chunked, references}``, the plan
     laid out over the tensors it did not reuse, its ``references``, the checkpoints they come
-    from (``protectors``) and its lease: the commit fences them (`fence_protectors`)."""
+    from (``protectors``) and its lease: the commit fences them (`fence_protectors`).
+    ``gate``: around each file's write (`Attempt.write_files`; ``plan.files`` order)."""
     chunked = CHUNKED in feats
     pieces: list[Sequence[int] | None] = [None] * len(plan.files)
     if chunked:
@@ -767,7 +782,7 @@ def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, A
             for pf, k in zip(plan.files, pieces, strict=True)], references))
         written = att.write_files([(pf.path, pf.size, pf.chunks) for pf in plan.files],
                                   threads=threads or default_threads(),
-                                  pieces=pieces if chunked else None)
+                                  pieces=pieces if chunked else None, gate=gate)
         return att.commit(single_manifest(feats, step, att.name, algorithm, meta, created, [
             w.chunked_entry(algorithm, k) if k is not None else w.entry(algorithm)
             for w, k in zip(written, pieces, strict=True)], references),

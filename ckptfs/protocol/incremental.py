@@ -51,6 +51,7 @@ from ckptfs.format.sharded import Chunk, ChunkedFileEntry
 from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED, features
 from ckptfs.protocol.chunks import StoredChunks, read_chunk
 from ckptfs.protocol.commit import (
+    FileGate,
     ProtectorGoneError,
     default_threads,
     save_plan,
@@ -384,13 +385,18 @@ def save_incremental(storage: Storage, step: int, plan: StatePlan, meta: Mapping
 
 def write_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,
                algorithm: str, durable: bool, threads: int | None,
-               memory: ReuseMemory | None, lease_s: float = DEFAULT_LEASE_S) -> CheckpointInfo:
+               memory: ReuseMemory | None, lease_s: float = DEFAULT_LEASE_S,
+               gate: FileGate | None = None) -> CheckpointInfo:
     """Commit a planned single-process save: format v3 when the store is incremental
     (``memory``), else format v1.  ``store.save`` and the async saver's thread both write
-    through this."""
+    through this.  ``gate``: around each of ``plan.files``' writes (format v1 only: an async
+    save streamed through its staging budget, `ckptfs.protocol.staging.Stream`)."""
     if memory is None:
         return save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
-                         threads=threads)
+                         threads=threads, gate=gate)
+    if gate is not None:
+        raise ValueError("write_plan: a gate needs the plan's own files (format v1); an "
+                         "incremental save lays them out again")
     return save_incremental(storage, step, plan, meta, memory, algorithm=algorithm,
                             durable=durable, threads=threads, lease_s=lease_s)
 
