@@ -49,6 +49,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401  (imported before our exit hook is registered)
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -61,14 +62,12 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ckptfs.errors import AsyncSaveError, CheckpointExistsError, ShardedSaveError
 from ckptfs.format.layout import check_step
-from ckptfs.protocol.prepare import prepare
+from ckptfs.protocol.prepare import Prepared, prepare
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.snapshot import take
-from ckptfs.protocol.staging import PoolKey, StagingPool
+from ckptfs.protocol.staging import StagingPool, Stream, check_budget
 
 if TYPE_CHECKING:
     from ckptfs.protocol.store import CheckpointStore
@@ -90,6 +89,11 @@ class AsyncStats:
     #: Time the caller was blocked by the snapshot itself (planning + copies), last and total.
     last_snapshot_seconds: float = 0.0
     snapshot_seconds: float = 0.0
+    #: Saves with a staging budget (``staging_bytes``) streamed through it, and saves over
+    #: it that could not stream (written from the caller's objects, the call blocking until
+    #: they were done): docs/async.md section 5.
+    streamed: int = 0
+    unstaged: int = 0
     pool: StagingPool = field(default_factory=StagingPool, repr=False)
 
     @property
@@ -105,6 +109,16 @@ class AsyncStats:
     @property
     def staging_reuses(self) -> int:
         return self.pool.reuses
+
+    @property
+    def staging_peak_bytes(self) -> int:
+        """The most bytes the staging pool held at once (buffers and slab)."""
+        return self.pool.peak_bytes
+
+    @property
+    def staging_peak_live_bytes(self) -> int:
+        """The most bytes staged and not yet written at once, within a staging budget."""
+        return self.pool.peak_live_bytes
 
 
 def _clear_frames(exc: BaseException) -> None:
@@ -207,19 +221,25 @@ class AsyncSaver:
         self._executor: ThreadPoolExecutor | None = None
         self._futures: list[SaveFuture] = []  # submitted, not yet known done and collected
         self._warned_wait = False
+        self._warned_unstaged = False
         #: The store's own gloo group of async saves, with the default group it was made in.
         self._group: tuple[Any, Any] | None = None
 
     # -- submitting ----------------------------------------------------------------------------
 
     def submit(self, store: CheckpointStore, step: int, state: Mapping[str, Any], *,
-               metadata: Mapping[str, Any] | None, max_in_flight: int) -> SaveFuture:
+               metadata: Mapping[str, Any] | None, max_in_flight: int,
+               staging_bytes: int | None = None) -> SaveFuture:
         """``store.save_async``: the save ``store.save`` would write, prepared
         (`ckptfs.protocol.prepare.prepare`, its collectives on `collective_group`), the
         snapshot of what it reads (`ckptfs.protocol.snapshot.take`), then that save over the
-        snapshot on the store's thread (`_Job`)."""
+        snapshot on the store's thread (`_Job`).  With a staging budget (``staging_bytes``)
+        smaller than what the save reads, a single-process v1 save is streamed through it
+        (`_stream`); any other is written from the caller's objects, and this call returns
+        once it is done (`_unstaged`): docs/async.md section 5."""
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        check_budget(staging_bytes)
         self._check_not_worker("save_async")
         with self._submit_lock:
             self.raise_uncollected()
@@ -227,31 +247,85 @@ class AsyncSaver:
             check_step(step)
             self.check_step_free(step)
             prepared = prepare(store, step, state, metadata=metadata,
-                               background=self.collective_group)
+                               background=self.collective_group, staging_bytes=staging_bytes)
             planned = time.perf_counter() - t0
             self.wait_for_slot(step, max_in_flight)
             self.raise_uncollected()  # a save that failed while we waited
             t1 = time.perf_counter()
-            snap = take(self.pool, prepared.reads)
-            self.pool.trim()
-            buffers = snap.buffers
             fut = SaveFuture(step, store.url)
-            try:
-                job = _Job(self, fut, prepared.over(snap.value, snap.hint), buffers)
-                del prepared, snap  # the caller's objects: not read again
-                with self._lock:
-                    if self._executor is None:
-                        self._executor = ThreadPoolExecutor(
-                            1, thread_name_prefix="ckptfs-async-save")
-                    self._executor.submit(job.run)
-                    self._futures.append(fut)
-                    self.stats.submitted += 1
-            except BaseException:
-                self.pool.give_back(buffers)
-                raise
-            _register_exit_hook()
+            if prepared.streamed is not None:
+                assert staging_bytes is not None
+                self._stream(fut, prepared, staging_bytes)
+            else:
+                snap = take(self.pool, prepared.reads, staging_bytes)
+                self.pool.trim(slab=staging_bytes is None)
+                if snap is None:
+                    self._unstaged(fut, prepared, staging_bytes)
+                else:
+                    try:
+                        job = _Job(self, fut, prepared.over(snap.value, snap.hint),
+                                   functools.partial(snap.give_back, self.pool))
+                    except BaseException:
+                        snap.give_back(self.pool)
+                        raise
+                    del prepared, snap  # the caller's objects: not read again
+                    self._enqueue(job, fut)
             self.record_blocked(planned + time.perf_counter() - t1)
             return fut
+
+    def _enqueue(self, job: _Job, fut: SaveFuture) -> None:
+        try:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(
+                        1, thread_name_prefix="ckptfs-async-save")
+                self._executor.submit(job.run)
+                self._futures.append(fut)
+                self.stats.submitted += 1
+        except BaseException:
+            job.release()
+            raise
+        _register_exit_hook()
+
+    def _stream(self, fut: SaveFuture, prepared: Prepared, budget: int) -> None:
+        """A single-process save larger than its staging budget: its job is queued first,
+        then this thread copies its files into the pool's slab one after the other while the
+        job writes them (`ckptfs.protocol.staging.Stream`), and returns once every byte is
+        staged (the earlier files written).  If the save fails meanwhile, staging stops and
+        the future carries the failure; if a copy fails here, the save fails too, and this
+        raises the copy's error once the save has stopped (its future counted collected)."""
+        assert prepared.streamed is not None
+        stream = Stream(self.pool, prepared.reads, prepared.streamed, budget)
+        try:
+            job = _Job(self, fut, prepared.over(stream.views, None, stream.gate), stream.close)
+        except BaseException:
+            stream.close()
+            raise
+        del prepared
+        self._enqueue(job, fut)
+        self.stats.streamed += 1
+        try:
+            stream.run()
+        except BaseException:
+            wait_futures([fut])
+            fut.collected = True
+            raise
+
+    def _unstaged(self, fut: SaveFuture, prepared: Prepared, budget: int | None) -> None:
+        """A save over its staging budget that cannot be streamed (a collective save, an
+        incremental store): nothing is staged; the save runs over the caller's own objects on
+        the store's thread, and this call waits until it is done (committed or failed)."""
+        level = logging.INFO if self._warned_unstaged else logging.WARNING
+        self._warned_unstaged = True
+        log.log(level, "save_async(step %d) at %s: what it must copy exceeds staging_bytes=%s "
+                "and a %s save cannot stream through a budget: it is written from the "
+                "caller's tensors, and save_async returns once it is done", fut.step, self.url,
+                budget, "collective" if prepared.collective else "incremental")
+        job = _Job(self, fut, prepared.over(prepared.reads, None), lambda: None)
+        del prepared
+        self._enqueue(job, fut)
+        self.stats.unstaged += 1
+        wait_futures([fut])
 
     def collective_group(self, live: Any, what: str) -> Any:
         """This store's own gloo group for async saves, created once per default group
@@ -398,7 +472,7 @@ class AsyncSaver:
                 executor, self._executor = self._executor, None
             if executor is not None:
                 executor.shutdown(wait=True)
-            self.pool.trim()
+            self.pool.trim(slab=True)
 
     def _check_not_worker(self, what: str) -> None:
         if getattr(_worker, "saver", None) is self:
@@ -449,40 +523,42 @@ class AsyncSaver:
 
 class _Job:
     """One background save: the store's synchronous save over a snapshot (``save``), then its
-    staging buffers back to the pool and its future settled."""
+    staging buffers back to the pool (``release``) and its future settled."""
 
     def __init__(self, saver: AsyncSaver, fut: SaveFuture, save: Callable[[], CheckpointInfo],
-                 buffers: list[tuple[PoolKey, torch.Tensor]]) -> None:
+                 release: Callable[[], None]) -> None:
         self.saver = saver
         self.fut = fut
         self.save: Callable[[], CheckpointInfo] | None = save
-        self.buffers = buffers
+        self.give_back: Callable[[], None] | None = release
 
     def run(self) -> None:
         fut = self.fut
         saver = self.saver
         if not fut.set_running_or_notify_cancel():  # pragma: no cover - never cancelled
-            self._release()
+            self.release()
             return
         with saver.background_thread():
             try:
                 assert self.save is not None
                 info = self.save()
             except BaseException as exc:
-                self._release()
+                self.release()
                 saver.settle(fut, exc, None)
             else:
-                self._release()
+                self.release()
                 saver.settle(fut, None, info)
             finally:
                 # The exception's traceback keeps this frame (and so this job) alive: drop the
                 # job's references, so a failed future does not keep the saver's thread alive.
                 self.__dict__.clear()
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Drop the save and give its staging back to the pool (once)."""
         self.save = None
-        self.saver.pool.give_back(self.buffers)
-        self.buffers = []
+        give_back, self.give_back = self.give_back, None
+        if give_back is not None:
+            give_back()
 
 
 # -- one saver per store, the exit hook, fork ----------------------------------------------------

@@ -42,9 +42,10 @@ from ckptfs.format.hashing import new_hasher
 from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import StatePlan
 from ckptfs.protocol.collective import find_dtensor, wants_sharded_save
-from ckptfs.protocol.commit import check_plan, plan_single_process
+from ckptfs.protocol.commit import FileGate, check_plan, plan_single_process
 from ckptfs.protocol.incremental import write_plan
 from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.staging import fit_files, staged_size
 
 if TYPE_CHECKING:
     from ckptfs.protocol.group import Liveness
@@ -69,10 +70,15 @@ class Prepared:
     step: int
     collective: bool
     reads: Any
-    over: Callable[[Any, Hint | None], Callable[[], CheckpointInfo]]
-    """The write over ``reads`` itself or over a copy of the same structure (with the caller's
-    tensors' reuse ``hint``), as a function to run: it holds nothing of the caller's objects
-    but what it is given."""
+    over: Callable[..., Callable[[], CheckpointInfo]]
+    """``over(value, hint, gate=None)``: the write over ``reads`` itself or over a copy of the
+    same structure (with the caller's tensors' reuse ``hint``), as a function to run: it
+    holds nothing of the caller's objects but what it is given.  ``gate``: around each file's
+    write (``Attempt.write_files``; a streamed save only)."""
+    #: A save streamed through a staging budget (``staging_bytes`` smaller than its tensors):
+    #: the indices into ``reads`` of each file it writes, in writing order (empty for
+    #: ``state.msgpack``); None otherwise.
+    streamed: list[tuple[int, ...]] | None = None
 
     def write(self) -> CheckpointInfo:
         """Write and commit over the caller's objects, now (``store.save``)."""
@@ -81,10 +87,14 @@ class Prepared:
 
 def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
             metadata: Mapping[str, Any] | None = None, process_group: Any = None,
-            background: OwnGroup | None = None) -> Prepared:
+            background: OwnGroup | None = None, staging_bytes: int | None = None
+            ) -> Prepared:
     """The save of ``state`` as step ``step`` of ``store`` (module docstring), prepared.  The
     metadata is deep-copied (plain JSON).  ``background``: the save is written on the store's
-    thread, its collectives on the group this gives."""
+    thread, its collectives on the group this gives.  ``staging_bytes``: an async save's
+    staging budget; a single-process format v1 save whose tensors exceed it is laid out to be
+    streamed through it (`ckptfs.protocol.staging.fit_files`: smaller files; a tensor larger
+    than the budget refused) and says so (``streamed``)."""
     check_step(step)
     new_hasher(store.algorithm)
     collective = store.layout == RANKS or wants_sharded_save(state, process_group)
@@ -92,16 +102,22 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     threads, memory, lease_s = store.threads, store.reuse, store.lease_s
     if not collective:
         plan, meta = plan_or_refuse(state, metadata, store.shard_bytes)
+        streamed = None
+        if (staging_bytes is not None and memory is None
+                and staged_size(plan.tensors) > staging_bytes):
+            plan = fit_files(plan, staging_bytes)
+            streamed = [(), *(tf.members for tf in plan.tensor_files)]  # plan.files' order
         check_plan(step, plan, meta, algorithm)
         meta = copy.deepcopy(meta)
 
-        def over_plan(tensors: Any, hint: Hint | None) -> Callable[[], CheckpointInfo]:
+        def over_plan(tensors: Any, hint: Hint | None, gate: FileGate | None = None
+                      ) -> Callable[[], CheckpointInfo]:
             staged = plan if tensors is plan.tensors else plan.rebind(tensors)
             return lambda: write_plan(storage, step, staged, meta, algorithm=algorithm,
                                       durable=durable, threads=threads, memory=memory,
-                                      lease_s=lease_s)
+                                      lease_s=lease_s, gate=gate)
 
-        return Prepared(step, False, plan.tensors, over_plan)
+        return Prepared(step, False, plan.tensors, over_plan, streamed)
 
     from ckptfs.protocol import sharded as sh  # imports DCP: collective saves only
 
@@ -125,7 +141,8 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                            metadata_layout=store.metadata_layout,
                            divergent_keys=store.divergent_keys, live=live)
 
-    def over_view(view: Any, hint: Hint | None) -> Callable[[], CheckpointInfo]:
+    def over_view(view: Any, hint: Hint | None, gate: None = None
+                  ) -> Callable[[], CheckpointInfo]:
         prep.view = view
         if hint is not None:
             prep.writer.hint = hint

@@ -40,7 +40,7 @@ import torch
 from ckptfs.format.serialize import tensor_identity, version_of
 from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.protocol.collective import is_dtensor
-from ckptfs.protocol.staging import PoolKey, StagingPool, stage
+from ckptfs.protocol.staging import PoolKey, StagingPool, stage, stage_within
 
 __all__ = ["Snapshot", "take"]
 
@@ -59,6 +59,13 @@ class Snapshot:
     value: Any
     buffers: list[tuple[PoolKey, torch.Tensor]]
     hints: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: The pool's slab regions the copies live in (a snapshot within a staging budget).
+    regions: list[int] = field(default_factory=list)
+
+    def give_back(self, pool: StagingPool) -> None:
+        """Give the buffers and regions back to ``pool`` (the save no longer reads them)."""
+        pool.give_back(self.buffers)
+        pool.release(self.regions)
 
     def hint(self, t: torch.Tensor) -> tuple[int, int]:
         """The reuse hint of ``t``: a staged copy (by its storage address) gets the hint of the
@@ -78,10 +85,12 @@ class _Slot:
         self.like = like
 
 
-def take(pool: StagingPool, value: Any) -> Snapshot:
+def take(pool: StagingPool, value: Any, budget: int | None = None) -> Snapshot | None:
     """The snapshot of ``value`` (module docstring), every copy complete when it returns: the
     caller may change or free its objects then.  On failure the buffers taken go back to the
-    pool."""
+    pool.  ``budget``: the copies go into the pool's slab, or, when they would take more than
+    ``budget`` bytes, nothing is copied and None is returned
+    (`ckptfs.protocol.staging.stage_within`)."""
     tensors: list[torch.Tensor] = []
     index: dict[tuple[Any, ...], int] = {}
 
@@ -112,16 +121,23 @@ def take(pool: StagingPool, value: Any) -> Snapshot:
 
     tree = walk(value, ())
     hints = [version_of(t) for t in tensors]
-    staged = stage(pool, tensors)
+    if budget is None:
+        staged = stage(pool, tensors)
+    else:
+        within = stage_within(pool, tensors, budget)
+        if within is None:
+            return None
+        staged = within
     tensors.clear()  # the caller's: not read again
     try:
         out = _fill(tree, staged.tensors)
     except BaseException:  # pragma: no cover - rebuilding a DTensor of a valid spec
         pool.give_back(staged.buffers)
+        pool.release(staged.regions)
         raise
     by_ptr = {version_of(t)[0]: h for t, h in zip(staged.tensors, hints, strict=True)
               if t.numel()}
-    return Snapshot(out, staged.buffers, by_ptr)
+    return Snapshot(out, staged.buffers, by_ptr, staged.regions)
 
 
 def _fill(value: Any, staged: list[torch.Tensor]) -> Any:

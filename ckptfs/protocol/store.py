@@ -528,7 +528,8 @@ class CheckpointStore:
 
     def save_async(self, step: int, state: Mapping[str, Any], *,
                    metadata: Mapping[str, Any] | None = None,
-                   max_in_flight: int = 1) -> async_save.SaveFuture:
+                   max_in_flight: int = 1,
+                   staging_bytes: int | None = None) -> async_save.SaveFuture:
         """Snapshot ``state`` and return; write and commit it on the store's background thread.
 
         The snapshot is taken on the calling thread, during this call, and after it returns
@@ -553,6 +554,14 @@ class CheckpointStore:
         With ``max_in_flight`` saves pending, this call first waits (logged, counted in
         `async_stats`).  Invalid values raise here, naming their key path.
 
+        ``staging_bytes``: the most host memory the copies may take (None: the state's
+        tensors, whole).  A single-process state larger than it is streamed through it: this
+        call copies a part, the background thread writes it, the buffers are reused for the
+        next part, and the call returns once the last part is copied (the earlier ones
+        written); a tensor larger than the budget raises `StagingBudgetError`.  A collective
+        save or an incremental store's save over the budget is not copied: it is written
+        from ``state`` and this call returns once it is done (docs/async.md, section 5).
+
         A two-tier store queues the step for replication once it committed locally; a
         sharded state (on every rank of a store opened on every rank): each rank writes its
         file on its own node, and the future is done once this node's files have their
@@ -561,7 +570,8 @@ class CheckpointStore:
         self.tiers.hold()  # a two-tier store's copying pauses until the write is done
         try:
             inner = async_save.saver_for(self).submit(self, step, state, metadata=metadata,
-                                                      max_in_flight=max_in_flight)
+                                                      max_in_flight=max_in_flight,
+                                                      staging_bytes=staging_bytes)
         except BaseException:
             self.tiers.release()
             raise
