@@ -34,7 +34,9 @@ the store's own gloo group, never the training loop's nor the synchronous saves'
 interleave with the next one's.  The staging pool keeps one buffer per tensor of the last
 snapshot(s), so a run that saves the same shapes allocates nothing after its first save.  Extra
 memory is one copy of the state's tensors per save in flight (``max_in_flight``, default 1),
-held until `close`.
+held until `close`; with a staging budget (``staging_bytes``) at most that many bytes, a larger
+single-process state streamed through them (`ckptfs.protocol.staging.Stream`: the call
+returns once its last part is copied, the earlier parts written).
 
 At interpreter exit (before ``concurrent.futures`` stops accepting work, so the commit can still
 use its writer threads) pending saves are completed and a failure nobody collected is logged as
