@@ -342,3 +342,40 @@ def test_collective_layout_over_the_budget_is_written_from_the_state(
     assert store.async_stats.unstaged == 1
     assert 0 < store.async_stats.staging_peak_bytes <= 8 * BUDGET
     assert_state_equal(store.load(2), expected)
+
+
+def test_cuda_branch_streams_through_a_pinned_slab(monkeypatch: pytest.MonkeyPatch,
+                                                   memory_backend: Backend) -> None:
+    """The CUDA path's logic with CPU stand-ins (float32 tensors play the device's): the slab
+    is allocated pinned, copies are non-blocking, and each file's copies are synchronized
+    before the writer may read them (a synchronize after each file, before it is staged)."""
+    events: list[tuple[Any, ...]] = []
+    real_alloc, real_copy = staging._alloc, staging._copy_into
+    monkeypatch.setattr(staging, "_needs_pinned", lambda t: t.dtype == torch.float32)
+
+    def alloc(key: staging.PoolKey) -> torch.Tensor:
+        events.append(("alloc", key[2]))
+        return real_alloc((key[0], key[1], False))
+
+    def copy_into(buf: torch.Tensor, t: torch.Tensor, non_blocking: bool) -> None:
+        events.append(("copy", non_blocking))
+        real_copy(buf, t, non_blocking)
+
+    monkeypatch.setattr(staging, "_alloc", alloc)
+    monkeypatch.setattr(staging, "_copy_into", copy_into)
+    monkeypatch.setattr(staging, "_synchronize",
+                        lambda devices: events.append(("sync", sorted(map(str, devices)))))
+    store = memory_backend.open()
+    g = torch.Generator().manual_seed(9)
+    state = {f"w{i}": torch.randn(16 * KIB, generator=g) for i in range(16)}  # 1 MiB
+    expected = clone(state)
+    fut = store.save_async(1, state, staging_bytes=BUDGET)
+    for t in state.values():
+        t.add_(1)
+    fut.result(timeout=120)
+    assert [e for e in events if e[0] == "alloc"] == [("alloc", True)]  # one pinned slab
+    copies = [e for e in events if e[0] == "copy"]
+    assert copies == [("copy", True)] * 16
+    syncs = [e for e in events if e[0] == "sync"]
+    assert len(syncs) == 8 and syncs[0] == ("sync", ["cpu"])  # one per file of 2 tensors
+    assert_state_equal(store.load(1), expected)
