@@ -158,6 +158,31 @@ def test_streaming_verification_catches_a_flipped_byte(tmp_path: Path) -> None:
     store.load(1, verify=False)  # same size: only the digest tells
 
 
+def test_tensors_are_read_into_memory_of_their_own(tmp_path: Path) -> None:
+    """A load reads a tensor file straight into its tensors, each with memory of its own (as
+    ``torch.load`` allocates: the allocator reuses what an earlier load freed), in the same pass
+    that hashes it; a file whose header was changed is reported by its digest, before the header
+    is trusted."""
+    store = ckptfs.open(str(tmp_path / "run"))
+    state = _big_state(8)
+    info = store.save(1, state)
+    out = store.load(1)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+    for name in ("w", "b"):
+        storage = out[name].untyped_storage()
+        assert storage.nbytes() == out[name].numel() * 4, name  # not a view of the file
+    assert out["w"].untyped_storage().data_ptr() != out["b"].untyped_storage().data_ptr()
+    entry = max(info.manifest.files, key=lambda e: e.size)
+    path = tmp_path / "run" / info.path / entry.path
+    data = bytearray(path.read_bytes())
+    data[9] ^= 0x01  # inside the header's JSON: it no longer parses
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="digest differs"):
+        store.load(1)
+    with pytest.raises(CorruptCheckpointError, match=entry.path):
+        store.load(1, verify=False)  # the header itself is refused
+
+
 class _FailingWrites:
     """Wraps a storage so that writes of tensor files fail after ``after`` bytes."""
 
