@@ -391,9 +391,9 @@ def write_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, 
     (``memory``), else format v1.  ``store.save`` and the async saver's thread both write
     through this.  ``gate``: around each of ``plan.files``' writes (format v1 only: an async
     save streamed through its staging budget, `ckptfs.protocol.staging.Stream`)."""
-    if memory is None:
+    if memory is None:  # checked when prepared (`ckptfs.protocol.prepare`): not again
         return save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
-                         threads=threads, gate=gate)
+                         threads=threads, gate=gate, checked=True)
     if gate is not None:
         raise ValueError("write_plan: a gate needs the plan's own files (format v1); an "
                          "incremental save lays them out again")

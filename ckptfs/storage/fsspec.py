@@ -402,6 +402,8 @@ class FsspecStorage:
             if parent == d:
                 break
             d = parent
+        if not missing and os.path.isdir(d):
+            return  # the common case (every file of an attempt): one stat, no mkdir
         for tries_left in (2, 1, 0):
             try:
                 os.makedirs(full, exist_ok=True)
