@@ -219,3 +219,42 @@ class UnreplicatedCheckpointError(ReplicationError):
     """A delete of a local checkpoint that has not reached the remote tier yet, refused: it
     would be the only copy.  Wait for replication (``store.wait_replicated()``) or open the
     store with ``delete_unreplicated=True`` (docs/tiers.md, local retention)."""
+
+
+class SaveDeadlineError(CkptfsError, TimeoutError):
+    """A save (``store.save``, ``save_async``, a collective save, a copy or a replication) did
+    not commit within its deadline (``ckptfs.open(url, save_deadline_s=...)``; docs/
+    reliability.md "Bounded saves"): a storage request made no progress until the deadline
+    ran out.  The message names the rank (where there are several), the file or object being
+    written, how long that request had been stalled and how much of the file was written.
+    Nothing was committed (no marker; the stalled upload was discarded, not completed), except
+    where the stalled request was the marker itself (``outcome_unknown``: the step may still
+    appear committed).  ``rank``, ``path``, ``stalled_s`` and ``deadline_s`` carry the facts
+    on the rank that stalled (None on the others)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, path: str | None = None,
+                 stalled_s: float | None = None, deadline_s: float | None = None,
+                 outcome_unknown: bool = False) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.path = path
+        self.stalled_s = stalled_s
+        self.deadline_s = deadline_s
+        self.outcome_unknown = outcome_unknown
+
+    def __str__(self) -> str:  # OSError would print its single argument as it is, but be safe
+        return str(self.args[0]) if self.args else ""
+
+
+class ShardedSaveDeadlineError(ShardedSaveError, SaveDeadlineError):
+    """A collective save in which some rank(s) ran out of their save deadline
+    (`SaveDeadlineError`): raised on every rank, naming the stalled rank(s) and their files;
+    a `ShardedSaveError` (``failures``) and a `SaveDeadlineError` (a ``TimeoutError``)."""
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None) -> None:
+        ShardedSaveError.__init__(self, message, failures=failures)
+        self.rank = min(self.failures) if self.failures else None
+        self.path = None
+        self.stalled_s = None
+        self.deadline_s = None
+        self.outcome_unknown = False
