@@ -153,6 +153,7 @@ from ckptfs.protocol.resolve import (
     storage_url,
 )
 from ckptfs.storage.base import Storage
+from ckptfs.storage.deadline import Deadline, bounded, check_deadline
 
 log = logging.getLogger("ckptfs")
 
@@ -186,15 +187,17 @@ class ReplicationStopped(ReplicationError):
 
 
 def copy_step(src: Storage, dst: Storage, step: int, *, durable: bool = True, threads: int = 4,
-              progress: Progress | None = None, check_stored: bool = False) -> CopyResult:
+              progress: Progress | None = None, check_stored: bool = False,
+              deadline_s: float | None = None) -> CopyResult:
     """Copy the committed ``step`` of ``src`` to ``dst`` (see the module docstring): the world
     of one of `StepCopier`.  The copy's manifest records the destination store's own
     checksums of the files it wrote, computed while writing (docs/remote-verify.md).
     ``check_stored``: before the marker, compare them with what the destination store keeps
     (one metadata request per file; where it offers `ServerChecksums`): a difference is a
-    `StorageError` and nothing is committed."""
+    `StorageError` and nothing is committed.  ``deadline_s``: the copy commits or raises
+    `SaveDeadlineError` within this many seconds (docs/reliability.md "Bounded saves")."""
     return StepCopier(src, dst, WorldOfOne(), durable=durable, threads=threads,
-                      check_stored=check_stored)(step, progress)
+                      check_stored=check_stored, deadline_s=deadline_s)(step, progress)
 
 
 # -- the copier ----------------------------------------------------------------------------------
@@ -294,9 +297,12 @@ class StepCopier:
 
     def __init__(self, src: Storage, dst: Storage, group: Group | None = None, *,
                  durable: bool = True, threads: int = 4, check_stored: bool = True,
-                 lease_s: float = DEFAULT_LEASE_S) -> None:
+                 lease_s: float = DEFAULT_LEASE_S, deadline_s: float | None = None) -> None:
         self.src = src
         self.dst = dst
+        #: Each step's copy commits or raises `SaveDeadlineError` within this many seconds
+        #: of its first request (its source reads included; None: unbounded).
+        self.deadline_s = check_deadline(deadline_s)
         self.group = group if group is not None else WorldOfOne()
         self.durable = durable
         self.threads = threads
@@ -342,7 +348,20 @@ class StepCopier:
     def __call__(self, step: int, progress: Progress | None = None) -> CopyResult:
         """Copy ``step``; every rank returns the same result or raises the same error class.
         A destination step it references deleted meanwhile (or its lease run out): copied
-        once more, referencing nothing it does not have to (`write_again_if_gone`)."""
+        once more, referencing nothing it does not have to (`write_again_if_gone`).  With a
+        ``deadline_s``, the step's requests (both storages) are bounded by one `Deadline`."""
+        if self.deadline_s is None:
+            return self._copy_step(step, progress)
+        src, dst = self.src, self.dst
+        deadline = Deadline(self.deadline_s, what=f"copy of step {step} to {dst.url}",
+                            rank=self.rank if self.group.world_size > 1 else None)
+        self.src, self.dst = bounded(src, deadline), bounded(dst, deadline)
+        try:
+            return self._copy_step(step, progress)
+        finally:
+            self.src, self.dst = src, dst
+
+    def _copy_step(self, step: int, progress: Progress | None) -> CopyResult:
         return write_again_if_gone(f"{self.dst.url}: copy of step {step}",
                                    lambda reuse: self._copy(step, progress, reuse),
                                    lambda: None)

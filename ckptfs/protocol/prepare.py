@@ -41,11 +41,12 @@ from ckptfs.format.features import RANKS
 from ckptfs.format.hashing import new_hasher
 from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import StatePlan
-from ckptfs.protocol.collective import find_dtensor, wants_sharded_save
+from ckptfs.protocol.collective import find_dtensor, is_distributed, wants_sharded_save
 from ckptfs.protocol.commit import FileGate, check_plan, plan_single_process
 from ckptfs.protocol.incremental import write_plan
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.staging import fit_files, staged_size
+from ckptfs.storage.deadline import Deadline, bounded
 
 if TYPE_CHECKING:
     from ckptfs.protocol.group import Liveness
@@ -100,6 +101,7 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     collective = store.layout == RANKS or wants_sharded_save(state, process_group)
     storage, algorithm, durable = store.storage, store.algorithm, store.durable
     threads, memory, lease_s = store.threads, store.reuse, store.lease_s
+    storage = bounded(storage, save_deadline(store, step, collective, process_group))
     if not collective:
         plan, meta = plan_or_refuse(state, metadata, store.shard_bytes)
         streamed = None
@@ -150,6 +152,21 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                                         renew=lambda: sh.liveness(renew_on, kind, step))
 
     return Prepared(step, True, prep.view, over_view)
+
+
+def save_deadline(store: CheckpointStore, step: int, collective: bool, process_group: Any
+                  ) -> Deadline | None:
+    """The deadline of this save of ``store`` (its ``save_deadline_s``; None: unbounded),
+    naming the rank of a collective save (docs/reliability.md "Bounded saves")."""
+    seconds = store.save_deadline_s
+    if seconds is None:
+        return None
+    rank = None
+    if collective and is_distributed():
+        import torch.distributed as dist
+        rank = int(dist.get_rank())
+    kind = "sharded save" if collective else "save"
+    return Deadline(seconds, what=f"{kind} of step {step} at {store.storage.url}", rank=rank)
 
 
 def plan_or_refuse(state: Mapping[str, Any], metadata: Mapping[str, Any] | None,

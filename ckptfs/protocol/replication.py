@@ -178,9 +178,12 @@ class Replicator:
     def __init__(self, local: Storage, remote: Storage, *, durable: bool = True,
                  threads: int = 2, bytes_per_s: float | None = None,
                  retry_base_s: float = 1.0, retry_max_s: float = 60.0,
-                 max_attempts: int | None = None, copier: StepCopier | None = None) -> None:
+                 max_attempts: int | None = None, copier: StepCopier | None = None,
+                 deadline_s: float | None = None) -> None:
         """``copier``: how each step is copied (every rank of a sharded store calls the same
-        one, on its dedicated group); default: the world of one, ``local`` to ``remote``."""
+        one, on its dedicated group); default: the world of one, ``local`` to ``remote``.
+        ``deadline_s``: each step's copy commits or fails with `SaveDeadlineError` within
+        this many seconds (a failure like any other: retried after the backoff)."""
         if bytes_per_s is not None and bytes_per_s <= 0:
             raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
         self.local = local
@@ -192,7 +195,8 @@ class Replicator:
         self.retry_max_s = retry_max_s
         self.max_attempts = max_attempts
         self.copier = copier if copier is not None else StepCopier(
-            local, remote, WorldOfOne(), durable=durable, threads=threads, check_stored=True)
+            local, remote, WorldOfOne(), durable=durable, threads=threads, check_stored=True,
+            deadline_s=deadline_s)
         self._cond = threading.Condition()
         self._records: dict[int, StepReplication] = {}
         self._outage: str | None = None

@@ -63,8 +63,10 @@ from ckptfs.errors import (
     ExtensionTypeError,
     InvalidStepError,
     LoadOptionError,
+    SaveDeadlineError,
     ShardedCheckpointError,
     ShardedLoadError,
+    ShardedSaveDeadlineError,
     ShardedSaveError,
     UnsupportedValueError,
 )
@@ -203,6 +205,9 @@ def map_failure(exc: CheckpointException, what: str,
                 pass
         if issubclass(cls, default):  # a refinement of it (ReplicaMismatchError, say)
             return cls(msg, failures=summary)
+    if default is ShardedSaveError and any(isinstance(e, SaveDeadlineError)
+                                           for e in excs.values()):
+        return ShardedSaveDeadlineError(msg, failures=summary)  # names the stalled rank(s)
     return default(msg, failures=summary)
 
 

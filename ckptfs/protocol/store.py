@@ -43,6 +43,7 @@ from ckptfs.protocol.resolve import (
     walk_tiers,
 )
 from ckptfs.storage.base import Capabilities, Storage
+from ckptfs.storage.deadline import check_deadline
 from ckptfs.storage.fsspec import DEFAULT_PROBE_TIMEOUT, FsspecStorage
 from ckptfs.storage.retry import RetryingStorage
 
@@ -212,9 +213,13 @@ class CheckpointStore:
                  shard_bytes: int = DEFAULT_SHARD_BYTES, incremental: bool = False,
                  lease_s: float = DEFAULT_LEASE_S, tiers: Tiers | None = None,
                  metadata_layout: str | None = AUTO,
-                 divergent_keys: Sequence[str] = (), layout: str = AUTO) -> None:
+                 divergent_keys: Sequence[str] = (), layout: str = AUTO,
+                 save_deadline_s: float | None = None) -> None:
         new_hasher(algorithm)
         self.storage = storage
+        #: Every save commits or raises `SaveDeadlineError` within this many seconds of its
+        #: first storage request (None: unbounded; docs/reliability.md "Bounded saves").
+        self.save_deadline_s = check_deadline(save_deadline_s)
         #: What reads resolve across and what is told of commits and deletes (default: this
         #: store's ``storage`` alone).
         self.tiers: Tiers = OneTier(storage) if tiers is None else tiers
@@ -617,7 +622,7 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
          lease_s: float = DEFAULT_LEASE_S, metadata_layout: str | None = AUTO,
          divergent_keys: Sequence[str] = (), layout: str = AUTO,
          probe: bool = True, probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
-         **storage_options: Any) -> CheckpointStore:
+         save_deadline_s: float | None = None, **storage_options: Any) -> CheckpointStore:
     """Open the run root at ``url`` (any fsspec URL; a plain path means local disk).
 
     A URL whose protocol lacks its ``//`` (``s3:/bucket/run``, ``s3:bucket/run``, ``gs:/b``),
@@ -661,6 +666,10 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     that refuses connections or cannot be reached; one that accepts connections but does not
     answer (a loaded or cold-starting server) gets ``SLOW_PROBE_FACTOR`` (5) times more before
     the open fails, saying so.
+    ``save_deadline_s``: every save (``save``, ``save_async``, a collective save on each rank,
+    a two-tier store's replication of each step) commits or raises `SaveDeadlineError` within
+    this many seconds of its first storage request, naming the rank and the stalled file; a
+    stalled upload is discarded, never completed (docs/reliability.md "Bounded saves").
     ``storage_options`` go to the fsspec implementation (e.g. ``endpoint_url``, ``key``,
     ``secret`` for S3; ``token`` for GCS; ``connection_string`` for Azure), except
     ``full_object_checksums`` (S3; default True): multi-part uploads ask the store to keep a
@@ -673,4 +682,4 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     return CheckpointStore(storage, algorithm=algorithm, durable=durable, threads=threads,
                            incremental=incremental, lease_s=lease_s,
                            metadata_layout=metadata_layout, divergent_keys=divergent_keys,
-                           layout=layout)
+                           layout=layout, save_deadline_s=save_deadline_s)

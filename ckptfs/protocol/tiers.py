@@ -142,11 +142,13 @@ class TwoTiers(Tiers):
             self.copier = StepCopier(
                 local.storage, remote.storage,
                 replication_group(replicate_timeout or REPLICATE_TIMEOUT),
-                durable=remote.durable, threads=replicate_threads)
+                durable=remote.durable, threads=replicate_threads,
+                deadline_s=local.save_deadline_s)
         self.replicator = Replicator(local.storage, remote.storage, durable=remote.durable,
                                      threads=replicate_threads, bytes_per_s=bytes_per_s,
                                      retry_base_s=retry_base_s, retry_max_s=retry_max_s,
-                                     max_attempts=max_attempts, copier=self.copier)
+                                     max_attempts=max_attempts, copier=self.copier,
+                                     deadline_s=local.save_deadline_s)
         try:
             self._scan()
         except BaseException:  # refused at open (credentials): stop what was started
@@ -449,7 +451,8 @@ class TieredStore(CheckpointStore):
                          replicate_timeout=replicate_timeout)
         super().__init__(local.storage, algorithm=local.algorithm, durable=local.durable,
                          threads=local.threads, shard_bytes=local.shard_bytes,
-                         incremental=local.incremental, lease_s=local.lease_s, tiers=tiers)
+                         incremental=local.incremental, lease_s=local.lease_s, tiers=tiers,
+                         save_deadline_s=local.save_deadline_s)
 
     @property
     def local(self) -> CheckpointStore:
@@ -545,7 +548,8 @@ def tiered(local: str | CheckpointStore, remote: str | CheckpointStore, *,
            bytes_per_s: float | None = None, retry_base_s: float = 1.0,
            retry_max_s: float = 60.0, max_attempts: int | None = None,
            sharded: bool | None = None,
-           replicate_timeout: timedelta | None = None) -> TieredStore:
+           replicate_timeout: timedelta | None = None,
+           save_deadline_s: float | None = None) -> TieredStore:
     """Open a two-tier store: checkpoints commit on ``local`` (a URL, usually local disk, or
     an open store) and are replicated to ``remote`` in the background (docs/tiers.md).
 
@@ -561,13 +565,16 @@ def tiered(local: str | CheckpointStore, remote: str | CheckpointStore, *,
     whether the store is opened on every rank of a process group (default: torch.distributed
     is initialized with more than one rank); ``replicate_timeout``: how long a rank's
     replication waits for the other ranks before its replicator stops (sharded only; default
-    30 min: a dead or hung rank, docs/tiers.md "Sharded")."""
+    30 min: a dead or hung rank, docs/tiers.md "Sharded").  ``save_deadline_s``: each local
+    save, and each step's replication, commits or fails with `SaveDeadlineError` within this
+    many seconds (docs/reliability.md "Bounded saves"; the local tier's own when it is given
+    as a store)."""
     def opened(t: str | CheckpointStore, options: Mapping[str, Any] | None) -> CheckpointStore:
         if isinstance(t, CheckpointStore):
             return t
         return open_store(t, algorithm=algorithm, durable=durable, threads=threads,
                           retries=retries, incremental=incremental, lease_s=lease_s,
-                          **dict(options or {}))
+                          save_deadline_s=save_deadline_s, **dict(options or {}))
 
     def opened_remote(t: str | CheckpointStore) -> CheckpointStore:
         """The remote tier; one that does not answer at open (an outage, a restart during one)
