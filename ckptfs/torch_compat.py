@@ -28,6 +28,9 @@ here                                torch's private API                         
 `SavePlanner`'s hooks         ``DefaultSavePlanner._create_global_plan``,     sharded
                                     ``DefaultSavePlanner._dedup_save_plans``        save's
                                     (overridden, called: ckptfs checks the plan)    global plan
+`shard_size_and_offset`       ``Shard.local_shard_size_and_offset`` (public   scale
+                                    in 2.13; ``_local_shard_size_and_offset``       benchmark
+                                    in 2.9)
 `sharded_tensor_shards`       ``_shard.sharded_tensor.ShardedTensor``         FSDP1 save
                                     (``local_shards()``: its shards' tensors;       checks
                                     optional: none to save if missing)
@@ -35,37 +38,33 @@ here                                torch's private API                         
 `FsspecReader`                (optional: an error when used, if missing)      baseline
 ==================================  ==============================================  ==========
 
-`MIN_TORCH` is the oldest torch the test suite runs on (pyproject.toml declares the same
-floor); an older torch is refused here with the same error, even if it happens to have the
-names, because nothing else was tested.
+`MIN_TORCH` (``SHARDED_TORCH_FLOOR`` of ``ckptfs/torch_versions.py``: 2.9) is the oldest torch the
+sharded tests run on (``scripts/run-torch-matrix.sh`` runs the sharded, DCP and async tests on
+it; the tested versions: docs/installation.md); an older torch is refused here with the same
+error, even if it happens to have the names, because nothing else was tested.  Single-process
+checkpoints never import this module and install from an older torch (``TORCH_FLOOR``, 2.6,
+which pyproject.toml declares).  ``tests/project/test_torch_compat.py`` uses each name above
+on every tested version.
 """
 
 from __future__ import annotations
 
 import importlib
-import re
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ckptfs.errors import CkptfsError
+from ckptfs.torch_versions import SHARDED_TORCH_FLOOR, torch_version
 
-#: The oldest torch ckptfs's tests run on (torch 2.13.0, CPU; 2.14.1 CUDA on GPU machines).
-MIN_TORCH = (2, 13)
+#: The oldest torch ckptfs's sharded checkpoints run on (docs/installation.md).
+MIN_TORCH = SHARDED_TORCH_FLOOR
 
 
 class TorchCompatError(CkptfsError, ImportError):
     """The installed torch lacks a (private) torch API ckptfs's sharded checkpoints need, or is
     older than `MIN_TORCH`.  Single-process saves and loads do not need them."""
-
-
-def torch_version(text: str | None = None) -> tuple[int, int]:
-    """(major, minor) of ``torch.__version__`` (or ``text``): ``"2.13.0+cpu"`` -> (2, 13)."""
-    m = re.match(r"(\d+)\.(\d+)", text if text is not None else str(torch.__version__))
-    if m is None:  # pragma: no cover - torch always has a version
-        return (0, 0)
-    return int(m.group(1)), int(m.group(2))
 
 
 def _need(what: str) -> TorchCompatError:
@@ -191,6 +190,21 @@ def sharded_tensor_shards(t: Any) -> list[torch.Tensor] | None:
     return [shard.tensor for shard in t.local_shards()]
 
 
+def shard_size_and_offset(size: int, shards: int, index: int) -> tuple[int, int]:
+    """(size, offset) of shard ``index`` of ``shards`` of a dimension of ``size`` (DTensor's
+    ``Shard`` rule: ``torch.chunk``'s cut, empty shards at the end).  Public as
+    ``Shard.local_shard_size_and_offset`` in 2.13 and 2.14, private in 2.9
+    (``_local_shard_size_and_offset``)."""
+    from torch.distributed.tensor import Shard
+
+    rule = getattr(Shard, "local_shard_size_and_offset", None) or getattr(
+        Shard, "_local_shard_size_and_offset", None)
+    if rule is None:
+        raise _need("torch.distributed.tensor.Shard.local_shard_size_and_offset")
+    got, offset = rule(size, shards, index)
+    return int(got), int(offset)
+
+
 def optional_lookup(module: str, name: str) -> Any:
     """``module.name``, or a class whose construction raises `TorchCompatError`
     naming it (for the benchmarks' baselines: their absence must not break checkpoints)."""
@@ -215,5 +229,4 @@ __all__ = ["MIN_TORCH", "EmptyStateDictLoadPlanner", "FsspecReader", "FsspecWrit
            "TorchCompatError", "check_version", "default_store", "dtensor_like",
            "dtensor_local", "group_timeout", "load_state_dict", "lookup",
            "narrow_tensor_by_index", "optional_lookup", "optional_module", "set_element",
-           "sharded_tensor_shards",
-           "torch_version"]
+           "shard_size_and_offset", "sharded_tensor_shards", "torch_version"]

@@ -216,6 +216,8 @@ def params(names: Iterable[str], *, xfail: Mapping[str, str] | None = None,
             marks.append(known_defect(xfail[name], sweep=sweep))
         if name in slow or name in RANKS:
             marks.append(pytest.mark.slow)
+        if PATHS[name].sharded:
+            marks.append(pytest.mark.sharded)
         out.append(pytest.param(PATHS[name], id=name, marks=marks))
     return out
 

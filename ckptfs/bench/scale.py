@@ -177,12 +177,11 @@ def local_chunk(shape: tuple[int, ...], dim: int | None, shards: int, index: int
                 ) -> tuple[list[int], list[int]]:
     """(offsets, sizes) of shard ``index`` of ``shards`` along ``dim`` (DTensor's own rule,
     ``Shard.local_shard_size_and_offset``: ``torch.chunk``'s cut, an empty shard at the end)."""
-    from torch.distributed.tensor import Shard
+    from ckptfs.torch_compat import shard_size_and_offset
 
     offsets, sizes = [0] * len(shape), list(shape)
     if dim is not None:
-        size, off = Shard.local_shard_size_and_offset(shape[dim], shards, index)
-        offsets[dim], sizes[dim] = int(off), int(size)
+        sizes[dim], offsets[dim] = shard_size_and_offset(shape[dim], shards, index)
     return offsets, sizes
 
 

@@ -21,16 +21,21 @@ from typing import Any
 
 import torch
 
-from ckptfs.errors import CheckpointKeyError, CkptfsError, ShardedLoadError
+from ckptfs.errors import (
+    CheckpointKeyError,
+    CheckpointNotFoundError,
+    CkptfsError,
+    ShardedLoadError,
+)
 from ckptfs.format.sharded_tree import dcp_view, write_back
-from ckptfs.protocol.group import Group, carried, describe
+from ckptfs.format.versions import is_sharded
+from ckptfs.protocol.group import Group, WorldOfOne, carried, describe
+from ckptfs.protocol.load_options import dtype_mismatch
 from ckptfs.protocol.reader import check_single_process, load_single_process
-from ckptfs.protocol.resolve import CheckpointInfo
-from ckptfs.protocol.sharded_read import dtype_mismatch
+from ckptfs.protocol.resolve import CheckpointInfo, read_committed, walk_latest
 from ckptfs.storage.base import Storage
-from ckptfs.torch_compat import dtensor_local, sharded_tensor_shards
 
-__all__ = ["BATCH_BYTES", "load_files_into"]
+__all__ = ["BATCH_BYTES", "load_files_into", "load_into_alone", "load_one_files_into"]
 
 #: Bytes of stored tensors read per batch (each batch is freed before the next is read).
 BATCH_BYTES = 256 << 20
@@ -66,6 +71,11 @@ def _leaves(view: Any, state: Any = None) -> Iterator[tuple[str, tuple[Any, ...]
 def _regions(target: torch.Tensor) -> list[tuple[torch.Tensor, tuple[slice, ...]]]:
     """Each tensor of ``target`` this rank holds, with the slices of the global tensor it
     holds: a DTensor's local shard, a ShardedTensor's local shards, a plain tensor whole."""
+    if type(target) is torch.Tensor or isinstance(target, torch.nn.Parameter):
+        return [(target, tuple(slice(0, int(n)) for n in target.shape))]
+    # A tensor subclass: its DTensor / ShardedTensor internals (torch >= 2.9, imports DCP).
+    from ckptfs.torch_compat import dtensor_local, sharded_tensor_shards
+
     shards = sharded_tensor_shards(target)
     if shards is not None or hasattr(target, "__create_chunk_list__"):
         chunks = target.__create_chunk_list__()  # type: ignore[attr-defined]
@@ -102,6 +112,38 @@ def load_files_into(storage: Storage, info: CheckpointInfo, into: dict[str, Any]
                       f"{sorted(failed)} (rank {rank}: {doc.get('name')}: "
                       f"{doc.get('message')}); nothing can be trusted of it on this rank")
     return into
+
+
+def load_into_alone(storage: Storage, step: int | None, into: dict[str, Any], *,
+                    verify: bool = True, allow_rollback: bool = False, threads: int = 4
+                    ) -> dict[str, Any]:
+    """``load(into=)`` in a process without a process group on a torch older than the sharded
+    floor (``ckptfs/torch_versions.py``: single-process checkpoints need torch >= 2.6, the
+    sharded machinery 2.9): a files-layout checkpoint (v1, v3) fills ``into`` as
+    `load_files_into` does in a world of one, through the one walk (``allow_rollback``: a
+    corrupt newest step is logged and the next older one loaded).  A sharded checkpoint, or a
+    DTensor target, needs the sharded machinery: `TorchCompatError` names the torch to
+    install.  On a newer torch ``load(into=)`` takes the collective load's entry
+    (``sharded.load_into``), which reads either layout."""
+    def use(info: CheckpointInfo) -> dict[str, Any]:
+        return load_one_files_into(storage, info, into, verify=verify, threads=threads)
+
+    if step is not None:
+        return use(read_committed(storage, step))
+    found = walk_latest(storage, use, allow_rollback=allow_rollback)
+    if found is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint to load at {storage.url}")
+    return into
+
+
+def load_one_files_into(storage: Storage, info: CheckpointInfo, into: dict[str, Any], *,
+                        verify: bool = True, threads: int = 4) -> dict[str, Any]:
+    """`load_files_into` of ``info`` in a world of one, for `load_into_alone` and a two-tier
+    store's walk on a torch below the sharded floor: a sharded ``info`` raises
+    `TorchCompatError` (torch < 2.9)."""
+    if is_sharded(info.manifest):
+        import ckptfs.torch_compat  # noqa: F401  (raises TorchCompatError: torch < 2.9)
+    return load_files_into(storage, info, into, WorldOfOne(), verify=verify, threads=threads)
 
 
 def _fill(storage: Storage, info: CheckpointInfo, into: dict[str, Any], *, verify: bool,

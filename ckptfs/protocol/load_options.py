@@ -281,3 +281,14 @@ def select_and_map(state: dict[Any, Any], url: str, keys: list[KeyPath] | None,
     if keys is not None:
         state = prune_state(state, selection(keys), url)
     return cast(dict[Any, Any], map_tensors(state, mapper)) if mapper is not None else state
+
+
+def dtype_mismatch(fqn: str, stored: torch.dtype, wanted: torch.dtype, url: str
+                   ) -> LoadOptionError:
+    """The error for a target tensor whose dtype is not the stored one: ckptfs never converts
+    on load (a silent float32 -> bfloat16 or int64 -> int8 would lose data unnoticed)."""
+    where = f"{url}: " if url else ""
+    return LoadOptionError(
+        f"{where}key {fqn!r} is stored as {stored}, the tensor given to load it into is "
+        f"{wanted}; ckptfs never converts dtypes on load: give a {stored} tensor (and convert "
+        "after loading)")

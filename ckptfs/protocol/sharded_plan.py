@@ -41,7 +41,7 @@ from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.format.tiling import summary, tiling_errors
 from ckptfs.protocol.collective import is_dtensor
 from ckptfs.protocol.gcpause import paused_collector
-from ckptfs.protocol.sharded_read import dtype_mismatch
+from ckptfs.protocol.load_options import dtype_mismatch
 from ckptfs.torch_compat import (
     EmptyStateDictLoadPlanner,
     dtensor_local,

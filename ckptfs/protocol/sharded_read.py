@@ -33,7 +33,6 @@ from ckptfs.errors import (
     CkptfsError,
     CorruptCheckpointError,
     InvalidStepError,
-    LoadOptionError,
     ShardedLoadError,
     UnsafeCheckpointError,
     UnsupportedValueError,
@@ -68,6 +67,7 @@ from ckptfs.protocol.chunks import (
 from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.group import Group, describe
 from ckptfs.protocol.listing import check_listing
+from ckptfs.protocol.load_options import dtype_mismatch
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
 from ckptfs.storage.base import Storage
 from ckptfs.torch_compat import narrow_tensor_by_index
@@ -631,17 +631,6 @@ class ShardedReader(StorageReader):
                     f"the target {list(target.size())}", step=info.step)
             target.copy_(src)
             planner.commit_tensor(req, target)
-
-
-def dtype_mismatch(fqn: str, stored: torch.dtype, wanted: torch.dtype, url: str
-                   ) -> LoadOptionError:
-    """The error for a target tensor whose dtype is not the stored one: ckptfs never converts
-    on load (a silent float32 -> bfloat16 or int64 -> int8 would lose data unnoticed)."""
-    where = f"{url}: " if url else ""
-    return LoadOptionError(
-        f"{where}key {fqn!r} is stored as {stored}, the tensor given to load it into is "
-        f"{wanted}; ckptfs never converts dtypes on load: give a {stored} tensor (and convert "
-        "after loading)")
 
 
 def check_checkpoint_id(expected: str, checkpoint_id: str | os.PathLike[str] | None) -> None:

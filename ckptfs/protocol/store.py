@@ -20,6 +20,7 @@ from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES
 from ckptfs.protocol import async_save
+from ckptfs.protocol.collective import is_distributed
 from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verified
 from ckptfs.protocol.incremental import ReuseMemory
@@ -46,6 +47,7 @@ from ckptfs.storage.base import Capabilities, Storage
 from ckptfs.storage.deadline import check_deadline
 from ckptfs.storage.fsspec import DEFAULT_PROBE_TIMEOUT, FsspecStorage
 from ckptfs.storage.retry import RetryingStorage
+from ckptfs.torch_versions import sharded_supported
 
 log = logging.getLogger("ckptfs")
 T = TypeVar("T")
@@ -185,6 +187,11 @@ class OneTier(Tiers):
 
     def load_into(self, step: int | None, into: dict[str, Any], process_group: Any, *,
                   verify: bool, allow_rollback: bool, threads: int) -> dict[Any, Any]:
+        if not sharded_supported() and process_group is None and not is_distributed():
+            from ckptfs.protocol.files_into import load_into_alone  # torch < 2.9
+
+            return load_into_alone(self.storage, step, into, verify=verify,
+                                   allow_rollback=allow_rollback, threads=threads)
         from ckptfs.protocol import sharded
         return sharded.load_into(self.storage, step, into, process_group=process_group,
                                  verify=verify, threads=threads,

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from datetime import timedelta
@@ -95,6 +95,7 @@ from ckptfs.protocol.resolve import tier_of as resolve_tier
 from ckptfs.protocol.store import CheckpointStore, Tiers
 from ckptfs.protocol.store import open as open_store
 from ckptfs.storage.base import Storage, check_tier_roots
+from ckptfs.torch_versions import sharded_supported
 
 log = logging.getLogger("ckptfs")
 
@@ -291,6 +292,33 @@ class TwoTiers(Tiers):
         over the group: the same decision on every rank), each candidate loaded into
         ``into``; the local copy of node-local tiers is spread over the nodes
         (`ckptfs.protocol.node_copy`; docs/tiers.md "Sharded")."""
+        group: Group | None
+        use: Callable[[CheckpointInfo], dict[str, Any]]
+        if not self.sharded and not sharded_supported():  # torch < 2.9: files layouts only
+            from ckptfs.protocol.files_into import load_one_files_into
+
+            def files(info: CheckpointInfo) -> dict[str, Any]:
+                return load_one_files_into(self.storage_of(info), info, into, verify=verify,
+                                           threads=threads)
+
+            group, use = None, files
+        else:
+            group, use = self._sharded_load(into, verify=verify, threads=threads)
+
+        tiers = self.read_tiers()
+        if step is not None:
+            check_step(step)
+            return use_step(tiers, step, use, group=group)[1]
+        found = walk_tiers(tiers, use, allow_rollback=allow_rollback, group=group)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint to load at {self.local.url} or {self.remote.url}")
+        return found[1]
+
+    def _sharded_load(self, into: dict[str, Any], *, verify: bool, threads: int
+                      ) -> tuple[Group | None, Callable[[CheckpointInfo], dict[str, Any]]]:
+        """The group and the per-candidate load of `load_into` through the collective load's
+        entry (torch >= 2.9), which reads either layout."""
         from ckptfs.protocol import sharded
         from ckptfs.protocol.sharded_read import ShardedReader
         group: Group | None = None
@@ -312,15 +340,7 @@ class TwoTiers(Tiers):
             return sharded.load_into(storage, info.step, into, verify=verify,
                                      threads=threads, reader=reader)
 
-        tiers = self.read_tiers()
-        if step is not None:
-            check_step(step)
-            return use_step(tiers, step, use, group=group)[1]
-        found = walk_tiers(tiers, use, allow_rollback=allow_rollback, group=group)
-        if found is None:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint to load at {self.local.url} or {self.remote.url}")
-        return found[1]
+        return group, use
 
     def verify_copy(self, info: CheckpointInfo, *, quick: bool, threads: int
                     ) -> VerifyReport:

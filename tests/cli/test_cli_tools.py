@@ -229,6 +229,7 @@ def _sharded_checkpoint(backend: Backend) -> CheckpointStore:
     return backend.open()
 
 
+@pytest.mark.sharded
 def test_inspect_sharded_checkpoint(local_backend: Backend,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Format v2: the flat DCP keys, bounded by --max-rows; a damaged or linked rank file is

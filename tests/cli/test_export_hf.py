@@ -224,6 +224,7 @@ def test_reads_one_tensor_file_at_a_time_and_frees_it(tmp_path: Path,
     assert_bit_exact(sd, got)
 
 
+@pytest.mark.sharded
 def test_sharded_reads_batches_and_frees_them(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Bounded memory, sharded formats: each load reads at most READ_BATCH_BYTES of tensors
@@ -336,6 +337,7 @@ def job_save_dtensors(rank: int, world: int, url: str, full: dict[str, torch.Ten
     return info.manifest.format_version
 
 
+@pytest.mark.sharded
 @pytest.mark.parametrize("layout", [None, "per-rank"], ids=["v2", "v5-per-rank"])
 def test_sharded_dtensor_checkpoint_exports_bit_exact(tmp_path: Path, layout: str | None) -> None:
     model = llama(seed=3)
@@ -351,6 +353,7 @@ def test_sharded_dtensor_checkpoint_exports_bit_exact(tmp_path: Path, layout: st
     assert_bit_exact(sd, load_back(model, out))
 
 
+@pytest.mark.sharded
 def test_sharded_corrupt_chunk_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hf_export, "READ_BATCH_BYTES", 1)  # one tensor a read
     sd = {"b": torch.randn(16), "w": torch.randn(16, 8)}
@@ -387,6 +390,7 @@ def job_plain_dcp_save(rank: int, world: int, url: str, full: dict[str, torch.Te
     return 0
 
 
+@pytest.mark.sharded
 def test_plain_dcp_save_exports(tmp_path: Path) -> None:
     sd = {"embed.weight": torch.randn(8, 4), "layers.0.w": torch.randn(6, 4),
           "norm.weight": torch.randn(4)}

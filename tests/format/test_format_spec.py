@@ -207,6 +207,7 @@ def _sharded_run(root: Path) -> ckptfs.CheckpointInfo:
     return save_sharded(store.storage, 20, state)
 
 
+@pytest.mark.sharded
 def test_by_hand_checker_accepts_sharded_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "run"
     info = _sharded_run(root)
@@ -216,6 +217,7 @@ def test_by_hand_checker_accepts_sharded_checkpoint(tmp_path: Path) -> None:
     assert "step 20: committed, sharded by 1 ranks, 2 files verified" in done.stdout
 
 
+@pytest.mark.sharded
 def test_by_hand_checker_rejects_sharded_tampering(tmp_path: Path) -> None:
     root = tmp_path / "run"
     info = _sharded_run(root)
@@ -355,6 +357,7 @@ def _sharded_incremental_run(root: Path) -> ckptfs.CheckpointStore:
     return store
 
 
+@pytest.mark.sharded
 def test_by_hand_checker_accepts_sharded_incremental_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "run"
     store = _sharded_incremental_run(root)
@@ -393,6 +396,7 @@ def _rechunk_reference(root: Path, store: Any, where: str) -> str:
     return word
 
 
+@pytest.mark.sharded
 @pytest.mark.parametrize("where", ["tensor", "header", "missing", "size", "dropped", "extra"])
 def test_checker_and_ckptfs_reject_bad_v4_references(tmp_path: Path, where: str) -> None:
     root = tmp_path / "run"
@@ -427,6 +431,7 @@ def _per_rank_run(root: Path, algorithm: str) -> ckptfs.CheckpointInfo:
     return save_v2(store, 20, state, metadata={"notes": "v5"}, metadata_layout="per-rank")
 
 
+@pytest.mark.sharded
 @pytest.mark.parametrize("algorithm", ["sha256", "crc32c"])
 def test_by_hand_checker_accepts_per_rank_checkpoint(tmp_path: Path, algorithm: str) -> None:
     from ckptfs.format.versions import has_rank_metadata
@@ -568,6 +573,7 @@ def _v5_stray_file(adir: Path) -> str:
     (_v5_rank_file_missing, "rank-00001/data-0.safetensors: listed in the manifest but missing"),
     (_v5_stray_file, "rank-00001/data-1.safetensors: not in the manifest (stray file)"),
 ])
+@pytest.mark.sharded
 def test_checker_and_ckptfs_reject_v5_tampering(tmp_path: Path, tamper: Any,
                                                 ckptfs_says: str) -> None:
     """Each edit of a 2-rank v5 checkpoint fails the checker for its own reason, and ckptfs

@@ -130,8 +130,13 @@ GOLDENS = [
            only_step1=("step 1: committed, sharded by 2 ranks, per-rank metadata, 2 files and "
                        "2 rank files verified",)),
 ]
-GOLDEN_PARAMS = [pytest.param(g, id=str(g)) for g in GOLDENS]
-STEP_PARAMS = [pytest.param(g, step, id=f"{g}-step{step}")
+def _marks(g: Golden) -> list[Any]:
+    """A sharded golden reads through the sharded machinery (torch >= 2.9)."""
+    return [pytest.mark.sharded] if g.sharded else []
+
+
+GOLDEN_PARAMS = [pytest.param(g, id=str(g), marks=_marks(g)) for g in GOLDENS]
+STEP_PARAMS = [pytest.param(g, step, id=f"{g}-step{step}", marks=_marks(g))
                for g in GOLDENS for step in sorted(g.recipe())]
 
 
@@ -256,6 +261,7 @@ def test_v1_ties_and_views(v1_run: Path) -> None:
     assert {getattr(torch, n) for n in RECIPE.V1_DTYPES} <= dtypes
 
 
+@pytest.mark.sharded
 def test_v2_loads_into_another_placement(v2_run: Path) -> None:
     """Written by 2 ranks (rows and columns split), read into whole tensors in one process
     through the ranged reader: every chunk read, verified and copied into place."""
@@ -329,6 +335,7 @@ def test_v4_references(v4_run: Path) -> None:
     assert second.bytes - second.bytes_written == sum(c.length for r in refs for c in r.chunks)
 
 
+@pytest.mark.sharded
 def test_v4_loads_into_another_placement(v4_run: Path) -> None:
     """Step 2 into whole zero tensors in one process through the ranged reader: the frozen
     chunks read from step 1's rank files through the references, each checked by its digest."""
@@ -351,6 +358,7 @@ def test_v4_refused_by_a_pre_v4_reader(v4_run: Path, monkeypatch: pytest.MonkeyP
             ckptfs.open(str(v4_run)).load(step)
 
 
+@pytest.mark.sharded
 def test_v5_loads_into_another_placement(v5_run: Path) -> None:
     """Written by 2 ranks with per-rank metadata, read into whole tensors in one process: the
     spec, every row and both ranks' index documents, then every chunk read and verified."""

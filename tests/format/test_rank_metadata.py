@@ -265,6 +265,7 @@ def test_the_writer_lists_one_ranks_several_chunks() -> None:
     assert grid == (2, 3) and owners == (0, 1) and chunks is None
 
 
+@pytest.mark.sharded
 def test_document_needs_the_owner_to_hold_the_chunk() -> None:
     spec = Spec(1, {"w": TensorSpec("float32", (2, 3), False, "contiguous_format", False,
                                     (2, 3), (0, 0))}, {"step": 0}, None, None, None, None, {})

@@ -12,6 +12,7 @@ import importlib.util
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -55,8 +56,13 @@ def difference(writer: str, want: dict[str, str], got: dict[str, str]) -> str | 
 
 
 def _params() -> list[object]:
-    return [pytest.param(w, id=w, marks=[pytest.mark.slow] if G.group_of(w) == "two" else [])
-            for w in G.writers()]
+    def marks(w: str) -> list[Any]:
+        out: list[Any] = [pytest.mark.slow] if G.group_of(w) == "two" else []
+        if G.group_of(w) != "none" or w.endswith("dcp"):  # torch >= 2.9
+            out.append(pytest.mark.sharded)
+        return out
+
+    return [pytest.param(w, id=w, marks=marks(w)) for w in G.writers()]
 
 
 def test_every_writer_has_a_golden() -> None:

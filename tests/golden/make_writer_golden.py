@@ -261,10 +261,13 @@ def save_v3(store: Any, asynchronous: bool = False) -> None:
 
 
 def group_none() -> dict[str, Digests]:
-    import torch.distributed.checkpoint as dcp
-
     import ckptfs
-    import ckptfs.dcp
+    from ckptfs.torch_versions import sharded_supported
+
+    if sharded_supported():
+        import torch.distributed.checkpoint as dcp
+
+        import ckptfs.dcp
 
     out: dict[str, str] = {}
     v3_algorithm = R.golden_v3()[1][2]
@@ -277,13 +280,15 @@ def group_none() -> dict[str, Digests]:
     save_v3(ckptfs.open(out["v3"], algorithm=v3_algorithm, incremental=True))
     out["async-v3"] = fresh("async-v3")
     save_v3(ckptfs.open(out["async-v3"], algorithm=v3_algorithm, incremental=True), True)
-    url_d = out["dcp"] = fresh("dcp")
-    for step, (state, meta, algorithm, _) in sorted(R.golden_v2().items()):
-        dcp.save(state, storage_writer=ckptfs.dcp.Writer(url_d, step, algorithm=algorithm,
-                                                         metadata=meta),
-                 planner=ckptfs.dcp.SavePlanner(), no_dist=True)
+    if sharded_supported():  # ckptfs.dcp needs torch >= 2.9 (ckptfs/torch_versions.py)
+        url_d = out["dcp"] = fresh("dcp")
+        for step, (state, meta, algorithm, _) in sorted(R.golden_v2().items()):
+            dcp.save(state, storage_writer=ckptfs.dcp.Writer(url_d, step, algorithm=algorithm,
+                                                             metadata=meta),
+                     planner=ckptfs.dcp.SavePlanner(), no_dist=True)
     for name in ("v1", "v3", "dcp"):
-        out[f"cp-{name}"] = copy_all(out[name], f"cp-{name}")
+        if name in out:
+            out[f"cp-{name}"] = copy_all(out[name], f"cp-{name}")
     # Two tiers: one algorithm per store, so v1's two steps are both blake3 here.
     out["replica-v1"] = replicate_all(
         lambda s: [s.save(step, state, metadata=meta)

@@ -252,6 +252,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.sharded
 def test_distributed_gather_two_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Two real processes in a gloo group: save is collective (each rank writes its own RNG
     state under its rank's key in one sharded checkpoint), every rank gets the committed info,

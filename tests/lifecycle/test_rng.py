@@ -191,6 +191,7 @@ def job_gather(rank: int, world: int) -> dict[str, Any]:
     return {"mine": mine, "gathered": rng.dist_gather(mine, world)}
 
 
+@pytest.mark.sharded
 def test_dist_gather_over_two_gloo_ranks_stores_the_same_bytes(tmp_path: Path) -> None:
     """Every rank gets every rank's state, as it was captured; a checkpoint of the gathered
     states is byte for byte the one of the states themselves."""

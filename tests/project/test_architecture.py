@@ -29,8 +29,8 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "ckptfs"
 
 # Rank of each layer: a module may import its own layer and any layer of lower rank.
-RANK = {"errors": 0, "torch_compat": 0, "format": 1, "storage": 1, "protocol": 2,
-        "lifecycle": 3, "cli": 4, "bench": 4, "testing": 4, "integrations": 4}
+RANK = {"errors": 0, "torch_versions": 0, "torch_compat": 0, "format": 1, "storage": 1,
+        "protocol": 2, "lifecycle": 3, "cli": 4, "bench": 4, "testing": 4, "integrations": 4}
 # Same-rank layers that must not import each other (siblings), with the allowed exceptions.
 SIBLINGS = {frozenset({"format", "storage"}), frozenset({"cli", "bench"}),
             frozenset({"cli", "testing"}), frozenset({"bench", "testing"}),

@@ -321,6 +321,7 @@ def test_incremental_store_over_the_budget_is_written_from_the_state(
     assert stats.unstaged == 1 and 0 < stats.staging_peak_bytes <= 8 * BUDGET
 
 
+@pytest.mark.sharded
 def test_collective_layout_over_the_budget_is_written_from_the_state(
         memory_backend: Backend) -> None:
     """A collective save (here the rank files of a world of one, layout='ranks': the same

@@ -54,6 +54,7 @@ def _attempts(storage: FsspecStorage, step: int) -> set[str]:
 # -- part 1: a v4 copy's references name the destination's own copies ---------------------------
 
 
+@pytest.mark.sharded
 def test_cp_of_v4_loads_bit_exact_at_the_destination(tmp_path: Path) -> None:
     src, dst = _golden_v4(tmp_path), tmp_path / "dst"
     assert main(["cp", str(src), str(dst), "--all"]) == 0
@@ -67,6 +68,7 @@ def test_cp_of_v4_loads_bit_exact_at_the_destination(tmp_path: Path) -> None:
     assert store.info(1).attempt != ckptfs.open(str(src)).info(1).attempt
 
 
+@pytest.mark.sharded
 def test_replicator_of_v4_loads_bit_exact_at_the_remote(tmp_path: Path) -> None:
     """The single-process replicator (and ``ckptfs replicate``) copies through `copy_step`."""
     src, dst = _golden_v4(tmp_path), tmp_path / "remote"
@@ -86,6 +88,7 @@ def test_replicator_of_v4_loads_bit_exact_at_the_remote(tmp_path: Path) -> None:
         assert_bit_exact(store.load(step), recipe[step][0])
 
 
+@pytest.mark.sharded
 def test_cp_of_a_lone_v4_step_copies_what_it_references_into_a_retired_attempt(
         tmp_path: Path) -> None:
     """Step 2 alone into a fresh root: the files it references (step 1's) are copied into a
@@ -108,6 +111,7 @@ def test_cp_of_a_lone_v4_step_copies_what_it_references_into_a_retired_attempt(
     assert_bit_exact(store.load(2), _recipe()[2][0])
 
 
+@pytest.mark.sharded
 def test_a_failed_lone_v4_copy_leaves_no_retired_attempt(tmp_path: Path) -> None:
     src, dst = _golden_v4(tmp_path), tmp_path / "dst"
     info = ckptfs.open(str(src)).info(2)
@@ -134,6 +138,7 @@ def test_sharded_replica_of_a_step_not_at_the_remote_is_refused(tmp_path: Path) 
         references_at(FsspecStorage(str(tmp_path / "remote")), m2)
 
 
+@pytest.mark.sharded
 def test_cp_of_v4_refuses_rotted_destination_bytes(tmp_path: Path) -> None:
     """Step 1 copied, a byte of its rank file rotted at the destination, step 2 (which
     references it) copied: refused, naming the file; nothing committed."""
@@ -230,6 +235,7 @@ def test_commit_refuses_a_dangling_reference(local_backend: Backend) -> None:
     assert store.steps() == [1]
 
 
+@pytest.mark.sharded
 def test_v4_manifest_naming_the_sources_attempts_is_refused_by_the_commit(tmp_path: Path
                                                                         ) -> None:
     """What the copy of a v4 step used to commit: its manifest with only ``attempt`` changed."""
@@ -305,6 +311,7 @@ def job_copy_cells(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.sharded
 @pytest.mark.parametrize("world", [1, 2])
 def test_copy_guarantees_on_both_world_sizes(world: int, tmp_path: Path) -> None:
     """The copy of a v4 step resolves its references at the destination before the marker,
@@ -335,6 +342,7 @@ def test_copy_guarantees_on_both_world_sizes(world: int, tmp_path: Path) -> None
     assert_bit_exact(v3dst.load(2), state(2))
 
 
+@pytest.mark.sharded
 def test_v4_copy_whose_referenced_destination_step_is_deleted_is_copied_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The destination's step 1, which the copy of step 2 references, is deleted before the

@@ -81,6 +81,7 @@ def job_into(rank: int, world: int, url: str, step: int | None, replicate: bool
             "trainer": into["trainer"], "refused": refused, "untouched": untouched}
 
 
+@pytest.mark.sharded
 @pytest.mark.parametrize("world, incremental, replicate", [
     (1, False, False), (2, False, False), (2, True, True), (4, False, False)],
     ids=["v1-1-rank", "v1-2-ranks", "v3-2-ranks-replicated", "v1-4-ranks"])

@@ -130,6 +130,7 @@ def test_v3_save_whose_marker_lands_after_the_lease_with_every_file_there_commit
     assert torch.equal(got["model"]["frozen"], frozen)
 
 
+@pytest.mark.sharded
 def test_v4_save_stalled_past_its_lease_while_gc_took_its_attempt_is_not_committed(
         backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptfs.protocol.sharded import save_sharded

@@ -78,6 +78,7 @@ def job_replicas(rank: int, world: int, url: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.sharded
 def test_replicas_that_differ_are_refused_on_two_ranks(tmp_path: Path) -> None:
     r0, r1 = run_ranks(job_replicas, 2, str(tmp_path / "run"), timeout=240)
     for r in (r0, r1):

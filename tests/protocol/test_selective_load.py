@@ -207,6 +207,7 @@ def test_unselected_file_truncated_or_missing_does_not_stop_selective_load(
         store.verify(1)
 
 
+@pytest.mark.sharded
 def test_sharded_unselected_damaged_file_stops_selective_load(local_backend: Backend) -> None:
     """Format v2: keys= selects after the whole checkpoint is loaded and verified
     (docs/loading.md), so a damaged file outside the selection still refuses the load."""
@@ -284,6 +285,7 @@ def test_shard_plan_groups_by_top_level_key() -> None:
     assert len(many) == 5 and sorted(i for s in many for i in s) == list(range(1000))
 
 
+@pytest.mark.sharded
 def test_sharded_checkpoint_keys(local_backend: Backend) -> None:
     """Format v2 (written by torch.distributed.checkpoint in one process): keys= selects after
     the full sharded load; map_location applies; mmap is refused clearly."""

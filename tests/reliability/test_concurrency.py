@@ -20,6 +20,7 @@ from ckptfs.testing.reliability import (
     sweep_reader_during_saves,
     sweep_zombie,
 )
+from ckptfs.torch_versions import sharded_supported
 
 
 def test_zombie_and_replacement(any_backend: Backend) -> None:
@@ -78,7 +79,9 @@ def test_writers_of_every_path_race_one_winner(where: str,
     step, each with its own state: exactly one commits, the others get
     CheckpointExistsError, and the committed checkpoint is exactly the winner's state."""
     backend: Backend = request.getfixturevalue(f"{where}_backend")
-    sweep = sweep_free_race(backend, trials=2, writers=4,
-                            paths=[paths.V1, paths.ASYNC, paths.CP, paths.V2])
+    racers = [paths.V1, paths.ASYNC, paths.CP, paths.V2]
+    if not sharded_supported():  # torch < 2.9: no sharded save (ckptfs/torch_versions.py)
+        racers = [p for p in racers if not p.sharded]
+    sweep = sweep_free_race(backend, trials=2, writers=len(racers), paths=racers)
     assert sweep.tried == 2
     assert sweep.violations == []

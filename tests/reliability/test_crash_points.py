@@ -96,7 +96,8 @@ def _path_params() -> list[object]:
         for p in paths.params([p for p in paths.EVERY if p not in ("v1", *paths.REPLICAS)]):
             (path,) = p.values
             slow = [] if (where, path.name) in default else [pytest.mark.slow]
-            out.append(pytest.param(where, path, id=f"{where}-{path.name}", marks=slow))
+            out.append(pytest.param(where, path, id=f"{where}-{path.name}",
+                                    marks=[*p.marks, *slow]))
     return out
 
 

@@ -135,6 +135,7 @@ def test_hook_sees_every_call_in_order(memory_backend: Backend) -> None:
     assert seen == [("write_bytes", "a"), ("read_bytes", "a")]
 
 
+@pytest.mark.sharded
 def test_figures_command_writes_json_and_table(tmp_path: pytest.TempPathFactory) -> None:
     """The command behind docs/reliability.md, on the in-process backend."""
     import json

@@ -641,6 +641,7 @@ def test_steps_a_step_directory_cannot_name_are_refused(step: Any) -> None:
         _with(json.loads(VALID_MARKER), "step", step)).encode()))
 
 
+@pytest.mark.sharded
 def test_the_valid_documents_decode() -> None:
     """The documents the refusal tests mutate are themselves accepted (else they prove
     nothing)."""

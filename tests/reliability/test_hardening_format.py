@@ -596,6 +596,7 @@ def test_writer_accepts_only_what_reads_back_equal(value: Any) -> None:
 
 # -- two ranks: the same refusals, on every rank, nothing committed ---------------------------
 
+@pytest.mark.sharded
 def test_two_ranks_refuse_what_one_process_refuses(local_backend: Backend) -> None:
     """One 2-rank gloo job (one launch: ranks are slow to start) saves a valid step, then
     steps the format cannot hold: every rank must get the UnsupportedValueError the

@@ -560,6 +560,7 @@ def test_manager_restores_an_incremental_run(where: str,
     assert torch.equal(other.head, _Frozen().head)  # nothing restored into the model
 
 
+@pytest.mark.sharded
 @pytest.mark.parametrize("incremental", [
     pytest.param(False, id="v2"),
     pytest.param(True, id="v4")])

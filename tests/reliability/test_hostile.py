@@ -134,6 +134,7 @@ def _planter(where: str, tmp_path_factory: pytest.TempPathFactory) -> PlanterV2:
     return _PLANTERS[where]
 
 
+@pytest.mark.sharded
 @pytest.mark.parametrize(("where", "case"), _v2_params())
 def test_hostile_sharded_checkpoint(where: str, case: str,
                                     tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -251,7 +252,7 @@ def _declare(backend: Backend, fmt: int, declared: int) -> int:
 
 
 @pytest.mark.parametrize("reader", ["load", "cp"])
-@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("fmt", [1, pytest.param(2, marks=pytest.mark.sharded)])
 @pytest.mark.parametrize("declared", [1 << 30, 1 << 40, 1 << 50])
 def test_declared_size_is_not_allocated(local_backend: Backend, declared: int, fmt: int,
                                         reader: str) -> None:
@@ -270,6 +271,7 @@ def test_declared_size_is_not_allocated(local_backend: Backend, declared: int, f
     assert peak < 16 * 1024 * 1024
 
 
+@pytest.mark.sharded
 @pytest.mark.parametrize("fmt", [1, 2, 3])
 def test_a_refused_copy_commits_nothing_at_the_destination(memory_backend: Backend,
                                                            local_backend: Backend,
@@ -319,6 +321,7 @@ def rank_load_into(rank: int, world: int, url: str, steps: dict[str, int]) -> di
     return out
 
 
+@pytest.mark.sharded
 def test_two_ranks_refuse_hostile_sharded_checkpoints(local_backend: Backend,
                                                       tmp_path: Any) -> None:
     """One 2-rank gloo job loads (``load(into=...)``, collective) every hostile sharded

@@ -40,6 +40,8 @@ from ckptfs.format.layout import StepPaths
 from ckptfs.format.limits import MAX_METADATA_BYTES, MAX_RANK_INDEX_BYTES
 from ckptfs.format.rank_metadata import SPEC_NAME, RankRow, decode_block, encode_block
 
+pytestmark = pytest.mark.sharded  # format v5: the sharded machinery (torch >= 2.9)
+
 BLOCK = "rank-table/block-00000.bin"
 INDEX0, INDEX1 = "rank-00000/index.msgpack", "rank-00001/index.msgpack"
 FILE1 = "rank-00001/data-0.safetensors"

@@ -133,6 +133,12 @@ class WritePath:
         return frozen_state_for(step, same_objects=SHARDED in FEATURES[self.format_version])
 
     @property
+    def sharded(self) -> bool:
+        """Whether this path writes a sharded checkpoint (rank files: v2, v4, v5), which needs
+        torch >= 2.9 (``ckptfs/torch_versions.py``)."""
+        return SHARDED in FEATURES[self.format_version]
+
+    @property
     def copies(self) -> bool:
         """``ckptfs cp``: copying a step already committed with the same content is not an
         error (it reports "identical" and returns that commit)."""
