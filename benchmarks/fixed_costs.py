@@ -24,7 +24,8 @@ the median of those is printed):
    warm-up child of each first).  ``ckptfs`` against ``torch.load``, alternating.
 
 Usage: ``python -m benchmarks.fixed_costs [--tiny-rounds 40] [--load-size 64MiB]
-[--load-rounds 15] [--fresh-size 1GiB] [--fresh-rounds 3] [--skip-fresh] [--json PATH]``.
+[--load-rounds 15] [--fresh-size 1GiB] [--fresh-rounds 3] [--parts tiny,load,fresh]
+[--json PATH]``.
 The default run takes about a minute.  Ratios read "other time / ckptfs time": above 1, ckptfs
 is faster.  Another checkout is measured with ``PYTHONPATH=<checkout> python -m
 benchmarks.fixed_costs`` (its fresh-process children import the same checkout).
@@ -295,21 +296,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--load-rounds", type=int, default=15)
     ap.add_argument("--fresh-size", type=parse_size, default=1 << 30)
     ap.add_argument("--fresh-rounds", type=int, default=3)
-    ap.add_argument("--skip-fresh", action="store_true")
+    ap.add_argument("--skip-fresh", action="store_true", help="same as --parts tiny,load")
+    ap.add_argument("--parts", default="tiny,load,fresh",
+                    help="which questions to run, comma-separated (default: all three)")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a "
                     "temporary directory under /tmp, removed afterwards)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if parts - {"tiny", "load", "fresh"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'tiny', 'load', 'fresh'})}")
+    if args.skip_fresh:
+        parts.discard("fresh")
     base = tempfile.mkdtemp(prefix="ckptfs-fixed-", dir=args.workdir)
     results: dict[str, Any] = {}
     try:
-        os.makedirs(f"{base}/tiny")
-        results["tiny"] = bench_tiny(f"{base}/tiny", args.tiny_rounds)
-        shutil.rmtree(f"{base}/tiny")
-        os.makedirs(f"{base}/load")
-        results["load"] = bench_load(f"{base}/load", args.load_size, args.load_rounds)
-        shutil.rmtree(f"{base}/load")
-        if not args.skip_fresh:
+        if "tiny" in parts:
+            os.makedirs(f"{base}/tiny")
+            results["tiny"] = bench_tiny(f"{base}/tiny", args.tiny_rounds)
+            shutil.rmtree(f"{base}/tiny")
+        if "load" in parts:
+            os.makedirs(f"{base}/load")
+            results["load"] = bench_load(f"{base}/load", args.load_size, args.load_rounds)
+            shutil.rmtree(f"{base}/load")
+        if "fresh" in parts:
             os.makedirs(f"{base}/fresh")
             results["fresh"] = bench_fresh(f"{base}/fresh", args.fresh_size, args.fresh_rounds)
     finally:
