@@ -48,10 +48,18 @@ class ReadPlan:
     loads: list[int]
 
 
-def plan_reads(needs: Sequence[Sequence[Key]], *, max_piece: int, round_bytes: int
-               ) -> ReadPlan | None:
+#: `plan_reads` reads alone when cooperating spares under 1/this of the bytes needed.
+NEGLIGIBLE_SHARE = 32
+
+
+def plan_reads(needs: Sequence[Sequence[Key]], *, max_piece: int, round_bytes: int,
+               negligible: int = 0) -> ReadPlan | None:
     """The cooperative plan for ``needs`` (per rank, the chunks it needs), or ``None`` when no
-    chunk is needed by two ranks (each rank then reads its own, as alone).
+    chunk is needed by two ranks (each rank then reads its own, as alone), or when the bytes
+    cooperating would spare (every shared chunk's size times its needers but one) are at most
+    ``negligible`` and under 1/`NEGLIGIBLE_SHARE` of every rank's needs together: an FSDP
+    load's few replicated scalars cost each rank a small read, where the exchange rounds cost
+    every rank three collectives.
 
     The chunks a set of ranks shares are cut into pieces (runs of adjacent chunks of one file,
     at most ``max_piece`` bytes and about an equal share of that set's bytes per rank, so
@@ -67,6 +75,11 @@ def plan_reads(needs: Sequence[Sequence[Key]], *, max_piece: int, round_bytes: i
                 held.append(rank)
     if all(len(v) == 1 for v in needers.values()):
         return None
+    if negligible:
+        spared = sum((len(v) - 1) * k[2] for k, v in needers.items())
+        if spared <= negligible and \
+                spared * NEGLIGIBLE_SHARE < sum(len(v) * k[2] for k, v in needers.items()):
+            return None
     loads = [0] * world
     alone: list[list[Key]] = [[] for _ in range(world)]
     first: list[Transfer] = []

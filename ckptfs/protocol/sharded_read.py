@@ -132,6 +132,9 @@ def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
 
 #: A cooperative load's exchange round: at most this many bytes read plus received per rank.
 ROUND_BYTES = 4 * MAX_RANGE
+#: Chunks several ranks need are read by each of them when sharing would spare at most this
+#: many bytes, a small part of the load (`plan_reads`): the exchange rounds cost more.
+NEGLIGIBLE_SHARED = 4 * 1024 * 1024
 
 
 class ShardedReader(StorageReader):
@@ -154,9 +157,10 @@ class ShardedReader(StorageReader):
     4. every rank: ``read_data`` reads the chunks its items need (adjacent ones coalesced, one
        ranged read each, at most `MAX_RANGE`), plus the header chunk of each rank file it
        touches, checks every chunk's digest, then the header against ``dcp.msgpack``, and only
-       then copies bytes into a tensor (same dtype only: never converted) or decodes a value.
-       A full load (``fills_own_tensors``: tensors nobody sees before the load returns) reads
-       whole chunks straight into its tensors and checks them there.
+       then copies bytes into a tensor (same dtype only: never converted, every target's dtype
+       checked before a byte is read) or decodes a value.  A chunk that is exactly a target's
+       contiguous region (an FSDP shard loaded into the same sharding; every chunk of a full
+       load) is read straight into it and checked there (`_direct`): read once, no copy.
     """
 
     #: Whether chunks several ranks need are read once and sent to the others (with `peers`);
@@ -176,10 +180,8 @@ class ShardedReader(StorageReader):
         self.verify = verify
         self.threads = threads or default_threads()
         self.allow_rollback = allow_rollback
-        #: The planner's tensors are the load's own, returned only once every chunk read is
-        #: verified (a full load): chunks are then read straight into them and verified there,
-        #: on the reading threads, instead of into a buffer copied after the check.  Never for
-        #: the caller's tensors, which see only verified bytes.
+        #: The planner's tensors are the load's own (a full load).  Kept for callers: chunks
+        #: are read straight into any target they fit whole (`_direct`), the caller's too.
         self.fills_own_tensors = fills_own_tensors
         #: What this rank's load wants (names -> boxes, `ckptfs.protocol.rank_metadata`):
         #: of a format v5 checkpoint it reads only the metadata of the ranks holding those
@@ -326,6 +328,9 @@ class ShardedReader(StorageReader):
         peers = self.peers if self.cooperative else None
         try:
             groups, headers = self._wanted(plan, planner, info, doc)
+            # Every target's dtype checked before any byte is read (a refused load leaves the
+            # targets untouched), and the chunks read straight into their target (`_direct`).
+            direct = self._direct(planner, groups, info)
         except Exception as exc:
             if peers is not None:  # the peers wait for this rank's needs: tell them
                 peers.all_gather({"error": describe(exc)})
@@ -333,20 +338,18 @@ class ShardedReader(StorageReader):
         manifest = sharded_manifest(info)
         keys = sorted(set(groups) | headers)
         shared = self._share(peers, manifest, keys) if peers is not None else None
+        dests = {k: tensor_memoryview(t) for k, (_, t) in direct.items()}
         if shared is not None:
             assert peers is not None
-            self._read_shared(peers, shared, planner, manifest, keys, groups, headers)
+            self._read_shared(peers, shared, planner, manifest, keys, groups, headers, direct,
+                              dests)
             fut: Future[None] = Future()
             fut.set_result(None)
             return fut
-        direct = self._direct(planner, groups) if self.fills_own_tensors else {}
-        dests = {k: tensor_memoryview(t) for k, (_, t) in direct.items()}
         for views in self._fetch(manifest, keys, dests):
             for key, view in views:
-                if key in direct:  # read into the tensor itself, and verified there
-                    planner.commit_tensor(*direct[key])
-                else:
-                    self._use(planner, manifest, groups, headers, key, view)
+                self._use(planner, manifest, groups, headers, key, view,
+                          direct.get(key) if key in dests else None)
         fut = Future()
         fut.set_result(None)
         return fut
@@ -379,11 +382,15 @@ class ShardedReader(StorageReader):
         return groups, headers
 
     def _use(self, planner: LoadPlanner, manifest: Manifest, groups: dict[Key, list[ReadItem]],
-             headers: set[Key], key: Key, view: memoryview) -> None:
+             headers: set[Key], key: Key, view: memoryview,
+             placed: tuple[ReadItem, torch.Tensor] | None = None) -> None:
         """Use the verified chunk ``key``: a header is checked against dcp.msgpack, an item's
-        bytes copied into its tensor or decoded."""
+        bytes copied into its tensor or decoded.  ``placed``: the chunk was read straight into
+        this item's target (``view`` is the target's memory), and verified there."""
         info = self.resolve()
-        if key in headers:
+        if placed is not None:
+            planner.commit_tensor(*placed)
+        elif key in headers:
             entry = manifest.chunked(key[0])
             check_rank_header(view, entry, self._by_file.get(key[0], []),
                               where=storage_url(self.storage, entry_location(info, entry)))
@@ -435,11 +442,13 @@ class ShardedReader(StorageReader):
                             "which is no chunk of the checkpoint's manifest")
                     wanted.append((path, off, length))
             needs.append(sorted(set(wanted)))
-        return plan_reads(needs, max_piece=MAX_RANGE, round_bytes=ROUND_BYTES)
+        return plan_reads(needs, max_piece=MAX_RANGE, round_bytes=ROUND_BYTES,
+                          negligible=NEGLIGIBLE_SHARED)
 
     def _read_shared(self, peers: Group, shared: ReadPlan, planner: LoadPlanner,
                      manifest: Manifest, keys: list[Key], groups: dict[Key, list[ReadItem]],
-                     headers: set[Key]) -> None:
+                     headers: set[Key], direct: dict[Key, tuple[ReadItem, torch.Tensor]],
+                     dests: dict[Key, memoryview]) -> None:
         """Run ``shared`` (every rank, the same rounds): in each, read this rank's chunks
         (verified), then exchange them, each received chunk verified again before it is used.
         Every rank reaches every exchange: each step's outcome is exchanged (`_settle`), and
@@ -451,8 +460,11 @@ class ShardedReader(StorageReader):
         me = peers.rank
         done: set[Key] = set()
 
-        def use(key: Key, view: memoryview) -> None:
-            self._use(planner, manifest, groups, headers, key, view)
+        def use(key: Key, view: memoryview, read_here: bool = True) -> None:
+            # A chunk read here with a destination is in its target already; one received
+            # from a peer is copied there.
+            placed = direct.get(key) if read_here and key in dests else None
+            self._use(planner, manifest, groups, headers, key, view, placed)
             done.add(key)
 
         stopped = False
@@ -461,7 +473,7 @@ class ShardedReader(StorageReader):
             error: Exception | None = None
             try:
                 for views in self._fetch(manifest, [t.key for t in transfers
-                                                    if t.reader == me], {}):
+                                                    if t.reader == me], dests):
                     for key, view in views:
                         mine[key] = view
                         use(key, view)
@@ -493,8 +505,8 @@ class ShardedReader(StorageReader):
                             again.append(key)
                             continue
                         self.bytes_received += key[2]
-                        use(key, view)
-                for views in self._fetch(manifest, again, {}):  # the stored bytes, verified
+                        use(key, view, read_here=False)
+                for views in self._fetch(manifest, again, dests):  # the stored bytes, verified
                     for key, view in views:
                         use(key, view)
             except Exception as exc:
@@ -504,7 +516,7 @@ class ShardedReader(StorageReader):
                 stopped = True
                 break
         rest = [k for k in keys if k not in done] if stopped else shared.alone[me]
-        for views in self._fetch(manifest, rest, {}):
+        for views in self._fetch(manifest, rest, dests):
             for key, view in views:
                 use(key, view)
 
@@ -540,26 +552,36 @@ class ShardedReader(StorageReader):
             raise error
         return any(d is not None for d in docs)
 
-    def _direct(self, planner: LoadPlanner, groups: dict[Key, list[ReadItem]]
-                ) -> dict[Key, tuple[ReadItem, torch.Tensor]]:
-        """The stored chunks that are read straight into their target (`fills_own_tensors`):
-        a tensor chunk read whole by one item into a contiguous CPU region of the stored dtype
-        and shape.  Anything else (a slice of a chunk, another dtype: refused by
-        `_apply`) takes the copying path."""
+    def _direct(self, planner: LoadPlanner, groups: dict[Key, list[ReadItem]],
+                info: CheckpointInfo) -> dict[Key, tuple[ReadItem, torch.Tensor]]:
+        """Check every tensor item's target dtype (`dtype_mismatch` before anything is read),
+        and return the stored chunks read straight into their target: a tensor chunk read
+        whole by one item into a contiguous CPU region of the stored dtype and shape (an FSDP
+        shard loaded into the same sharding: read once, no buffer, no copy).  Anything else (a
+        slice of a chunk, a resharded load) takes the copying path.  Only when this reader
+        reads from its own storage (a subclass placing its reads elsewhere, `read_run`, reads
+        into buffers).  A chunk read into its target is verified there: a chunk that does not
+        match its digest fails the load (every rank), and its target then holds those bytes
+        (a failed load leaves its targets partly written, as before: never use them)."""
+        into_targets = type(self).read_run is ShardedReader.read_run
         out: dict[Key, tuple[ReadItem, torch.Tensor]] = {}
         for key, reqs in groups.items():
-            req = reqs[0]
-            if len(reqs) != 1 or req.type != LoadItemType.TENSOR:
-                continue
-            found = self._shapes.get((req.storage_index.fqn,
-                                      tuple(req.storage_index.offset or ())))
-            if found is None or any(req.storage_offsets) or tuple(req.lengths) != found[1]:
-                continue
-            target = planner.resolve_tensor(req).detach()
-            if (target.dtype == found[0] and tuple(target.shape) == found[1]
-                    and target.device.type == "cpu" and target.is_contiguous()
-                    and target.numel() * target.element_size() == key[2]):
-                out[key] = (req, target)
+            for req in reqs:
+                if req.type != LoadItemType.TENSOR:
+                    continue
+                found = self._shapes.get((req.storage_index.fqn,
+                                          tuple(req.storage_index.offset or ())))
+                if found is None:
+                    continue  # `_apply` names the missing chunk
+                target = planner.resolve_tensor(req).detach()
+                if target.dtype != found[0]:
+                    raise dtype_mismatch(req.dest_index.fqn, found[0], target.dtype, info.url)
+                if (into_targets and len(reqs) == 1 and not any(req.storage_offsets)
+                        and tuple(req.lengths) == found[1]
+                        and tuple(target.shape) == found[1]
+                        and target.device.type == "cpu" and target.is_contiguous()
+                        and target.numel() * target.element_size() == key[2]):
+                    out[key] = (req, target)
         return out
 
     def _fetch(self, manifest: Manifest, keys: list[Key],
