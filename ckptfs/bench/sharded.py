@@ -30,7 +30,15 @@ The rank code is a script of its own using only ckptfs's public API, so ``--base
 3. **tiny**: 4 tensors of 256 KiB sharded over 2 ranks, several saves per job: the fixed cost
    of a collective save (what dominates frequent checkpoints of small models);
 4. **world sizes**: the save at 1, 2 and 4 ranks (a smaller state);
-5. **cost at scale**: tiny models saved by 2, 4 and 8 ranks, counting every storage call of
+5. **in-place load, W=2**: how an FSDP2 job resumes.  Each rank builds its
+   ``{"model", "optimizer"}`` state, saves it with ckptfs and with DCP's FileSystemWriter, then
+   loads each checkpoint back into that same DTensor state, alternately, ``--inplace-loads``
+   times in one job: ``store.load(step, into=state)`` (every byte verified against its digest)
+   against ``dcp.load(state, storage_reader=FileSystemReader(dir))``.  Times are rank 0's, from
+   a barrier to a barrier after the load; after every load each rank's tensors are compared
+   bit for bit with the state saved.  ``--inplace-size`` (default 64 MiB; 1 GiB for the
+   recorded figures, 0 to skip);
+6. **cost at scale**: tiny models saved by 2, 4 and 8 ranks, counting every storage call of
    each rank and measuring ``dcp.msgpack``, ``MANIFEST.json`` and DCP's pickled ``.metadata``,
    to extrapolate to 1,000 ranks.
 
@@ -496,6 +504,62 @@ def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def job_inplace(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """The in-place load (section 5): ckptfs and DCP loads into the same DTensor state,
+    interleaved; bit-exact after each."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    import ckptfs
+
+    state = fsdp_state(world, spec["bytes"], spec["layers"])
+    local = {k: (v.to_local() if hasattr(v, "to_local") else v)
+             for k, v in flat_tensors(state).items()}
+    saved = {k: v.clone() for k, v in local.items()}
+    store = ckptfs.open(spec["root"] + "/ckptfs")
+    store.save(1, state)
+    dcp_save(state, storage_writer=FileSystemWriter(spec["root"] + "/dcp"))
+    times: dict[str, list[float]] = {CKPTFS: [], DCP: []}
+    for i in range(spec["loads"]):
+        for lib in (CKPTFS, DCP) if i % 2 == 0 else (DCP, CKPTFS):
+            for v in local.values():
+                v.zero_()
+            dist.barrier()
+            t0 = time.perf_counter()
+            if lib == CKPTFS:
+                store.load(1, into=state)
+            else:
+                dcp_load(state, storage_reader=FileSystemReader(spec["root"] + "/dcp"))
+            dist.barrier()
+            times[lib].append(time.perf_counter() - t0)
+            bad = [k for k, v in local.items() if not torch.equal(v, saved[k])]
+            if bad:
+                raise AssertionError(f"{lib}: {len(bad)} tensors differ after an in-place "
+                                     f"load, e.g. {bad[0]}")
+    return {"times": times, "local_bytes": sum(v.numel() * v.element_size()
+                                               for v in local.values())}
+
+
+def bench_inplace(size: int, loads: int, layers: int, root: Path) -> dict[str, Any]:
+    """Section 5: one 2-rank job, ``loads`` interleaved in-place loads of each library."""
+    where = root / "inplace"
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    try:
+        r = launch(job_inplace, 2, {"bytes": size, "layers": layers, "root": str(where),
+                                    "loads": loads})
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    out = summarize(r[0]["times"])
+    ck, dc = r[0]["times"][CKPTFS], r[0]["times"][DCP]
+    out["pair_ratios"] = [round(d / c, 3) for c, d in zip(ck, dc, strict=True)]
+    out.update(bytes=size, world=2, loads=loads, bit_exact=True)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # The whole run
 
@@ -503,7 +567,8 @@ def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 def run(size: int, rounds: int, worlds: Sequence[int], world_size: int,
         meta_worlds: Sequence[int], layers: int, root: str, *, saves: int = 2,
         tiny_rounds: int = 5, tiny_saves: int = 6, baseline: str | None = None,
-        prewarm: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+        prewarm: bool = True, inplace_size: int = 0, inplace_loads: int = 6,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
     envs = variant_envs(baseline)
     out: dict[str, Any] = {"machine": machine_info(), "fs": fs_type(root), "layers": layers,
                            "variants": list(envs), "baseline": baseline,
@@ -540,6 +605,9 @@ def run(size: int, rounds: int, worlds: Sequence[int], world_size: int,
         finally:
             for k in kept.values():
                 shutil.rmtree(k["root"], ignore_errors=True)
+    if inplace_size:
+        out["inplace_w2"] = section("in-place load W=2", lambda: bench_inplace(
+            inplace_size, inplace_loads, layers, base))
     out["worlds"] = {}
     for w in worlds:
 
@@ -614,6 +682,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "through a scratch file before each save (see the module docstring)")
     p.add_argument("--baseline", default=None, help="another ckptfs checkout, measured as a "
                    "third variant (before/after)")
+    p.add_argument("--inplace-size", default="64MiB", help="total state of the in-place "
+                   "load W=2 (section 5; 1GiB for the recorded figures; 0: skip)")
+    p.add_argument("--inplace-loads", type=int, default=6, help="in-place loads of each "
+                   "library, interleaved in one job")
     p.add_argument("--root", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--json", default=str(Path("results") / "sharded.json"),
                    help="where the JSON goes (default: results/sharded.json under the current "
@@ -627,7 +699,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = run(parse_size(a.size), a.reps, [int(w) for w in a.worlds.split(",") if w],
                   parse_size(a.world_size), [int(w) for w in a.meta_worlds.split(",") if w],
                   a.layers, scratch, saves=a.saves, tiny_rounds=a.tiny_rounds,
-                  tiny_saves=a.tiny_saves, baseline=a.baseline, prewarm=not a.no_prewarm)
+                  tiny_saves=a.tiny_saves, baseline=a.baseline, prewarm=not a.no_prewarm,
+                  inplace_size=parse_size(a.inplace_size), inplace_loads=a.inplace_loads)
     finally:
         if a.root is None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -637,7 +710,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(a.json).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     if a.plot and "save_w2" in doc and "load_2_to_1" in doc:
         plot(doc, Path(a.plot))
-    print(json.dumps({k: doc[k] for k in ("tiny", "save_w2", "load_2_to_1") if k in doc},
+    print(json.dumps({k: doc[k] for k in ("tiny", "save_w2", "load_2_to_1", "inplace_w2")
+                      if k in doc},
                      indent=1))
     return 0
 
