@@ -15,6 +15,7 @@ import dataclasses
 import io
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as CFuture
@@ -94,6 +95,11 @@ def sharded_manifest(info: CheckpointInfo) -> Manifest:
     return info.manifest
 
 
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous CPU tensor as a flat uint8 tensor (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def _stored_chunk(info: CheckpointInfo, entry: ChunkedFileEntry, key: Key) -> Chunk:
     chunk = entry.chunk_at(key[1], key[2])
     if chunk is None:  # pragma: no cover - check_locations: every item is one chunk
@@ -132,6 +138,9 @@ def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
 
 #: A cooperative load's exchange round: at most this many bytes read plus received per rank.
 ROUND_BYTES = 4 * MAX_RANGE
+#: A run of chunks read for the caller's targets (through a reused buffer) is at most this
+#: long (a longer chunk alone): each reading thread's buffer holds one run.
+STAGED_RANGE = 16 * 1024 * 1024
 #: Chunks several ranks need are read by each of them when sharing would spare at most this
 #: many bytes, a small part of the load (`plan_reads`): the exchange rounds cost more.
 NEGLIGIBLE_SHARED = 4 * 1024 * 1024
@@ -160,7 +169,9 @@ class ShardedReader(StorageReader):
        then copies bytes into a tensor (same dtype only: never converted, every target's dtype
        checked before a byte is read) or decodes a value.  A chunk that is exactly a target's
        contiguous region (an FSDP shard loaded into the same sharding; every chunk of a full
-       load) is read straight into it and checked there (`_direct`): read once, no copy.
+       load) is placed there by the reading thread (`_direct`, `_fetch`): a full load's own
+       tensors are read into and checked there; the caller's through a buffer the thread
+       reuses, copied in once verified (the caller's tensors never see unverified bytes).
     """
 
     #: Whether chunks several ranks need are read once and sent to the others (with `peers`);
@@ -180,8 +191,11 @@ class ShardedReader(StorageReader):
         self.verify = verify
         self.threads = threads or default_threads()
         self.allow_rollback = allow_rollback
-        #: The planner's tensors are the load's own (a full load).  Kept for callers: chunks
-        #: are read straight into any target they fit whole (`_direct`), the caller's too.
+        #: The planner's tensors are the load's own, returned only once every chunk read is
+        #: verified (a full load): chunks are then read straight into them and verified there,
+        #: on the reading threads.  Never for the caller's tensors, which see only verified
+        #: bytes: a chunk is read into a buffer the reading thread reuses, and copied in there
+        #: once verified (`_fetch`).
         self.fills_own_tensors = fills_own_tensors
         #: What this rank's load wants (names -> boxes, `ckptfs.protocol.rank_metadata`):
         #: of a format v5 checkpoint it reads only the metadata of the ranks holding those
@@ -338,7 +352,7 @@ class ShardedReader(StorageReader):
         manifest = sharded_manifest(info)
         keys = sorted(set(groups) | headers)
         shared = self._share(peers, manifest, keys) if peers is not None else None
-        dests = {k: tensor_memoryview(t) for k, (_, t) in direct.items()}
+        dests = {k: t for k, (_, t) in direct.items()}
         if shared is not None:
             assert peers is not None
             self._read_shared(peers, shared, planner, manifest, keys, groups, headers, direct,
@@ -448,7 +462,7 @@ class ShardedReader(StorageReader):
     def _read_shared(self, peers: Group, shared: ReadPlan, planner: LoadPlanner,
                      manifest: Manifest, keys: list[Key], groups: dict[Key, list[ReadItem]],
                      headers: set[Key], direct: dict[Key, tuple[ReadItem, torch.Tensor]],
-                     dests: dict[Key, memoryview]) -> None:
+                     dests: dict[Key, torch.Tensor]) -> None:
         """Run ``shared`` (every rank, the same rounds): in each, read this rank's chunks
         (verified), then exchange them, each received chunk verified again before it is used.
         Every rank reaches every exchange: each step's outcome is exchanged (`_settle`), and
@@ -555,14 +569,13 @@ class ShardedReader(StorageReader):
     def _direct(self, planner: LoadPlanner, groups: dict[Key, list[ReadItem]],
                 info: CheckpointInfo) -> dict[Key, tuple[ReadItem, torch.Tensor]]:
         """Check every tensor item's target dtype (`dtype_mismatch` before anything is read),
-        and return the stored chunks read straight into their target: a tensor chunk read
-        whole by one item into a contiguous CPU region of the stored dtype and shape (an FSDP
-        shard loaded into the same sharding: read once, no buffer, no copy).  Anything else (a
-        slice of a chunk, a resharded load) takes the copying path.  Only when this reader
-        reads from its own storage (a subclass placing its reads elsewhere, `read_run`, reads
-        into buffers).  A chunk read into its target is verified there: a chunk that does not
-        match its digest fails the load (every rank), and its target then holds those bytes
-        (a failed load leaves its targets partly written, as before: never use them)."""
+        and return the stored chunks placed into their target by the reading threads
+        (`_fetch`): a tensor chunk read whole by one item into a contiguous CPU region of the
+        stored dtype and shape (an FSDP shard loaded into the same sharding: no buffer
+        allocated per read, no copy on the loading thread).  Anything else (a slice of a
+        chunk, a resharded load) takes the copying path.  Only when this reader reads from its
+        own storage (a subclass placing its reads elsewhere, `read_run`, reads into
+        buffers)."""
         into_targets = type(self).read_run is ShardedReader.read_run
         out: dict[Key, tuple[ReadItem, torch.Tensor]] = {}
         for key, reqs in groups.items():
@@ -585,29 +598,64 @@ class ShardedReader(StorageReader):
         return out
 
     def _fetch(self, manifest: Manifest, keys: list[Key],
-               dests: dict[Key, memoryview]) -> Iterator[list[tuple[Key, memoryview]]]:
+               dests: dict[Key, torch.Tensor]) -> Iterator[list[tuple[Key, memoryview]]]:
         """Coalesce adjacent chunks into ranged reads, run them on a pool (at most ``threads``
-        in flight beyond the one being applied), yield each verified run's chunk views.  A run
-        holding a chunk with a destination in ``dests`` is read straight into it (and the
-        run's other chunks into buffers of their own), and verified there."""
+        in flight beyond the one being applied), yield each verified run's chunk views.  A
+        chunk with a target in ``dests`` (`_direct`) ends up there, its view being the
+        target's memory: a full load's own tensors (`fills_own_tensors`) are read into and
+        verified there; the caller's get the bytes only once verified, read into a buffer of
+        the reading thread's, reused from chunk to chunk (a fresh buffer per read costs a page
+        fault per page, more than the copy), then copied in on that thread.  The other chunks
+        of a run are read into buffers of their own."""
+        stage = not self.fills_own_tensors
         runs: list[list[Key]] = []
+        staged: list[bool] = []  # whether each run holds a chunk staged through a buffer
         for key in keys:
             last = runs[-1][-1] if runs else None
+            here = stage and key in dests
+            limit = STAGED_RANGE if here or (staged and staged[-1]) else MAX_RANGE
             if (last is not None and last[0] == key[0] and last[1] + last[2] == key[1]
-                    and key[1] + key[2] - runs[-1][0][1] <= MAX_RANGE):
+                    and key[1] + key[2] - runs[-1][0][1] <= limit):
                 runs[-1].append(key)
+                staged[-1] = staged[-1] or here
             else:
                 runs.append([key])
+                staged.append(here)
         info = self.resolve()
+        local = threading.local()
+
+        def scratch(n: int) -> torch.Tensor:
+            buf: torch.Tensor | None = getattr(local, "buf", None)
+            if buf is None or buf.numel() < n:
+                buf = local.buf = torch.empty(n, dtype=torch.uint8)
+            return buf[:n]
 
         def fetch(run: list[Key]) -> list[tuple[Key, memoryview]]:
             path, start = run[0][0], run[0][1]
             entry = manifest.chunked(path)
             if any(k in dests for k in run):
-                bufs = [(_stored_chunk(info, entry, k), dests.get(k) or tensor_memoryview(
-                    torch.empty(k[2], dtype=torch.uint8))) for k in run]
+                into: list[torch.Tensor] = []
+                buf = scratch(sum(k[2] for k in run if k in dests)) if stage else None
+                pos = 0
+                for k in run:
+                    if k not in dests:
+                        into.append(torch.empty(k[2], dtype=torch.uint8))
+                    elif buf is None:
+                        into.append(_flat_bytes(dests[k]))
+                    else:
+                        into.append(buf[pos:pos + k[2]])
+                        pos += k[2]
+                bufs = [(_stored_chunk(info, entry, k), tensor_memoryview(b))
+                        for k, b in zip(run, into, strict=True)]
                 read_chunks_into(self.storage, info, entry, start, bufs, verify=self.verify)
-                return [(k, v) for k, (_, v) in zip(run, bufs, strict=True)]
+                out: list[tuple[Key, memoryview]] = []
+                for k, b, (_, v) in zip(run, into, bufs, strict=True):
+                    if k in dests:
+                        if buf is not None and k[2]:  # verified: only now into the target
+                            _flat_bytes(dests[k]).copy_(b)
+                        v = tensor_memoryview(dests[k])
+                    out.append((k, v))
+                return out
             length = run[-1][1] + run[-1][2] - start
             view = self.read_run(entry, start, length)
             return [(k, view[k[1] - start:k[1] - start + k[2]]) for k in run]

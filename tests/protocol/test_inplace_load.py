@@ -1,10 +1,11 @@
 """The in-place sharded load: ``store.load(into=state)`` of an FSDP-style
-state on 2 gloo ranks reads each of its shards once, straight into the target's own memory,
-and verifies it there.
+state on 2 gloo ranks reads each of its shards once, on the reading threads, into a buffer
+each thread reuses, and copies it into the target once verified (the caller's tensors never
+see unverified bytes: tests/protocol/test_sharded_perf.py).
 
-* loaded into the sharding it was saved from: every shard chunk read into its target (none
-  copied through a buffer), nothing exchanged between the ranks (the few replicated values
-  are read by each rank: sharing them would cost more than it spares), bit-exact, twice in a
+* loaded into the sharding it was saved from: every shard chunk placed into its target by
+  the reading threads, nothing exchanged between the ranks (the few replicated values are
+  read by each rank: sharing them would cost more than it spares), bit-exact, twice in a
   row;
 * the same process then loads into a state resharded differently (rows -> columns): the
   copying path, bit-exact, and back into the first layout, bit-exact;

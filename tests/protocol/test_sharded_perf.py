@@ -51,6 +51,26 @@ def _spy_direct(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
+def _spy_buffers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The addresses of the buffers chunks are read into (``read_chunks_into``)."""
+    seen: list[int] = []
+    real = sharded_read.read_chunks_into
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        seen.extend(torch.frombuffer(v, dtype=torch.uint8).data_ptr()
+                    for _, v in args[4] if len(v))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(sharded_read, "read_chunks_into", spy)
+    return seen
+
+
+def _inside(addresses: list[int], tensors: Any) -> list[int]:
+    """The ``addresses`` that lie in the memory of one of ``tensors``."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+    return [a for a in addresses if any(lo <= a < hi for lo, hi in spans)]
+
+
 def _flip(root: Path, step: int, attempt: str, key: str) -> None:
     """Flip the first byte of the stored item ``key`` in rank 0's file (digests unchanged)."""
     doc_path = attempt_dir(root, step, attempt) / "dcp.msgpack"
@@ -100,17 +120,19 @@ def test_full_load_through_a_ranged_read_refuses_a_flipped_byte(
 
 def test_load_into_the_callers_tensors_never_sees_unverified_bytes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``load(into=...)`` fills the caller's tensors only from verified buffers: after a failed
-    load, the tensor whose chunk was corrupt still holds what it held."""
+    """``load(into=...)`` fills the caller's tensors only from verified buffers (never reads
+    a chunk into their memory: into a buffer, copied in once verified): after a failed load,
+    the tensor whose chunk was corrupt still holds what it held."""
     root = tmp_path / "run"
     store = ckptfs.open(str(root))
     state = _state()
     info = save_sharded(store.storage, 1, state)
-    seen = _spy_direct(monkeypatch)
+    seen = _spy_buffers(monkeypatch)
     into = {"model": {k: torch.full_like(v, 0) for k, v in state["model"].items()},
             "trainer": {"step": 0, "names": []}}
     store.load(1, into=into)
-    assert seen == [] and torch.equal(into["model"]["w"], state["model"]["w"])
+    assert _inside(seen, into["model"].values()) == []
+    assert torch.equal(into["model"]["w"], state["model"]["w"])
     _flip(root, 1, info.attempt, "model.w")
     into["model"]["w"].fill_(-1.0)
     with pytest.raises(CorruptCheckpointError, match="digest"):
