@@ -30,14 +30,16 @@ The rank code is a script of its own using only ckptfs's public API, so ``--base
 3. **tiny**: 4 tensors of 256 KiB sharded over 2 ranks, several saves per job: the fixed cost
    of a collective save (what dominates frequent checkpoints of small models);
 4. **world sizes**: the save at 1, 2 and 4 ranks (a smaller state);
-5. **in-place load, W=2**: how an FSDP2 job resumes.  Each rank builds its
-   ``{"model", "optimizer"}`` state, saves it with ckptfs and with DCP's FileSystemWriter, then
-   loads each checkpoint back into that same DTensor state, alternately, ``--inplace-loads``
-   times in one job: ``store.load(step, into=state)`` (every byte verified against its digest)
-   against ``dcp.load(state, storage_reader=FileSystemReader(dir))``.  Times are rank 0's, from
-   a barrier to a barrier after the load; after every load each rank's tensors are compared
-   bit for bit with the state saved.  ``--inplace-size`` (default 64 MiB; 1 GiB for the
-   recorded figures, 0 to skip);
+5. **in-place load, W=2**: how an FSDP2 job resumes.  One job saves its ``{"model",
+   "optimizer"}`` state with ckptfs and with DCP's FileSystemWriter; then, round by round, one
+   job per library (its own processes: one library's freed buffers never serve the other's
+   allocations) builds the same state and loads the checkpoint back into it
+   ``--inplace-loads`` times: ``store.load(step, into=state)`` (every byte verified against its
+   digest) or ``dcp.load(state, storage_reader=FileSystemReader(dir))``.  Times are rank 0's,
+   from a barrier to a barrier after the load: ``first`` (a job resuming) and ``steady`` (the
+   next loads); every target is zeroed before each load and compared bit for bit with the
+   saved state after it.  ``--inplace-size`` (default 64 MiB; 1 GiB for the recorded figures,
+   0 to skip);
 6. **cost at scale**: tiny models saved by 2, 4 and 8 ranks, counting every storage call of
    each rank and measuring ``dcp.msgpack``, ``MANIFEST.json`` and DCP's pickled ``.metadata``,
    to extrapolate to 1,000 ranks.
@@ -505,8 +507,9 @@ def job_meta(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_inplace(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """The in-place load (section 5): ckptfs and DCP loads into the same DTensor state,
-    interleaved; bit-exact after each."""
+    """The in-place load (section 5), one job: ``spec["lib"]`` is ``save`` (both checkpoints
+    of the state), ``ckptfs`` or ``dcp`` (``spec["loads"]`` loads into the state, zeroed
+    before each, bit-exact after each)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
@@ -518,45 +521,58 @@ def job_inplace(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     state = fsdp_state(world, spec["bytes"], spec["layers"])
     local = {k: (v.to_local() if hasattr(v, "to_local") else v)
              for k, v in flat_tensors(state).items()}
-    saved = {k: v.clone() for k, v in local.items()}
     store = ckptfs.open(spec["root"] + "/ckptfs")
-    store.save(1, state)
-    dcp_save(state, storage_writer=FileSystemWriter(spec["root"] + "/dcp"))
-    times: dict[str, list[float]] = {CKPTFS: [], DCP: []}
-    for i in range(spec["loads"]):
-        for lib in (CKPTFS, DCP) if i % 2 == 0 else (DCP, CKPTFS):
-            for v in local.values():
-                v.zero_()
-            dist.barrier()
-            t0 = time.perf_counter()
-            if lib == CKPTFS:
-                store.load(1, into=state)
-            else:
-                dcp_load(state, storage_reader=FileSystemReader(spec["root"] + "/dcp"))
-            dist.barrier()
-            times[lib].append(time.perf_counter() - t0)
-            bad = [k for k, v in local.items() if not torch.equal(v, saved[k])]
-            if bad:
-                raise AssertionError(f"{lib}: {len(bad)} tensors differ after an in-place "
-                                     f"load, e.g. {bad[0]}")
-    return {"times": times, "local_bytes": sum(v.numel() * v.element_size()
-                                               for v in local.values())}
+    if spec["lib"] == "save":
+        store.save(1, state)
+        dcp_save(state, storage_writer=FileSystemWriter(spec["root"] + "/dcp"))
+        return {}
+    saved = {k: v.clone() for k, v in local.items()}
+    times: list[float] = []
+    for _ in range(spec["loads"]):
+        for v in local.values():
+            v.zero_()
+        dist.barrier()
+        t0 = time.perf_counter()
+        if spec["lib"] == CKPTFS:
+            store.load(1, into=state)
+        else:
+            dcp_load(state, storage_reader=FileSystemReader(spec["root"] + "/dcp"))
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        bad = [k for k, v in local.items() if not torch.equal(v, saved[k])]
+        if bad:
+            raise AssertionError(f"{spec['lib']}: {len(bad)} tensors differ after an in-place "
+                                 f"load, e.g. {bad[0]}")
+    return {"times": times}
 
 
-def bench_inplace(size: int, loads: int, layers: int, root: Path) -> dict[str, Any]:
-    """Section 5: one 2-rank job, ``loads`` interleaved in-place loads of each library."""
+def bench_inplace(size: int, rounds: int, loads: int, layers: int, root: Path
+                  ) -> dict[str, Any]:
+    """Section 5: both checkpoints saved by one 2-rank job, then ``rounds`` rounds of one job
+    per library (ckptfs, DCP; each its own processes, so neither inherits the other's heap),
+    each loading ``loads`` times: ``first`` is each job's first load (a job resuming),
+    ``steady`` the median of the others."""
     where = root / "inplace"
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
+    spec: dict[str, Any] = {"bytes": size, "layers": layers, "root": str(where),
+                            "loads": loads}
+    first: dict[str, list[float]] = {CKPTFS: [], DCP: []}
+    steady: dict[str, list[float]] = {CKPTFS: [], DCP: []}
     try:
-        r = launch(job_inplace, 2, {"bytes": size, "layers": layers, "root": str(where),
-                                    "loads": loads})
+        launch(job_inplace, 2, {**spec, "lib": "save"})
+        for i in range(rounds):
+            for lib in (CKPTFS, DCP) if i % 2 == 0 else (DCP, CKPTFS):
+                t = launch(job_inplace, 2, {**spec, "lib": lib})[0]["times"]
+                first[lib].append(t[0])
+                if len(t) > 1:
+                    steady[lib].append(statistics.median(t[1:]))
     finally:
         shutil.rmtree(where, ignore_errors=True)
-    out = summarize(r[0]["times"])
-    ck, dc = r[0]["times"][CKPTFS], r[0]["times"][DCP]
-    out["pair_ratios"] = [round(d / c, 3) for c, d in zip(ck, dc, strict=True)]
-    out.update(bytes=size, world=2, loads=loads, bit_exact=True)
+    out = summarize(first)
+    if loads > 1:
+        out["steady"] = summarize(steady)
+    out.update(bytes=size, world=2, rounds=rounds, loads=loads, bit_exact=True)
     return out
 
 
@@ -567,7 +583,7 @@ def bench_inplace(size: int, loads: int, layers: int, root: Path) -> dict[str, A
 def run(size: int, rounds: int, worlds: Sequence[int], world_size: int,
         meta_worlds: Sequence[int], layers: int, root: str, *, saves: int = 2,
         tiny_rounds: int = 5, tiny_saves: int = 6, baseline: str | None = None,
-        prewarm: bool = True, inplace_size: int = 0, inplace_loads: int = 6,
+        prewarm: bool = True, inplace_size: int = 0, inplace_loads: int = 3,
         log: Callable[[str], None] = print) -> dict[str, Any]:
     envs = variant_envs(baseline)
     out: dict[str, Any] = {"machine": machine_info(), "fs": fs_type(root), "layers": layers,
@@ -607,7 +623,7 @@ def run(size: int, rounds: int, worlds: Sequence[int], world_size: int,
                 shutil.rmtree(k["root"], ignore_errors=True)
     if inplace_size:
         out["inplace_w2"] = section("in-place load W=2", lambda: bench_inplace(
-            inplace_size, inplace_loads, layers, base))
+            inplace_size, rounds, inplace_loads, layers, base))
     out["worlds"] = {}
     for w in worlds:
 
@@ -684,8 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "third variant (before/after)")
     p.add_argument("--inplace-size", default="64MiB", help="total state of the in-place "
                    "load W=2 (section 5; 1GiB for the recorded figures; 0: skip)")
-    p.add_argument("--inplace-loads", type=int, default=6, help="in-place loads of each "
-                   "library, interleaved in one job")
+    p.add_argument("--inplace-loads", type=int, default=3, help="in-place loads per job "
+                   "(one job per library and round: --reps rounds)")
     p.add_argument("--root", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--json", default=str(Path("results") / "sharded.json"),
                    help="where the JSON goes (default: results/sharded.json under the current "
