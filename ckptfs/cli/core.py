@@ -75,6 +75,18 @@ class UsageError(CkptfsError, ValueError):
     """A command-line value that is not acceptable (exit status 2)."""
 
 
+def seconds_option(text: str) -> float:
+    """An argparse ``type`` for a positive, finite number of seconds (a usage error, exit 2,
+    otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r:.40} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r:.40} must be a positive number of seconds")
+    return value
+
+
 def int_option(lo: int, hi: int) -> Callable[[str], int]:
     """An argparse ``type`` for an integer in ``[lo, hi]``: anything else is a usage error
     (exit 2) whose message names the option, never a traceback."""

@@ -27,6 +27,7 @@ from ckptfs.cli.core import (
     int_option,
     option_pair,
     parse_options,
+    seconds_option,
 )
 from ckptfs.errors import CkptfsError, ReplicationError, StorageError
 from ckptfs.format.content import same_content
@@ -64,16 +65,6 @@ def _bytes_per_s(text: str) -> float:
                                          "100M)") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r:.40} must be a positive rate")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r:.40} is not a number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r:.40} must be a positive number of seconds")
     return value
 
 
@@ -248,7 +239,7 @@ def add_subcommands(sub: Any) -> None:
                    type=option_pair, help="storage option for the local tier only")
     p.add_argument("--remote-option", action="append", default=[], metavar="KEY=VALUE",
                    type=option_pair, help="storage option for the remote tier only")
-    p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+    p.add_argument("--timeout", type=seconds_option, default=None, metavar="SECONDS",
                    help="give up (exit 1) if not everything is at the remote by then; the "
                    "default waits (and retries through an outage) until it is")
     p.add_argument("--bytes-per-s", type=_bytes_per_s, default=None, metavar="RATE",

@@ -34,6 +34,7 @@ from ckptfs.cli.core import (
     open_from_args,
     option_pair,
     parse_options,
+    seconds_option,
     step_option,
 )
 from ckptfs.errors import (
@@ -120,7 +121,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             try:
                 res = copy_step(src.storage, dst.storage, step, durable=dst.durable,
                                 threads=dst.threads, progress=bar.update,
-                                check_stored=args.verify_remote)
+                                check_stored=args.verify_remote, deadline_s=args.deadline)
             except _STEP_ERRORS as exc:
                 rows.append(_failed_step(step, exc))
             else:
@@ -413,6 +414,10 @@ def add_subcommands(sub: Any) -> None:
                    help="before committing, compare each file written with the checksum the "
                    "destination object store keeps (one metadata request per file; "
                    "docs/remote-verify.md)")
+    p.add_argument("--deadline", type=seconds_option, default=None, metavar="SECONDS",
+                   help="each step's copy commits or fails (SaveDeadlineError, nothing "
+                   "committed) within this many seconds, a stalled upload included "
+                   "(docs/reliability.md 'Bounded saves'); default: no deadline")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_cp)

@@ -347,6 +347,34 @@ def test_cp_conflicting_step_is_exit_1(local_backend: Backend, memory_backend: B
     assert "other" in memory_backend.open().load(5)  # untouched
 
 
+def test_cp_deadline_bounds_each_copy(local_backend: Backend, memory_backend: Backend,
+                                     capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--deadline SECONDS`` reaches each step's copy (`copy_step`'s ``deadline_s``, tested
+    against a stalling storage in tests/reliability/test_save_deadline.py); a copy within it
+    commits; a deadline that is not a positive number is a usage error (exit 2)."""
+    populate(local_backend, (1, 2))
+    import ckptfs.protocol.copy as copy_module
+    seen: list[float | None] = []
+    real = copy_module.copy_step
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("deadline_s"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(copy_module, "copy_step", spy)
+    code, out, err = run(["cp", local_backend.url, memory_backend.url, "--all", "--deadline",
+                          "60", "--json", "--quiet"], capsys)
+    assert code == 0, err
+    assert seen == [60.0, 60.0]
+    assert [r["status"] for r in json.loads(out)["steps"]] == ["copied", "copied"]
+    assert memory_backend.open().steps() == [1, 2]
+    for bad in ("0", "-1", "inf", "soon"):
+        code, _, err = run(["cp", local_backend.url, memory_backend.url, "--deadline", bad],
+                           capsys)
+        assert code == 2 and "--deadline" in err and "seconds" in err, (bad, err)
+
+
 def test_cp_corrupt_source_commits_nothing(local_backend: Backend, memory_backend: Backend,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     src = populate(local_backend, (1,))
