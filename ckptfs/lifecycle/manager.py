@@ -158,6 +158,9 @@ class CheckpointManager:
     of ranks that have no saved state (a larger world size on resume).  ``async_save``:
     `save` returns once the state is snapshotted (``store.save_async``, collective under
     a process group); the bookkeeping of a save runs after its commit (docs/async.md).
+    ``staging_bytes``: with ``async_save``, the host-memory budget of each save's snapshot
+    (``store.save_async(staging_bytes=)``: a larger state streams through it; docs/async.md
+    section 5).
 
     On a two-tier store (`ckptfs.tiered`), ``keep_last``/``keep_every`` are the local
     tier's retention (a local checkpoint not yet replicated is kept whatever they say) and
@@ -173,6 +176,7 @@ class CheckpointManager:
                  per_rank_batch_size: int | None = None,
                  provenance: prov.Provenance | None = None,
                  rng_gather: RngGather | None = None, async_save: bool = False,
+                 staging_bytes: int | None = None,
                  remote_retention: RetentionPolicy | None = None,
                  **storage_options: Any) -> None:
         self.store = url if isinstance(url, CheckpointStore) else open_store(url,
@@ -212,6 +216,10 @@ class CheckpointManager:
         self.side_outputs = SideOutputs(self.store)
         self.last_rng_outcome: rng.RestoreOutcome | None = None
         self.async_save = bool(async_save)
+        if staging_bytes is not None and not self.async_save:
+            raise ValueError("staging_bytes is the budget of an asynchronous save's snapshot: "
+                             "pass async_save=True with it")
+        self.staging_bytes = staging_bytes
         self._pending: list[_Pending] = []
         self._warned_metrics = False
 
@@ -317,7 +325,8 @@ class CheckpointManager:
             resumed_from=self.resumed_from, protected=self.protected, provenance=record,
             side_outputs=side)
         if self.async_save:  # the bookkeeping runs after the commit (wait / next save)
-            future = self.store.save_async(step, state, metadata=metadata)
+            future = self.store.save_async(step, state, metadata=metadata,
+                                           staging_bytes=self.staging_bytes)
             self._last_saved = step
             self._pending.append(_Pending(coord, step, future, side, merged, what))
             return SaveResult(None, future=future)

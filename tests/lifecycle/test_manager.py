@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pathlib
 import random
 
 import pytest
@@ -274,3 +275,24 @@ def test_distributed_gather_two_processes(tmp_path) -> None:  # type: ignore[no-
     state = store.load(7)  # the full load holds every rank's entry, int rank keys included
     assert sorted(state["rng"]["ranks"]) == [0, 1] and state["rng"]["world_size"] == 2
     assert not torch.equal(state["rng"]["ranks"][0]["torch"], state["rng"]["ranks"][1]["torch"])
+
+
+def test_async_manager_streams_through_its_staging_budget(tmp_path: pathlib.Path) -> None:
+    """``CheckpointManager(async_save=True, staging_bytes=B)``: each save's snapshot takes at
+    most ``B`` bytes of host memory (the model streams through it) and restores bit-exact;
+    ``staging_bytes`` without ``async_save`` is refused."""
+    budget = 256 << 10
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    mgr = ckptfs.CheckpointManager(str(tmp_path / "run"), async_save=True,
+                                   staging_bytes=budget)
+    mgr.save(1, model=model)
+    mgr.wait()
+    stats = mgr.store.async_stats
+    assert stats.streamed == 1 and 0 < stats.staging_peak_bytes <= budget
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    other = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    assert ckptfs.CheckpointManager(str(tmp_path / "run")).restore_latest(model=other) == 2
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    with pytest.raises(ValueError, match="async_save=True"):
+        ckptfs.CheckpointManager(str(tmp_path / "run2"), staging_bytes=budget)
