@@ -38,6 +38,8 @@ while [ $# -gt 0 ]; do
 done
 [ ${#versions[@]} -gt 0 ] || versions=("${DEFAULT_VERSIONS[@]}")
 
+# (A test module that imports the sharded machinery at its top belongs here: below the
+# sharded floor it could not even be collected. Single tests elsewhere: mark them `sharded`.)
 # The tests that depend on torch's distributed internals (the private ones are reached through
 # ckptfs/torch_compat.py only) or on the integrations' own torch requirements.
 TESTS=(
@@ -48,6 +50,7 @@ TESTS=(
   tests/protocol/test_incremental_sharded.py tests/protocol/test_tiers_sharded.py
   tests/protocol/test_save_rounds.py tests/protocol/test_plan_tiling.py
   tests/protocol/test_group.py tests/protocol/test_cooperative_load.py
+  tests/protocol/test_inplace_load.py
   tests/protocol/test_async_save.py tests/protocol/test_async_collective.py
   tests/lifecycle/test_manager_sharded.py tests/lifecycle/test_manager_distributed.py
   tests/reliability/test_sharded_crash.py tests/reliability/test_sharded_hardening.py

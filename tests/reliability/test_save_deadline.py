@@ -199,6 +199,7 @@ def job_collective_stall(rank: int, world: int, root: str, deadline: float) -> A
     return out, elapsed
 
 
+@pytest.mark.sharded
 def test_collective_save_fails_on_every_rank_naming_the_stalled_rank(tmp_path: Any) -> None:
     deadline = 2.0
     root = str(tmp_path / "run")
