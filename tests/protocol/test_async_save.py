@@ -773,7 +773,8 @@ def test_close_from_a_done_callback_is_refused_before_touching_anything(
     """close() from a done callback (the background thread) raises AsyncSaveError at once,
     the store keeps its background thread and works on; close() from the caller then stops
     it (before: RuntimeError 'cannot join current thread', after detaching the thread)."""
-    store = memory_backend.open()
+    gate = Gate()  # each callback is attached while its save is held: it runs on the worker
+    store = gated_store(memory_backend, gate)
     seen: list[BaseException] = []
     threads: list[threading.Thread] = []
     ran = threading.Event()
@@ -786,16 +787,20 @@ def test_close_from_a_done_callback_is_refused_before_touching_anything(
             seen.append(exc)
         ran.set()
 
+    gate.close()
     fut = store.save_async(1, state_for(1))
     fut.add_done_callback(callback)
+    gate.open()
     assert fut.result(timeout=60).step == 1
     assert ran.wait(30)
     assert len(seen) == 1 and type(seen[0]) is AsyncSaveError, seen
     assert "close()" in str(seen[0]) and "background save thread" in str(seen[0])
     [worker] = threads
     assert worker.name.startswith("ckptfs-async-save") and worker.is_alive()  # still attached
+    gate.close()
     fut2 = store.save_async(2, state_for(2))
     fut2.add_done_callback(lambda _f: threads.append(threading.current_thread()))
+    gate.open()
     assert fut2.result(timeout=60).step == 2
     assert threads[1:] == [worker]  # the same thread saved step 2
     store.close()
