@@ -472,7 +472,9 @@ class TieredStore(CheckpointStore):
         super().__init__(local.storage, algorithm=local.algorithm, durable=local.durable,
                          threads=local.threads, shard_bytes=local.shard_bytes,
                          incremental=local.incremental, lease_s=local.lease_s, tiers=tiers,
-                         save_deadline_s=local.save_deadline_s)
+                         save_deadline_s=local.save_deadline_s,
+                         metadata_layout=local.metadata_layout, layout=local.layout,
+                         divergent_keys=local.divergent_keys)
 
     @property
     def local(self) -> CheckpointStore:

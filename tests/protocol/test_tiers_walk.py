@@ -140,3 +140,29 @@ def test_load_into_of_a_single_process_checkpoint_fills_it(tmp_path: Path) -> No
         assert store.load(into=into) is into and torch.equal(into["w"], torch.arange(3.0))
     finally:
         store.close()
+
+
+@pytest.mark.sharded
+@pytest.mark.parametrize("metadata_layout", [None, "per-rank"])
+def test_a_store_given_as_the_local_tier_keeps_its_layout(tmp_path: Path,
+                                                          metadata_layout: str | None) -> None:
+    """``ckptfs.tiered(ckptfs.open(L, layout=, metadata_layout=, divergent_keys=), R)``
+    saves with the local store's options (they were dropped: a per-rank store silently
+    committed format v1), replicates that format and loads it back."""
+    local = ckptfs.open(str(tmp_path / "local"), layout="ranks",
+                        metadata_layout=metadata_layout, divergent_keys=["n"])
+    store = ckptfs.tiered(local, str(tmp_path / "remote"))
+    try:
+        assert (store.layout, store.metadata_layout, store.divergent_keys) == (
+            local.layout, local.metadata_layout, local.divergent_keys)
+        state = {"w": torch.arange(12.0).reshape(3, 4), "n": 1}
+        want = 5 if metadata_layout else 2
+        assert store.save(3, state).manifest.format_version == want
+        store.wait_replicated(3)
+        assert store.remote.info(3).manifest.format_version == want
+        assert torch.equal(store.remote.load(3)["w"], state["w"])
+        into = {"w": torch.zeros(3, 4), "n": 0}
+        store.load(into=into)
+        assert torch.equal(into["w"], state["w"]) and into["n"] == 1
+    finally:
+        store.close()
