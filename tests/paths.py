@@ -18,7 +18,9 @@ plain and incremental), ``sub`` (``store.save`` through
 the sub-storage of artifacts and the Lightning integration; ``path.at(backend)`` is then the
 sub-storage view of the backend), ``v5`` (the collective save on one rank of a store opened
 with ``metadata_layout="per-rank"``: format v5, whose rank files and index documents are
-found through the table, not listed in the manifest), ``v2x2`` / ``v4x2`` (the collective
+found through the table, not listed in the manifest), ``async-v5`` / ``cp-v5`` /
+``replica-v5`` (``save_async``, ``ckptfs cp`` and the two-tier remote copy of such a
+checkpoint), ``v2x2`` / ``v4x2`` (the collective
 save on two gloo ranks, plain and incremental, local disk only: slow).
 The in-process ones live in :mod:`ckptfs.testing.reliability.paths` (the sweeps use them too).
 :data:`EVERY` names the in-process cells, :data:`RANKS` the two-rank ones.
@@ -64,14 +66,17 @@ from ckptfs.testing.reliability.paths import (
     ASYNC_V2,
     ASYNC_V3,
     ASYNC_V4,
+    ASYNC_V5,
     CP,
     CP_V2,
     CP_V3,
     CP_V4,
+    CP_V5,
     REPLICA_V1,
     REPLICA_V2,
     REPLICA_V3,
     REPLICA_V4,
+    REPLICA_V5,
     SUB,
     V1,
     V2,
@@ -83,9 +88,10 @@ from ckptfs.testing.reliability.paths import (
     WritePath,
 )
 
-__all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V3", "ASYNC_V4", "CP", "CP_V2", "CP_V3", "CP_V4", "DEFECTS",
-           "EVERY", "PATHS", "RANKS", "REPLICAS", "REPLICA_V1", "REPLICA_V2", "REPLICA_V3",
-           "REPLICA_V4", "SUB", "V1", "V2", "V2X2", "V3", "V4", "V4X2", "V5", "KnownDefect",
+__all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V3", "ASYNC_V4", "ASYNC_V5", "CP", "CP_V2", "CP_V3",
+           "CP_V4", "CP_V5", "DEFECTS", "EVERY", "PATHS", "RANKS", "REPLICAS", "REPLICA_V1",
+           "REPLICA_V2", "REPLICA_V3", "REPLICA_V4", "REPLICA_V5", "SUB", "V1", "V2", "V2X2",
+           "V3", "V4", "V4X2", "V5", "KnownDefect",
            "SubBackend", "WritePath",
            "assert_not_committed", "check_violations", "copy_into_scratch", "every_file",
            "known_defect",
@@ -170,7 +176,8 @@ PATHS: dict[str, WritePath] = {**WRITE_PATHS, V2X2.name: V2X2, V4X2.name: V4X2}
 #: local disk only) and the two-tier remote copies (few cases by default).
 EVERY: list[str] = list(WRITE_PATHS)
 RANKS: list[str] = [V2X2.name, V4X2.name]
-REPLICAS: list[str] = [REPLICA_V1.name, REPLICA_V3.name, REPLICA_V2.name, REPLICA_V4.name]
+REPLICAS: list[str] = [REPLICA_V1.name, REPLICA_V3.name, REPLICA_V2.name, REPLICA_V4.name,
+                       REPLICA_V5.name]
 
 #: The defects a cell shows in the hardening tests (known; the strict xfail marks name them).
 DEFECTS = {

@@ -114,7 +114,7 @@ class PlannedFile:
     chunks: Callable[[], Iterator[memoryview]]
 
 
-def _key_str(path: tuple[Any, ...]) -> str:
+def key_str(path: tuple[Any, ...]) -> str:
     """A key path for messages: ``model/layers/0/weight``; very deep paths are abbreviated."""
     parts = [str(p) for p in path if p is not IN_PAYLOAD]
     if len(parts) > 12:
@@ -196,15 +196,15 @@ class Flattener:
     def encode(self, value: Any, path: tuple[Any, ...], in_key: bool = False) -> Any:
         if len(path) > MAX_DEPTH:
             raise UnsupportedValueError(
-                f"state nested deeper than {MAX_DEPTH} levels at key path {_key_str(path)!r} "
+                f"state nested deeper than {MAX_DEPTH} levels at key path {key_str(path)!r} "
                 f"(depth {len(path)}); flatten it or store the deep part as bytes")
         if (ext := encoder_for(value)) is not None:  # registered extension type (extensions.py)
-            payload = ext.payload(value, lambda: _key_str(path))
+            payload = ext.payload(value, lambda: key_str(path))
             return [EXT_TAG, [ext.name, self.encode(payload, (*path, IN_PAYLOAD), in_key)]]
         if isinstance(value, torch.Tensor):
             if in_key:
                 raise UnsupportedValueError(
-                    f"a dict key at {_key_str(path)!r} contains a tensor; keys must be str, "
+                    f"a dict key at {key_str(path)!r} contains a tensor; keys must be str, "
                     "int, float, bool, None, bytes or tuples of those")
             return [_TENSOR, self._add_tensor(value, path)]
         if value is None or isinstance(value, bool):
@@ -215,7 +215,7 @@ class Flattener:
                     size = len(value.encode("utf-8"))
                 except UnicodeEncodeError as exc:
                     raise UnsupportedValueError(
-                        f"string at key path {_key_str(path)!r} is not valid Unicode "
+                        f"string at key path {key_str(path)!r} is not valid Unicode "
                         f"({exc.reason} at index {exc.start}); it cannot be stored as UTF-8. "
                         "Store it as bytes") from None
                 value = str(value)
@@ -223,7 +223,7 @@ class Flattener:
                 size = len(value)
                 value = bytes(value)
             if size > self.largest[0]:
-                self.largest = (size, _key_str(path))
+                self.largest = (size, key_str(path))
             return value
         if isinstance(value, int):
             value = int(value)
@@ -232,7 +232,7 @@ class Flattener:
             text = bigint_text(value)
             if text is None:
                 raise UnsupportedValueError(
-                    f"int at key path {_key_str(path)!r} has more than {MAX_BIGINT_DIGITS} "
+                    f"int at key path {key_str(path)!r} has more than {MAX_BIGINT_DIGITS} "
                     "decimal digits (the format's limit, Python's int/str conversion limit); "
                     "store it as bytes (value.to_bytes(...)) or as a tensor")
             return [_BIGINT, text]
@@ -243,10 +243,10 @@ class Flattener:
         if isinstance(value, (Mapping, list, tuple)):
             if in_key and not isinstance(value, tuple):
                 raise UnsupportedValueError(
-                    f"a dict key at {_key_str(path)!r} contains a {type(value).__name__}")
+                    f"a dict key at {key_str(path)!r} contains a {type(value).__name__}")
             if id(value) in self._stack:
                 raise UnsupportedValueError(
-                    f"state contains a reference cycle at key path {_key_str(path)!r}: a "
+                    f"state contains a reference cycle at key path {key_str(path)!r}: a "
                     "container that contains itself cannot be stored")
             self._stack.add(id(value))
             try:
@@ -256,7 +256,7 @@ class Flattener:
                         if not isinstance(k, (str, int, float, bool, type(None), bytes, tuple)
                                           ) and encoder_for(k) is None:
                             raise UnsupportedValueError(
-                                f"state key {k!r:.80} at {_key_str(path)!r} has type "
+                                f"state key {k!r:.80} at {key_str(path)!r} has type "
                                 f"{type(k).__name__}; keys must be str, int, float, bool, None, "
                                 "bytes or tuples of those"
                             )
@@ -271,12 +271,12 @@ class Flattener:
                 self._stack.discard(id(value))
         if in_key:
             raise UnsupportedValueError(
-                f"a dict key at {_key_str(path)!r} contains a {type(value).__name__}; keys must "
+                f"a dict key at {key_str(path)!r} contains a {type(value).__name__}; keys must "
                 "be str, int, float, bool, None, bytes or tuples of those")
-        raise refusal(value, _key_str(path))
+        raise refusal(value, key_str(path))
 
     def _add_tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
-        where = _key_str(path)
+        where = key_str(path)
         check_tensor(t, where)
         try:
             ident = tensor_identity(t)
@@ -545,7 +545,7 @@ def _safetensors_prefix(fname: str, entries: list[tuple[str, torch.Tensor]]
         raise UnsupportedValueError(
             f"{fname}: its safetensors header would be {len(hbytes)} B, more than the "
             f"{MAX_HEADER_BYTES}-byte limit; the longest tensor key path is "
-            f"{_key_str(tuple(longest.split('/')))!r} ({len(longest)} characters): shorten keys")
+            f"{key_str(tuple(longest.split('/')))!r} ({len(longest)} characters): shorten keys")
     prefix = struct.pack("<Q", len(hbytes)) + hbytes
     size = len(prefix) + offset
     if size > MAX_FILE_SIZE:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ckptfs.format.serialize import tensor_identity, version_of
+from ckptfs.format.serialize import check_tensor, key_str, tensor_identity, version_of
 from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.protocol.collective import is_dtensor
 from ckptfs.protocol.staging import PoolKey, StagingPool, stage, stage_within
@@ -99,6 +99,9 @@ def take(pool: StagingPool, value: Any, budget: int | None = None) -> Snapshot |
             like = v if is_dtensor(v) else None
             if like is None:
                 local = v
+                # A save whose plan checks its tensors later (the collective driver's,
+                # layout="ranks") must not meet a nested, sparse or wrapper one here first.
+                check_tensor(v, key_str(path))
             else:
                 from ckptfs.torch_compat import dtensor_local  # imports DCP: DTensors only
 

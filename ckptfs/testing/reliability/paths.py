@@ -44,6 +44,11 @@ exactly what the single-process save gives it:
 ``v5``     ``store.save`` of a store of ``layout="ranks"`` and ``metadata_layout="per-rank"`` (v5:
            the rank's index document, the tensor spec and the table of rank files; the
            manifest lists only the spec and the table's blocks, docs/protocol.md §9.7)
+``async-v5`` ``save_async`` of the same store (the collective driver's async save in a world of
+           one, per-rank metadata)
+``cp-v5``  a v5 save into a scratch root, then ``ckptfs cp``'s ``copy_step``
+``replica-v5`` the two-tier store's remote copy of a v5 step: the local tier a store of
+           ``layout="ranks"`` and ``metadata_layout="per-rank"`` given to ``ckptfs.tiered``
 =========  ====================================================================================
 
 Rollback reads (`ROLLBACK_READS`, `rollback_read`): ``load(allow_rollback=True)``,
@@ -70,6 +75,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptfs.format.features import AUTO
 from ckptfs.format.versions import FEATURES, SHARDED
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed
 from ckptfs.protocol.store import CheckpointStore
@@ -175,12 +181,17 @@ class WritePath:
         if self.name in ("async-v2", "async-v4"):
             return save_async_sharded(store, step, state, metadata=metadata,
                                       incremental=self.name == "async-v4")
-        if self.name in ("cp", "cp-v2"):
+        if self.name == "async-v5":
+            return save_async_v5(store, step, state, metadata=metadata)
+        if self.name in ("cp", "cp-v2", "cp-v5"):
             return copy_through(store, step, state, metadata=metadata,
-                                sharded=self.name == "cp-v2")
+                                sharded=self.name != "cp",
+                                metadata_layout="per-rank" if self.name == "cp-v5" else None)
         if self.name in ("cp-v3", "cp-v4"):
             return copy_kept_source(store, step, state, metadata=metadata,
                                     version=self.format_version)
+        if self.name == "replica-v5":
+            return save_replicated(store, step, state, metadata=metadata, per_rank=True)
         if self.name.startswith("replica-"):
             return save_replicated(store, step, state, metadata=metadata,
                                    incremental=self.references,
@@ -355,6 +366,20 @@ def save_async_sharded(store: CheckpointStore, step: int, state: Mapping[str, An
             saver.close()
 
 
+def save_async_v5(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+                  metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+    """``save_async`` of a store of ``store``'s storage and settings opened with
+    ``layout="ranks"`` and ``metadata_layout="per-rank"`` (format v5, no process group)."""
+    saver = CheckpointStore(store.storage, algorithm=store.algorithm, durable=store.durable,
+                            threads=store.threads, shard_bytes=store.shard_bytes,
+                            layout="ranks", metadata_layout="per-rank")
+    fut = saver.save_async(step, state, metadata=metadata)
+    try:
+        return fut.result()
+    finally:
+        saver.close()
+
+
 def copy_kept_source(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                      metadata: Mapping[str, Any] | None = None,
                      version: int = 3) -> CheckpointInfo:
@@ -383,7 +408,8 @@ def copy_kept_source(store: CheckpointStore, step: int, state: Mapping[str, Any]
 
 def save_replicated(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                     metadata: Mapping[str, Any] | None = None,
-                    incremental: bool = False, sharded: bool = False) -> CheckpointInfo:
+                    incremental: bool = False, sharded: bool = False,
+                    per_rank: bool = False) -> CheckpointInfo:
     """``ckptfs.tiered(local, store)`` with the local tier kept for ``store``'s run root
     (`kept_root`), ``save`` then ``wait_replicated``: ``store`` is the remote tier, and the
     checkpoint returned is its copy.  A step the local tier already holds (a retry of a
@@ -391,13 +417,17 @@ def save_replicated(store: CheckpointStore, step: int, state: Mapping[str, Any],
     DTensors under a one-rank process group (`world_of_one`), saved collectively (format v2;
     v4 with ``incremental``: each save a new job's first, reusing what the local tier
     holds after one check, and its DTensors on that save's own mesh: a process group
-    of an earlier save is gone)."""
+    of an earlier save is gone).  ``per_rank``: the local tier a store of
+    ``layout="ranks"`` and ``metadata_layout="per-rank"`` (format v5, no process group)."""
     from ckptfs.protocol.tiers import tiered
 
-    kind = "replica-local-sharded" if sharded else "replica-local"
+    kind = ("replica-local-v5" if per_rank else
+            "replica-local-sharded" if sharded else "replica-local")
     local = CheckpointStore(FsspecStorage(kept_root(store, kind)),
                             algorithm=store.algorithm, threads=store.threads,
-                            shard_bytes=store.shard_bytes, incremental=incremental)
+                            shard_bytes=store.shard_bytes, incremental=incremental,
+                            layout="ranks" if per_rank else AUTO,
+                            metadata_layout="per-rank" if per_rank else AUTO)
     if step in local.steps():
         local.delete(step)
     two = tiered(local, store, algorithm=store.algorithm, durable=store.durable,
@@ -418,8 +448,9 @@ def save_replicated(store: CheckpointStore, step: int, state: Mapping[str, Any],
 
 def copy_through(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                  metadata: Mapping[str, Any] | None = None,
-                 sharded: bool = False) -> CheckpointInfo:
-    """Save ``state`` into a scratch ``memory://`` root (v1, or v2 with ``sharded``), then copy
+                 sharded: bool = False, metadata_layout: str | None = None) -> CheckpointInfo:
+    """Save ``state`` into a scratch ``memory://`` root (v1, or v2 with ``sharded``; v5 with
+    ``metadata_layout="per-rank"`` too), then copy
     it into ``store`` with ``ckptfs cp``'s `copy_step` (the same
     threads, so the destination's calls come in a deterministic order when ``store`` has one
     thread).  The scratch root is removed afterwards."""
@@ -430,7 +461,7 @@ def copy_through(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                           shard_bytes=store.shard_bytes)
     try:
         if sharded:
-            save_v2(src, step, state, metadata=metadata)
+            save_v2(src, step, state, metadata=metadata, metadata_layout=metadata_layout)
         else:
             src.save(step, state, metadata=metadata)
         copy_step(src.storage, store.storage, step, durable=store.durable,
@@ -458,11 +489,14 @@ REPLICA_V3 = WritePath("replica-v3", 3, references=True)
 REPLICA_V2 = WritePath("replica-v2", 2)
 REPLICA_V4 = WritePath("replica-v4", 4, references=True)
 V5 = WritePath("v5", 5)
+ASYNC_V5 = WritePath("async-v5", 5)
+CP_V5 = WritePath("cp-v5", 5)
+REPLICA_V5 = WritePath("replica-v5", 5)
 
 #: Every in-process write path, by name.
 WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (
     V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V3, ASYNC_V4, CP_V3, CP_V4, REPLICA_V1,
-    REPLICA_V3, REPLICA_V2, REPLICA_V4, V5)}
+    REPLICA_V3, REPLICA_V2, REPLICA_V4, V5, ASYNC_V5, CP_V5, REPLICA_V5)}
 
 
 # -- rollback reads ----------------------------------------------------------------------------
