@@ -18,8 +18,12 @@
 # Environment:
 #   PYTHON                  the interpreter that creates the virtualenvs (default python3)
 #   CKPTFS_MATRIX_WORKERS   pytest-xdist workers per version (default 2; 0 runs serially)
-#   CKPTFS_MATRIX_KEEP      1: keep each virtualenv (default: kept; 0 removes it after its run,
-#                           for a disk that cannot hold several torch builds, about 5.5 GB each)
+#   CKPTFS_MATRIX_KEEP      1: keep each virtualenv for the next run; 0: remove it after its run
+#                           (a torch build from PyPI takes 6-7.5 GB installed: a disk rarely holds
+#                           three). Default: 0 where CI is set (.ci/run on a fresh clone), else 1.
+#   CKPTFS_MATRIX_MIN_FREE_GB  the free space a version's install may need (default 10: the
+#                           downloaded wheels plus the installed build); with less, a warning
+#                           says how much is free and where before the install is tried.
 # A version is pip's default wheel of it (on Linux x86_64: a CUDA build, which runs on the CPU).
 # Exit status: non-zero if any version failed; a summary line per version at the end.
 set -uo pipefail
@@ -27,7 +31,8 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 WORKERS=${CKPTFS_MATRIX_WORKERS:-2}
-KEEP=${CKPTFS_MATRIX_KEEP:-1}
+if [ -n "${CI:-}" ]; then KEEP=${CKPTFS_MATRIX_KEEP:-0}; else KEEP=${CKPTFS_MATRIX_KEEP:-1}; fi
+MIN_FREE_GB=${CKPTFS_MATRIX_MIN_FREE_GB:-10}
 DEFAULT_VERSIONS=(2.6.0 2.9.1 2.14.1)
 
 versions=()
@@ -77,7 +82,8 @@ below_sharded_floor() {
 pip_in() {
   local py=$1 log rc=0; shift
   log=$(mktemp)
-  "$py" -m pip install -q --disable-pip-version-check "$@" >"$log" 2>&1 || rc=$?
+  # No pip cache: it would keep a second copy of each multi-GB build on the disk.
+  "$py" -m pip install -q --no-cache-dir --disable-pip-version-check "$@" >"$log" 2>&1 || rc=$?
   grep -v "^WARNING: Location" "$log" || true
   rm -f "$log"
   return "$rc"
@@ -113,6 +119,16 @@ print("\n".join(out))
 PY
 }
 
+# A warning when the disk holding this checkout may lack room for an install of torch $1 (its
+# virtualenv and pip's temporary downloads).
+free_space_for() {
+  local free_kb
+  free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt $((MIN_FREE_GB * 1024 * 1024)) ]; then
+    echo "matrix: warning: torch==$1 may need up to ${MIN_FREE_GB} GB free to install; $((free_kb / 1024 / 1024)) GB free on $(df -P . | awk 'NR == 2 {print $6}') (remove unused .venv-torch-* directories if it fails)" >&2
+  fi
+}
+
 # .venv-torch-VERSION with torch==VERSION, ckptfs (editable) and its $EXTRAS requirements,
 # torch pinned by a constraint so that no dependency moves it.
 setup_version() {
@@ -120,7 +136,7 @@ setup_version() {
   py="$venv/bin/python"
   stamp="$venv/.ckptfs-deps-$( (cat pyproject.toml; echo "$EXTRAS") | sha256sum | cut -c1-16)"
   [ -f "$stamp" ] && return 0
-  [ -x "$py" ] || "$PYTHON" -m venv "$venv" || return 1
+  [ -x "$py" ] || { free_space_for "$v"; "$PYTHON" -m venv "$venv"; } || return 1
   constraint=$(mktemp)
   reqs=$(mktemp)
   echo "torch==$v" >"$constraint"
@@ -129,7 +145,8 @@ setup_version() {
     && requirements "$py" "$v" >"$reqs" \
     && pip_in "$py" -c "$constraint" -e . -r "$reqs" \
     && "$py" -c "import ckptfs, torch, s3fs, gcsfs, adlfs, moto, matplotlib" \
-    || { rm -f "$constraint" "$reqs"; echo "matrix: install of torch==$v failed" >&2; return 1; }
+    || { rm -f "$constraint" "$reqs"; rm -rf "$venv"  # a half-filled one would hold the disk
+         echo "matrix: install of torch==$v failed" >&2; return 1; }
   rm -f "$constraint" "$reqs" "$venv"/.ckptfs-deps-*
   touch "$stamp"
 }
