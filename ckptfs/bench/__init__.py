@@ -1,6 +1,6 @@
 """Benchmarks: what full content hashing and the commit protocol cost, next to what people use.
 
-The questions (``ckptfs bench hash|save|interleaved|s3|latest|fresh|incremental``, or ``all``;
+The questions (``ckptfs bench hash|save|interleaved|s3|latest|fresh|incremental|fixed``, or ``all``;
 the scripts in ``benchmarks/`` call the same functions), rendered (``ckptfs bench report``) into
 ``benchmarks.md`` with plots in ``img/``, under ``--out DIR`` (default: the current directory;
 never the installed package; the repository's scripts write ``docs/benchmarks.md``).  Only the
@@ -24,7 +24,12 @@ a question that needs more raises `ckptfs.bench.common.BenchDependencyError` nam
 * `ckptfs.bench.incremental`: **incremental**, what incremental saves (format v3) write and
   cost against full saves and DCP (LoRA-like, RL-like, full fine-tuning, ``keep_last=5``
   retention, S3, a fresh process);
-* `ckptfs.bench.report`: target ratios, the Markdown report and its plots;
+* `ckptfs.bench.fixed`: **fixed**, the fixed costs: a tiny state's save and load, a verified
+  64 MiB load, a fresh process's verified 1 GiB load, the in-place sharded load at 2 ranks
+  (`ckptfs.bench.sharded.bench_inplace`), each against DCP and ``torch.save``/``torch.load``,
+  interleaved round by round; `ckptfs.bench.fixed_report` renders its section and plot;
+* `ckptfs.bench.report`: target ratios, the Markdown report and its plots
+  (`ckptfs.bench.markdown`: pyplot, and one section spliced into an existing report);
 * `ckptfs.bench.cli`: ``ckptfs bench ...`` (``add_subcommands``, ``main``) and the isolated
   worker's entry point (``python -m ckptfs.bench.cli SPEC``).
 

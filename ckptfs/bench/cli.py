@@ -1,4 +1,4 @@
-"""``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,scale,all,report}`` (also
+"""``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,fixed,scale,all,report}`` (also
 ``main``, which the scripts in ``benchmarks/`` call) and the isolated worker's entry point:
 ``python -m ckptfs.bench.cli SPEC`` runs one variant (`ckptfs.bench.variants.run_isolated`);
 ``python -m ckptfs.bench.cli ARGS`` is ``ckptfs bench ARGS``."""
@@ -52,6 +52,12 @@ def run_question(q: str, args: argparse.Namespace) -> dict[str, Any]:
 
         return bench_fresh(parse_size(args.fresh_size), rounds=args.fresh_rounds,
                            baseline=args.baseline or None)
+    if q == "fixed":
+        from ckptfs.bench.fixed import run_args
+
+        out = run_args(args)
+        out["note"] = args.note  # machine.json is only rewritten by ``all``
+        return out
     if q == "latest":
         from ckptfs.bench.latest import bench_latest
 
@@ -100,6 +106,7 @@ def output_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from ckptfs.bench.fixed_report import write_fixed_section
     from ckptfs.bench.report import write_incremental_section, write_report, write_tiers_section
 
     results, docs = output_dirs(args)
@@ -109,6 +116,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(write_incremental_section(results, docs))
         elif args.only == "tiers":
             print(write_tiers_section(results, docs))
+        elif args.only == "fixed":
+            print(write_fixed_section(results, docs))
         else:
             print(write_report(results, docs))
         return 0
@@ -127,6 +136,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if what == "all" or args.report:
         print(write_report(results, docs))
     return 0
+
+
+def _fixed_parts(text: str) -> list[str]:
+    """``--parts`` of ``ckptfs bench fixed``: comma-separated names of its parts."""
+    from ckptfs.bench.fixed import PARTS
+
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown) or '(none)'}: "
+                                         f"choose from {','.join(PARTS)}")
+    return parts
 
 
 #: Each option once: (flags, argparse keywords); _OWN says which subcommands show it.
@@ -197,6 +218,36 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "rv_size": (("--size",), dict(default="1GiB", help="remote-verify: checkpoint size")),
     "rv_backends": (("--backends",), dict(default="s3,gcs", help="remote-verify: "
                                           "comma-separated, of s3 (moto) and gcs (fake-gcs)")),
+    "fixed_parts": (("--parts",), dict(default="tiny,load,fresh,inplace", type=_fixed_parts,
+                                       help="fixed: which "
+                                       "comparisons to run, comma-separated (default: all four)")),
+    "fixed_quick": (("--quick",), dict(action="store_true", default=False, help="fixed: every "
+                                       "part at tiny sizes and few rounds (a smoke test, in "
+                                       "seconds; its figures mean nothing)")),
+    "fixed_tiny_rounds": (("--tiny-rounds",), dict(type=int, default=0, help="fixed: rounds of "
+                                                   "the tiny save and load (default 40)")),
+    "fixed_load_size": (("--load-size",), dict(default="", help="fixed: state of the verified "
+                                               "warm load (default 64MiB)")),
+    "fixed_load_rounds": (("--load-rounds",), dict(type=int, default=0, help="fixed: rounds of "
+                                                   "the warm load (default 15)")),
+    "fixed_fresh_size": (("--fresh-size",), dict(default="", help="fixed: state of the fresh-"
+                                                 "process load (default 1GiB)")),
+    "fixed_fresh_rounds": (("--fresh-rounds",), dict(type=int, default=0, help="fixed: rounds "
+                                                     "of fresh processes (default 3)")),
+    "fixed_inplace_size": (("--inplace-size",), dict(default="", help="fixed: total state of "
+                                                     "the in-place sharded load, 2 ranks "
+                                                     "(default 1GiB)")),
+    "fixed_inplace_rounds": (("--inplace-rounds",), dict(type=int, default=0, help="fixed: "
+                                                         "rounds of the in-place load, one job "
+                                                         "per library each (default 3)")),
+    "fixed_inplace_loads": (("--inplace-loads",), dict(type=int, default=0, help="fixed: loads "
+                                                       "per in-place job: the first, then the "
+                                                       "steady state (default 3)")),
+    "fixed_skip_fresh": (("--skip-fresh",), dict(action="store_true", default=False,
+                                                 help="fixed: leave out the fresh part")),
+    "fixed_workdir": (("--workdir",), dict(default="", help="fixed: where checkpoints go "
+                                           "(default: a temporary directory under /tmp, "
+                                           "removed afterwards)")),
     "scale_quick": (("--quick",), dict(action="store_true", default=False,
                                        help="scale: W in 8,64,256 only")),
     "scale_worlds": (("--worlds",), dict(default="", help="scale: comma-separated world "
@@ -217,7 +268,7 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "scale_plot": (("--plot",), dict(default="", metavar="PATH",
                                      help="scale: plot coordinator seconds and metadata read "
                                           "per loading rank against W (PNG)")),
-    "only": (("--only",), dict(default="", choices=["", "incremental", "tiers"],
+    "only": (("--only",), dict(default="", choices=["", "incremental", "tiers", "fixed"],
                                help="render only "
                                "this section (and its plot) into the existing benchmarks.md, "
                                "leaving the rest of it as it is")),
@@ -250,17 +301,22 @@ _OWN: dict[str, tuple[str, ...]] = {
     "tiers": ("tiers_full", "tiers_size", "tiers_rounds", "loop_steps", "loop_every",
               "loop_params", *_COMMON),
     "remote-verify": ("rv_size", "rv_backends", "rv_tensors", *_COMMON),
+    "fixed": (*(d for d in _OPTIONS if d.startswith("fixed_")), *_COMMON),
     "scale": ("scale_quick", "scale_worlds", "scale_mesh", "scale_layers", "scale_hsdp_shard",
               "scale_real", "scale_shrink", "scale_json", "scale_plot"),
-    "all": tuple(d for d in _OPTIONS if not d.startswith(("tiers_", "rv_", "scale_"))),
+    "all": tuple(d for d in _OPTIONS
+                 if not d.startswith(("tiers_", "rv_", "scale_", "fixed_"))),
     "report": ("out", "results", "docs", "only"),
 }
 
 
-def add_arguments(p: argparse.ArgumentParser, command: str = "all") -> None:
+def add_arguments(p: argparse.ArgumentParser, command: str = "all", *,
+                  common: bool = True) -> None:
     """The options of ``ckptfs bench COMMAND`` only; the others still get their defaults (so
-    `run_question` reads every attribute), they are just not offered."""
-    own = _OWN[command]
+    `run_question` reads every attribute), they are just not offered.  ``common=False``: not
+    the output options either (``--out``, ``--results``, ``--docs``, ``--report``, ``--note``:
+    a script that writes its own outputs)."""
+    own = tuple(d for d in _OWN[command] if common or d not in _COMMON)
     for dest, (flags, kw) in _OPTIONS.items():
         if dest in own:
             p.add_argument(*flags, dest=dest, **kw)
@@ -268,7 +324,8 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "all") -> None:
 
 
 def add_subcommands(subparsers: Any) -> None:
-    """``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,scale,all,report}``."""
+    """``ckptfs bench {hash,save,interleaved,s3,latest,fresh,incremental,fixed,scale,all,
+    report}``."""
     p = subparsers.add_parser("bench", help="run the benchmarks (see docs/benchmarks.md)")
     sub = p.add_subparsers(dest="bench_command", required=True)
     helps = {"hash": "hashing throughput of every algorithm",
@@ -284,6 +341,9 @@ def add_subcommands(subparsers: Any) -> None:
              "tiers": "two tiers (local disk + moto S3): blocking time against a local-only "
                       "save, replication against ckptfs cp, lag and throughput of a training "
                       "loop",
+             "fixed": "the fixed costs: a tiny state's save and load, a verified 64 MiB load, a "
+                      "fresh process's verified 1 GiB load, the in-place sharded load at 2 "
+                      "ranks, each against DCP and torch.save/torch.load, interleaved",
              "remote-verify": "verify --remote of a checkpoint against a full verify on S3 "
                               "(moto) and GCS (fake-gcs): requests, bytes read, time",
              "scale": "simulated sharded saves and loads at 8 to 4,096 ranks: ckptfs's "
@@ -295,6 +355,24 @@ def add_subcommands(subparsers: Any) -> None:
         q = sub.add_parser(name, help=text)
         add_arguments(q, name)
         q.set_defaults(func=cmd_scale if name == "scale" else cmd_bench)
+
+
+def main_fixed_costs(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.fixed_costs``: the options of ``ckptfs bench fixed`` and
+    ``--json PATH``; prints the results (`ckptfs.bench.fixed.print_report`), writes only
+    ``--json``."""
+    from ckptfs.bench.fixed import __doc__ as about
+    from ckptfs.bench.fixed import run_args
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.fixed_costs",
+                                 description=(about or "").split("\n\n")[0])
+    add_arguments(ap, "fixed", common=False)
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    args = ap.parse_args(argv)
+    results = run_args(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    return 0
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

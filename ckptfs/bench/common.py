@@ -28,7 +28,7 @@ KiB, MiB, GiB = 1024, 1024**2, 1024**3
 #: (``ckptfs bench ... --out DIR``, default the current directory).
 REPO = Path(__file__).resolve().parents[2]
 RESULT_TAG = "@@ckptfs-bench@@ "
-QUESTIONS = ("hash", "save", "interleaved", "s3", "latest", "fresh", "incremental")
+QUESTIONS = ("hash", "save", "interleaved", "s3", "latest", "fresh", "incremental", "fixed")
 BENCH_EXTRA = 'pip install "ckptfs[bench]"'
 
 
@@ -100,6 +100,22 @@ def _reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def rss_mark() -> int | None:
+    """Reset the kernel's peak-RSS mark (``/proc/self/clear_refs``) and return the RSS now,
+    in KiB; None where ``/proc`` offers neither.  `peak_extra_rss` of it after a call is the
+    call's peak memory above what the process held before it."""
+    base = _status_kib("VmRSS")
+    return base if base is not None and _reset_peak_rss() else None
+
+
+def peak_extra_rss(mark: int | None) -> int | None:
+    """Bytes of the peak RSS since `rss_mark` returned ``mark``, above the RSS it saw."""
+    if mark is None:
+        return None
+    peak = _status_kib("VmHWM")
+    return None if peak is None else max(0, peak - mark) * KiB
 
 
 @dataclass

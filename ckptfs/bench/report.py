@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptfs.bench.common import QUESTIONS, GiB, MiB, fmt_size
+from ckptfs.bench.fixed_report import fixed_plot, fixed_section
+from ckptfs.bench.markdown import pyplot, splice_section
 
 TARGETS = [
     ("durable save, default hash >= 1.6x DCP FileSystemWriter default", 1.6),
@@ -168,6 +170,7 @@ def write_report(results_dir: Path, docs_dir: Path, *,
     lines += _fresh_section(data.get("fresh"))
     lines += _incremental_section(data.get("incremental"), plots)
     lines += _tiers_section(data.get("tiers"), _tiers_plot(data.get("tiers"), img))
+    lines += fixed_section(data.get("fixed"), fixed_plot(data.get("fixed"), img))
     notes = results_dir.parent / "NOTES.md"
     if notes.exists():
         lines += ["", notes.read_text().strip(), ""]
@@ -307,20 +310,8 @@ def _latest_section(lt: Mapping[str, Any] | None, plots: Mapping[str, str]) -> l
     return [*lines, ""]
 
 
-def _pyplot() -> Any:
-    """matplotlib's pyplot on the file-only backend, or None where it is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - matplotlib is a dev dependency
-        return None
-    return plt
-
-
 def _plots(data: Mapping[str, Any], img: Path) -> dict[str, str]:
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:  # pragma: no cover - matplotlib is a dev dependency
         return {}
     out: dict[str, str] = {}
@@ -409,9 +400,6 @@ def _plots(data: Mapping[str, Any], img: Path) -> dict[str, str]:
 # -- incremental saves (``ckptfs bench incremental``) ------------------------------------------
 
 INCREMENTAL_HEADING = "## Incremental checkpoints (format v3)"
-#: Where a spliced section goes when the document has none yet: before the hand-written notes
-#: (where `write_report` puts it).
-_NOTES_HEADING = "## How ckptfs gets these figures"
 KEEP_LAST_TEXT = "100 LoRA-like saves with `keep_last=5`"
 
 
@@ -522,7 +510,7 @@ def _incremental_plot(inc: Mapping[str, Any] | None, img: Path) -> dict[str, str
     cases = (inc or {}).get("cases") or {}
     if not cases:
         return {}
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:  # pragma: no cover - matplotlib is a dev dependency
         return {}
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -561,25 +549,8 @@ def write_incremental_section(results_dir: Path, docs_dir: Path, *,
     inc = json.loads(p.read_text()) if p.exists() else None
     img = docs_dir / "img"
     img.mkdir(parents=True, exist_ok=True)
-    return _splice(docs_dir / md_name, INCREMENTAL_HEADING,
-                   _incremental_section(inc, _incremental_plot(inc, img)))
-
-
-def _splice(out: Path, heading: str, section: list[str]) -> Path:
-    """Put ``section`` (which starts with ``heading``) into the Markdown file ``out``: where a
-    section of that heading is, else before the hand-written notes."""
-    old = out.read_text().splitlines() if out.exists() else ["# Benchmarks", ""]
-    if heading in old:
-        start = old.index(heading)
-        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")),
-                   len(old))
-    elif _NOTES_HEADING in old:
-        start = end = old.index(_NOTES_HEADING)
-    else:
-        start = end = len(old)
-    new = [*old[:start], *section, *old[end:]]
-    out.write_text("\n".join(new).rstrip() + "\n")
-    return out
+    return splice_section(docs_dir / md_name, INCREMENTAL_HEADING,
+                          _incremental_section(inc, _incremental_plot(inc, img)))
 
 
 # -- two tiers (``ckptfs bench tiers``) --------------------------------------------------------
@@ -674,7 +645,7 @@ def _tiers_plot(t: Mapping[str, Any] | None, img: Path) -> dict[str, str]:
     """Cumulative time of the training loop per variant, and the replication lag at saves."""
     if not t:
         return {}
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:  # pragma: no cover - matplotlib is a dev dependency
         return {}
     lp = t["loop"]
@@ -708,4 +679,5 @@ def write_tiers_section(results_dir: Path, docs_dir: Path, *,
     t = json.loads(p.read_text()) if p.exists() else None
     img = docs_dir / "img"
     img.mkdir(parents=True, exist_ok=True)
-    return _splice(docs_dir / md_name, TIERS_HEADING, _tiers_section(t, _tiers_plot(t, img)))
+    return splice_section(docs_dir / md_name, TIERS_HEADING,
+                          _tiers_section(t, _tiers_plot(t, img)))

@@ -74,6 +74,8 @@ from ckptfs.bench.common import (
     fs_type,
     machine_info,
     parse_size,
+    peak_extra_rss,
+    rss_mark,
 )
 from ckptfs.bench.latest import CountingStorage
 
@@ -528,6 +530,7 @@ def job_inplace(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         return {}
     saved = {k: v.clone() for k, v in local.items()}
     times: list[float] = []
+    mark = rss_mark()  # the loads' own memory: the state and its copy are held already
     for _ in range(spec["loads"]):
         for v in local.values():
             v.zero_()
@@ -543,7 +546,7 @@ def job_inplace(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         if bad:
             raise AssertionError(f"{spec['lib']}: {len(bad)} tensors differ after an in-place "
                                  f"load, e.g. {bad[0]}")
-    return {"times": times}
+    return {"times": times, "peak_extra_rss": peak_extra_rss(mark)}
 
 
 def bench_inplace(size: int, rounds: int, loads: int, layers: int, root: Path
@@ -559,11 +562,16 @@ def bench_inplace(size: int, rounds: int, loads: int, layers: int, root: Path
                             "loads": loads}
     first: dict[str, list[float]] = {CKPTFS: [], DCP: []}
     steady: dict[str, list[float]] = {CKPTFS: [], DCP: []}
+    rss: dict[str, list[int]] = {CKPTFS: [], DCP: []}
     try:
         launch(job_inplace, 2, {**spec, "lib": "save"})
         for i in range(rounds):
             for lib in (CKPTFS, DCP) if i % 2 == 0 else (DCP, CKPTFS):
-                t = launch(job_inplace, 2, {**spec, "lib": lib})[0]["times"]
+                ranks = launch(job_inplace, 2, {**spec, "lib": lib})
+                t = ranks[0]["times"]
+                peaks = [r["peak_extra_rss"] for r in ranks if r.get("peak_extra_rss") is not None]
+                if peaks:
+                    rss[lib].append(max(peaks))
                 first[lib].append(t[0])
                 if len(t) > 1:
                     steady[lib].append(statistics.median(t[1:]))
@@ -573,6 +581,10 @@ def bench_inplace(size: int, rounds: int, loads: int, layers: int, root: Path
     if loads > 1:
         out["steady"] = summarize(steady)
     out.update(bytes=size, world=2, rounds=rounds, loads=loads, bit_exact=True)
+    # The loads' peak memory above what the rank held before them (the larger rank's), median
+    # over the jobs.
+    out["peak_extra_rss_mib"] = {lib: round(statistics.median(v) / MiB, 1)
+                                 for lib, v in rss.items() if v}
     return out
 
 

@@ -39,6 +39,7 @@ TINY: dict[str, list[str]] = {
     "incremental": ["--incr-base", "1MiB", "--incr-rounds", "2", "--retention-base", "1MiB",
                     "--retention-saves", "8", "--incr-s3-base", "1MiB", "--incr-s3-rounds", "2",
                     "--incr-fresh-rounds", "1"],
+    "fixed": ["--quick", "--parts", "tiny,load"],  # all four parts: tests/bench/test_fixed_costs.py
 }
 INCR_ROUNDS = 2
 #: What the report's tables, targets and plots are made from.
