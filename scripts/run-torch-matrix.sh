@@ -55,7 +55,7 @@ TESTS=(
   tests/protocol/test_incremental_sharded.py tests/protocol/test_tiers_sharded.py
   tests/protocol/test_save_rounds.py tests/protocol/test_plan_tiling.py
   tests/protocol/test_group.py tests/protocol/test_cooperative_load.py
-  tests/protocol/test_inplace_load.py
+  tests/protocol/test_inplace_load.py tests/protocol/test_load_rounds.py
   tests/protocol/test_async_save.py tests/protocol/test_async_collective.py
   tests/lifecycle/test_manager_sharded.py tests/lifecycle/test_manager_distributed.py
   tests/reliability/test_sharded_crash.py tests/reliability/test_sharded_hardening.py

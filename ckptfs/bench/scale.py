@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 import ckptfs
+from ckptfs.bench.scale_load import load_round, load_round_table
 from ckptfs.bench.scale_report import growth, load_table, plot, table
 from ckptfs.protocol.sharded import SavePlanner
 from ckptfs.protocol.sharded_io import ShardedWriter
@@ -710,11 +711,12 @@ def simulate(spec: Spec, world: int, *, reps: int | None = None,
                   "values": sum(1 for leaf in leaves(spec) if leaf.kind == "value")}
         ours = simulate_ckptfs(spec, world, f"{tmp}/ckptfs", plans=plans, reps=reps,
                                collect=collect)
+        load = load_round(f"{tmp}/ckptfs", STEP, plans)  # the collective load's plan round
         del plans
         v5 = simulate_v5(spec, world, f"{tmp}/v5", reps=reps, collect=collect)
         theirs = simulate_dcp(spec, world, f"{tmp}/dcp", reps=reps, collect=collect)
         return {"world": world, "mesh": spec.mesh, "layers": spec.layers, **counts,
-                "ckptfs": ours, "v5": v5, "dcp": theirs}
+                "ckptfs": ours, "v5": v5, "dcp": theirs, "load_round": load}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -940,6 +942,7 @@ def main_scale(args: argparse.Namespace) -> int:
                          hsdp_shard=args.scale_hsdp_shard, progress=progress)
         print(table(rows), flush=True)
         print(load_table(rows), flush=True)
+        print(load_round_table(rows), flush=True)
         doc["rows"] = rows
         doc["growth"] = growth(rows)
     if args.scale_json:

@@ -19,6 +19,7 @@ written.  The entries a manifest lists are `ckptfs.format.entries`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -179,17 +180,27 @@ class Manifest:
         return version_of(self.features)
 
     def file(self, path: str) -> FileEntry:
-        for entry in self.files:
-            if entry.path == path:
-                return entry
-        raise KeyError(path)
+        return self._files_by_path[path]
 
     def reference(self, path: str) -> Reference | None:
         """The reference named ``path`` (``None``: none, or no references feature)."""
+        return self._references_by_path.get(path) if self.references else None
+
+    # Indexes built on first use (a frozen manifest never changes): a sharded checkpoint has a
+    # file per rank, and a load or copy asks for thousands of them by path.
+    @functools.cached_property
+    def _files_by_path(self) -> dict[str, FileEntry]:
+        out: dict[str, FileEntry] = {}
+        for entry in self.files:
+            out.setdefault(entry.path, entry)  # the first of a path, as a scan finds it
+        return out
+
+    @functools.cached_property
+    def _references_by_path(self) -> dict[str, Reference]:
+        out: dict[str, Reference] = {}
         for ref in self.references:
-            if ref.path == path:
-                return ref
-        return None
+            out.setdefault(ref.path, ref)
+        return out
 
     def chunked(self, path: str) -> ChunkedFileEntry:
         """The chunked file ``path`` of the manifest, or the reference named ``path`` as a

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 
 __all__ = ["SPLIT_MIN_BYTES", "Key", "ReadPlan", "Transfer", "balance_writers",
-           "plan_reads", "split_writers"]
+           "plan_group_reads", "plan_reads", "split_writers"]
 
 Key = tuple[str, int, int]  # (path, offset, length): one stored chunk
 
@@ -66,21 +66,40 @@ def plan_reads(needs: Sequence[Sequence[Key]], *, max_piece: int, round_bytes: i
     replicas split a shard between them and each still reads in large ranged reads); pieces,
     largest first, go to the least loaded rank of their set (ties: the lowest rank), counting
     the bytes each rank reads alone."""
-    world = len(needs)
+    return plan_group_reads([((rank,), keys) for rank, keys in enumerate(needs)], len(needs),
+                            max_piece=max_piece, round_bytes=round_bytes, negligible=negligible)
+
+
+def plan_group_reads(groups: Sequence[tuple[Sequence[int], Sequence[Key]]], world: int, *,
+                     max_piece: int, round_bytes: int, negligible: int = 0,
+                     alone_bytes: Sequence[int] | None = None) -> ReadPlan | None:
+    """`plan_reads` of ``world`` ranks whose needs come in groups: (ranks, the chunks each of
+    them needs); ranks with the same needs (the replicas of one shard) are one group, so the
+    work grows with the distinct needs, not with every rank's (each rank in one group).
+    ``alone_bytes[r]``: bytes rank ``r`` also reads of files no other rank needs a chunk of,
+    left out of ``groups`` (counted in its load and in the bytes needed, never planned: it
+    reads them after the rounds)."""
     needers: dict[Key, list[int]] = {}
-    for rank, keys in enumerate(needs):
+    unsorted: set[Key] = set()
+    for ranks, keys in groups:
+        ranks = sorted(ranks)
         for key in keys:
-            held = needers.setdefault(key, [])
-            if not held or held[-1] != rank:
-                held.append(rank)
+            held = needers.get(key)
+            if held is None:
+                needers[key] = list(ranks)
+            else:
+                held.extend(ranks)
+                unsorted.add(key)
+    for key in unsorted:
+        needers[key] = sorted(set(needers[key]))
     if all(len(v) == 1 for v in needers.values()):
         return None
     if negligible:
         spared = sum((len(v) - 1) * k[2] for k, v in needers.items())
-        if spared <= negligible and \
-                spared * NEGLIGIBLE_SHARE < sum(len(v) * k[2] for k, v in needers.items()):
+        needed = sum(len(v) * k[2] for k, v in needers.items()) + sum(alone_bytes or ())
+        if spared <= negligible and spared * NEGLIGIBLE_SHARE < needed:
             return None
-    loads = [0] * world
+    loads = list(alone_bytes) if alone_bytes is not None else [0] * world
     alone: list[list[Key]] = [[] for _ in range(world)]
     first: list[Transfer] = []
     shared: dict[tuple[int, ...], list[Key]] = {}
@@ -113,7 +132,7 @@ def plan_reads(needs: Sequence[Sequence[Key]], *, max_piece: int, round_bytes: i
     pieces.sort(key=lambda p: (-sum(k[2] for k in p[1]), p[1][0]))
     placed: list[tuple[int, tuple[int, ...], list[Key]]] = []
     for who, run in pieces:
-        reader = min(who, key=lambda r: (loads[r], r))
+        reader = min(who, key=loads.__getitem__)  # ties: the lowest rank (``who`` is sorted)
         loads[reader] += sum(k[2] for k in run)
         placed.append((reader, who, run))
     placed.sort(key=lambda p: p[2][0])
@@ -122,18 +141,30 @@ def plan_reads(needs: Sequence[Sequence[Key]], *, max_piece: int, round_bytes: i
             first.append(Transfer(reader, run[0], who))
     first.sort(key=lambda t: t.key)
     rounds: list[list[Transfer]] = [first] if first else []
+    # A rank's traffic in a round is the sum over the rank sets holding it (the needers of a
+    # key; a few distinct sets: one per replica group, and the whole world for the values) of
+    # what each set's pieces bring: counted per set, not per rank (thousands of ranks per
+    # piece), and the busiest rank of a set found among its ranks' distinct memberships.
+    member_of: dict[int, list[int]] = {}
+    sets: dict[int, tuple[int, ...]] = {}
+    for _, who, run in placed:
+        if run[0][1] != 0 and id(who) not in sets:
+            sets[id(who)] = who
+            for r in who:
+                member_of.setdefault(r, []).append(id(who))
+    memberships = {s: list({tuple(member_of[r]) for r in who}) for s, who in sets.items()}
     current: list[Transfer] = []
-    traffic = [0] * world
+    traffic = dict.fromkeys(sets, 0)
     for reader, who, run in placed:
         if run[0][1] == 0:
             continue
         size = sum(k[2] for k in run)
-        if current and any(traffic[r] + size > round_bytes for r in who):
+        if current and max(sum(map(traffic.__getitem__, m)) for m in memberships[id(who)]) \
+                + size > round_bytes:
             rounds.append(current)
-            current, traffic = [], [0] * world
+            current, traffic = [], dict.fromkeys(sets, 0)
         current += [Transfer(reader, k, who) for k in run]
-        for r in who:
-            traffic[r] += size
+        traffic[id(who)] += size
     if current:
         rounds.append(current)
     return ReadPlan(rounds, alone, loads)

@@ -250,7 +250,10 @@ class RankGroup(Group):
             if docs is None or len(docs) != self.world_size:
                 raise ValueError(f"scatter_from_coordinator: {self.world_size} documents "
                                  "wanted, one per rank")
-            blobs = [encode(d, default=default) for d in docs]
+            # A document given to several ranks (one object) is encoded once.
+            memo: dict[int, bytes] = {}
+            blobs = [memo[id(d)] if id(d) in memo else memo.setdefault(
+                id(d), encode(d, default=default)) for d in docs]
             sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64,
                                  device=self.device)
         dist.broadcast(sizes, group=group, group_src=0)

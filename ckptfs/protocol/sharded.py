@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -52,7 +51,6 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from ckptfs.errors import (
     CheckpointDeletedError,
@@ -209,13 +207,6 @@ def map_failure(exc: CheckpointException, what: str,
                                            for e in excs.values()):
         return ShardedSaveDeadlineError(msg, failures=summary)  # names the stalled rank(s)
     return default(msg, failures=summary)
-
-
-def _quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn`` without DCP's warning that a process-local save or load is process-local."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return fn(*args, **kwargs)
 
 
 def _timeout_of(process_group: Any) -> timedelta | None:
@@ -511,9 +502,13 @@ def _load_once(storage: Storage, step: int | None, into: dict[str, Any], group: 
     planner = LoadPlanner()
     reader.on_progress = live.progress
     live.wrap(reader, "read_data")
-    _run(lambda: _quiet(dcp_load, view, storage_reader=reader, planner=planner,
-                        process_group=group, no_dist=group is None), where, ShardedLoadError,
-         live)
+    # Driven by ckptfs over its group (`ckptfs.protocol.load_rounds`: DCP's planner and the
+    # reader called as dcp.load calls them; JSON messages, each rank receiving its own part).
+    from ckptfs.protocol.load_rounds import drive_load  # a load's modules: not a save's
+
+    cooperative = reader.cooperative and reader.peers is not None
+    _run(lambda: drive_load(view, reader, planner, group_of(group), cooperative=cooperative),
+         where, ShardedLoadError, live)
     write_back(into, skeleton, view)
     return into
 

@@ -57,7 +57,7 @@ from ckptfs.format.sharded_metadata import (
     items_by_file,
 )
 from ckptfs.format.versions import has_rank_metadata, is_sharded
-from ckptfs.protocol.balance import ReadPlan, plan_reads
+from ckptfs.protocol.balance import ReadPlan, plan_group_reads
 from ckptfs.protocol.chunks import (
     StoredChunks,
     check_chunk,
@@ -142,7 +142,7 @@ ROUND_BYTES = 4 * MAX_RANGE
 #: long (a longer chunk alone): each reading thread's buffer holds one run.
 STAGED_RANGE = 16 * 1024 * 1024
 #: Chunks several ranks need are read by each of them when sharing would spare at most this
-#: many bytes, a small part of the load (`plan_reads`): the exchange rounds cost more.
+#: many bytes, a small part of the load (`plan_group_reads`): the exchange rounds cost more.
 NEGLIGIBLE_SHARED = 4 * 1024 * 1024
 
 
@@ -221,6 +221,12 @@ class ShardedReader(StorageReader):
         self._marks = 0
         #: Chunks a peer sent whose bytes were not the stored ones (read from storage here).
         self.refused_from_peers: list[tuple[Key, int]] = []
+        #: Set by the load rounds (`ckptfs.protocol.load_rounds`) for the next `read_data`:
+        #: this rank's part of the cooperative plan the coordinator made (in a 1-tuple; None
+        #: inside: no chunk is shared), instead of every rank's needs gathered everywhere.
+        self.decided: tuple[ReadPlan | None] | None = None
+        self._prepared: tuple[LoadPlan, dict[Key, list[ReadItem]], set[Key],
+                              dict[Key, tuple[ReadItem, torch.Tensor]]] | None = None
 
     def _progress(self) -> None:
         self._marks += 1
@@ -325,33 +331,60 @@ class ShardedReader(StorageReader):
         return dataclasses.replace(plan, storage_data=(info.step, info.attempt))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        seen = {p.storage_data for p in plans}
-        if len(seen) > 1:
+        self.check_agreed({p.storage_data for p in plans})
+        return plans
+
+    def check_agreed(self, resolved: set[Any]) -> None:
+        """The coordinator, before any rank reads a data byte: every rank resolved the same
+        attempt (``resolved``: the (step, attempt) each rank resolved), and that attempt's
+        listing is checked once (`check_listing`)."""
+        if len(resolved) > 1:
             raise CheckpointNotFoundError(
                 f"the ranks resolved different checkpoints at {self.storage.url} "
-                f"({sorted(seen)}): a newer step was committed while they resolved 'latest'; "
-                "load again, or pass the step explicitly")
+                f"({sorted(resolved)}): a newer step was committed while they resolved "
+                "'latest'; load again, or pass the step explicitly")
         if not self.listing_checked:
             check_listing(self.storage, self.resolve())
             self.listing_checked = True
-        return plans
+
+    def needs(self, plan: LoadPlan, planner: LoadPlanner) -> list[Key]:
+        """The stored chunks ``plan``'s items read (and the header chunks to check), sorted;
+        kept for `read_data` of the same plan.  Every target's dtype is checked here, before
+        any byte is read (a refused load leaves the targets untouched)."""
+        info = self.resolve()
+        doc = self.load_document()
+        groups, headers = self._wanted(plan, planner, info, doc)
+        direct = self._direct(planner, groups, info)
+        self._prepared = (plan, groups, headers, direct)
+        return sorted(set(groups) | headers)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         info = self.resolve()
-        doc = self.load_document()
         peers = self.peers if self.cooperative else None
-        try:
-            groups, headers = self._wanted(plan, planner, info, doc)
-            # Every target's dtype checked before any byte is read (a refused load leaves the
-            # targets untouched), and the chunks read straight into their target (`_direct`).
-            direct = self._direct(planner, groups, info)
-        except Exception as exc:
-            if peers is not None:  # the peers wait for this rank's needs: tell them
-                peers.all_gather({"error": describe(exc)})
-            raise
+        decided = self.decided
+        self.decided = None
+        prepared = self._prepared
+        self._prepared = None
+        if prepared is not None and prepared[0] is plan:  # `needs` made it (the load rounds)
+            _, groups, headers, direct = prepared
+        else:
+            doc = self.load_document()
+            try:
+                groups, headers = self._wanted(plan, planner, info, doc)
+                # Every target's dtype checked before any byte is read (a refused load leaves
+                # the targets untouched), and the chunks read straight into their target
+                # (`_direct`).
+                direct = self._direct(planner, groups, info)
+            except Exception as exc:
+                if peers is not None and decided is None:  # the peers wait for its needs
+                    peers.all_gather({"error": describe(exc)})
+                raise
         manifest = sharded_manifest(info)
         keys = sorted(set(groups) | headers)
-        shared = self._share(peers, manifest, keys) if peers is not None else None
+        if decided is not None:  # the load rounds planned the sharing on the coordinator
+            shared = decided[0] if peers is not None else None
+        else:  # DCP drives the load (ckptfs.dcp.Reader): every rank plans it alike
+            shared = self._share(peers, manifest, keys) if peers is not None else None
         dests = {k: t for k, (_, t) in direct.items()}
         if shared is not None:
             assert peers is not None
@@ -416,48 +449,14 @@ class ShardedReader(StorageReader):
 
     def _share(self, peers: Group, manifest: Manifest, keys: list[Key]) -> ReadPlan | None:
         """Every rank's needs (one exchange of documents), and the plan sharing the chunks
-        several ranks need (`plan_reads`), or None: no chunk is shared, or a rank failed
+        several ranks need (`plan_group_reads`), or None: no chunk is shared, or a rank failed
         before it could say what it needs (it raises its own error; the others read alone)."""
-        mine: dict[str, list[int]] = {}
-        for path, off, length in keys:
-            mine.setdefault(path, []).extend((off, length))
         self._progress()
-        docs = peers.all_gather({"keys": mine})
+        docs = peers.all_gather({"keys": keys_doc(keys)})
         if any("error" in d for d in docs):
             return None
-        needs: list[list[Key]] = []
-        entries: dict[str, ChunkedFileEntry | None] = {}
-        # Format v5: each rank's view holds only the rank files it needs, so no rank can check
-        # another's keys alike (the plan must be the same everywhere).  Unchecked keys are
-        # harmless: a rank reads or receives only keys it needs itself (from its own view),
-        # and checks every received chunk against its own manifest.
-        partial = has_rank_metadata(manifest)
-        for rank, d in enumerate(docs):
-            wanted: list[Key] = []
-            for path, flat in sorted(d["keys"].items()):
-                if (not isinstance(flat, list) or len(flat) % 2
-                        or not all(isinstance(v, int) for v in flat)):
-                    raise ShardedLoadError(f"rank {peers.ranks[rank]} sent a malformed list "
-                                           "of the chunks it needs")
-                if partial:
-                    wanted.extend(zip([path] * (len(flat) // 2), flat[::2], flat[1::2],
-                                      strict=True))
-                    continue
-                if path not in entries:
-                    try:
-                        entries[path] = manifest.chunked(path)
-                    except KeyError:
-                        entries[path] = None
-                entry = entries[path]
-                for off, length in zip(flat[::2], flat[1::2], strict=True):
-                    if entry is None or entry.chunk_at(off, length) is None:
-                        raise ShardedLoadError(
-                            f"rank {peers.ranks[rank]} needs {length} B at {off} of {path}, "
-                            "which is no chunk of the checkpoint's manifest")
-                    wanted.append((path, off, length))
-            needs.append(sorted(set(wanted)))
-        return plan_reads(needs, max_piece=MAX_RANGE, round_bytes=ROUND_BYTES,
-                          negligible=NEGLIGIBLE_SHARED)
+        return shared_reads([([r], d["keys"]) for r, d in enumerate(docs)], manifest,
+                            peers.ranks)
 
     def _read_shared(self, peers: Group, shared: ReadPlan, planner: LoadPlanner,
                      manifest: Manifest, keys: list[Key], groups: dict[Key, list[ReadItem]],
@@ -709,3 +708,84 @@ def check_checkpoint_id(expected: str, checkpoint_id: str | os.PathLike[str] | N
         raise InvalidStepError(
             f"checkpoint_id {str(checkpoint_id)!r} is not used by ckptfs: the run URL and the "
             "step are given to ckptfs.dcp.Writer(url, step) / Reader(url, step)")
+
+
+def keys_doc(keys: list[Key]) -> dict[str, list[int]]:
+    """The chunks a rank needs, as it sends them: by path, its offsets and lengths flat."""
+    mine: dict[str, list[int]] = {}
+    for path, off, length in keys:
+        mine.setdefault(path, []).extend((off, length))
+    return mine
+
+
+def shared_reads(groups: list[tuple[list[int], Any]], manifest: Manifest, ranks: list[int]
+                 ) -> ReadPlan | None:
+    """The cooperative plan (`plan_group_reads`) for every rank's needs, or None: no chunk is
+    shared.  ``groups``: (group ranks, their `keys_doc`), each rank in one group (ranks with
+    the same needs may share a group); ``ranks``: the global ranks, to name one.  The work
+    grows with the distinct lists of chunks of a file (`needs_by_file`), not with every
+    rank's.  Each key of a file several ranks need is checked to be a chunk of ``manifest``
+    (`ShardedLoadError` naming the rank): the plan is made of those only (a rank reads the
+    files only it needs after the rounds, from its own view)."""
+    by_file, alone_bytes = needs_by_file(groups, manifest, ranks)
+    needs = [(sorted(members), [(path, off, length) for off, length in
+                                zip(flat[::2], flat[1::2], strict=True)])
+             for (path, flat), members in by_file.items()]
+    return plan_group_reads(needs, len(ranks), max_piece=MAX_RANGE, round_bytes=ROUND_BYTES,
+                            negligible=NEGLIGIBLE_SHARED, alone_bytes=alone_bytes)
+
+
+def needs_by_file(groups: list[tuple[list[int], Any]], manifest: Manifest, ranks: list[int]
+                  ) -> tuple[dict[tuple[str, tuple[int, ...]], list[int]], list[int]]:
+    """The ranks needing each distinct list of chunks of a file that several ranks need
+    (``(path, (offset, length, ...))`` -> ranks), each list checked once; and per rank, the
+    bytes it needs of files no other rank needs a chunk of (`shared_reads`)."""
+    # A file only one rank needs chunks of (its own rank file, in an FSDP load) is read by
+    # that rank alone after the rounds: only its bytes are counted (`plan_group_reads`).
+    touching: dict[str, int] = {}
+    for members, d in groups:
+        if isinstance(d, dict):
+            for path in d:
+                touching[path] = touching.get(path, 0) + len(members)
+    alone_bytes = [0] * len(ranks)
+    chunks: dict[str, set[tuple[int, int]]] = {}  # each path's chunks (offset, length)
+    by_file: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    # Format v5: each rank's view holds only the rank files it needs, so no rank can check
+    # another's keys alike (the plan must be the same everywhere).  Unchecked keys are
+    # harmless: a rank reads or receives only keys it needs itself (from its own view),
+    # and checks every received chunk against its own manifest.
+    partial = has_rank_metadata(manifest)
+    for members, d in groups:
+        who = ranks[members[0]]
+        if not isinstance(d, dict):
+            raise ShardedLoadError(f"rank {who} sent a malformed list of the chunks it needs")
+        for path, flat in d.items():
+            if not isinstance(flat, list) or len(flat) % 2:
+                raise ShardedLoadError(f"rank {who} sent a malformed list "
+                                       "of the chunks it needs")
+            if touching[path] == 1:  # only counted: a wrong count misplaces no byte
+                alone_bytes[members[0]] += sum(v for v in flat[1::2] if type(v) is int)
+                continue
+            if not set(map(type, flat)) <= {int}:
+                raise ShardedLoadError(f"rank {who} sent a malformed list "
+                                       "of the chunks it needs")
+            sig = (path, tuple(flat))
+            held = by_file.get(sig)
+            if held is not None:
+                held.extend(members)
+                continue
+            if not partial:
+                if path not in chunks:
+                    try:
+                        chunks[path] = {(c.offset, c.length)
+                                        for c in manifest.chunked(path).chunks}
+                    except KeyError:
+                        chunks[path] = set()
+                bad = set(zip(flat[::2], flat[1::2], strict=True)) - chunks[path]
+                if bad:
+                    off, length = min(bad)
+                    raise ShardedLoadError(
+                        f"rank {who} needs {length} B at {off} of {path}, "
+                        "which is no chunk of the checkpoint's manifest")
+            by_file[sig] = list(members)
+    return by_file, alone_bytes

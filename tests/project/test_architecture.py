@@ -500,6 +500,8 @@ PICKLE_IMPORTERS = {
     "ckptfs.testing.reliability.hostile_v2": "the same, for the sharded layout",
     "ckptfs.bench.scale": "measures what DCP's own object collectives pickle, to compare with "
                           "ckptfs's JSON",
+    "ckptfs.bench.scale_load": "measures DCP's pickled load plans, to compare with the JSON "
+                               "of ckptfs's load rounds",
 }
 
 
