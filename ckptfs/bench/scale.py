@@ -24,7 +24,11 @@ ckptfs's and DCP's **real** coordinator and reader code on them:
   gathered on the coordinator, each rank's own part of the global plan scattered back, the
   outcome, the committed `CheckpointInfo`, to every rank) and the time the coordinator spends
   encoding and decoding them; DCP's pickled plans both ways and the whole global metadata its
-  ``dcp.save`` broadcasts to every rank at the end;
+  ``dcp.save`` broadcasts to every rank at the end; **all in**: the coordinator's work plus
+  its side of every message (decoding what it gathers, encoding what it sends, one rank's
+  decoding of the outcome): what every rank of the job waits for, bar the transport;
+* **the collective load's plan round** (`ckptfs.bench.scale_load`): ckptfs's rounds against
+  DCP's pickled load plans and the every-rank needs exchange they replace;
 * **each loading rank**: ckptfs's ``Reader`` resolving the step (marker and manifest read and
   decoded) and ``load_document`` (``dcp.msgpack`` read, digest checked, decoded and bound to the
   manifest), against DCP's ``FileSystemReader.read_metadata`` (its ``.metadata`` unpickled).
@@ -518,6 +522,9 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
     def save(step: int) -> dict[str, Any]:
         r = coordinated_save(spec, root, step, raw, values, collect=collect)
         return {"info": r["writer"].info, "coordinator_s": r["plan_s"] + r["finish_s"],
+                # what the job waits for at the coordinator, its messages included
+                "coordinator_all_in_s": r["plan_s"] + r["finish_s"] + r["messages_s"]
+                + r["outcome_s"],
                 "create_global_plan_s": r["create_s"], "prepare_global_plan_s": r["prepare_s"],
                 "plan_messages_s": r["plan_s"] - r["create_s"] - r["prepare_s"],
                 "finish_s": r["finish_s"], "plans_bytes": r["messages_bytes"],
@@ -547,6 +554,7 @@ def simulate_ckptfs(spec: Spec, world: int, root: str, *, plans: list[Any] | Non
     t_doc = statistics.median(d for _, d in loads)
     return {
         **first, "coordinator_again_s": again["coordinator_s"],
+        "coordinator_all_in_again_s": again["coordinator_all_in_s"],
         "plans_again_bytes": again["plans_bytes"],
         "create_global_plan_again_s": again["create_global_plan_s"],
         "prepare_global_plan_again_s": again["prepare_global_plan_s"],
@@ -599,7 +607,9 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
         return {"writer": r["writer"], "files": r["files"], "create_global_plan_s": r["create_s"],
                 "prepare_global_plan_s": r["plan_s"] - r["create_s"],
                 "finish_s": r["finish_s"], "rank_index_s": r["index_s"],
-                "coordinator_s": r["plan_s"] + r["finish_s"]}
+                "coordinator_s": r["plan_s"] + r["finish_s"],
+                "coordinator_all_in_s": r["plan_s"] + r["finish_s"] + r["messages_s"]
+                + r["outcome_s"]}
 
     first = save(STEP)
     again = save(STEP + 1)  # the next save of the same layout: no items sent, the plan cached
@@ -634,6 +644,8 @@ def simulate_v5(spec: Spec, world: int, root: str, *, plans: list[Any] | None = 
         "coordinator_s": t_plan + t_prepare + t_finish, "create_global_plan_s": t_plan,
         "prepare_global_plan_s": t_prepare, "finish_s": t_finish, "rank_index_s": t_index,
         "coordinator_again_s": again["coordinator_s"],
+        "coordinator_all_in_s": first["coordinator_all_in_s"],
+        "coordinator_all_in_again_s": again["coordinator_all_in_s"],
         "metadata_bytes": listed + manifest + info.manifest.rank_table.rank_bytes
         - sum(size for _, size in files),
         "manifest_bytes": manifest, "marker_bytes": marker,
@@ -683,6 +695,8 @@ def simulate_dcp(spec: Spec, world: int, root: str, *, reps: int = 1,
     _, t_load = _median_time(lambda: FileSystemReader(root).read_metadata(), reps)
     return {
         "coordinator_s": t_plan + t_prepare + t_finish, "create_global_plan_s": t_plan,
+        "coordinator_all_in_s": t_plan + t_prepare + t_finish + gather_s + scatter_s + t_dumps
+        + t_bcast,
         "prepare_global_plan_s": t_prepare, "finish_s": t_finish,
         "plans_bytes": gather_b + scatter_b, "plans_pickle_s": gather_s + scatter_s + t_dumps,
         "broadcast_bytes": len(blob), "broadcast_unpickle_s": t_bcast,
