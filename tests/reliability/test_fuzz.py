@@ -327,6 +327,14 @@ def test_v2_manifest_refuses_a_mutated_field(key: str, data: st.DataObject) -> N
         _refused(lambda: decode_manifest(json.dumps(doc).encode()))  # noqa: B023
 
 
+@pytest.mark.parametrize("value", [2.0, True, "2", [2], None])
+def test_a_manifest_version_that_only_equals_an_int_is_refused(value: Any) -> None:
+    """``format_version`` is an int: 2.0 and true compare equal to 2 and 1 in Python, and were
+    once read as them (found by the fuzzer above)."""
+    doc = _with(json.loads(VALID_V2_MANIFEST), "format_version", value)
+    _refused(lambda: decode_manifest(json.dumps(doc).encode()))
+
+
 # -- format v3 (incremental): the manifest and each field of a reference ---------------------------
 
 V3_ATTEMPT = "a-20260101T000000Z-0123456789abcdef"
