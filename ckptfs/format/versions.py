@@ -102,13 +102,13 @@ def decode_manifest(data: bytes, *, where: str = "manifest") -> Manifest:
     doc = load_json(data, MAX_MANIFEST_BYTES, where)  # bounded: size, depth, duplicate keys
     version = doc.get("format_version")
     newest = max(READ_VERSIONS)
-    is_int = isinstance(version, int) and not isinstance(version, bool)
-    if is_int and version > newest:
+    if not isinstance(version, int) or isinstance(version, bool):
+        # 2.0 or true equal 2 or 1 in Python: never a version
+        raise CorruptCheckpointError(f"{where}: bad format_version {version!r:.40}")
+    if version > newest:
         raise FormatVersionError(
             f"{where}: written by format version {version}; this ckptfs reads up to "
             f"{newest}: upgrade ckptfs")
-    if not is_int:  # 2.0 or true equal 2 or 1 in Python: never a version
-        raise CorruptCheckpointError(f"{where}: bad format_version {version!r:.40}")
     chunked = [v for v in READ_VERSIONS if v == version and CHUNKED in FEATURES[v]]
     if not chunked:
         return Manifest.from_bytes(data, where=where)  # v1: its own strict header checks
