@@ -140,7 +140,7 @@ def load_round(root: str, step: int, plans: Sequence[Any], *, dcp: bool = True
     this simulation)."""
     import ckptfs
     from ckptfs.protocol.gcpause import paused_collector
-    from ckptfs.protocol.group import decode, encode
+    from ckptfs.protocol.group import decode, encode, encode_each
     from ckptfs.protocol.load_rounds import LoadRounds, encode_text
     from ckptfs.protocol.sharded_read import (
         ShardedReader,
@@ -181,9 +181,7 @@ def load_round(root: str, step: int, plans: Sequence[Any], *, dcp: bool = True
         raise RuntimeError(f"the simulated load round failed: {parts[0]['failures']}")
     t0 = time.perf_counter()
     with paused_collector():  # as `Group.scatter_from_coordinator`: one object encoded once
-        memo: dict[int, bytes] = {}
-        sent = [memo[id(p)] if id(p) in memo else memo.setdefault(id(p), encode(p))
-                for p in parts]
+        sent = encode_each(parts)
     t_encode = time.perf_counter() - t0
     largest = max(sent, key=len)
     t0 = time.perf_counter()

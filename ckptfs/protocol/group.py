@@ -51,7 +51,7 @@ from ckptfs.protocol.collective import is_distributed
 
 __all__ = ["LIVENESS_WAIT", "Group", "Liveness", "RankGroup", "WorldOfOne", "bytes_group",
            "carried", "collective_failure", "decode", "decode_bytes", "describe", "encode",
-           "encode_bytes", "gloo_group", "group_of", "message_device", "rebuild"]
+           "encode_bytes", "encode_each", "gloo_group", "group_of", "message_device", "rebuild"]
 
 log = logging.getLogger("ckptfs")
 
@@ -79,6 +79,14 @@ def encode(doc: Any, *, default: Default = None) -> bytes:
         raise TypeError(f"a message between ranks must be a JSON document (dicts with str "
                         f"keys, lists, str, int, float, bool, None), never pickled: {exc}; "
                         "send a dataclass as its to_doc(), bytes with encode_bytes") from exc
+
+
+def encode_each(docs: Sequence[Any], *, default: Default = None) -> list[bytes]:
+    """`encode` of each of ``docs``, a document given several times (one object, as a part
+    several ranks receive) encoded once."""
+    memo: dict[int, bytes] = {}
+    return [memo[id(d)] if id(d) in memo else memo.setdefault(id(d), encode(d, default=default))
+            for d in docs]
 
 
 def decode(data: bytes) -> Any:
@@ -250,10 +258,7 @@ class RankGroup(Group):
             if docs is None or len(docs) != self.world_size:
                 raise ValueError(f"scatter_from_coordinator: {self.world_size} documents "
                                  "wanted, one per rank")
-            # A document given to several ranks (one object) is encoded once.
-            memo: dict[int, bytes] = {}
-            blobs = [memo[id(d)] if id(d) in memo else memo.setdefault(
-                id(d), encode(d, default=default)) for d in docs]
+            blobs = encode_each(docs, default=default)
             sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64,
                                  device=self.device)
         dist.broadcast(sizes, group=group, group_src=0)

@@ -38,42 +38,39 @@ rolling-back load takes the same decision on every rank.
 from __future__ import annotations
 
 import json
-import traceback
-from typing import Any
+from typing import Any, ClassVar
 
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptfs.errors import ShardedLoadError
 from ckptfs.protocol.balance import Key, ReadPlan, Transfer
 from ckptfs.protocol.gcpause import paused_collector
-from ckptfs.protocol.group import Group, carried, describe
+from ckptfs.protocol.group import Group
+from ckptfs.protocol.rounds import Rounds, failures_doc, failures_in
 from ckptfs.protocol.sharded_read import ShardedReader, keys_doc, sharded_manifest, shared_reads
 
 __all__ = ["LoadRounds", "drive_load", "part_of", "parts_of"]
 
 
-class LoadRounds:
+class LoadRounds(Rounds):
     """One rank's side of a collective load, round by round (module docstring): each method
     takes what this rank received and returns the document it sends, never raising (a
     failure is sent, and kept as `own` to raise on this rank itself).  `drive_load` runs the
     rounds over a group; ``ckptfs bench scale`` runs the coordinator's for ranks simulated in
     one process."""
 
+    error_class: ClassVar[type[ShardedLoadError]] = ShardedLoadError
+
     def __init__(self, state_dict: dict[str, Any], reader: ShardedReader,
                  planner: LoadPlanner, rank: int, *, cooperative: bool = False) -> None:
-        self.state_dict, self.reader, self.planner, self.rank = state_dict, reader, planner, rank
+        super().__init__(rank)
+        self.state_dict, self.reader, self.planner = state_dict, reader, planner
         #: Whether this rank can exchange chunks with the others (a gloo group of more than
         #: one rank, and a reader that reads through it): the coordinator plans sharing only
         #: when every rank can.
         self.cooperative = cooperative
-        self.own: BaseException | None = None
         self.local: LoadPlan | None = None
         self.keys: list[Key] = []
-
-    def _failed(self, exc: BaseException) -> dict[str, Any]:
-        self.own = exc
-        return {"error": describe(exc)}
 
     # -- round 1 -----------------------------------------------------------------------------
     def plan(self) -> dict[str, Any]:
@@ -91,14 +88,14 @@ class LoadRounds:
             return {"plan": {"resolved": [step, attempt], "needs": encode_text(
                 keys_doc(self.keys)), "share": self.cooperative}}
         except BaseException as exc:  # every rank must learn of it, as with DCP
-            return self._failed(exc)
+            return self.failed(exc)
 
     def plan_globally(self, docs: list[Any], ranks: list[int]) -> list[Any]:
         """The coordinator: each rank's part (``ranks``: the group's global ranks, to name one
         in an error), from every rank's document (the cyclic collector paused).  Ranks that
         need the same chunks receive the same part (one object: encoded once)."""
         with paused_collector():
-            failures = _failures(docs)
+            failures = failures_in(docs)
             if not failures:
                 try:
                     plans = [d["plan"] for d in docs]
@@ -117,8 +114,8 @@ class LoadRounds:
                                           ranks)
                     return parts_of(shared, groups, len(plans))
                 except BaseException as exc:
-                    failures = {self.rank: self._failed(exc)["error"]}
-            return [{"failures": {str(r): f for r, f in failures.items()}}] * len(docs)
+                    failures = {self.rank: self.failed(exc)["error"]}
+            return [failures_doc(failures)] * len(docs)
 
     # -- round 2 -----------------------------------------------------------------------------
     def read(self, got: Any, world_size: int) -> dict[str, Any]:
@@ -131,33 +128,16 @@ class LoadRounds:
             self.reader.read_data(central, self.planner).wait()
             return {"read": True}
         except BaseException as exc:
-            return self._failed(exc)
+            return self.failed(exc)
 
     def outcome(self, docs: list[Any]) -> dict[str, Any]:
         """The coordinator: every rank's failure, or none."""
-        failures = _failures(docs)
-        return {"failures": {str(r): f for r, f in failures.items()}} if failures else {}
+        failures = failures_in(docs)
+        return failures_doc(failures) if failures else {}
 
     def result(self, outcome: Any) -> None:
         """Every rank, given the outcome: `CheckpointException` naming every failing rank."""
         self.raise_failures("read", outcome)
-
-    def raise_failures(self, round_name: str, got: Any) -> None:
-        """DCP's ``CheckpointException`` if ``got`` reports failures: every failing rank's
-        error (this rank's own object; the others' as `group.carried` rebuilds them)."""
-        if not (isinstance(got, dict) and "failures" in got):
-            return
-        excs: dict[int, tuple[BaseException, traceback.StackSummary]] = {}
-        for key, doc in got["failures"].items():
-            rank = int(key)
-            exc = self.own if rank == self.rank and self.own is not None \
-                else carried(doc, ShardedLoadError)
-            excs[rank] = (exc, traceback.extract_tb(exc.__traceback__))
-        raise CheckpointException(round_name, excs) from self.own
-
-
-def _failures(docs: list[Any]) -> dict[int, Any]:
-    return {r: d["error"] for r, d in enumerate(docs) if isinstance(d, dict) and "error" in d}
 
 
 def encode_text(doc: Any) -> str:

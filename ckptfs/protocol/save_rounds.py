@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import traceback
-from typing import Any
+from typing import Any, ClassVar
 
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ckptfs.errors import ShardedSaveError
 from ckptfs.protocol.gcpause import paused_collector
 from ckptfs.protocol.global_plan import GlobalPlan
-from ckptfs.protocol.group import Group, carried, describe
+from ckptfs.protocol.group import Group
 from ckptfs.protocol.plan_docs import (
     doc_layout,
     items_left_out,
@@ -56,30 +54,29 @@ from ckptfs.protocol.plan_docs import (
 )
 from ckptfs.protocol.plan_table import LocalTable
 from ckptfs.protocol.resolve import CheckpointInfo
+from ckptfs.protocol.rounds import Rounds, failures_doc, failures_in
 from ckptfs.protocol.sharded_io import ShardedWriter
 from ckptfs.protocol.sharded_plan import SavePlanner
 
 __all__ = ["RESEND", "SaveRounds", "drive_save"]
 
 
-class SaveRounds:
+class SaveRounds(Rounds):
     """One rank's side of a collective save, round by round (module docstring): each method
     takes what this rank received and returns the document it sends, never raising (a
     failure is sent, and kept as `own` to raise on this rank itself).  `drive_save` runs the
     rounds over a group; the crash sweeps and ``ckptfs bench scale`` run the same methods for
     ranks simulated in one process."""
 
+    error_class: ClassVar[type[ShardedSaveError]] = ShardedSaveError
+
     def __init__(self, state_dict: dict[str, Any], writer: ShardedWriter,
                  planner: SavePlanner, rank: int) -> None:
-        self.state_dict, self.writer, self.planner, self.rank = state_dict, writer, planner, rank
-        self.own: BaseException | None = None
+        super().__init__(rank)
+        self.state_dict, self.writer, self.planner = state_dict, writer, planner
         self.local: SavePlan | None = None
         self.global_plan: GlobalPlan | None = None
         self.layout: str | None = None  # the layout digest of this rank's plan
-
-    def _failed(self, exc: BaseException) -> dict[str, Any]:
-        self.own = exc
-        return {"error": describe(exc)}
 
     # -- round 1 -----------------------------------------------------------------------------
     def plan(self) -> dict[str, Any]:
@@ -97,13 +94,13 @@ class SaveRounds:
             self.layout = doc["layout"]
             return {"plan": doc}
         except BaseException as exc:  # every rank must learn of it, as with DCP
-            return self._failed(exc)
+            return self.failed(exc)
 
     def plan_in_full(self) -> dict[str, Any]:
         """Every rank, when the coordinator asked for every item (it did not have a plan this
         rank left its items out of): its local plan's document, items included."""
         if self.local is None:  # pragma: no cover - a failed rank's plan ended the save
-            return {"error": describe(AssertionError("no local plan"))}
+            return self.failed(AssertionError("no local plan"))
         return {"plan": local_plan_doc(self.local)}
 
     def plan_globally(self, docs: list[Any]) -> list[Any]:
@@ -113,7 +110,7 @@ class SaveRounds:
             return self._plan_globally(docs)
 
     def _plan_globally(self, docs: list[Any]) -> list[Any]:
-        failures = _failures(docs)
+        failures = failures_in(docs)
         if not failures:
             try:
                 with _CACHE.lock:
@@ -131,8 +128,8 @@ class SaveRounds:
                 attempt = self.writer.prepare_table(plan, tables)
                 return [{"part": part_doc(plan, r, attempt)} for r in range(len(tables))]
             except BaseException as exc:
-                failures = {self.rank: self._failed(exc)["error"]}
-        return [{"failures": {str(r): f for r, f in failures.items()}}] * len(docs)
+                failures = {self.rank: self.failed(exc)["error"]}
+        return [failures_doc(failures)] * len(docs)
 
     # -- round 2 -----------------------------------------------------------------------------
     def write(self, got: Any) -> dict[str, Any]:
@@ -145,7 +142,7 @@ class SaveRounds:
             fut.wait()
             return {"results": results_doc(fut.value())}
         except BaseException as exc:
-            return self._failed(exc)
+            return self.failed(exc)
 
     def commit(self, docs: list[Any]) -> dict[str, Any]:
         """The coordinator: the outcome, once it has every rank's write results (the cyclic
@@ -154,7 +151,7 @@ class SaveRounds:
             return self._commit(docs)
 
     def _commit(self, docs: list[Any]) -> dict[str, Any]:
-        failures = _failures(docs)
+        failures = failures_in(docs)
         if not failures:
             try:
                 results = [results_of(d["results"], r) for r, d in enumerate(docs)]
@@ -165,8 +162,8 @@ class SaveRounds:
                 info = self.writer.info
                 return {"info": info.to_doc() if isinstance(info, CheckpointInfo) else None}
             except BaseException as exc:
-                failures = {self.rank: self._failed(exc)["error"]}
-        return {"failures": {str(r): f for r, f in failures.items()}}
+                failures = {self.rank: self.failed(exc)["error"]}
+        return failures_doc(failures)
 
     def result(self, outcome: Any) -> CheckpointInfo | None:
         """Every rank, given the outcome: the committed checkpoint (None where the writer is
@@ -179,19 +176,6 @@ class SaveRounds:
             info = self.writer.info
             return info if isinstance(info, CheckpointInfo) else None
         return None if outcome.get("info") is None else CheckpointInfo.from_doc(outcome["info"])
-
-    def raise_failures(self, round_name: str, got: Any) -> None:
-        """DCP's ``CheckpointException`` if ``got`` reports failures: every failing rank's
-        error (this rank's own object; the others' as `group.carried` rebuilds them)."""
-        if not (isinstance(got, dict) and "failures" in got):
-            return
-        excs: dict[int, tuple[BaseException, traceback.StackSummary]] = {}
-        for key, doc in got["failures"].items():
-            rank = int(key)
-            exc = self.own if rank == self.rank and self.own is not None \
-                else carried(doc, ShardedSaveError)
-            excs[rank] = (exc, traceback.extract_tb(exc.__traceback__))
-        raise CheckpointException(round_name, excs) from self.own
 
 
 #: The coordinator's answer to a plan round in which a rank left its items out of a plan this
@@ -213,10 +197,6 @@ class _PlanMemory:
 
 
 _CACHE = _PlanMemory()
-
-
-def _failures(docs: list[Any]) -> dict[int, Any]:
-    return {r: d["error"] for r, d in enumerate(docs) if isinstance(d, dict) and "error" in d}
 
 
 def drive_save(state_dict: dict[str, Any], writer: ShardedWriter, planner: SavePlanner,

@@ -80,6 +80,24 @@ def _share_of(transfers: list[Transfer], rank: int) -> list[Transfer]:
     return sorted(out, key=lambda t: t.key)
 
 
+def _parts_match(parts: list[Any], whole: ReadPlan | None, needs: list[list[Key]]
+                 ) -> list[ReadPlan | None]:
+    """Each rank's part rebuilt (`part_of`): None where ``whole`` is, else its share of every
+    round of ``whole``; the rebuilt plans, by rank."""
+    world = len(needs)
+    out = []
+    for rank in range(world):
+        mine = part_of(parts[rank]["part"], rank, world, needs[rank])
+        if whole is None:
+            assert mine is None
+        else:
+            assert mine is not None
+            for got, full in zip(mine.rounds, whole.rounds, strict=True):
+                assert got == _share_of(full, rank)
+        out.append(mine)
+    return out
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_each_rank_part_is_its_share_of_the_whole_plan(seed: int) -> None:
     rng = random.Random(1000 + seed)
@@ -87,15 +105,10 @@ def test_each_rank_part_is_its_share_of_the_whole_plan(seed: int) -> None:
     needs = _random_needs(rng, world)
     whole = plan_reads(needs, max_piece=150, round_bytes=300)
     parts = parts_of(whole, _groups(needs), world)
-    for rank in range(world):
-        mine = part_of(parts[rank]["part"], rank, world, needs[rank])
-        if whole is None:
-            assert mine is None
+    for rank, mine in enumerate(_parts_match(parts, whole, needs)):
+        if whole is None or mine is None:
             continue
-        assert mine is not None
         assert len(mine.rounds) == len(whole.rounds)  # every rank runs every exchange
-        for got, full in zip(mine.rounds, whole.rounds, strict=True):
-            assert got == _share_of(full, rank)
         moved = {t.key for r in whole.rounds for t in r if rank in t.needers}
         assert mine.alone[rank] == [k for k in needs[rank] if k not in moved]
         assert all(not a for r, a in enumerate(mine.alone) if r != rank)
@@ -233,14 +246,7 @@ def test_scale_load_round_parts_rebuild_the_every_rank_plan(tmp_path: Path, mesh
                       "needs": encode_text(keys_doc(k)), "share": True}} for k in needs]
     parts = LoadRounds({}, reader, None, 0, cooperative=True).plan_globally(  # type: ignore
         docs, list(range(world)))
-    for rank in range(world):
-        mine = part_of(parts[rank]["part"], rank, world, needs[rank])
-        if whole is None:
-            assert mine is None
-            continue
-        assert mine is not None
-        for got, full in zip(mine.rounds, whole.rounds, strict=True):
-            assert got == _share_of(full, rank)
+    _parts_match(parts, whole, needs)
     if mesh == "hsdp":
         assert whole is not None  # the replicas share their shard's chunks
 
