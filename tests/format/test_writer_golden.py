@@ -1,6 +1,6 @@
 """The writer golden (tests/golden/make_writer_golden.py): for a fixed clock, attempt name,
 writer identity and state, every writer (v1, v2 on one rank and through ``ckptfs.dcp``, v3,
-v4 on one rank, ``save_async`` of each layout, ``cp`` of each, the remote copy of a two-tier
+v4 and v5 on one rank, ``save_async`` of each layout, ``cp`` of each, the remote copy of a two-tier
 store, and v2/v4 on two gloo ranks with ``--runslow``) writes exactly the bytes recorded in
 tests/golden/writers/: files, manifests and markers.  A difference names the writer and the
 first differing file; a change meant to change the bytes regenerates the digests with
@@ -68,9 +68,9 @@ def _params() -> list[object]:
 def test_every_writer_has_a_golden() -> None:
     """The digest files cover the writers the generator knows (none lost or left over)."""
     names = set(G.writers())
-    assert {"v1", "v2", "v3", "v4", "dcp", "async-v1", "async-v2", "async-v3", "async-v4",
-            "cp-v1", "cp-v2", "cp-v3", "cp-v4", "cp-dcp", "replica-v1", "replica-v3", "v2x2",
-            "v4x2", "cp-v4x2"} == names
+    assert {"v1", "v2", "v3", "v4", "v5", "dcp", "async-v1", "async-v2", "async-v3",
+            "async-v4", "async-v5", "cp-v1", "cp-v2", "cp-v3", "cp-v4", "cp-v5", "cp-dcp",
+            "replica-v1", "replica-v3", "v2x2", "v4x2", "cp-v4x2"} == names
     for w in names:
         assert G.expected(w), w
 

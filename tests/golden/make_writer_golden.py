@@ -31,7 +31,8 @@ The writers run in groups, each group in a fresh process (``--print GROUP``):
 * ``one``: a one-rank gloo process group. ``v2`` (``store.save(process_group=WORLD)`` of
   DTensors on a one-rank mesh), ``v4`` (the same on an ``incremental=True`` store: step 2
   references step 1), ``async-v2`` and ``async-v4`` (``save_async`` of the same DTensor
-  states), and ``cp-v2``, ``cp-v4``.
+  states), ``v5`` and ``async-v5`` (v2's recipe on a store opened with
+  ``metadata_layout="per-rank"``: format v5, one rank), and ``cp-v2``, ``cp-v4``, ``cp-v5``.
 * ``two``: two gloo ranks (processes). ``v2x2`` (step 1 of the v2 golden recipe) and ``v4x2``
   (both steps of the v4 golden recipe, as tests/golden/v4 was written), and ``cp-v4x2``.
 
@@ -84,6 +85,7 @@ NOTES = {
                 "async-v2's differ from v2's",
     "replica-v1": "a two-tier store has one hash algorithm: both steps blake3",
     "async-v2": "step 1 only (step 2 of the recipe holds no DTensor: save_async writes v1)",
+    "async-v5": "step 1 only, as async-v2 (step 2 of the recipe holds no DTensor)",
 }
 
 
@@ -342,10 +344,13 @@ def group_one() -> dict[str, Digests]:
             state = v2[step][0]
             return one_rank(state, mesh) if "rows" in state else state
 
-        for name, asynchronous in (("v2", False), ("async-v2", True)):
+        v5 = R.golden_v5()
+        for name, asynchronous in (("v2", False), ("async-v2", True), ("v5", False),
+                                   ("async-v5", True)):
             url = out[name] = fresh(name)
-            for step, (_, meta, algorithm, _) in sorted(v2.items()):
-                store = ckptfs.open(url, algorithm=algorithm)
+            recipe, layout = (v5, "per-rank") if name.endswith("v5") else (v2, None)
+            for step, (_, meta, algorithm, _) in sorted(recipe.items()):
+                store = ckptfs.open(url, algorithm=algorithm, metadata_layout=layout)
                 if asynchronous:
                     if "rows" not in v2[step][0]:
                         continue  # no DTensor: save_async of a plain state is v1
@@ -364,7 +369,7 @@ def group_one() -> dict[str, Digests]:
                 else:
                     store.save(step, state, metadata=meta, process_group=world)
             store.close()
-    for name in ("v2", "v4"):
+    for name in ("v2", "v4", "v5"):
         out[f"cp-{name}"] = copy_all(out[name], f"cp-{name}")
     return {name: digests_of(u) for name, u in out.items()}
 
