@@ -83,8 +83,7 @@ class Writer(ShardedWriter):
                  metadata: Mapping[str, Any] | None = None, **storage_options: Any) -> None:
         store = ckptfs.open(url, algorithm=algorithm, durable=durable, threads=threads,
                             retries=retries, **storage_options)
-        super().__init__(store.storage, step, algorithm=algorithm, durable=durable,
-                         threads=store.threads, metadata=metadata)
+        super().__init__(store.storage, step, store.options, metadata=metadata)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's hook: stamp ``metadata.version`` as DCP's own ``FileSystemWriter`` does

@@ -90,8 +90,9 @@ from ckptfs.format.manifest import (
 )
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES, StatePlan, plan_state
 from ckptfs.format.sharded import Chunk, ChunkedFileEntry, make_entry
-from ckptfs.format.versions import CHUNKED, check_committable
+from ckptfs.format.versions import CHUNKED, REFERENCES, check_committable
 from ckptfs.protocol.listing import dangling_references, list_attempt, problems
+from ckptfs.protocol.options import SaveOptions
 from ckptfs.protocol.resolve import (
     CheckpointInfo,
     find_step_dir,
@@ -113,10 +114,6 @@ FileGate = Callable[[int], AbstractContextManager[None]]
 log = logging.getLogger("ckptfs")
 
 Chunks = Callable[[], Iterable[memoryview]]
-
-
-def default_threads() -> int:
-    return max(2, min(8, (os.cpu_count() or 2)))
 
 
 #: How far (in bytes) a writer may run ahead of its hasher.  Chunks are views of the tensors'
@@ -764,18 +761,17 @@ def single_manifest(feats: frozenset[str], step: int, attempt: str, algorithm: s
                     references=tuple(references))
 
 
-def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,
-              algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
-              threads: int | None = None, feats: frozenset[str] = frozenset(),
+def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
+              opts: SaveOptions, *, feats: frozenset[str] = frozenset(),
               references: Sequence[Reference] = (), protectors: Sequence[tuple[int, str]] = (),
-              lease_s: float | None = None, gate: FileGate | None = None,
-              checked: bool = False) -> CheckpointInfo:
+              gate: FileGate | None = None, checked: bool = False) -> CheckpointInfo:
     """Write and commit a planned single-process save (the world of one): open the attempt,
     check its manifest before any byte, write the plan's files (several at once; chunked, a
     digest per tensor, with the ``chunked`` feature), commit.  An incremental save (format v3,
     `ckptfs.protocol.incremental`) passes the features ``{chunked, references}``, the plan
-    laid out over the tensors it did not reuse, its ``references``, the checkpoints they come
-    from (``protectors``) and its lease: the commit fences them (`fence_protectors`).
+    laid out over the tensors it did not reuse, its ``references`` and the checkpoints they
+    come from (``protectors``); the commit fences them (`fence_protectors`) within the lease
+    of ``opts``.
     ``gate``: around each file's write (`Attempt.write_files`; ``plan.files`` order).
     ``checked``: the caller ran `check_plan` on this plan (a format v1 save prepared by
     `ckptfs.protocol.prepare`), so the attempt's own check before writing is not repeated:
@@ -785,8 +781,9 @@ def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, A
     if chunked:
         by_path = {tf.path: tf.pieces for tf in plan.tensor_files}
         pieces = [by_path.get(pf.path, [pf.size]) for pf in plan.files]
-    with Attempt.open(storage, step, algorithm=algorithm, durable=durable) as att:
-        lease = Lease(lease_s) if lease_s is not None else None
+    algorithm = opts.algorithm
+    with Attempt.open(storage, step, algorithm=algorithm, durable=opts.durable) as att:
+        lease = Lease(opts.lease_s) if REFERENCES in feats else None
         created = now_text()
         hexd = placeholder_digest(algorithm)
         if not (checked and not feats and not references):
@@ -795,7 +792,7 @@ def save_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, A
                 if k is not None else FileEntry(pf.path, pf.size, hexd)
                 for pf, k in zip(plan.files, pieces, strict=True)], references))
         written = att.write_files([(pf.path, pf.size, pf.chunks) for pf in plan.files],
-                                  threads=threads or default_threads(),
+                                  threads=opts.workers,
                                   pieces=pieces if chunked else None, gate=gate)
         return att.commit(single_manifest(feats, step, att.name, algorithm, meta, created, [
             w.chunked_entry(algorithm, k) if k is not None else w.entry(algorithm)
@@ -817,16 +814,15 @@ def save_checkpoint(
     storage: Storage,
     step: int,
     state: Mapping[str, Any],
+    opts: SaveOptions | None = None,
     *,
-    algorithm: str = DEFAULT_ALGORITHM,
-    durable: bool = True,
-    threads: int | None = None,
     metadata: Mapping[str, Any] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    **options: Any,
 ) -> CheckpointInfo:
-    """Validate, plan, write and commit ``state`` as the format v1 checkpoint of ``step``."""
+    """Validate, plan, write and commit ``state`` as the format v1 checkpoint of ``step``
+    (``opts``, or `SaveOptions` of the keyword ``options``)."""
     check_step(step)
-    new_hasher(algorithm)
+    opts = SaveOptions(**options) if opts is None else opts
     plan, meta = plan_single_process(state, metadata=metadata, shard_bytes=shard_bytes)
-    return save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
-                     threads=threads)
+    return save_plan(storage, step, plan, meta, opts)

@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 from ckptfs.errors import CkptfsError, CorruptCheckpointError
 from ckptfs.format.hashing import ALGORITHMS, new_hasher
 from ckptfs.format.incremental import (
-    DEFAULT_LEASE_S,
     Reference,
     reference_name,
 )
@@ -53,10 +52,10 @@ from ckptfs.protocol.chunks import StoredChunks, read_chunk
 from ckptfs.protocol.commit import (
     FileGate,
     ProtectorGoneError,
-    default_threads,
     save_plan,
     write_again_if_gone,
 )
+from ckptfs.protocol.options import SaveOptions
 from ckptfs.protocol.reader import local_header, reference_chunks
 from ckptfs.protocol.resolve import CheckpointInfo, resolve_latest
 from ckptfs.storage.base import Storage
@@ -362,19 +361,19 @@ def reuse_index(storage: Storage, memory: ReuseMemory, algorithm: str, *, sharde
 
 
 def save_incremental(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
-                     memory: ReuseMemory, *, algorithm: str, durable: bool = True,
-                     threads: int | None = None, lease_s: float = DEFAULT_LEASE_S
-                     ) -> CheckpointInfo:
+                     opts: SaveOptions) -> CheckpointInfo:
     """Write and commit ``plan`` as the format v3 checkpoint of ``step``, referencing what an
-    earlier checkpoint already holds (module docstring).  If the checkpoint it references is
-    deleted before it commits, it is written again in full (`write_again_if_gone`: one
-    retry, logged)."""
-    threads = threads or default_threads()
+    earlier checkpoint already holds (module docstring; ``opts.reuse``: the store's memory).
+    If the checkpoint it references is deleted before it commits, it is written again in full
+    (`write_again_if_gone`: one retry, logged)."""
+    memory = opts.reuse
+    if memory is None:
+        raise ValueError("save_incremental: the options hold no reuse memory")
 
     def save(reuse: bool) -> CheckpointInfo:
-        index = reuse_index(storage, memory, algorithm, sharded=False) if reuse else None
-        return _save(storage, step, plan, meta, memory, index, algorithm=algorithm,
-                     durable=durable, threads=threads, lease_s=lease_s)
+        assert memory is not None
+        index = reuse_index(storage, memory, opts.algorithm, sharded=False) if reuse else None
+        return _save(storage, step, plan, meta, opts, memory, index)
 
     def forget() -> None:
         with memory.lock:
@@ -383,34 +382,28 @@ def save_incremental(storage: Storage, step: int, plan: StatePlan, meta: Mapping
     return write_again_if_gone(f"{storage.url}: step {step}", save, forget)
 
 
-def write_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any], *,
-               algorithm: str, durable: bool, threads: int | None,
-               memory: ReuseMemory | None, lease_s: float = DEFAULT_LEASE_S,
-               gate: FileGate | None = None) -> CheckpointInfo:
+def write_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
+               opts: SaveOptions, *, gate: FileGate | None = None) -> CheckpointInfo:
     """Commit a planned single-process save: format v3 when the store is incremental
-    (``memory``), else format v1.  ``store.save`` and the async saver's thread both write
+    (``opts.reuse``), else format v1.  ``store.save`` and the async saver's thread both write
     through this.  ``gate``: around each of ``plan.files``' writes (format v1 only: an async
     save streamed through its staging budget, `ckptfs.protocol.staging.Stream`)."""
-    if memory is None:  # checked when prepared (`ckptfs.protocol.prepare`): not again
-        return save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
-                         threads=threads, gate=gate, checked=True)
+    if opts.reuse is None:  # checked when prepared (`ckptfs.protocol.prepare`): not again
+        return save_plan(storage, step, plan, meta, opts, gate=gate, checked=True)
     if gate is not None:
         raise ValueError("write_plan: a gate needs the plan's own files (format v1); an "
                          "incremental save lays them out again")
-    return save_incremental(storage, step, plan, meta, memory, algorithm=algorithm,
-                            durable=durable, threads=threads, lease_s=lease_s)
+    return save_incremental(storage, step, plan, meta, opts)
 
 
 def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
-          memory: ReuseMemory, index: ReuseIndex | None, *, algorithm: str, durable: bool,
-          threads: int, lease_s: float) -> CheckpointInfo:
-    reused = find_reuse(plan, index, memory, algorithm, threads, storage) \
+          opts: SaveOptions, memory: ReuseMemory, index: ReuseIndex | None) -> CheckpointInfo:
+    reused = find_reuse(plan, index, memory, opts.algorithm, opts.workers, storage) \
         if index is not None else {}
     refs, external = references_for(reused)
     plan = relayout(plan, external) if reused or plan.external else plan
-    info = save_plan(storage, step, plan, meta, algorithm=algorithm, durable=durable,
-                     threads=threads, feats=frozenset({CHUNKED, REFERENCES}), references=refs,
-                     protectors=[index.protector] if refs and index else (), lease_s=lease_s)
+    info = save_plan(storage, step, plan, meta, opts, feats=frozenset({CHUNKED, REFERENCES}),
+                     references=refs, protectors=[index.protector] if refs and index else ())
     _remember(memory, plan, info, reused)
     if refs:
         log.info("step %d at %s: %d of %d bytes written, the rest referenced from %d files",

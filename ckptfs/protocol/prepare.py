@@ -38,7 +38,6 @@ import torch
 
 from ckptfs.errors import ShardedSaveError, UnsupportedValueError
 from ckptfs.format.features import RANKS
-from ckptfs.format.hashing import new_hasher
 from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import StatePlan
 from ckptfs.protocol.collective import find_dtensor, is_distributed, wants_sharded_save
@@ -97,27 +96,23 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     streamed through it (`ckptfs.protocol.staging.fit_files`: smaller files; a tensor larger
     than the budget refused) and says so (``streamed``)."""
     check_step(step)
-    new_hasher(store.algorithm)
+    opts = store.options
     collective = store.layout == RANKS or wants_sharded_save(state, process_group)
-    storage, algorithm, durable = store.storage, store.algorithm, store.durable
-    threads, memory, lease_s = store.threads, store.reuse, store.lease_s
-    storage = bounded(storage, save_deadline(store, step, collective, process_group))
+    storage = bounded(store.storage, save_deadline(store, step, collective, process_group))
     if not collective:
         plan, meta = plan_or_refuse(state, metadata, store.shard_bytes)
         streamed = None
-        if (staging_bytes is not None and memory is None
+        if (staging_bytes is not None and not opts.incremental
                 and staged_size(plan.tensors) > staging_bytes):
             plan = fit_files(plan, staging_bytes)
             streamed = [(), *(tf.members for tf in plan.tensor_files)]  # plan.files' order
-        check_plan(step, plan, meta, algorithm)
+        check_plan(step, plan, meta, opts.algorithm)
         meta = copy.deepcopy(meta)
 
         def over_plan(tensors: Any, hint: Hint | None, gate: FileGate | None = None
                       ) -> Callable[[], CheckpointInfo]:
             staged = plan if tensors is plan.tensors else plan.rebind(tensors)
-            return lambda: write_plan(storage, step, staged, meta, algorithm=algorithm,
-                                      durable=durable, threads=threads, memory=memory,
-                                      lease_s=lease_s, gate=gate)
+            return lambda: write_plan(storage, step, staged, meta, opts, gate=gate)
 
         return Prepared(step, False, plan.tensors, over_plan, streamed)
 
@@ -137,11 +132,8 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     else:
         group = background(live, what)
     renew_on = process_group if background is None else group  # the thread's own counter
-    prep = sh.prepare_save(storage, step, state, group=group, kind=kind, algorithm=algorithm,
-                           durable=durable, threads=threads, metadata=cmeta,
-                           node_local=store.node_local, memory=memory, lease_s=lease_s,
-                           metadata_layout=store.metadata_layout,
-                           divergent_keys=store.divergent_keys, live=live)
+    prep = sh.prepare_save(storage, step, state, opts, group=group, kind=kind, metadata=cmeta,
+                           live=live)
 
     def over_view(view: Any, hint: Hint | None, gate: None = None
                   ) -> Callable[[], CheckpointInfo]:

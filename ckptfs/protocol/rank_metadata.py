@@ -70,6 +70,7 @@ from ckptfs.storage.base import Storage
 
 if TYPE_CHECKING:
     from ckptfs.protocol.global_plan import GlobalPlan
+    from ckptfs.protocol.options import SaveOptions
 
 #: The features of a per-rank save's manifest (format v5).
 PER_RANK_FEATURES = frozenset({SHARDED, CHUNKED, RANK_METADATA})
@@ -144,10 +145,11 @@ class PerRankSave:
     """The v5 half of a sharded save (`ckptfs.protocol.sharded_io.ShardedWriter` with
     ``metadata_layout="per-rank"``)."""
 
-    def __init__(self, storage: Storage, step: int, algorithm: str, durable: bool,
+    def __init__(self, storage: Storage, step: int, opts: SaveOptions,
                  metadata: Mapping[str, Any], tree: Any,
                  rows_per_block: int = DEFAULT_ROWS_PER_BLOCK) -> None:
-        self.storage, self.step, self.algorithm, self.durable = storage, step, algorithm, durable
+        self.storage, self.step = storage, step
+        self.algorithm, self.durable = opts.algorithm, opts.durable
         self.metadata, self.tree, self.rows_per_block = dict(metadata), tree, rows_per_block
 
     # -- the coordinator, before any rank writes -------------------------------------------
@@ -308,9 +310,9 @@ class PerRankSave:
         return att.commit(manifest, world_size=world)
 
 
-def per_rank_save(storage: Storage, step: int, algorithm: str, durable: bool,
-                  metadata: Mapping[str, Any], tree: Any, layout: str | None, *,
-                  incremental: bool, node_local: bool) -> PerRankSave | None:
+def per_rank_save(storage: Storage, step: int, opts: SaveOptions,
+                  metadata: Mapping[str, Any], tree: Any, layout: str | None
+                  ) -> PerRankSave | None:
     """The v5 half of a sharded save for ``metadata_layout=layout`` as the save decided it
     (`metadata_layout_for`; None: format v2/v4).  Not yet with an incremental store
     (references) nor per-node storage."""
@@ -319,11 +321,11 @@ def per_rank_save(storage: Storage, step: int, algorithm: str, durable: bool,
     if layout != PER_RANK:  # pragma: no cover - the store checked the name
         raise UnsupportedValueError(f"metadata_layout {layout!r:.40}: one of "
                                     f"{', '.join(map(repr, METADATA_LAYOUTS))}")
-    if incremental or node_local:
+    if opts.incremental or opts.node_local:
         raise UnsupportedValueError(
             f"metadata_layout={PER_RANK!r} is not supported yet with incremental=True or a "
             "two-tier store's per-node storage")
-    return PerRankSave(storage, step, algorithm, durable, metadata, tree)
+    return PerRankSave(storage, step, opts, metadata, tree)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -69,8 +69,7 @@ from ckptfs.errors import (
     UnsupportedValueError,
 )
 from ckptfs.format.extensions import unregistered_as_dict
-from ckptfs.format.hashing import DEFAULT_ALGORITHM
-from ckptfs.format.incremental import DEFAULT_LEASE_S, references_of
+from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import check_step
 from ckptfs.format.manifest import check_metadata
 from ckptfs.format.serialize import build_tree
@@ -92,6 +91,7 @@ from ckptfs.protocol.group import (
 from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
+from ckptfs.protocol.options import SaveOptions
 from ckptfs.protocol.reader import VerifyReport
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, storage_url, walk_latest
 from ckptfs.protocol.sharded_io import ShardedWriter
@@ -299,17 +299,13 @@ class SavePrep:
         return again
 
 
-def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group: Any,
-                 algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
-                 threads: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 kind: str = "save", live: Liveness | None = None,
-                 memory: ReuseMemory | None = None,
-                 lease_s: float = DEFAULT_LEASE_S, node_local: bool = False,
-                 metadata_layout: str | None = None,
-                 divergent_keys: Sequence[str] = ()) -> SavePrep:
-    """Writer, planner and DCP view of a collective save.  A bad state or metadata does not
-    raise here: the planner raises it inside DCP, so every rank fails together.  ``memory``:
-    an incremental save (format v4), each rank reusing its own unchanged items."""
+def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], opts: SaveOptions, *,
+                 group: Any, metadata: Mapping[str, Any] | None = None, kind: str = "save",
+                 live: Liveness | None = None) -> SavePrep:
+    """Writer, planner and DCP view of a collective save with the options ``opts``.  A bad
+    state or metadata does not raise here: the planner raises it inside DCP, so every rank
+    fails together.  ``opts.reuse``: an incremental save (format v4), each rank reusing its
+    own unchanged items."""
     check_step(step)
     deferred: BaseException | None = None
     view: dict[str, Any] = {}
@@ -323,13 +319,11 @@ def prepare_save(storage: Storage, step: int, state: Mapping[str, Any], *, group
     world = dist.get_world_size(group) if is_distributed() else 1  # (None: the world)
 
     def make(v: dict[str, Any], live: Liveness | None) -> SavePrep:
-        writer = ShardedWriter(storage, step, algorithm=algorithm, durable=durable,
-                               threads=threads, metadata=metadata, tree=skeleton,
-                               memory=memory, lease_s=lease_s, node_local=node_local,
-                               metadata_layout=metadata_layout, world=world)
+        writer = ShardedWriter(storage, step, opts, metadata=metadata, tree=skeleton,
+                               world=world)
         planner = SavePlanner(deferred_error=deferred, tree=skeleton, tree_sink=writer,
                               gather_small=writer.per_rank is not None,
-                              divergent_keys=divergent_keys)
+                              divergent_keys=opts.divergent_keys)
         if live is None:
             live = Liveness(group, kind, step)
         live.wrap(writer, "write_data")
@@ -349,14 +343,13 @@ def _save_once(p: SavePrep, group: Any) -> CheckpointInfo:
     return p.finished(info)
 
 
-def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
-                 algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
-                 threads: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 process_group: Any = None, memory: ReuseMemory | None = None,
-                 lease_s: float = DEFAULT_LEASE_S, node_local: bool = False,
-                 metadata_layout: str | None = None) -> CheckpointInfo:
+def save_sharded(storage: Storage, step: int, state: Mapping[str, Any],
+                 opts: SaveOptions | None = None, *,
+                 metadata: Mapping[str, Any] | None = None, process_group: Any = None,
+                 memory: ReuseMemory | None = None, **options: Any) -> CheckpointInfo:
     """Collective save of ``state`` (plain tensors, DTensors, values) as step ``step``; every
-    rank of the group calls it and gets the same `CheckpointInfo`.
+    rank of the group calls it and gets the same `CheckpointInfo`.  ``opts``: the options, or
+    `SaveOptions` of the keyword ``options`` (``memory``: its ``reuse``).
 
     ``memory`` (the store's, ``incremental=True``): format v4, every rank referencing the
     items of its previous save in this process that did not change (docs/protocol.md §9.6).
@@ -366,12 +359,11 @@ def save_sharded(storage: Storage, step: int, state: Mapping[str, Any], *,
     each rank's ``storage`` is its own node's disk (a two-tier store's local tier,
     docs/tiers.md)."""
     check_step(step)
+    opts = SaveOptions(reuse=memory, **options) if opts is None else opts
     live = liveness(process_group, "save", step)
     what = f"sharded save of step {step} at {storage.url}"
     group = collective_group(process_group, what=what, default=ShardedSaveError, live=live)
-    p = prepare_save(storage, step, state, group=group, algorithm=algorithm, durable=durable,
-                     threads=threads, metadata=metadata, live=live, memory=memory,
-                     lease_s=lease_s, node_local=node_local, metadata_layout=metadata_layout)
+    p = prepare_save(storage, step, state, opts, group=group, metadata=metadata, live=live)
     return save_prepared(p, group, renew=lambda: liveness(process_group, "save", step))
 
 

@@ -65,10 +65,8 @@ from ckptfs.errors import (
     InvalidStepError,
     UnsupportedValueError,
 )
-from ckptfs.format.features import check_metadata_layout, metadata_layout_for
-from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
+from ckptfs.format.features import metadata_layout_for
 from ckptfs.format.incremental import (
-    DEFAULT_LEASE_S,
     Reference,
     references_of,
 )
@@ -90,18 +88,18 @@ from ckptfs.format.sharded import (
 )
 from ckptfs.format.sharded_metadata import DcpDocument, ItemLocation, encode_metadata
 from ckptfs.format.versions import CHUNKED, REFERENCES, SHARDED, features
-from ckptfs.protocol.commit import Attempt, Lease, default_threads, now_text, placeholder_digest
+from ckptfs.protocol.commit import Attempt, Lease, now_text, placeholder_digest
 from ckptfs.protocol.gcpause import paused_collector
 from ckptfs.protocol.incremental import (
     Item,
     ReuseIndex,
-    ReuseMemory,
     Stored,
     decide_reuse,
     references,
     reuse_index,
 )
 from ckptfs.protocol.listing import check_written
+from ckptfs.protocol.options import SaveOptions
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.protocol.sharded_read import check_checkpoint_id, read_document, sharded_manifest
 from ckptfs.storage.base import Storage
@@ -161,19 +159,17 @@ class ShardedWriter(StorageWriter):
     goes into the manifest; ``tree`` (set by ``store.save``) is the state's skeleton.  After a
     successful save, `info` holds the committed `CheckpointInfo` on every rank."""
 
-    def __init__(self, storage: Storage, step: int, *, algorithm: str = DEFAULT_ALGORITHM,
-                 durable: bool = True, threads: int | None = None,
+    def __init__(self, storage: Storage, step: int, opts: SaveOptions | None = None, *,
                  metadata: Mapping[str, Any] | None = None, tree: Any = None,
-                 memory: ReuseMemory | None = None, lease_s: float = DEFAULT_LEASE_S,
-                 node_local: bool = False, metadata_layout: str | None = None,
-                 world: int | None = None) -> None:
+                 world: int | None = None, **options: Any) -> None:
         super().__init__()
+        opts = SaveOptions(**options) if opts is None else opts
         self.storage = storage
         self.step = check_step(step)
-        new_hasher(algorithm)
-        self.algorithm = algorithm
-        self.durable = durable
-        self.threads = threads or default_threads()
+        self.opts = opts
+        self.algorithm = opts.algorithm
+        self.durable = opts.durable
+        self.threads = opts.workers
         self.metadata = dict(metadata or {})
         self.tree = tree
         self.is_coordinator = False
@@ -185,11 +181,11 @@ class ShardedWriter(StorageWriter):
         #: Incremental (format v4): this rank reuses the unchanged items of its previous save
         #: in this process (``memory.rank_index``); the index of this save, installed by
         #: `remember` once it committed.
-        self.memory = memory
-        self.lease_s = lease_s
+        self.memory = opts.reuse
+        self.lease_s = opts.lease_s
         #: Each rank writes to its own node's storage (the local tier of a two-tier store,
         #: docs/tiers.md): the coordinator checks only its own files, each rank its own.
-        self.node_local = node_local
+        self.node_local = opts.node_local
         self._lease: Lease | None = None
         self._pending: tuple[ReuseIndex, dict[str, tuple[int, int]],
                              set[tuple[str, int, int]]] | None = None
@@ -202,14 +198,12 @@ class ShardedWriter(StorageWriter):
         #: ``dcp.msgpack`` (v2, v4).
         self.per_rank: PerRankSave | None = None
         metadata_layout = metadata_layout_for(
-            check_metadata_layout(metadata_layout), _world_size() if world is None else world,
-            incremental=memory is not None, node_local=node_local)
+            opts.metadata_layout, _world_size() if world is None else world,
+            incremental=opts.incremental, node_local=opts.node_local)
         if metadata_layout is not None:  # imported for format v5 only
             from ckptfs.protocol.rank_metadata import per_rank_save
-            self.per_rank = per_rank_save(self.storage, self.step, algorithm, durable,
-                                          self.metadata, tree, metadata_layout,
-                                          incremental=memory is not None,
-                                          node_local=node_local)
+            self.per_rank = per_rank_save(self.storage, self.step, opts, self.metadata, tree,
+                                          metadata_layout)
 
     @property
     def checkpoint_id(self) -> str:

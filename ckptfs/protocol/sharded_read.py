@@ -65,10 +65,10 @@ from ckptfs.protocol.chunks import (
     read_chunks,
     read_chunks_into,
 )
-from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.group import Group, describe
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import dtype_mismatch
+from ckptfs.protocol.options import default_threads
 from ckptfs.protocol.resolve import CheckpointInfo, read_committed, resolve_latest, storage_url
 from ckptfs.storage.base import Storage
 from ckptfs.torch_compat import narrow_tensor_by_index

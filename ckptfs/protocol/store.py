@@ -14,17 +14,17 @@ from ckptfs.errors import (
     LoadOptionError,
     StorageError,
 )
-from ckptfs.format.features import AUTO, check_layout, check_metadata_layout
-from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
+from ckptfs.format.features import AUTO, check_layout
+from ckptfs.format.hashing import DEFAULT_ALGORITHM
 from ckptfs.format.incremental import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from ckptfs.format.layout import StepPaths, check_step, step_dir_name
 from ckptfs.format.serialize import DEFAULT_SHARD_BYTES
 from ckptfs.protocol import async_save
 from ckptfs.protocol.collective import is_distributed
-from ckptfs.protocol.commit import default_threads
 from ckptfs.protocol.formats import VerifyReport, load_checkpoint, verified
 from ckptfs.protocol.incremental import ReuseMemory
 from ckptfs.protocol.load_options import KeyPath, MapLocation, parse_keys, tensor_map
+from ckptfs.protocol.options import SaveOptions
 from ckptfs.protocol.prepare import prepare
 from ckptfs.protocol.references import free_step, shared_attempts
 from ckptfs.protocol.remote_verify import RemoteVerifyReport, verify_remote
@@ -222,7 +222,6 @@ class CheckpointStore:
                  metadata_layout: str | None = AUTO,
                  divergent_keys: Sequence[str] = (), layout: str = AUTO,
                  save_deadline_s: float | None = None) -> None:
-        new_hasher(algorithm)
         self.storage = storage
         #: Every save commits or raises `SaveDeadlineError` within this many seconds of its
         #: first storage request (None: unbounded; docs/reliability.md "Bounded saves").
@@ -234,23 +233,22 @@ class CheckpointStore:
         #: holds instead of writing them again (docs/incremental.md); sharded saves write
         #: format v4, each rank referencing its own unchanged items (docs/protocol.md §9.6).
         self.incremental = incremental
-        self.reuse: ReuseMemory | None = ReuseMemory() if incremental else None
-        self.lease_s = lease_s
-        #: Sharded saves: ``"per-rank"`` writes format v5, whose metadata each loading rank
-        #: reads in part (docs/protocol.md §9.7); None: one ``dcp.msgpack`` (v2, v4);
-        #: ``"auto"`` (the default): ``"per-rank"`` from `PER_RANK_MIN_WORLD` ranks where the
-        #: store allows it (not incremental, not per-node storage), else None.
-        self.metadata_layout = check_metadata_layout(metadata_layout)
+        #: How every save of this store writes, one value given whole to each stage of a save
+        #: (`ckptfs.protocol.options`): the hash algorithm, durability, threads, the reuse
+        #: memory of an incremental store and its lease, the metadata layout of sharded saves
+        #: (``"per-rank"``: format v5, whose metadata each loading rank reads in part,
+        #: docs/protocol.md §9.7; None: one ``dcp.msgpack``, v2 and v4; ``"auto"``, the
+        #: default: ``"per-rank"`` from `PER_RANK_MIN_WORLD` ranks where the store allows it,
+        #: not incremental, not per-node storage), whether each rank's storage is its node's
+        #: own, and the key prefixes of replicated tensors meant to differ between ranks (not
+        #: compared; stored whole from the lowest holder: `ckptfs.protocol.replicas`).
+        self.options = SaveOptions(
+            algorithm, durable, threads, lease_s, ReuseMemory() if incremental else None,
+            metadata_layout, self.tiers.node_local, check_divergent_keys(divergent_keys))
         #: ``"ranks"``: every save writes the rank files of a sharded checkpoint (v2, v4, v5),
         #: in one process too (the world of one of the collective save); ``"auto"``: only
         #: under a process group (docs/sharded.md).
         self.layout = check_layout(layout)
-        #: Sharded saves: key prefixes of tensors meant to differ between the ranks holding
-        #: them (not compared; stored whole from the lowest holder): `ckptfs.protocol.replicas`.
-        self.divergent_keys = check_divergent_keys(divergent_keys)
-        self.algorithm = algorithm
-        self.durable = durable
-        self.threads = threads or default_threads()
         self.shard_bytes = shard_bytes
         #: An uncommitted attempt younger than this may be a save still running: a delete
         #: keeps what its manifest references (docs/protocol.md §9.5).  Exceeds the lease by
@@ -264,6 +262,35 @@ class CheckpointStore:
     @property
     def url(self) -> str:
         return self.storage.url
+
+    # The fields of `options` read one by one (loads, verify, copies, the front ends).
+    @property
+    def algorithm(self) -> str:
+        return self.options.algorithm
+
+    @property
+    def durable(self) -> bool:
+        return self.options.durable
+
+    @property
+    def threads(self) -> int:
+        return self.options.workers
+
+    @property
+    def reuse(self) -> ReuseMemory | None:
+        return self.options.reuse
+
+    @property
+    def lease_s(self) -> float:
+        return self.options.lease_s
+
+    @property
+    def metadata_layout(self) -> str | None:
+        return self.options.metadata_layout
+
+    @property
+    def divergent_keys(self) -> tuple[str, ...]:
+        return self.options.divergent_keys
 
     @property
     def capabilities(self) -> Capabilities:

@@ -294,7 +294,7 @@ def save_v4(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     saver = CheckpointStore(store.storage, algorithm=store.algorithm, durable=store.durable,
                             threads=store.threads, incremental=True, lease_s=store.lease_s,
                             metadata_layout=None, layout="ranks")
-    saver.reuse = reuse_memory(store)
+    saver.options = saver.options.but(reuse=reuse_memory(store))
     return saver.save(step, state, metadata=metadata)
 
 
@@ -356,7 +356,7 @@ def save_async_sharded(store: CheckpointStore, step: int, state: Mapping[str, An
                             threads=store.threads, shard_bytes=store.shard_bytes,
                             incremental=incremental, lease_s=store.lease_s)
     if incremental:
-        saver.reuse = reuse_memory(store)
+        saver.options = saver.options.but(reuse=reuse_memory(store))
     with world_of_one() as mesh:
         memo = _DTENSORS if incremental else {}
         fut = saver.save_async(step, as_dtensors(dict(state), mesh, memo), metadata=metadata)
