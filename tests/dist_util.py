@@ -122,3 +122,19 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
                               f"{f' (timeout {timeout:.0f} s)' if hung else ''}:\n{detail}",
                               errors)
         return results
+
+
+def save_sharded(storage: Any, step: int, state: Any, *, memory: Any = None,
+                 metadata: Any = None, process_group: Any = None, **options: Any) -> Any:
+    """A collective save of ``state`` through the one entry users call: ``store.save`` of a
+    store of ``layout="ranks"`` over ``storage`` (every rank of the group calls it; in one
+    process, the world of one).  ``memory``: an incremental store's reuse memory, shared by
+    the saves given it (format v4); ``options``: the store's (``algorithm``, ``lease_s``,
+    ``metadata_layout``, ...; ``metadata_layout`` defaults to None, one ``dcp.msgpack``)."""
+    from ckptfs.protocol.store import CheckpointStore
+
+    options.setdefault("metadata_layout", None)
+    store = CheckpointStore(storage, layout="ranks", **options)
+    if memory is not None:
+        store.options = store.options.but(reuse=memory)
+    return store.save(step, state, metadata=metadata, process_group=process_group)

@@ -13,10 +13,10 @@ from typing import Any
 
 import msgpack
 import torch
+from dist_util import save_sharded
 
 import ckptfs
 from ckptfs.format.layout import StepPaths
-from ckptfs.protocol.sharded import save_sharded
 
 RANK_FILE = "rank-00000/data-0.safetensors"
 

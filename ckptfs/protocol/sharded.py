@@ -21,7 +21,7 @@ dedicated gloo group (made by `ckptfs.protocol.group.gloo_group`) whose timeout
 (`COLLECTIVE_TIMEOUT`) bounds how long a rank waits for a dead, hung or absent peer, the
 group's own creation included; `Liveness` (``ckptfs.protocol.group``) names that peer.
 
-A collective save, step by step (every rank calls `save_sharded`)::
+A collective save, step by step (every rank calls ``store.save``: `ckptfs.protocol.prepare`)::
 
     every rank    sets its liveness key ("in"); ckptfs's gloo group (created at the first save)
     every rank    drive_save -> planner: the state's DCP view, values encoded (a bad value
@@ -88,7 +88,7 @@ from ckptfs.protocol.group import (
     gloo_group,
     group_of,
 )
-from ckptfs.protocol.incremental import ProtectorGoneError, ReuseMemory
+from ckptfs.protocol.incremental import ProtectorGoneError
 from ckptfs.protocol.listing import check_listing
 from ckptfs.protocol.load_options import KeyPath, TensorMap, select_and_map
 from ckptfs.protocol.options import SaveOptions
@@ -114,7 +114,7 @@ from ckptfs.torch_compat import group_timeout, load_state_dict
 __all__ = ["COLLECTIVE_TIMEOUT", "LIVENESS_WAIT", "FullLoadPlanner", "Liveness", "LoadPlanner",
            "SavePlanner", "SavePrep", "collective_group", "failure", "liveness", "load_full",
            "load_into", "load_sharded", "map_failure", "merge_trees", "prepare_save",
-           "save_prepared", "save_sharded", "values_from_lowest_rank", "verify_sharded"]
+           "save_prepared", "values_from_lowest_rank", "verify_sharded"]
 
 log = logging.getLogger("ckptfs")
 
@@ -343,34 +343,10 @@ def _save_once(p: SavePrep, group: Any) -> CheckpointInfo:
     return p.finished(info)
 
 
-def save_sharded(storage: Storage, step: int, state: Mapping[str, Any],
-                 opts: SaveOptions | None = None, *,
-                 metadata: Mapping[str, Any] | None = None, process_group: Any = None,
-                 memory: ReuseMemory | None = None, **options: Any) -> CheckpointInfo:
-    """Collective save of ``state`` (plain tensors, DTensors, values) as step ``step``; every
-    rank of the group calls it and gets the same `CheckpointInfo`.  ``opts``: the options, or
-    `SaveOptions` of the keyword ``options`` (``memory``: its ``reuse``).
-
-    ``memory`` (the store's, ``incremental=True``): format v4, every rank referencing the
-    items of its previous save in this process that did not change (docs/protocol.md §9.6).
-    If a checkpoint referenced is deleted before the save commits (or the lease runs out),
-    every rank gets `ProtectorGoneError` from the coordinator's fence, and the save is
-    retried once, on every rank, writing every byte (`SavePrep.in_full`).  ``node_local``:
-    each rank's ``storage`` is its own node's disk (a two-tier store's local tier,
-    docs/tiers.md)."""
-    check_step(step)
-    opts = SaveOptions(reuse=memory, **options) if opts is None else opts
-    live = liveness(process_group, "save", step)
-    what = f"sharded save of step {step} at {storage.url}"
-    group = collective_group(process_group, what=what, default=ShardedSaveError, live=live)
-    p = prepare_save(storage, step, state, opts, group=group, metadata=metadata, live=live)
-    return save_prepared(p, group, renew=lambda: liveness(process_group, "save", step))
-
-
 def save_prepared(p: SavePrep, group: Any, *,
                   renew: Callable[[], Liveness] | None = None) -> CheckpointInfo:
     """Run a prepared collective save with ``dcp.save`` on ``group`` (every rank, on whatever
-    thread: `save_sharded` on the caller's, ``save_async`` on the store's own): the committed
+    thread: ``store.save`` on the caller's, ``save_async`` on the store's own): the committed
     checkpoint, or the typed error of `failure` on every rank.  An incremental save whose
     protector went away (every rank got `ProtectorGoneError` from the coordinator's fence) is
     retried here, once, on every rank, writing every byte: the one retry of every incremental

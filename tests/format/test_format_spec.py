@@ -195,7 +195,7 @@ def test_checker_accepts_every_value_kind(tmp_path: Path) -> None:
 
 def _sharded_run(root: Path) -> ckptfs.CheckpointInfo:
     """A format v2 checkpoint (one process: DCP without collectives), every value type."""
-    from ckptfs.protocol.sharded import save_sharded
+    from dist_util import save_sharded
 
     store = ckptfs.open(str(root))
     model = torch.nn.Linear(3, 2)
@@ -344,8 +344,9 @@ def test_checker_and_ckptfs_reject_bad_references(tmp_path: Path, where: str) ->
 def _sharded_incremental_run(root: Path) -> ckptfs.CheckpointStore:
     """A format v4 run in one process (DCP without collectives): step 20 references the frozen
     tensors of step 10's rank file."""
+    from dist_util import save_sharded
+
     from ckptfs.protocol.incremental import ReuseMemory
-    from ckptfs.protocol.sharded import save_sharded
 
     store = ckptfs.open(str(root), incremental=True)
     memory = ReuseMemory()

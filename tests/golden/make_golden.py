@@ -276,8 +276,6 @@ def write(version: int, out: Path) -> None:
         import multiprocessing as mp
         import tempfile
 
-        from ckptfs.protocol.sharded import save_sharded
-
         with tempfile.TemporaryDirectory() as tmp:
             ctx = mp.get_context("spawn")
             procs = [ctx.Process(target=_rank, args=(version, r, 2, str(out), f"{tmp}/rdv"))
@@ -290,9 +288,9 @@ def write(version: int, out: Path) -> None:
                 sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
         if version in (2, 5):
             state, meta, algorithm, _ = RECIPES[version]()[2]
-            store = ckptfs.open(str(out), algorithm=algorithm)
-            save_sharded(store.storage, 2, state, algorithm=algorithm, metadata=meta,
-                         metadata_layout="per-rank" if version == 5 else None)
+            store = ckptfs.open(str(out), algorithm=algorithm, layout="ranks",
+                                metadata_layout="per-rank" if version == 5 else None)
+            store.save(2, state, metadata=meta)  # one process: the world of one
         elif not getattr(ckptfs.open(str(out)).info(2).manifest, "references", None):
             sys.exit(f"{out}: step 2 references nothing of step 1: not a v4 golden run")
     print(f"wrote format-v{version} golden run at {out}")

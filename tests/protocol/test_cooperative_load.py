@@ -26,13 +26,13 @@ from typing import Any
 
 import pytest
 import torch
-from dist_util import run_ranks
+from dist_util import run_ranks, save_sharded
 from sharded_tamper import RANK_FILE, attempt_dir
 
 import ckptfs
 from ckptfs.errors import CorruptCheckpointError
 from ckptfs.protocol.balance import balance_writers, plan_reads, split_writers
-from ckptfs.protocol.sharded import load_into, save_sharded
+from ckptfs.protocol.sharded import load_into
 from ckptfs.protocol.sharded_read import ShardedReader
 
 STEP = 3

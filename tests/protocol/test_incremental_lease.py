@@ -133,7 +133,7 @@ def test_v3_save_whose_marker_lands_after_the_lease_with_every_file_there_commit
 @pytest.mark.sharded
 def test_v4_save_stalled_past_its_lease_while_gc_took_its_attempt_is_not_committed(
         backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptfs.protocol.sharded import save_sharded
+    from dist_util import save_sharded
 
     clock = _Clock()
     monkeypatch.setattr(commit, "time", clock)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_util import run_ranks
+from dist_util import run_ranks, save_sharded
 from test_sharded import targets, to_plain
 
 import ckptfs
@@ -30,7 +30,6 @@ from ckptfs.format.layout import StepPaths
 from ckptfs.lifecycle.gc import collect
 from ckptfs.protocol.formats import check_checkpoint
 from ckptfs.protocol.incremental import ReuseMemory
-from ckptfs.protocol.sharded import save_sharded
 from ckptfs.testing.conformance import assert_state_equal
 
 STEPS = (1, 2, 3)

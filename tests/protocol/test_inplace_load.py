@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 import torch
-from dist_util import run_ranks
+from dist_util import run_ranks, save_sharded
 from sharded_tamper import RANK_FILE, attempt_dir
 
 import ckptfs
 from ckptfs.protocol.balance import plan_reads
-from ckptfs.protocol.sharded import load_into, save_sharded
+from ckptfs.protocol.sharded import load_into
 from ckptfs.protocol.sharded_read import ShardedReader
 
 pytestmark = pytest.mark.sharded

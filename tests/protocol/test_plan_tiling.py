@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from dist_util import save_sharded
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     _validate_global_plan,
@@ -32,7 +33,6 @@ from ckptfs.bench.scale import Spec, local_plans
 from ckptfs.format.tiling import tiling_errors
 from ckptfs.protocol import sharded_plan
 from ckptfs.protocol.plan_table import LocalTable
-from ckptfs.protocol.sharded import save_sharded
 from ckptfs.protocol.sharded_plan import (
     SavePlanner,
     check_global_plan,

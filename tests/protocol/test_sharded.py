@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_util import run_ranks
+from dist_util import run_ranks, save_sharded
 
 import ckptfs
 import ckptfs.dcp
@@ -38,7 +38,6 @@ from ckptfs.format.sharded import (
     encode_value,
 )
 from ckptfs.format.versions import decode_manifest, is_sharded
-from ckptfs.protocol.sharded import save_sharded
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from dist_util import save_sharded
 from sharded_tamper import RANK_FILE, attempt_dir, location
 
 import ckptfs
@@ -24,7 +25,6 @@ from ckptfs.errors import CorruptCheckpointError, StorageError, UnsafeCheckpoint
 from ckptfs.format.versions import is_sharded
 from ckptfs.protocol import commit, sharded_read
 from ckptfs.protocol.commit import Attempt
-from ckptfs.protocol.sharded import save_sharded
 from ckptfs.storage.fsspec import FsspecStorage
 from ckptfs.testing.conformance import assert_state_equal
 

@@ -22,13 +22,12 @@ from typing import Any
 
 import pytest
 import torch
-from dist_util import RankFailure, run_ranks
+from dist_util import RankFailure, run_ranks, save_sharded
 from test_sharded import build_state, to_plain
 
 import ckptfs
 from ckptfs.format.layout import StepPaths
 from ckptfs.lifecycle import gc
-from ckptfs.protocol.sharded import save_sharded
 from ckptfs.testing.backend import Backend
 from ckptfs.testing.conformance import assert_state_equal
 from ckptfs.testing.reliability import sharded as sharded_sweep

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from dist_util import save_sharded
 from sharded_tamper import (
     RANK_FILE,
     attempt_dir,
@@ -42,7 +43,6 @@ from ckptfs.format.sharded_metadata import check_cover
 from ckptfs.format.versions import decode_manifest, is_sharded
 from ckptfs.protocol import chunks as chunk_reader
 from ckptfs.protocol.commit import Attempt
-from ckptfs.protocol.sharded import save_sharded
 from ckptfs.testing.conformance import assert_state_equal
 
 # ----------------------------------------------------------------------------------------------
