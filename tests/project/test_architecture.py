@@ -170,10 +170,7 @@ def test_no_upward_or_sideways_import(name: str) -> None:
 #: Import cycles that exist today, each with the reason and the work that removes it.  Deferred
 #: (in-function) imports count: they hide a cycle from the interpreter, not from a reader.
 #: Imports under ``if TYPE_CHECKING:`` (annotations only) do not.
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"ckptfs.testing.reliability", "ckptfs.testing.reliability.report"}):
-        "the report module imports the package's __init__ that imports it",
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 
 def import_cycles() -> list[frozenset[str]]:

@@ -141,7 +141,7 @@ def test_figures_command_writes_json_and_table(tmp_path: pytest.TempPathFactory)
     import json
     import re
 
-    from ckptfs.testing.reliability import BEGIN, END, main
+    from ckptfs.testing.reliability.report import BEGIN, END, main
 
     doc = tmp_path / "r.md"  # type: ignore[operator]
     doc.write_text(f"# title\n\n{BEGIN}\nold\n{END}\n\ntail\n")
