@@ -32,10 +32,11 @@ The call sequence of a collective save (``CheckpointManager.save``, every rank, 
 The call sequence of a collective restore (``restore_latest``/``restore``, every rank)::
 
     1) (all ranks)  agree: check the arguments (map_location, names, rank/world size)
-    2) (writer)     drive: run the one walk (``protocol.resolve.walk_latest``: newest
+    2) (writer)     walk: run the one walk (``protocol.resolve.walk_tiers``: newest
                     committed first, roll back over a corrupt one only if allowed), or read
-                    the one step asked for; for each candidate it tries:
-       a) (writer -> all)  the candidate (step, directory, attempt)
+                    the one step asked for, led over the group as every collective read is
+                    (``protocol.resolve.over_group``); for each candidate it tries:
+       a) (writer -> all)  the candidate (its tier, manifest and marker)
        b) (writer -> all)  on_writer: the provenance check, its accepted changes
        c) (all ranks)      agree: read the manifest, load the small entries (trainer,
                            manager, this rank's RNG state, scheduler, stateful; map_location),
@@ -43,7 +44,9 @@ The call sequence of a collective restore (``restore_latest``/``restore``, every
                            today's placement for d)
        d) (all ranks)      agree: the collective load of model/optimizer into fresh tensors of
                            today's placement (every byte verified)
-       A failure in a)-d) raises on every rank; the writer's walk decides what follows: the
+       e) (all ranks)      the outcome of b)-d) gathered: a failure on any rank is the
+                           candidate's on every rank
+       A failure in a)-e) raises on every rank; the writer's walk decides what follows: the
        next older candidate (``allow_rollback``) -> a), or the end.
     3) (writer -> all)  the walk's end: the candidate chosen, none, or the error; every rank
                     returns or raises the same
@@ -51,7 +54,7 @@ The call sequence of a collective restore (``restore_latest``/``restore``, every
                     this rank's RNG state; the writer runs the resume bookkeeping
 
 With `Solo` the same sequence runs in this process: agree and on_writer call the
-function, agree_gather returns this process's result, drive runs the walk here.  A non-writer
+function, agree_gather returns this process's result, walk runs the walk here.  A non-writer
 rank of a job without torch.distributed (``rank``/``world_size`` given) stops a save after 1):
 it writes nothing, and its metrics are not recorded (logged).
 
@@ -65,14 +68,12 @@ group coordinates.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
-from ckptfs.errors import CheckpointDeletedError, ShardedCheckpointError
+from ckptfs.errors import ShardedCheckpointError
 from ckptfs.protocol.group import RankGroup, carried, describe
-from ckptfs.protocol.resolve import CheckpointInfo, read_committed
-from ckptfs.storage.base import Storage
+from ckptfs.protocol.resolve import CheckpointInfo, Tier, Walk, over_group
 
 T = TypeVar("T")
 
@@ -82,45 +83,6 @@ ErrorClass = type[ShardedCheckpointError]
 
 def _identity(value: Any) -> Any:
     return value
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A checkpoint a restore tries: enough for another rank to read the same one."""
-
-    step: int
-    dir_name: str
-    attempt: str
-
-    @classmethod
-    def of(cls, info: CheckpointInfo) -> Candidate:
-        return cls(info.step, info.dir_name, info.attempt)
-
-    def to_doc(self) -> list[Any]:
-        return [self.step, self.dir_name, self.attempt]
-
-    @classmethod
-    def from_doc(cls, doc: Any) -> Candidate:
-        step, dir_name, attempt = doc
-        return cls(int(step), str(dir_name), str(attempt))
-
-    def read(self, storage: Storage) -> CheckpointInfo:
-        """Another rank's reading of it: the same attempt, or
-        `CheckpointDeletedError` (replaced meanwhile: the walk lists again)."""
-        info = read_committed(storage, self.step, self.dir_name)
-        if info.attempt != self.attempt:
-            raise CheckpointDeletedError(
-                f"step {self.step} at {storage.url} was replaced while it was being restored "
-                f"(attempt {info.attempt}, not {self.attempt}); resolving again")
-        return info
-
-
-#: ``lead(try_one)`` runs on the writer: it calls ``try_one(info)`` for each checkpoint it
-#: tries (a raise makes it try the next one, or stop) and returns the one chosen, or None.
-Lead = Callable[[Callable[[CheckpointInfo], T]], CheckpointInfo | None]
-#: ``use(candidate, info)`` runs on every rank for each candidate, in the same order;
-#: ``info`` is the writer's reading of it (None on the other ranks).
-Use = Callable[[Candidate, CheckpointInfo | None], T]
 
 
 class Coordinator(Protocol):
@@ -154,10 +116,13 @@ class Coordinator(Protocol):
         ``decode(encode(result))``) or raises its error."""
         ...
 
-    def drive(self, lead: Lead[T], use: Use[T], what: str, error: ErrorClass) -> T | None:
-        """The writer runs ``lead`` (the walk); every rank runs ``use`` for each candidate it
-        tries, in the same order; every rank returns its own ``use`` result of the candidate
-        chosen, None if none, or raises the walk's error."""
+    def walk(self, tiers: Sequence[Tier], walk: Walk[T], use: Callable[[CheckpointInfo], T]
+             ) -> tuple[CheckpointInfo, T] | None:
+        """The one walk, led by the writer: it runs ``walk`` (which calls ``use`` on each
+        checkpoint it tries, over ``tiers``); every rank runs ``use`` on each candidate, in
+        the same order, and returns the one chosen with its own result, None if none, or
+        raises the walk's error (`ckptfs.protocol.resolve.over_group`, the walk every
+        collective read uses)."""
         ...
 
 
@@ -191,19 +156,9 @@ class Solo:
                   decode: Callable[[Any], T] = _identity) -> T:
         return fn()
 
-    def drive(self, lead: Lead[T], use: Use[T], what: str, error: ErrorClass) -> T | None:
-        last: list[tuple[Candidate, T]] = []
-
-        def try_one(info: CheckpointInfo) -> T:
-            candidate = Candidate.of(info)
-            out = use(candidate, info)
-            last[:] = [(candidate, out)]
-            return out
-
-        chosen = lead(try_one)
-        if chosen is None:
-            return None
-        return _chosen(last, Candidate.of(chosen), what, error)
+    def walk(self, tiers: Sequence[Tier], walk: Walk[T], use: Callable[[CheckpointInfo], T]
+             ) -> tuple[CheckpointInfo, T] | None:
+        return walk(use)
 
 
 def check_ranks(coord: Coordinator, *, rank: int, world_size: int, writer_rank: int) -> None:
@@ -215,14 +170,6 @@ def check_ranks(coord: Coordinator, *, rank: int, world_size: int, writer_rank: 
     if coord.collective and writer_rank != 0:
         raise ValueError(f"writer_rank={writer_rank}: in a distributed job rank 0 commits and "
                          "keeps the records; leave writer_rank at 0")
-
-
-def _chosen(last: list[tuple[Candidate, T]], chosen: Candidate, what: str,
-            error: ErrorClass) -> T:
-    if not last or last[0][0] != chosen:  # pragma: no cover - the walk returns what it used
-        raise error(f"{what}: the walk chose step {chosen.step}, which was not the last one "
-                    "loaded; this is a ckptfs bug", failures={})
-    return last[0][1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,69 +274,9 @@ class ProcessGroup:
             return decode(doc.get("ok"))
         return out  # type: ignore[return-value]
 
-    def drive(self, lead: Lead[T], use: Use[T], what: str, error: ErrorClass) -> T | None:
-        if self._rank == self.writer:
-            return self._lead(lead, use, what, error)
-        return self._follow(use, what, error)
-
-    def _lead(self, lead: Lead[T], use: Use[T], what: str, error: ErrorClass) -> T | None:
-        last: list[tuple[Candidate, T]] = []
-
-        def try_one(info: CheckpointInfo) -> T:
-            candidate = Candidate.of(info)
-            last.clear()  # one loaded state held at a time
-            self.broadcast({"candidate": candidate.to_doc()}, what, error)
-            out = use(candidate, info)
-            last[:] = [(candidate, out)]
-            return out
-
-        try:
-            chosen = lead(try_one)
-        except Exception as exc:
-            self.broadcast({"error": describe(exc)}, what, error)
-            raise
-        if chosen is None:
-            self.broadcast({"done": None}, what, error)
-            return None
-        self.broadcast({"done": Candidate.of(chosen).to_doc()}, what, error)
-        return _chosen(last, Candidate.of(chosen), what, error)
-
-    def _follow(self, use: Use[T], what: str, error: ErrorClass) -> T | None:
-        last: list[tuple[Candidate, T]] = []
-        own: Exception | None = None
-        while True:
-            msg = self.broadcast(None, what, error)
-            if "candidate" in msg:
-                candidate = Candidate.from_doc(msg["candidate"])
-                last.clear()
-                try:
-                    last[:] = [(candidate, use(candidate, None))]
-                    own = None
-                except Exception as exc:  # agreed: the writer's walk decides what follows
-                    own = exc
-                continue
-            if "error" in msg:  # the writer's verdict, with its own message
-                self._verdict(msg["error"], own, what, error)
-            done = msg.get("done")
-            if done is None:
-                return None
-            return _chosen(last, Candidate.from_doc(done), what, error)
-
-    def _verdict(self, doc: dict[str, Any], own: Exception | None, what: str,
-                 error: ErrorClass) -> NoReturn:
-        """Raise the writer's error (``doc``) here, as its class (`group.carried`); a class
-        only the writer can rebuild: this rank's own error of the same candidate, if it failed
-        too, else ``error``."""
-        def default(text: str) -> BaseException:
-            if own is not None:
-                return own
-            return error(f"{what} failed on the writer rank: {text}",
-                         failures={self.writer: str(doc.get("message"))})
-
-        err = carried(doc, default)
-        if err is own:
-            raise err
-        raise err from own
+    def walk(self, tiers: Sequence[Tier], walk: Walk[T], use: Callable[[CheckpointInfo], T]
+             ) -> tuple[CheckpointInfo, T] | None:
+        return over_group(self._messages, tiers, walk, use)
 
     def _raise(self, failures: dict[int, dict[str, Any]], own: Exception | None, what: str,
                error: ErrorClass) -> None:
@@ -409,4 +296,4 @@ class ProcessGroup:
         raise carried(failures[min(failures)], default, message=msg) from own
 
 
-__all__ = ["Candidate", "Coordinator", "ProcessGroup", "Solo", "check_ranks"]
+__all__ = ["Coordinator", "ProcessGroup", "Solo", "check_ranks"]

@@ -47,7 +47,6 @@ import torch
 
 from ckptfs.errors import (
     CheckpointNotFoundError,
-    CorruptCheckpointError,
     ShardedLoadError,
     ShardedSaveError,
     StorageError,
@@ -56,7 +55,7 @@ from ckptfs.format.layout import check_step
 from ckptfs.lifecycle import distributed, rng, schema
 from ckptfs.lifecycle import provenance as prov
 from ckptfs.lifecycle.artifacts import RunArtifacts, SideOutputs, SideOutputStatus
-from ckptfs.lifecycle.coordinator import Candidate, Coordinator, ProcessGroup, Solo, check_ranks
+from ckptfs.lifecycle.coordinator import Coordinator, ProcessGroup, Solo, check_ranks
 from ckptfs.lifecycle.gc import DEFAULT_GRACE, GcReport, collect
 from ckptfs.lifecycle.retention import (
     Best,
@@ -70,7 +69,7 @@ from ckptfs.lifecycle.rng import decode_rng, encode_rng
 from ckptfs.lifecycle.schema import TrainerState
 from ckptfs.protocol.async_save import SaveFuture
 from ckptfs.protocol.load_options import MapLocation, tensor_map
-from ckptfs.protocol.resolve import CheckpointInfo, Tier, committed_steps
+from ckptfs.protocol.resolve import CheckpointInfo, committed_steps
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.protocol.store import open as open_store
 from ckptfs.protocol.tiers import TieredStore
@@ -646,24 +645,26 @@ class CheckpointManager:
         collective = coord.collective
         skipped: list[str] = []
 
-        def lead(try_one: Callable[[CheckpointInfo], _Loaded]) -> CheckpointInfo | None:
+        def walk(run: Callable[[CheckpointInfo], _Loaded]
+                 ) -> tuple[CheckpointInfo, _Loaded] | None:
             """The writer: which checkpoint, by the store's one walk (or the step asked)."""
             if step is not None:
-                return self.store.use_step(step, try_one, collective=collective)[0]
-            found = self.store.walk(try_one, allow_rollback=allow_rollback, skipped=skipped,
+                return self.store.use_step(step, run, collective=collective)
+            found = self.store.walk(run, allow_rollback=allow_rollback, skipped=skipped,
                                     collective=collective)
             if found is None and skipped:
                 raise CheckpointNotFoundError(
                     f"no loadable committed checkpoint at {self.url}: every one is corrupt "
                     f"({'; '.join(skipped)}); not starting over from step 0 silently")
-            return None if found is None else found[0]
+            return found
 
-        def use(candidate: Candidate, info: CheckpointInfo | None) -> _Loaded:
-            return self._load_candidate(coord, candidate, info, expect=expect,
-                                        mode=mode, map_location=map_location, model=model,
+        def use(info: CheckpointInfo) -> _Loaded:
+            return self._load_candidate(coord, info, expect=expect, mode=mode,
+                                        map_location=map_location, model=model,
                                         optimizer=optimizer, names=names, what=what)
 
-        loaded = coord.drive(lead, use, what, ShardedLoadError)
+        chosen = coord.walk(self.store.read_tiers(collective=collective), walk, use)
+        loaded = None if chosen is None else chosen[1]
         if loaded is None:
             if expect is not None:
                 self.provenance = expect
@@ -677,8 +678,7 @@ class CheckpointManager:
                                         discard_uncommitted=discard_uncommitted),
             f"{what}, step {loaded.info.step}", ShardedLoadError)
 
-    def _load_candidate(self, coord: Coordinator, candidate: Candidate,
-                        info: CheckpointInfo | None, *,
+    def _load_candidate(self, coord: Coordinator, info: CheckpointInfo, *,
                         expect: prov.Provenance | None,
                         mode: prov.ProvenanceMode, map_location: MapLocation,
                         model: torch.nn.Module | None, optimizer: Stateful | None,
@@ -686,11 +686,11 @@ class CheckpointManager:
         """Every rank, for one candidate: the provenance check (on the writer), the small
         entries, then the model and optimizer (collective); touches no training object (so the
         walk can try the next one)."""
-        step = candidate.step
+        step = info.step
         what = f"{what}, step {step}"
         if expect is not None:
             changes = coord.on_writer(
-                lambda: self._check_provenance(_known(info), expect, mode), what,
+                lambda: self._check_provenance(info, expect, mode), what,
                 ShardedLoadError)
             self._pending_changes = list(changes or [])
             self.provenance = expect
@@ -701,8 +701,7 @@ class CheckpointManager:
         def entries() -> tuple[CheckpointInfo, dict[Any, Any], dict[str, Any] | None]:
             """(info, small entries, fresh model/optimizer state dicts for the collective
             load, or None: none wanted, a v1 checkpoint, or not saved: named at apply)."""
-            found = info if info is not None else self._read_candidate(
-                self.store.read_tiers(collective=coord.collective), candidate)
+            found = info  # this rank's tier's copy (`over_group`)
             into = None
             if coord.collective and distributed.is_sharded(found):
                 state = distributed.load_entries(self.store, found, coord.rank, names,
@@ -723,18 +722,6 @@ class CheckpointManager:
             coord.agree(lambda: self.store.load(step, into=into), what, ShardedLoadError)
             state = {**state, **into}
         return _Loaded(found, state)
-
-    @staticmethod
-    def _read_candidate(tiers: list[Tier], candidate: Candidate) -> CheckpointInfo:
-        """A non-writer rank's reading of the writer's candidate, in the tier of ``tiers``
-        (the walk's) that holds that attempt (a two-tier store's copies have different
-        attempts; the local copy first)."""
-        for _, storage in tiers[:-1]:
-            try:
-                return candidate.read(storage)
-            except (CheckpointNotFoundError, CorruptCheckpointError, StorageError):
-                continue  # not this tier's copy (CheckpointDeletedError: another attempt)
-        return candidate.read(tiers[-1][1])
 
     def _check_provenance(self, info: CheckpointInfo, expect: prov.Provenance,
                           mode: prov.ProvenanceMode) -> list[dict[str, Any]]:
@@ -860,9 +847,3 @@ class _Background:
             raise self._error
         return self._last
 
-
-def _known(info: CheckpointInfo | None) -> CheckpointInfo:
-    """The writer's reading of a candidate (the writer always has one)."""
-    if info is None:  # pragma: no cover - on_writer runs its function on the writer only
-        raise CorruptCheckpointError("internal: the writer rank has no checkpoint info")
-    return info
