@@ -45,6 +45,12 @@ class LoadOptionError(CkptfsError, TypeError):
     not a str, torch.device, dict or callable; ``mmap`` off local disk; malformed ``keys``)."""
 
 
+class SaveOptionError(CkptfsError, ValueError):
+    """A store's save option of a type or value ckptfs does not accept (``threads`` not a
+    positive int, ``lease_s`` negative, ``durable`` not a bool); raised by ``ckptfs.open``
+    and ``ckptfs.tiered`` before anything is written (`ckptfs.protocol.options`)."""
+
+
 class CheckpointNotFoundError(CkptfsError, FileNotFoundError):
     """The requested checkpoint does not exist or is not committed."""
 

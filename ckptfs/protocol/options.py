@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptfs.errors import SaveOptionError
 from ckptfs.format.features import check_metadata_layout
 from ckptfs.format.hashing import DEFAULT_ALGORITHM, new_hasher
 from ckptfs.format.incremental import DEFAULT_LEASE_S
@@ -40,8 +41,9 @@ def default_threads() -> int:
 @dataclass(frozen=True)
 class SaveOptions:
     """The options of a store's saves (module docstring).  Checked when made: an unknown hash
-    algorithm or metadata layout raises `UnsupportedValueError`; ``threads`` 0 or None is
-    the default (`default_threads`)."""
+    algorithm raises `HashAlgorithmUnavailableError`, an unknown metadata layout
+    `UnsupportedValueError`, any other value of the wrong type or range `SaveOptionError`
+    naming the option; ``threads`` 0 or None is the default (`default_threads`)."""
 
     #: The content hash of every file and chunk (``"blake3"``, ``"sha256"``, ``"xxh3-128"``).
     algorithm: str = DEFAULT_ALGORITHM
@@ -64,7 +66,21 @@ class SaveOptions:
     def __post_init__(self) -> None:
         new_hasher(self.algorithm)
         check_metadata_layout(self.metadata_layout)
-        object.__setattr__(self, "threads", self.threads or default_threads())
+        if not isinstance(self.durable, bool):
+            raise SaveOptionError(f"durable={self.durable!r:.40}: True or False")
+        threads = self.threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads < 0):
+            raise SaveOptionError(f"threads={threads!r:.40}: a positive int (files written "
+                                  "at once), or None for the default")
+        lease = self.lease_s
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or \
+                not 0 <= lease < float("inf"):
+            raise SaveOptionError(f"lease_s={lease!r:.40}: the seconds an incremental save "
+                                  "may take, a number >= 0 (docs/protocol.md §9.4)")
+        if not isinstance(self.node_local, bool):
+            raise SaveOptionError(f"node_local={self.node_local!r:.40}: True or False")
+        object.__setattr__(self, "threads", threads or default_threads())
         object.__setattr__(self, "divergent_keys", tuple(self.divergent_keys))
 
     @property

@@ -691,6 +691,9 @@ def open(url: str, *, algorithm: str = DEFAULT_ALGORITHM, durable: bool = True,
     a process group the rank files of a sharded checkpoint (v2, v4, v5); ``"ranks"``: every
     save writes the rank files, in one process too (a world of one; docs/sharded.md). Either
     layout loads into any world size and placement.
+    These options are the store's `SaveOptions` (``store.options``), checked here: a bad
+    value raises before anything is written (`SaveOptionError` naming the option;
+    an unknown algorithm `HashAlgorithmUnavailableError`).
     ``probe``: on object stores (S3, GCS, Azure), check the bucket/container at once, so a
     missing bucket, refused credentials or a dead endpoint raise here (`StorageError` and its
     subclasses, naming the URL and the cause) before anything is written; ``False`` skips it
