@@ -72,7 +72,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ckptfs.errors import ShardedCheckpointError
-from ckptfs.protocol.group import RankGroup, carried, describe
+from ckptfs.protocol.group import Outcomes, RankGroup, carried, describe
 from ckptfs.protocol.resolve import CheckpointInfo, Tier, Walk, over_group
 
 T = TypeVar("T")
@@ -226,33 +226,25 @@ class ProcessGroup:
 
     # -- the coordinator ---------------------------------------------------------------------
 
+    def _outcomes(self, fn: Callable[[], T], what: str, error: ErrorClass, *,
+                  share: bool = False) -> Outcomes[T]:
+        """The group's one outcome round (`Group.outcomes`); any rank's failure raised on
+        every rank (`_raise`)."""
+        got = self._collective(
+            lambda: self._messages.outcomes(fn, share=share, default=str), what, error)
+        if got.failures:
+            self._raise({self.ranks[r]: d for r, d in got.failures.items()}, got.own, what,
+                        error)
+        return got
+
     def agree(self, fn: Callable[[], T], what: str, error: ErrorClass) -> T:
-        own: Exception | None = None
-        out: Any = None
-        try:
-            out = fn()
-        except Exception as exc:
-            own = exc
-        docs = self.gather(None if own is None else describe(own), what, error)
-        failures = {r: d for r, d in zip(self.ranks, docs, strict=True) if d is not None}
-        if failures:
-            self._raise(failures, own, what, error)
-        return out  # type: ignore[no-any-return]
+        return self._outcomes(fn, what, error).value  # type: ignore[return-value]
 
     def agree_gather(self, fn: Callable[[], Any], what: str,
                      error: ErrorClass) -> list[tuple[int, Any]]:
-        own: Exception | None = None
-        doc: dict[str, Any]
-        try:
-            doc = {"ok": fn()}
-        except Exception as exc:
-            own = exc
-            doc = {"error": describe(exc)}
-        docs = self.gather(doc, what, error)
-        failures = {r: d["error"] for r, d in zip(self.ranks, docs, strict=True) if "error" in d}
-        if failures:
-            self._raise(failures, own, what, error)
-        return [(r, d["ok"]) for r, d in zip(self.ranks, docs, strict=True)]
+        values = self._outcomes(fn, what, error, share=True).values
+        assert values is not None
+        return list(zip(self.ranks, values, strict=True))
 
     def on_writer(self, fn: Callable[[], T], what: str, error: ErrorClass, *,
                   encode: Callable[[T], Any] = _identity,

@@ -34,8 +34,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,20 @@ _SEQ: dict[Any, int] = {}
 
 #: How a value JSON cannot hold is written (``json.dumps``'s ``default``); None: `TypeError`.
 Default = Callable[[Any], Any] | None
+T = TypeVar("T")
+
+
+@dataclass
+class Outcomes(Generic[T]):
+    """Every rank's outcome of one step (`Group.outcomes`): this rank's ``value`` or its own
+    exception ``own``; ``failures``, every failing group rank's `describe` document; and,
+    when shared, ``values``, every rank's result (None for a failing rank), in group-rank
+    order."""
+
+    value: T | None
+    own: Exception | None
+    failures: dict[int, dict[str, Any]]
+    values: list[Any] | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,6 +146,30 @@ class Group:
     def gather(self, doc: Any, *, default: Default = None) -> list[Any]:
         """Every rank's ``doc``, in group-rank order (every rank gets them: `all_gather`)."""
         return self.all_gather(doc, default=default)
+
+    def outcomes(self, fn: Callable[[], T], *, share: bool = False,
+                 default: Default = None) -> Outcomes[T]:
+        """``fn()`` on this rank, then every rank's outcome gathered in one `all_gather`: the
+        round in which the ranks learn whether a step succeeded everywhere (a failure is
+        its `describe` document; ``share``: every rank's result too, JSON, ``default`` for
+        what JSON cannot hold).  Never raises ``fn``'s exception: the caller decides, from
+        the same facts on every rank, what each rank raises."""
+        own: Exception | None = None
+        value: T | None = None
+        try:
+            value = fn()
+        except Exception as exc:
+            own = exc
+        if own is not None:
+            doc: Any = {"error": describe(own)}
+        else:
+            doc = {"ok": value} if share else None
+        docs = self.all_gather(doc, default=default)
+        failures = {r: d["error"] for r, d in enumerate(docs)
+                    if isinstance(d, dict) and "error" in d}
+        values = [d.get("ok") if isinstance(d, dict) else None for d in docs] if share \
+            else None
+        return Outcomes(value, own, failures, values)
 
     def gather_at_coordinator(self, doc: Any, *, default: Default = None) -> list[Any] | None:
         """Every rank's ``doc``, in group-rank order, on the coordinator only (None on the

@@ -485,19 +485,12 @@ def _follow(group: Group, tiers: Sequence[Tier], use: Callable[[CheckpointInfo],
 def _agreed(group: Group, info: CheckpointInfo, use: Callable[[CheckpointInfo], T]) -> T:
     """``use(info)`` on this rank, then every rank's outcome gathered: this rank's error, or
     another rank's (the same class), or the result."""
-    own: Exception | None = None
-    out: T | None = None
-    try:
-        out = use(info)
-    except Exception as exc:
-        own = exc
-    docs = group.all_gather(None if own is None else describe(own))
-    if own is not None:
-        raise own
-    failures = [(r, d) for r, d in zip(group.ranks, docs, strict=True) if d is not None]
-    if failures:
-        raise carried(failures[0][1], ShardedLoadError)
-    return out  # type: ignore[return-value]
+    got = group.outcomes(lambda: use(info))
+    if got.own is not None:
+        raise got.own
+    if got.failures:
+        raise carried(got.failures[min(got.failures)], ShardedLoadError)
+    return got.value  # type: ignore[return-value]
 
 
 def _list_tiers(tiers: Sequence[Tier]) -> list[tuple[Tier, dict[int, list[str]]]]:

@@ -52,6 +52,23 @@ def test_a_payload_json_cannot_hold_raises_typeerror_never_pickles(payload: Any)
         grp.encode([payload])
 
 
+def test_the_outcome_round_in_a_world_of_one() -> None:
+    one = grp.group_of(None)
+    got = one.outcomes(lambda: {"files": ("a",)}, share=True)
+    assert (got.value, got.own, got.failures, got.values) == ({"files": ("a",)}, None, {},
+                                                               [{"files": ["a"]}])
+
+    def fails() -> None:
+        raise CorruptCheckpointError("step 2: bad digest")
+
+    bad = one.outcomes(fails)
+    assert isinstance(bad.own, CorruptCheckpointError) and bad.value is None
+    assert bad.failures[0]["name"] == "CorruptCheckpointError"
+    assert isinstance(grp.carried(bad.failures[0], ReplicationError), CorruptCheckpointError)
+    with pytest.raises(KeyboardInterrupt):  # not an outcome: it stops the process
+        one.outcomes(lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+
 def test_bytes_travel_as_base64() -> None:
     data = bytes(range(256)) * 3
     assert grp.decode_bytes(grp.WorldOfOne().broadcast(grp.encode_bytes(data))) == data
@@ -124,6 +141,18 @@ def job_messages(rank: int, world: int) -> dict[str, Any]:
     first = next(d for d in docs if d is not None)
     err = g.carried(first, ReplicationError)
     out["error"] = (type(err).__name__, str(err), getattr(err, "step", None))
+    # The outcome round: rank 1's step fails; every rank learns it, with every result.
+    def step() -> dict[str, int]:
+        if rank == 1:
+            raise TierMismatchError("rank 1 fails its step", step=5)
+        return {"rank": rank}
+
+    got = own.outcomes(step, share=True)
+    out["outcomes"] = (got.value, type(got.own).__name__ if got.own else None,
+                       {r: d["name"] for r, d in got.failures.items()}, got.values)
+    ok = own.outcomes(lambda: rank * 10, share=True)
+    quiet = own.outcomes(lambda: rank)  # not shared: each rank keeps its own value
+    out["all_ok"] = (ok.failures, ok.values, quiet.value, quiet.values)
     return out
 
 
@@ -138,6 +167,10 @@ def test_json_messages_and_typed_errors_over_two_gloo_ranks() -> None:
         assert r["uneven"] == [0, 10]
         assert r["after"] == "still in step"
         assert r["error"] == ("TierMismatchError", "rank 1: step 3 is another run's", 3)
+        assert r["outcomes"][2:] == ({1: "TierMismatchError"}, [{"rank": 0}, None])
+    assert r0["outcomes"][:2] == ({"rank": 0}, None)
+    assert r1["outcomes"][:2] == (None, "TierMismatchError")
+    assert r0["all_ok"] == ({}, [0, 10], 0, None) and r1["all_ok"] == ({}, [0, 10], 1, None)
     assert "never pickled" in r0["sender"] and "sender" not in r1
 
 
