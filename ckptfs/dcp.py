@@ -83,7 +83,10 @@ class Writer(ShardedWriter):
                  metadata: Mapping[str, Any] | None = None, **storage_options: Any) -> None:
         store = ckptfs.open(url, algorithm=algorithm, durable=durable, threads=threads,
                             retries=retries, **storage_options)
-        super().__init__(store.storage, step, store.options, metadata=metadata)
+        # DCP drives this writer with the caller's planner: one dcp.msgpack (formats v2),
+        # whatever the world size (format v5 needs ckptfs's own planner and rounds).
+        super().__init__(store.storage, step, store.options.but(metadata_layout=None),
+                         metadata=metadata)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's hook: stamp ``metadata.version`` as DCP's own ``FileSystemWriter`` does

@@ -118,5 +118,7 @@ def test_dcp_writer_saves_with_its_store_s_options(tmp_path: Path) -> None:
     writer = Writer(url, 1, algorithm="sha256", threads=1, durable=False)
     assert (writer.opts.algorithm, writer.opts.threads, writer.opts.durable) == \
         ("sha256", 1, False)
+    assert writer.opts.metadata_layout is None  # DCP's driver: one dcp.msgpack at any size
+    assert writer.per_rank is None
     dcp.save({"w": torch.ones(4)}, storage_writer=writer, no_dist=True)
     assert ckptfs.open(url).info(1).manifest.hash_algorithm == "sha256"
