@@ -72,7 +72,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ckptfs.errors import ShardedCheckpointError
-from ckptfs.protocol.group import Outcomes, RankGroup, carried, describe
+from ckptfs.protocol.group import Default, Group, Outcomes, RankGroup, carried, describe
 from ckptfs.protocol.resolve import CheckpointInfo, Tier, Walk, over_group
 
 T = TypeVar("T")
@@ -116,13 +116,14 @@ class Coordinator(Protocol):
         ``decode(encode(result))``) or raises its error."""
         ...
 
-    def walk(self, tiers: Sequence[Tier], walk: Walk[T], use: Callable[[CheckpointInfo], T]
-             ) -> tuple[CheckpointInfo, T] | None:
+    def walk(self, tiers: Sequence[Tier], walk: Walk[T], use: Callable[[CheckpointInfo], T],
+             what: str, error: ErrorClass) -> tuple[CheckpointInfo, T] | None:
         """The one walk, led by the writer: it runs ``walk`` (which calls ``use`` on each
         checkpoint it tries, over ``tiers``); every rank runs ``use`` on each candidate, in
         the same order, and returns the one chosen with its own result, None if none, or
         raises the walk's error (`ckptfs.protocol.resolve.over_group`, the walk every
-        collective read uses)."""
+        collective read uses); a message that cannot cross (a rank died, the timeout passed)
+        raises ``error`` naming ``what``."""
         ...
 
 
@@ -156,8 +157,8 @@ class Solo:
                   decode: Callable[[Any], T] = _identity) -> T:
         return fn()
 
-    def walk(self, tiers: Sequence[Tier], walk: Walk[T], use: Callable[[CheckpointInfo], T]
-             ) -> tuple[CheckpointInfo, T] | None:
+    def walk(self, tiers: Sequence[Tier], walk: Walk[T], use: Callable[[CheckpointInfo], T],
+             what: str, error: ErrorClass) -> tuple[CheckpointInfo, T] | None:
         return walk(use)
 
 
@@ -266,9 +267,9 @@ class ProcessGroup:
             return decode(doc.get("ok"))
         return out  # type: ignore[return-value]
 
-    def walk(self, tiers: Sequence[Tier], walk: Walk[T], use: Callable[[CheckpointInfo], T]
-             ) -> tuple[CheckpointInfo, T] | None:
-        return over_group(self._messages, tiers, walk, use)
+    def walk(self, tiers: Sequence[Tier], walk: Walk[T], use: Callable[[CheckpointInfo], T],
+             what: str, error: ErrorClass) -> tuple[CheckpointInfo, T] | None:
+        return over_group(_Reported(self, what, error), tiers, walk, use)
 
     def _raise(self, failures: dict[int, dict[str, Any]], own: Exception | None, what: str,
                error: ErrorClass) -> None:
@@ -286,6 +287,26 @@ class ProcessGroup:
             raise default(msg) from own
         # one class everywhere: that class, its message naming every failing rank
         raise carried(failures[min(failures)], default, message=msg) from own
+
+
+class _Reported(Group):
+    """``coord``'s messages, a failed collective raised as ``error`` naming ``what`` (as every
+    message of `ProcessGroup`): the group the led walk runs on."""
+
+    def __init__(self, coord: ProcessGroup, what: str, error: ErrorClass) -> None:
+        self._coord, self._what, self._error = coord, what, error
+        inner = coord._messages
+        self.rank, self.world_size, self.ranks = inner.rank, inner.world_size, inner.ranks
+
+    def broadcast(self, doc: Any, src: int = 0, *, default: Default = None) -> Any:
+        inner = self._coord._messages
+        return self._coord._collective(lambda: inner.broadcast(doc, src, default=default),
+                                       self._what, self._error)
+
+    def all_gather(self, doc: Any, *, default: Default = None) -> list[Any]:
+        inner = self._coord._messages
+        return self._coord._collective(lambda: inner.all_gather(doc, default=default),
+                                       self._what, self._error)
 
 
 __all__ = ["Coordinator", "ProcessGroup", "Solo", "check_ranks"]

@@ -663,7 +663,8 @@ class CheckpointManager:
                                         map_location=map_location, model=model,
                                         optimizer=optimizer, names=names, what=what)
 
-        chosen = coord.walk(self.store.read_tiers(collective=collective), walk, use)
+        chosen = coord.walk(self.store.read_tiers(collective=collective), walk, use, what,
+                            ShardedLoadError)
         loaded = None if chosen is None else chosen[1]
         if loaded is None:
             if expect is not None:

@@ -383,3 +383,34 @@ def test_distributed_restore_walks_like_the_store(tmp_path: Path) -> None:
         assert (name, typed) == ("CheckpointNotFoundError", True), g["none"]
         assert "every one is corrupt" in text and "step 1" in text, text
         assert g["explicit"][:2] == ("CorruptCheckpointError", True), g["explicit"]
+
+
+def test_a_message_that_cannot_cross_during_the_led_walk_is_the_restore_s_error() -> None:
+    """A peer dead or hung while the writer leads the restore walk: the broken collective is
+    raised as the coordinated step's error class, naming the restore, as every other message
+    of the distributed coordinator (not the process group's own RuntimeError)."""
+    from ckptfs.errors import ShardedLoadError
+    from ckptfs.lifecycle.coordinator import ProcessGroup
+    from ckptfs.protocol.group import Group
+
+    class Broken(Group):
+        rank, world_size, ranks = 0, 2, [0, 1]
+
+        def broadcast(self, doc: Any, src: int = 0, *, default: Any = None) -> Any:
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+        def all_gather(self, doc: Any, *, default: Any = None) -> list[Any]:
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+    coord = object.__new__(ProcessGroup)
+    coord._messages = Broken()  # type: ignore[assignment]
+    coord._rank, coord._world_size, coord.ranks = 0, 2, [0, 1]
+    used: list[int] = []
+
+    def walk(run: Any) -> Any:
+        return None  # no checkpoint: the walk's end is still told to every rank
+
+    with pytest.raises(ShardedLoadError, match="restore at x: a checkpoint collective failed"):
+        coord.walk([("", None)], walk, lambda info: used.append(1), "restore at x",  # type: ignore[list-item]
+                   ShardedLoadError)
+    assert used == []
