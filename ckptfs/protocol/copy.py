@@ -135,7 +135,7 @@ from ckptfs.protocol.copy_io import (
     source_chunks,
 )
 from ckptfs.protocol.formats import check_checkpoint
-from ckptfs.protocol.group import Group, WorldOfOne, carried, describe
+from ckptfs.protocol.group import Group, Outcomes, WorldOfOne, carried, describe
 from ckptfs.protocol.incremental import (
     ReuseIndex,
     ReuseMemory,
@@ -277,7 +277,7 @@ class _Part:
     entries: list[FileEntry] = dataclasses.field(default_factory=list)
 
     def doc(self) -> dict[str, Any]:
-        return {"error": None, "sums": {p: [list(c) for c in cs] for p, cs in self.sums.items()},
+        return {"sums": {p: [list(c) for c in cs] for p, cs in self.sums.items()},
                 "verified": list(self.verified)}
 
     @classmethod
@@ -323,9 +323,11 @@ class StepCopier:
         except Exception as exc:
             raise self._stopped(exc) from exc
 
-    def _gather(self, doc: Any) -> list[Any]:
+    def _outcomes(self, fn: Callable[[], Any]) -> Outcomes[Any]:
+        """Every rank's outcome of ``fn`` (`Group.outcomes`, results shared); a collective
+        that breaks stops the copy (`_stopped`)."""
         try:
-            return self.group.all_gather(doc)
+            return self.group.outcomes(fn, share=True)
         except TypeError:
             raise
         except Exception as exc:
@@ -379,21 +381,24 @@ class StepCopier:
             if plan["status"] != "copy":
                 return self._outcome(plan, mine)
             part: _Part | None = None
-            try:
+
+            def copy_part() -> dict[str, Any]:
+                nonlocal part
                 source = self._plan.source if self._plan is not None \
                     else CheckpointInfo.from_doc(plan["source"])
                 part = self._copy_files(source, str(plan["attempt"]), progress)
-                report = part.doc()
-            except Exception as exc:
+                return part.doc()
+
+            got = self._outcomes(copy_part)
+            if got.own is not None:
+                mine = got.own
                 log.error("rank %d: copying its files of step %d to %s failed: %s: %s",
-                          self.rank, step, self.dst.url, type(exc).__name__, exc)
-                mine, report = exc, {"error": describe(exc)}
-            reports = self._gather(report)
+                          self.rank, step, self.dst.url, type(mine).__name__, mine)
             outcome = None
             if self.coordinator:
-                assert self._plan is not None
+                assert self._plan is not None and got.values is not None
                 try:
-                    outcome = self._finish(self._plan, part, reports)
+                    outcome = self._finish(self._plan, part, got.failures, got.values)
                 except Exception as exc:
                     mine, outcome = exc, self._failure(step, exc)
             return self._outcome(self._bcast(outcome), mine)
@@ -571,12 +576,13 @@ class StepCopier:
             else (0, 0)
         return _Part({w.path: w.store_checksums for w in written}, verified, out)
 
-    def _finish(self, plan: _Plan, part: _Part | None, reports: list[dict[str, Any]]
-                ) -> dict[str, Any]:
-        """The coordinator commits the attempt if every rank copied its files; the manifest
-        records the destination store's checksums the ranks computed while sending."""
+    def _finish(self, plan: _Plan, part: _Part | None, failed: dict[int, dict[str, Any]],
+                reports: list[Any]) -> dict[str, Any]:
+        """The coordinator commits the attempt if every rank copied its files (``failed``:
+        the ranks that could not, their errors; ``reports``: every rank's `_Part` document);
+        the manifest records the destination store's checksums the ranks computed while
+        sending."""
         source, step = plan.source, plan.source.step
-        failed = {r: d["error"] for r, d in enumerate(reports) if d["error"] is not None}
         if failed:
             self._abandon()
             permanent = [r for r, e in failed.items()
