@@ -135,6 +135,7 @@ def _populate(storage: Any, count: int, write: Callable[[dict[str, bytes]], None
     from ckptfs.format.manifest import FileEntry, Manifest, Marker
     from ckptfs.format.serialize import plan_state
     from ckptfs.protocol.commit import save_checkpoint
+    from ckptfs.protocol.options import SaveOptions
 
     plan = plan_state({"step": 0})
     files = {pf.path: b"".join(bytes(c) for c in pf.chunks()) for pf in plan.files}
@@ -160,7 +161,7 @@ def _populate(storage: Any, count: int, write: Callable[[dict[str, bytes]], None
             batch = {}
     if batch:
         write(batch)
-    save_checkpoint(storage, count - 1, {"step": count - 1}, durable=False)
+    save_checkpoint(storage, count - 1, {"step": count - 1}, SaveOptions(durable=False))
 
 
 def bench_latest(counts: Sequence[int] = (10, 100, 1000, 10000), *, reps: int = 5,

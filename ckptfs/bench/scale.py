@@ -337,7 +337,8 @@ def dcp_write_results(plans: list[Any], values: Mapping[str, int]) -> list[list[
 def dcp_writer(root: str, durable: bool) -> ShardedWriter:
     """What ``ckptfs.dcp.Writer(root, STEP, durable=durable)`` is."""
     store = ckptfs.open(root, durable=durable)
-    return ShardedWriter(store.storage, STEP, durable=durable, threads=store.threads)
+    return ShardedWriter(store.storage, STEP,
+                         store.options.but(durable=durable, metadata_layout=None))
 
 
 def dcp_reader(root: str) -> ShardedReader:
@@ -453,8 +454,8 @@ def coordinated_save(spec: Spec, root: str, step: int, local_plans: list[Any],
     from ckptfs.protocol.sharded_io import AttemptPlan
 
     store = ckptfs.open(root, durable=spec.durable)
-    writer = ShardedWriter(store.storage, step, durable=spec.durable, threads=store.threads,
-                           metadata_layout="per-rank" if per_rank else None)
+    writer = ShardedWriter(store.storage, step, store.options.but(
+        durable=spec.durable, metadata_layout="per-rank" if per_rank else None))
     planner = SavePlanner(gather_small=per_rank)  # as a per-rank save's planner
     planner.set_up_planner({}, writer.storage_meta(), True)
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
@@ -802,7 +803,8 @@ def real_rank(rank: int, world: int, spec_doc: dict[str, Any]) -> dict[str, Any]
     groups = state["optim"].pop("param_groups")
     state["optim"]["param_groups"] = [groups["__list__"]["0"]]
     store = ckptfs.open(spec_doc["root"], durable=spec.durable)
-    writer = Writer(store.storage, STEP, durable=spec.durable, threads=store.threads)
+    writer = Writer(store.storage, STEP,
+                    store.options.but(durable=spec.durable, metadata_layout=None))
     rounds: dict[str, float] = {}
     plan_round, commit_round = SaveRounds.plan_globally, SaveRounds.commit
 

@@ -818,11 +818,10 @@ def save_checkpoint(
     *,
     metadata: Mapping[str, Any] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
-    **options: Any,
 ) -> CheckpointInfo:
     """Validate, plan, write and commit ``state`` as the format v1 checkpoint of ``step``
-    (``opts``, or `SaveOptions` of the keyword ``options``)."""
+    with the options ``opts`` (default: `SaveOptions` ())."""
     check_step(step)
-    opts = SaveOptions(**options) if opts is None else opts
+    opts = SaveOptions() if opts is None else opts
     plan, meta = plan_single_process(state, metadata=metadata, shard_bytes=shard_bytes)
     return save_plan(storage, step, plan, meta, opts)

@@ -159,11 +159,10 @@ class ShardedWriter(StorageWriter):
     goes into the manifest; ``tree`` (set by ``store.save``) is the state's skeleton.  After a
     successful save, `info` holds the committed `CheckpointInfo` on every rank."""
 
-    def __init__(self, storage: Storage, step: int, opts: SaveOptions | None = None, *,
+    def __init__(self, storage: Storage, step: int, opts: SaveOptions, *,
                  metadata: Mapping[str, Any] | None = None, tree: Any = None,
-                 world: int | None = None, **options: Any) -> None:
+                 world: int | None = None) -> None:
         super().__init__()
-        opts = SaveOptions(**options) if opts is None else opts
         self.storage = storage
         self.step = check_step(step)
         self.opts = opts

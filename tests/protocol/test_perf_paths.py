@@ -20,6 +20,7 @@ from ckptfs.errors import CorruptCheckpointError, StorageError
 from ckptfs.format.hashing import HASH_INLINE_BYTES, digest_bytes
 from ckptfs.protocol.commit import save_checkpoint
 from ckptfs.protocol.formats import load_checkpoint
+from ckptfs.protocol.options import SaveOptions
 from ckptfs.protocol.resolve import resolve_latest
 from ckptfs.storage.fsspec import FsspecStorage
 
@@ -124,7 +125,7 @@ def test_files_are_written_in_parallel(request: pytest.FixtureRequest, tmp_path:
     """Two tensor files must be open for writing at the same time (a barrier of 2 would time
     out if they were written one after the other)."""
     storage = Recording(_storage(request, tmp_path, backend), barrier_on="open_write")
-    info = save_checkpoint(storage, 1, _big_state(8), threads=2,  # type: ignore[arg-type]
+    info = save_checkpoint(storage, 1, _big_state(8), SaveOptions(threads=2),  # type: ignore[arg-type]
                            shard_bytes=3 * MiB)
     assert storage.barrier is not None and not storage.barrier.broken
     assert len([e for e in info.manifest.files if "tensors-" in e.path]) >= 2

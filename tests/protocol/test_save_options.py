@@ -59,9 +59,8 @@ def test_every_stage_of_a_save_gets_the_store_s_value_whole(tmp_path: Path, layo
         from ckptfs.protocol import sharded_io
         real_init = sharded_io.ShardedWriter.__init__
 
-        def init(self: Any, storage: Any, step: int, opts: SaveOptions | None = None,
-                 **kw: Any) -> None:
-            seen.append(opts)  # type: ignore[arg-type]
+        def init(self: Any, storage: Any, step: int, opts: SaveOptions, **kw: Any) -> None:
+            seen.append(opts)
             real_init(self, storage, step, opts, **kw)
 
         monkeypatch.setattr(sharded_io.ShardedWriter, "__init__", init)

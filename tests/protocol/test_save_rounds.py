@@ -19,6 +19,7 @@ from ckptfs.errors import CorruptCheckpointError
 from ckptfs.format.sharded_tree import dcp_view
 from ckptfs.protocol import plan_docs
 from ckptfs.protocol.group import decode, decode_bytes, encode, encode_bytes
+from ckptfs.protocol.options import SaveOptions
 from ckptfs.protocol.plan_table import encode_numbers, layout_of
 from ckptfs.protocol.save_rounds import RESEND, SaveRounds
 from ckptfs.protocol.sharded_io import ItemReport, ShardedWriter
@@ -56,8 +57,9 @@ def simulated(tmp_path: Path, world: int = 2, *, metadata_layout: str | None = N
         st = state(rank)
         st["model"]["w"] = torch.zeros(rows, 4)
         view, tree = dcp_view(st)
-        writer = ShardedWriter(store.storage, step, threads=1, tree=tree,
-                               metadata_layout=metadata_layout, metadata=metadata)
+        writer = ShardedWriter(store.storage, step,
+                               SaveOptions(threads=1, metadata_layout=metadata_layout),
+                               tree=tree, metadata=metadata)
         rounds.append(SaveRounds(view, writer, SavePlanner(
             tree=tree, tree_sink=writer, gather_small=metadata_layout is not None), rank))
     docs = [sent(r.plan()) for r in rounds]
@@ -406,7 +408,7 @@ def test_a_coordinator_without_the_plan_asks_for_every_item(tmp_path: Path) -> N
         st = state(rank)
         st["model"]["w"] = torch.zeros(3, 4)
         view, tree = dcp_view(st)
-        writer = ShardedWriter(store.storage, 31, threads=1, tree=tree)
+        writer = ShardedWriter(store.storage, 31, SaveOptions(threads=1), tree=tree)
         rounds.append(SaveRounds(view, writer, SavePlanner(tree=tree, tree_sink=writer), rank))
     docs = [sent(r.plan()) for r in rounds]
     assert all(plan_docs.items_left_out(d["plan"]) for d in docs)

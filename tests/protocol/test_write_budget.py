@@ -17,6 +17,7 @@ import torch
 
 from ckptfs.protocol import commit
 from ckptfs.protocol.commit import WRITE_BUFFER_BUDGET, save_checkpoint, write_streams
+from ckptfs.protocol.options import SaveOptions
 from ckptfs.storage.backends import BACKENDS
 from ckptfs.storage.base import Capabilities, Entry
 from ckptfs.storage.fsspec import FsspecStorage
@@ -146,7 +147,8 @@ def _save(store: FakeObjectStore, monkeypatch: pytest.MonkeyPatch, budget: int) 
     monkeypatch.setattr(commit, "WRITE_BUFFER_BUDGET", budget)
     monkeypatch.setattr(commit.write_streams, "__defaults__", (budget,))
     # 4 tensors of 3 MiB, one file each (shard_bytes), 4 threads asked for.
-    save_checkpoint(store, 1, _state(4, 3 * MiB), threads=4, shard_bytes=3 * MiB + 1)
+    save_checkpoint(store, 1, _state(4, 3 * MiB), SaveOptions(threads=4),
+                    shard_bytes=3 * MiB + 1)
 
 
 def test_budget_bounds_bytes_buffered_across_parallel_writes(
@@ -242,6 +244,7 @@ def test_a_sub_storage_is_budgeted_like_its_parent(monkeypatch: pytest.MonkeyPat
     assert sub.capabilities.stream_buffer_bytes == 2 * MiB
     monkeypatch.setattr(commit, "WRITE_BUFFER_BUDGET", 4 * MiB)
     monkeypatch.setattr(commit.write_streams, "__defaults__", (4 * MiB,))
-    save_checkpoint(sub, 1, _state(4, 3 * MiB), threads=4, shard_bytes=3 * MiB + 1)
+    save_checkpoint(sub, 1, _state(4, 3 * MiB), SaveOptions(threads=4),
+                    shard_bytes=3 * MiB + 1)
     assert store.meter.peak_open == 2 and store.meter.peak <= 4 * MiB
     assert all(k.startswith("artifacts/ref/") for k in store.files)

@@ -34,6 +34,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ckptfs.format.layout import StepPaths
+from ckptfs.protocol.options import SaveOptions
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.save_rounds import SaveRounds
 from ckptfs.protocol.sharded import SavePlanner
@@ -74,8 +75,8 @@ def simulated_save(storages: list[Storage], step: int, state: dict[str, Any]
     rounds = []
     for rank, storage in enumerate(storages):
         view, skeleton = dcp_view(state)
-        rounds.append(SaveRounds(view, ShardedWriter(storage, step, threads=1, tree=skeleton),
-                                 SavePlanner(), rank))
+        writer = ShardedWriter(storage, step, SaveOptions(threads=1), tree=skeleton)
+        rounds.append(SaveRounds(view, writer, SavePlanner(), rank))
     docs = [sent(r.plan()) for r in rounds]
     for r, d in zip(rounds, docs, strict=True):
         if "error" in d:
