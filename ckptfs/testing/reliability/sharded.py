@@ -36,7 +36,7 @@ from typing import Any
 from ckptfs.format.layout import StepPaths
 from ckptfs.protocol.options import SaveOptions
 from ckptfs.protocol.resolve import CheckpointInfo
-from ckptfs.protocol.save_rounds import SaveRounds
+from ckptfs.protocol.save_rounds import RESEND, SaveRounds
 from ckptfs.protocol.sharded import SavePlanner
 from ckptfs.protocol.sharded_io import ShardedWriter
 from ckptfs.storage.base import Storage
@@ -82,6 +82,9 @@ def simulated_save(storages: list[Storage], step: int, state: dict[str, Any]
         if "error" in d:
             raise raised(r)
     parts = rounds[0].plan_globally(docs)
+    if parts[0] == RESEND:  # as `drive_save`: a rank left its items out of a plan this
+        # process's coordinator lacks (an earlier save in this process sent that layout)
+        parts = rounds[0].plan_globally([sent(r.plan_in_full()) for r in rounds])
     if "failures" in parts[0]:
         raise raised(rounds[0])  # the coordinator's storage failed (or the job's)
     results = []
