@@ -236,9 +236,10 @@ class AsyncSaver:
         (`ckptfs.protocol.prepare.prepare`, its collectives on `collective_group`), the
         snapshot of what it reads (`ckptfs.protocol.snapshot.take`), then that save over the
         snapshot on the store's thread (`_Job`).  With a staging budget (``staging_bytes``)
-        smaller than what the save reads, a single-process v1 save is streamed through it
-        (`_stream`); any other is written from the caller's objects, and this call returns
-        once it is done (`_unstaged`): docs/async.md section 5."""
+        smaller than what the save reads, a save of format v1 or v2 is streamed through it
+        (`_stream`); any other (incremental, per-rank metadata) is written from the caller's
+        objects, and this call returns once it is done (`_unstaged`): docs/async.md
+        section 5."""
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         check_budget(staging_bytes)
@@ -290,7 +291,7 @@ class AsyncSaver:
         _register_exit_hook()
 
     def _stream(self, fut: SaveFuture, prepared: Prepared, budget: int) -> None:
-        """A single-process save larger than its staging budget: its job is queued first,
+        """A save larger than its staging budget: its job is queued first,
         then this thread copies its files into the pool's slab one after the other while the
         job writes them (`ckptfs.protocol.staging.Stream`), and returns once every byte is
         staged (the earlier files written).  If the save fails meanwhile, staging stops and
@@ -314,15 +315,17 @@ class AsyncSaver:
             raise
 
     def _unstaged(self, fut: SaveFuture, prepared: Prepared, budget: int | None) -> None:
-        """A save over its staging budget that cannot be streamed (a collective save, an
-        incremental store): nothing is staged; the save runs over the caller's own objects on
-        the store's thread, and this call waits until it is done (committed or failed)."""
+        """A save over its staging budget that cannot be streamed (an incremental store, a
+        per-rank metadata save, a rank holding a tensor larger than the budget): nothing is
+        staged; the save runs over the caller's own objects on the store's thread, and this
+        call waits until it is done (committed or failed)."""
         level = logging.INFO if self._warned_unstaged else logging.WARNING
         self._warned_unstaged = True
         log.log(level, "save_async(step %d) at %s: what it must copy exceeds staging_bytes=%s "
-                "and a %s save cannot stream through a budget: it is written from the "
-                "caller's tensors, and save_async returns once it is done", fut.step, self.url,
-                budget, "collective" if prepared.collective else "incremental")
+                "and this %s save cannot stream through a budget (docs/async.md section 5): "
+                "it is written from the caller's tensors, and save_async returns once it is "
+                "done", fut.step, self.url, budget,
+                "collective" if prepared.collective else "incremental")
         job = _Job(self, fut, prepared.over(prepared.reads, None), lambda: None)
         del prepared
         self._enqueue(job, fut)

@@ -30,28 +30,32 @@ on the store's own group, so that they never interleave with the training loop's
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckptfs.errors import ShardedSaveError, UnsupportedValueError
+from ckptfs.errors import ShardedSaveError, StagingBudgetError, UnsupportedValueError
 from ckptfs.format.features import RANKS
 from ckptfs.format.layout import check_step
-from ckptfs.format.serialize import StatePlan
+from ckptfs.format.serialize import StatePlan, key_str
 from ckptfs.protocol.collective import find_dtensor, is_distributed, wants_sharded_save
 from ckptfs.protocol.commit import FileGate, check_plan, plan_single_process
 from ckptfs.protocol.incremental import write_plan
 from ckptfs.protocol.resolve import CheckpointInfo
-from ckptfs.protocol.staging import fit_files, staged_size
+from ckptfs.protocol.snapshot import Split, split
+from ckptfs.protocol.staging import fit_files, fit_groups, staged_size
 from ckptfs.storage.deadline import Deadline, bounded
 
 if TYPE_CHECKING:
     from ckptfs.protocol.group import Liveness
     from ckptfs.protocol.store import CheckpointStore
 
-__all__ = ["Hint", "Prepared", "prepare"]
+__all__ = ["Hint", "Prepared", "prepare", "stream_groups"]
+
+log = logging.getLogger("ckptfs")
 
 #: The reuse hint of a tensor the write reads (`ckptfs.format.serialize.version_of`); a
 #: snapshot's gives the caller's tensor's (`ckptfs.protocol.snapshot.Snapshot.hint`).
@@ -76,8 +80,9 @@ class Prepared:
     holds nothing of the caller's objects but what it is given.  ``gate``: around each file's
     write (``Attempt.write_files``; a streamed save only)."""
     #: A save streamed through a staging budget (``staging_bytes`` smaller than its tensors):
-    #: the indices into ``reads`` of each file it writes, in writing order (empty for
-    #: ``state.msgpack``); None otherwise.
+    #: the indices into ``reads`` of each file it writes, in writing order (one process: empty
+    #: for ``state.msgpack``; a collective save: each group of the view's tensors, which each
+    #: rank writes as one rank file of what it holds of them); None otherwise.
     streamed: list[tuple[int, ...]] | None = None
 
     def write(self) -> CheckpointInfo:
@@ -92,9 +97,12 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     """The save of ``state`` as step ``step`` of ``store`` (module docstring), prepared.  The
     metadata is deep-copied (plain JSON).  ``background``: the save is written on the store's
     thread, its collectives on the group this gives.  ``staging_bytes``: an async save's
-    staging budget; a single-process format v1 save whose tensors exceed it is laid out to be
-    streamed through it (`ckptfs.protocol.staging.fit_files`: smaller files; a tensor larger
-    than the budget refused) and says so (``streamed``)."""
+    staging budget; a save whose tensors exceed it is laid out to be streamed through it and
+    says so (``streamed``): one process (format v1) in smaller files
+    (`ckptfs.protocol.staging.fit_files`), a collective save of format v2 in groups of the
+    view's tensors, one rank file per group (`ckptfs.protocol.staging.fit_groups`); a tensor
+    larger than the budget is refused.  An incremental (v3, v4) or per-rank (v5) save is not
+    streamed (``streamed`` None)."""
     check_step(step)
     opts = store.options
     collective = store.layout == RANKS or wants_sharded_save(state, process_group)
@@ -143,7 +151,45 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
         return lambda: sh.save_prepared(prep, group,
                                         renew=lambda: sh.liveness(renew_on, kind, step))
 
+    streaming = None if staging_bytes is None else stream_groups(prep, staging_bytes)
+    if streaming is not None:
+        from ckptfs.protocol.sharded_io import FileStream
+
+        parts, groups = streaming
+        prep.planner.digest_replicas_now(prep.view)  # it plans before every group is staged
+        group_of = parts.groups_of(groups)
+
+        def over_stream(tensors: Any, hint: Hint | None, gate: FileGate | None = None
+                        ) -> Callable[[], CheckpointInfo]:
+            assert gate is not None
+            run = over_view(parts.fill(tensors), None)
+            prep.writer.stream = FileStream(group_of, len(groups), gate)
+            return run
+
+        return Prepared(step, True, parts.tensors, over_stream, groups)
+
     return Prepared(step, True, prep.view, over_view)
+
+
+def stream_groups(prep: Any, budget: int) -> tuple[Split, list[tuple[int, ...]]] | None:
+    """How a collective save (``prep``: `ckptfs.protocol.sharded.SavePrep`) streams through
+    an async save's staging budget: its view taken apart (`ckptfs.protocol.snapshot.split`)
+    and the groups of its tensors (`ckptfs.protocol.staging.fit_groups`), each rank writing
+    one rank file per group (`ckptfs.protocol.sharded_io.FileStream`); None when it does not
+    stream: it fits the budget, or its format cannot (`ShardedWriter.can_stream`), or a
+    tensor of this rank is larger than the budget.  That rank is not refused alone (the other
+    ranks would wait for it in the save's collectives): its part is written from the
+    caller's tensors, as a save that cannot stream (logged)."""
+    if not prep.writer.can_stream:
+        return None
+    parts = split(prep.view)
+    if staged_size(parts.tensors) <= budget:
+        return None
+    try:
+        return parts, fit_groups(parts.tensors, [key_str(k) for k in parts.keys], budget)
+    except StagingBudgetError as exc:
+        log.warning("%s; this rank's part of the collective save is not staged", exc)
+        return None
 
 
 def save_deadline(store: CheckpointStore, step: int, collective: bool, process_group: Any

@@ -21,7 +21,7 @@ docs/sharded.md).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from ckptfs.errors import ReplicaMismatchError, UnsupportedValueError
 from ckptfs.format.serialize import cpu_contiguous, tensor_memoryview
 
 __all__ = ["check_divergent_keys", "check_replicas", "is_divergent", "replica_digests",
-           "tensor_digest"]
+           "tensor_digest", "view_digests"]
 
 #: A tensor not in host memory is hashed through host copies of at most this many bytes.
 _HOST_BLOCK = 64 << 20
@@ -77,12 +77,14 @@ def _replicated_shard(obj: Any) -> bool:
 
 
 def replica_digests(items: Sequence[Any], state: dict[str, Any],
-                    lookup: Callable[[Any], Any], divergent: Iterable[str] = ()) -> list[int]:
+                    lookup: Callable[[Any], Any], divergent: Iterable[str] = (),
+                    known: Mapping[str, int] | None = None) -> list[int]:
     """Per write item of a local plan (DCP's ``WriteItem``s), the digest of this rank's copy
     where other ranks may hold the same tensor (a whole tensor, a DTensor's shard replicated
     over a mesh dimension; 0 elsewhere).  ``state``: the flattened state (the objects by
     name); ``lookup``: the planner's ``lookup_object``; ``divergent``: key prefixes meant to
-    differ between ranks (not hashed)."""
+    differ between ranks (not hashed); ``known``: the digests taken earlier by name
+    (`view_digests`), used instead of reading the objects."""
     from torch.distributed.checkpoint.planner import WriteItemType
 
     skip = tuple(divergent)
@@ -93,9 +95,45 @@ def replica_digests(items: Sequence[Any], state: dict[str, Any],
                 item.type == WriteItemType.TENSOR or _replicated_shard(state.get(fqn))):
             out.append(0)
             continue
+        if known is not None:
+            out.append(known.get(fqn, 0))
+            continue
         obj = lookup(item.index)
         out.append(tensor_digest(obj) if isinstance(obj, torch.Tensor) else 0)
     return out
+
+
+def view_digests(view: Mapping[str, Any], divergent: Iterable[str] = ()) -> dict[str, int]:
+    """`replica_digests`'s digests by DCP name (the key path joined with ``"."``, as DCP
+    flattens the view), taken from a DCP view's objects before planning (what the planner's
+    ``lookup_object`` gives for a tensor item: the tensor, or a DTensor's local shard; the
+    same digest whichever way it is taken)."""
+    from ckptfs.torch_compat import dtensor_local
+
+    skip = tuple(divergent)
+    out: dict[str, int] = {}
+
+    def walk(obj: Any, fqn: str) -> None:
+        if isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, f"{fqn}.{k}" if fqn else str(k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{fqn}.{i}" if fqn else str(i))
+        elif isinstance(obj, torch.Tensor) and not is_divergent(fqn, skip):
+            if _is_dtensor(obj):
+                if not _replicated_shard(obj):
+                    return
+                obj = dtensor_local(obj)
+            out[fqn] = tensor_digest(obj)
+
+    walk(view, "")
+    return out
+
+
+def _is_dtensor(obj: Any) -> bool:
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(obj, cls)
 
 
 def check_divergent_keys(keys: Any) -> tuple[str, ...]:

@@ -148,6 +148,21 @@ class ItemReport:
 
 
 
+@dataclass(frozen=True)
+class FileStream:
+    """A collective save streamed through an async save's staging budget (docs/async.md
+    section 5): the tensors of the view are staged in ``count`` consecutive groups
+    (`ckptfs.protocol.staging.fit_groups`), ``group_of`` maps each view name to its group,
+    and ``gate(k)`` is the stream's gate around the write of group ``k``
+    (`ckptfs.protocol.staging.Stream.gate`: it waits until the group is staged and gives its
+    region back once written).  The rank writes one rank file per group it holds items of
+    (``data-0``, ``data-1``, ...: format v2 allows several, §8.3), its values in the last."""
+
+    group_of: Mapping[str, int]
+    count: int
+    gate: Callable[[int], Any]
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -191,6 +206,9 @@ class ShardedWriter(StorageWriter):
         #: The reuse hint of a resolved tensor (``version_of``); an async save, whose tensors
         #: are staged copies, gives the caller's tensors' hints taken at its snapshot.
         self.hint: Callable[[torch.Tensor], tuple[int, int]] = version_of
+        #: Set by an async save streamed through its staging budget (`FileStream`; format
+        #: v2 only: `can_stream`).
+        self.stream: FileStream | None = None
         #: Format v5, the metadata split per rank (docs/protocol.md §9.7), for
         #: ``metadata_layout="per-rank"`` or ``"auto"`` from 64 ranks (``world``: the save's
         #: ranks; default the world's) where the store allows it; else None: one
@@ -203,6 +221,13 @@ class ShardedWriter(StorageWriter):
             from ckptfs.protocol.rank_metadata import per_rank_save
             self.per_rank = per_rank_save(self.storage, self.step, opts, self.metadata, tree,
                                           metadata_layout)
+
+    @property
+    def can_stream(self) -> bool:
+        """Whether this save can be streamed through a staging budget (`FileStream`): format
+        v2.  An incremental save (v4) reads every tensor to decide its reuse before it
+        writes; a per-rank save (v5) writes one rank file per rank, which its index names."""
+        return self.memory is None and self.per_rank is None
 
     @property
     def checkpoint_id(self) -> str:
@@ -326,7 +351,8 @@ class ShardedWriter(StorageWriter):
             raise UnsupportedValueError(
                 "the save plan carries no ckptfs attempt: prepare_global_plan did not run "
                 "(use_collectives=False is not supported)")
-        results = self._write_rank(ap, plan.items, planner) if plan.items else []
+        results = self._write_rank(ap, plan.items, planner) \
+            if plan.items or self.stream is not None else []
         if self.per_rank is not None:  # format v5: this rank's index, one report
             results = self.per_rank.write_index(ap.attempt, ap.rank, plan.items, results)
         fut: Future[list[WriteResult]] = Future()
@@ -362,7 +388,10 @@ class ShardedWriter(StorageWriter):
         own.sort(key=lambda p: -element_size(p[1].dtype))
         results: list[WriteResult] = []
         written: dict[str, Stored] = {}
-        if own:
+        if self.stream is not None:
+            results, written = self._write_streamed(ap, own, values, tensors, planner,
+                                                    self.stream)
+        elif own:
             results, written = self._write_file(ap, own, values, tensors, planner)
         # The chunks this rank wrote (and their files' header chunks): known good from now on.
         fresh = {c for st in written.values() for c in (
@@ -423,13 +452,43 @@ class ShardedWriter(StorageWriter):
                               threads=self.threads, storage=self.storage, by_content=False)
         return {ids[i]: st for i, st in chosen.items()}, index.protector
 
+    def _write_streamed(self, ap: AttemptPlan, own: list[tuple[WriteItem, PlannedItem]],
+                        values: dict[int, bytes], tensors: dict[int, torch.Tensor],
+                        planner: SavePlanner, stream: FileStream
+                        ) -> tuple[list[WriteResult], dict[str, Stored]]:
+        """This rank's items in one rank file per staged group (`FileStream`), each written
+        inside the stream's gate of its group, every group's gate passed in order (a group
+        this rank writes nothing of gives its region back at once)."""
+        last = stream.count - 1
+        parts: list[list[tuple[WriteItem, PlannedItem]]] = [[] for _ in range(stream.count)]
+        for p in own:
+            fqn = p[0].index.fqn
+            k = last if id(p[0]) in values else stream.group_of.get(fqn)
+            if k is None:  # never guessed: another group's bytes may be in its place
+                raise UnsupportedValueError(
+                    f"{fqn!r}: a streamed save found no staged group for this tensor; save "
+                    "without staging_bytes and report this")
+            parts[k].append(p)
+        results: list[WriteResult] = []
+        written: dict[str, Stored] = {}
+        files = 0
+        for k, part in enumerate(parts):
+            with stream.gate(k):
+                if part:
+                    r, w = self._write_file(ap, part, values, tensors, planner, index=files)
+                    files += 1
+                    results += r
+                    written.update(w)
+        return results, written
+
     def _write_file(self, ap: AttemptPlan, planned: list[tuple[WriteItem, PlannedItem]],
                     values: dict[int, bytes], tensors: dict[int, torch.Tensor],
-                    planner: SavePlanner) -> tuple[list[WriteResult], dict[str, Stored]]:
-        """Write this rank's file of ``planned`` items into the attempt; the write results
-        and, per item name, where its bytes now are."""
+                    planner: SavePlanner, index: int = 0
+                    ) -> tuple[list[WriteResult], dict[str, Stored]]:
+        """Write this rank's file ``index`` (``rank-R/data-<index>``) of ``planned`` items
+        into the attempt; the write results and, per item name, where its bytes now are."""
         header, offsets = plan_header([p for _, p in planned], ap.rank)
-        relpath = rank_file_name(ap.rank)
+        relpath = rank_file_name(ap.rank, index)
         att = Attempt.join(self.storage, self.step, ap.attempt, algorithm=self.algorithm,
                            durable=self.durable)
 

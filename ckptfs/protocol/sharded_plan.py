@@ -84,6 +84,17 @@ class SavePlanner(DefaultSavePlanner):
         self._tree_sink = tree_sink  # the coordinator's writer: gets the merged skeleton
         #: The items this rank writes in part: each one's local item and first row (finish_plan).
         self._pieces: dict[MetadataIndex, tuple[WriteItem, int]] = {}
+        #: Replica digests taken before planning, by name (`digest_replicas_now`).
+        self._known: dict[str, int] | None = None
+
+    def digest_replicas_now(self, view: Mapping[str, Any]) -> None:
+        """Take the replica digests of ``view`` now, from its objects, instead of while
+        planning: an async save streamed through its staging budget plans over copies that
+        are not all staged yet (`ckptfs.protocol.replicas.view_digests`)."""
+        if self._divergent is not None and _several_ranks():
+            from ckptfs.protocol.replicas import view_digests
+
+            self._known = view_digests(view, self._divergent)
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
                        is_coordinator: bool = False) -> None:
@@ -113,7 +124,8 @@ class SavePlanner(DefaultSavePlanner):
                 from ckptfs.protocol.replicas import replica_digests
 
                 mappings.replicas = replica_digests(plan.items, self.state_dict,
-                                                    self.lookup_object, self._divergent)
+                                                    self.lookup_object, self._divergent,
+                                                    known=self._known)
             plan = dataclasses.replace(plan, planner_data=mappings)
         return plan
 

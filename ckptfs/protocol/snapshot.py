@@ -42,7 +42,7 @@ from ckptfs.format.sharded import decode_value, encode_value
 from ckptfs.protocol.collective import is_dtensor
 from ckptfs.protocol.staging import PoolKey, StagingPool, stage, stage_within
 
-__all__ = ["Snapshot", "take"]
+__all__ = ["Snapshot", "Split", "split", "take"]
 
 log = logging.getLogger("ckptfs")
 
@@ -85,13 +85,49 @@ class _Slot:
         self.like = like
 
 
-def take(pool: StagingPool, value: Any, budget: int | None = None) -> Snapshot | None:
-    """The snapshot of ``value`` (module docstring), every copy complete when it returns: the
-    caller may change or free its objects then.  On failure the buffers taken go back to the
-    pool.  ``budget``: the copies go into the pool's slab, or, when they would take more than
-    ``budget`` bytes, nothing is copied and None is returned
-    (`ckptfs.protocol.staging.stage_within`)."""
+@dataclass
+class Split:
+    """A structure taken apart by `split`: ``tree`` (the structure with a slot where each
+    tensor was, every non-tensor value its own copy), the distinct local ``tensors`` it reads
+    (a DTensor's local shard), each one's reuse ``hints`` (the caller's tensor's) and the key
+    of each tensor's first place (``keys``; top-level keys of a DCP view are its names)."""
+
+    tree: Any
+    tensors: list[torch.Tensor]
+    hints: list[tuple[int, int]]
+    keys: list[tuple[Any, ...]]
+
+    def fill(self, tensors: list[torch.Tensor]) -> Any:
+        """The structure again over ``tensors`` (copies of `tensors`, in order): a DTensor is
+        rebuilt around its copy with the same spec."""
+        return _fill(self.tree, tensors)
+
+    def groups_of(self, groups: list[tuple[int, ...]]) -> dict[str, int]:
+        """For a DCP view split into ``groups`` of tensor indices: the DCP name of each place
+        of a tensor (its key path joined with ``"."``, as DCP flattens a state) -> the group
+        holding that tensor."""
+        where = {i: k for k, members in enumerate(groups) for i in members}
+        out: dict[str, int] = {}
+
+        def walk(v: Any, path: tuple[Any, ...]) -> None:
+            if isinstance(v, _Slot):
+                out[".".join(str(p) for p in path)] = where[v.index]
+            elif type(v) is dict:
+                for k, x in v.items():
+                    walk(x, (*path, k))
+            elif type(v) in (list, tuple):
+                for i, x in enumerate(v):
+                    walk(x, (*path, i))
+
+        walk(self.tree, ())
+        return out
+
+
+def split(value: Any) -> Split:
+    """``value`` taken apart (`Split`): nothing of the caller's objects is left in its tree
+    but the tensors it lists (module docstring: values copied, containers rebuilt)."""
     tensors: list[torch.Tensor] = []
+    keys: list[tuple[Any, ...]] = []
     index: dict[tuple[Any, ...], int] = {}
 
     def walk(v: Any, path: tuple[Any, ...]) -> Any:
@@ -111,6 +147,7 @@ def take(pool: StagingPool, value: Any, budget: int | None = None) -> Snapshot |
             if i is None:
                 i = index[ident] = len(tensors)
                 tensors.append(local)
+                keys.append(path)
             return _Slot(i, like)
         if type(v) is dict:
             return {k: walk(x, (*path, k)) for k, x in v.items()}
@@ -123,7 +160,17 @@ def take(pool: StagingPool, value: Any, budget: int | None = None) -> Snapshot |
         return own_copy(v, ".".join(str(p) for p in path))
 
     tree = walk(value, ())
-    hints = [version_of(t) for t in tensors]
+    return Split(tree, tensors, [version_of(t) for t in tensors], keys)
+
+
+def take(pool: StagingPool, value: Any, budget: int | None = None) -> Snapshot | None:
+    """The snapshot of ``value`` (module docstring), every copy complete when it returns: the
+    caller may change or free its objects then.  On failure the buffers taken go back to the
+    pool.  ``budget``: the copies go into the pool's slab, or, when they would take more than
+    ``budget`` bytes, nothing is copied and None is returned
+    (`ckptfs.protocol.staging.stage_within`)."""
+    parts = split(value)
+    tensors = parts.tensors
     if budget is None:
         staged = stage(pool, tensors)
     else:
@@ -131,14 +178,14 @@ def take(pool: StagingPool, value: Any, budget: int | None = None) -> Snapshot |
         if within is None:
             return None
         staged = within
-    tensors.clear()  # the caller's: not read again
+    parts.tensors = []  # the caller's: not read again
     try:
-        out = _fill(tree, staged.tensors)
+        out = parts.fill(staged.tensors)
     except BaseException:  # pragma: no cover - rebuilding a DTensor of a valid spec
         pool.give_back(staged.buffers)
         pool.release(staged.regions)
         raise
-    by_ptr = {version_of(t)[0]: h for t, h in zip(staged.tensors, hints, strict=True)
+    by_ptr = {version_of(t)[0]: h for t, h in zip(staged.tensors, parts.hints, strict=True)
               if t.numel()}
     return Snapshot(out, staged.buffers, by_ptr, staged.regions)
 

@@ -21,9 +21,10 @@ resolved), which is what the serializer writes for that view.
 **A staging budget** (``save_async(..., staging_bytes=B)``, docs/async.md section 5): the
 copies then go into one flat host buffer of the pool, the *slab* (at most ``B`` bytes, kept
 between saves like the buffers), used as a ring of regions, one region per file the save
-writes.  A snapshot that fits takes one region (`stage_within`).  A single-process state
-larger than ``B`` is *streamed* (`Stream`): its tensor files are laid out at most ``B/2``
-bytes each (`fit_files`; a tensor larger than ``B`` is refused, `StagingBudgetError`), the
+writes.  A snapshot that fits takes one region (`stage_within`).  A state larger than ``B``
+is *streamed* (`Stream`): its tensor files are laid out at most ``B/2`` bytes each (one
+process: `fit_files`; a collective save, format v2: `fit_groups`, each rank writing one rank
+file per group; a tensor larger than ``B`` is refused, `StagingBudgetError`), the
 caller's thread copies file after file into their regions, waiting while a region still holds
 bytes the writer has not written, and the writer (``Attempt.write_files``' gate) waits for a
 file's region to be filled and gives it back once the file is written, retries included.  The
@@ -350,20 +351,25 @@ def stage_within(pool: StagingPool, tensors: Sequence[torch.Tensor], budget: int
     return Staged(views, [], [rid])
 
 
-def fit_files(plan: StatePlan, budget: int) -> StatePlan:
-    """``plan`` laid out for streaming through ``budget`` staging bytes: tensor files of at
-    most ``budget // 2`` bytes (so one is staged while another is written; a tensor larger
-    than that gets a file of its own).  Refuses, with `StagingBudgetError` naming its key
-    path, a tensor whose copy alone exceeds the budget."""
-    for i, t in enumerate(plan.tensors):
+def _refuse_larger(tensors: Sequence[torch.Tensor], names: Sequence[str], budget: int) -> None:
+    """`StagingBudgetError` naming the first tensor whose copy alone exceeds ``budget``."""
+    for i, t in enumerate(tensors):
         if _aligned(_nbytes(t)) > budget:
-            key = plan.names[i] if i < len(plan.names) else f"tensor {i}"
+            key = names[i] if i < len(names) else f"tensor {i}"
             raise StagingBudgetError(
                 f"save_async: the tensor at key path {key!r} ({_nbytes(t)} bytes, "
                 f"{t.dtype}{list(t.shape)}) is larger than the staging budget "
                 f"(staging_bytes={budget}); a tensor is staged whole: raise staging_bytes to "
                 f"at least {_aligned(_nbytes(t))}, or save without a budget",
                 key=key, nbytes=_nbytes(t), budget=budget)
+
+
+def fit_files(plan: StatePlan, budget: int) -> StatePlan:
+    """``plan`` laid out for streaming through ``budget`` staging bytes: tensor files of at
+    most ``budget // 2`` bytes (so one is staged while another is written; a tensor larger
+    than that gets a file of its own).  Refuses, with `StagingBudgetError` naming its key
+    path, a tensor whose copy alone exceeds the budget."""
+    _refuse_larger(plan.tensors, plan.names, budget)
     shard = max(1, min(plan.shard_bytes, budget // 2))
     out = relayout(dataclasses.replace(plan, shard_bytes=shard), dict(plan.external))
     for tf in out.tensor_files:
@@ -374,6 +380,30 @@ def fit_files(plan: StatePlan, budget: int) -> StatePlan:
                 f"(each copy aligned to {ALIGN}), more than staging_bytes={budget}; raise it",
                 key=plan.names[tf.members[0]], nbytes=size, budget=budget)
     return out
+
+
+def fit_groups(tensors: Sequence[torch.Tensor], names: Sequence[str], budget: int
+               ) -> list[tuple[int, ...]]:
+    """The indices of ``tensors`` in consecutive groups of at most ``budget // 2`` staged
+    bytes each (a tensor larger than that is a group of its own), for a collective save
+    streamed through ``budget`` (each rank writes one rank file per group,
+    `ckptfs.protocol.sharded_io.ShardedWriter`).  Refuses a tensor whose copy alone exceeds
+    the budget as `fit_files` does."""
+    _refuse_larger(tensors, names, budget)
+    half = max(1, budget // 2)
+    groups: list[tuple[int, ...]] = []
+    members: list[int] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        n = _aligned(_nbytes(t))
+        if members and size + n > half:
+            groups.append(tuple(members))
+            members, size = [], 0
+        members.append(i)
+        size += n
+    if members:
+        groups.append(tuple(members))
+    return groups
 
 
 class Stream:

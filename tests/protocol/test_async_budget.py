@@ -3,8 +3,8 @@ budget streams through it (a part copied, written, its buffer reused for the nex
 staging code's own accounting (``StagingPool.live_bytes`` and the bytes it holds) never exceeds
 the budget; the call returns once the last part is copied, and the checkpoint holds the values
 at the call; a tensor larger than the budget is refused by name; a save that cannot stream
-(collective, incremental) is written from the caller's tensors and the call returns when it is
-done.  On ``memory://`` and local disk."""
+(incremental) is written from the caller's tensors and the call returns when it is done (the
+collective saves: test_async_budget_ranks.py).  On ``memory://`` and local disk."""
 
 from __future__ import annotations
 
@@ -319,30 +319,6 @@ def test_incremental_store_over_the_budget_is_written_from_the_state(
     fut = store.save_async(2, state, staging_bytes=8 * BUDGET)
     fut.result(timeout=120)
     assert stats.unstaged == 1 and 0 < stats.staging_peak_bytes <= 8 * BUDGET
-
-
-@pytest.mark.sharded
-def test_collective_layout_over_the_budget_is_written_from_the_state(
-        memory_backend: Backend) -> None:
-    """A collective save (here the rank files of a world of one, layout='ranks': the same
-    collective save, no process group) writes each rank's shards in one file: over the budget
-    it is not staged, and the call returns once it is committed; within it, the snapshot."""
-    store = ckptfs.open(memory_backend.open().url, layout="ranks")
-    state = big_state(2 * BUDGET)
-    expected = clone(state)
-    fut = store.save_async(1, state, staging_bytes=BUDGET)
-    assert fut.done() and fut.result().step == 1
-    mutate(state)
-    assert store.async_stats.unstaged == 1
-    assert_state_equal(store.load(1), expected)
-    state = big_state(2 * BUDGET, seed=1)
-    expected = clone(state)
-    fut = store.save_async(2, state, staging_bytes=8 * BUDGET)
-    mutate(state)
-    fut.result(timeout=120)
-    assert store.async_stats.unstaged == 1
-    assert 0 < store.async_stats.staging_peak_bytes <= 8 * BUDGET
-    assert_state_equal(store.load(2), expected)
 
 
 def test_cuda_branch_streams_through_a_pinned_slab(monkeypatch: pytest.MonkeyPatch,
