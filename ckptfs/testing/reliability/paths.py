@@ -25,6 +25,9 @@ exactly what the single-process save gives it:
            references the model's items in an earlier checkpoint's rank file
 ``async-v2`` ``save_async`` of the state's tensors as DTensors on a one-rank mesh, under a
            one-rank gloo process group (`world_of_one`): the collective async save
+``async-v2s`` ``save_async`` of a store of ``layout="ranks"`` (the collective driver in a world of
+           one) with a staging budget the state's tensors exceed (`streamed_budget`): streamed
+           group by group, its rank's items in several rank files (``data-0``, ``data-1``, ...)
 ``async-v3`` ``save_async`` on an incremental store (format v3), saving what ``v3`` saves
 ``async-v4`` the collective async save on an incremental store (its reuse memory kept as
            for ``v4``)
@@ -183,6 +186,8 @@ class WritePath:
                                       incremental=self.name == "async-v4")
         if self.name == "async-v5":
             return save_async_v5(store, step, state, metadata=metadata)
+        if self.name == "async-v2s":
+            return save_async_streamed(store, step, state, metadata=metadata)
         if self.name in ("cp", "cp-v2", "cp-v5"):
             return copy_through(store, step, state, metadata=metadata,
                                 sharded=self.name != "cp",
@@ -366,6 +371,41 @@ def save_async_sharded(store: CheckpointStore, step: int, state: Mapping[str, An
             saver.close()
 
 
+def streamed_budget(state: Mapping[str, Any]) -> int | None:
+    """A staging budget that ``state``'s tensors exceed and its largest tensor fits twice
+    (so a collective async save streams it in several groups); None when it has fewer than
+    two tensors with bytes (nothing to split)."""
+    from ckptfs.errors import CkptfsError
+    from ckptfs.format.sharded_tree import dcp_view
+    from ckptfs.protocol.snapshot import split
+    from ckptfs.protocol.staging import staged_size
+
+    try:  # what the save stages: the DCP view's tensors (a state it refuses: no budget)
+        view, _ = dcp_view(state)
+        tensors = split(view).tensors
+    except CkptfsError:
+        return None
+    sizes = sorted(staged_size([t]) for t in tensors if t.numel())
+    if len(sizes) < 2:
+        return None
+    return max(2 * sizes[-1], sum(sizes) // 3, 64)
+
+
+def save_async_streamed(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
+                        metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+    """``save_async`` of a store of ``store``'s storage and settings opened with
+    ``layout="ranks"`` within `streamed_budget`: format v2, each group of the state's tensors
+    in a rank file of its own (docs/async.md section 5)."""
+    saver = CheckpointStore(store.storage, algorithm=store.algorithm, durable=store.durable,
+                            threads=store.threads, shard_bytes=store.shard_bytes,
+                            layout="ranks")
+    fut = saver.save_async(step, state, metadata=metadata, staging_bytes=streamed_budget(state))
+    try:
+        return fut.result()
+    finally:
+        saver.close()
+
+
 def save_async_v5(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
                   metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """``save_async`` of a store of ``store``'s storage and settings opened with
@@ -480,6 +520,7 @@ SUB = WritePath("sub", sub=True)
 V3 = WritePath("v3", 3, references=True)
 V4 = WritePath("v4", 4, references=True)
 ASYNC_V2 = WritePath("async-v2", 2)
+ASYNC_V2S = WritePath("async-v2s", 2)
 ASYNC_V3 = WritePath("async-v3", 3, references=True)
 ASYNC_V4 = WritePath("async-v4", 4, references=True)
 CP_V3 = WritePath("cp-v3", 3, references=True)
@@ -495,8 +536,8 @@ REPLICA_V5 = WritePath("replica-v5", 5)
 
 #: Every in-process write path, by name.
 WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (
-    V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V3, ASYNC_V4, CP_V3, CP_V4, REPLICA_V1,
-    REPLICA_V3, REPLICA_V2, REPLICA_V4, V5, ASYNC_V5, CP_V5, REPLICA_V5)}
+    V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V2S, ASYNC_V3, ASYNC_V4, CP_V3, CP_V4,
+    REPLICA_V1, REPLICA_V3, REPLICA_V2, REPLICA_V4, V5, ASYNC_V5, CP_V5, REPLICA_V5)}
 
 
 # -- rollback reads ----------------------------------------------------------------------------
