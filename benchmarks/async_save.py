@@ -5,9 +5,11 @@ much host memory does its staging take, with and without a staging budget?
 Usage: ``python -m benchmarks.async_save [options]`` (same as
 ``python -m ckptfs.bench.async_save [options]``; see ``--help``, and docs/async.md).
 
-``python -m benchmarks.async_save budget [--size-mib N] [--repeats R] [--root DIR] [--out F]``:
-the staging budget (docs/async.md section 5), side by side in one run: ``save_async`` of an
-N MiB state (fp32 tensors of N/64 MiB each, on local disk, durable) with no budget and with
+``python -m benchmarks.async_save budget [--size-mib N] [--repeats R] [--layout files|ranks]
+[--root DIR] [--out F]``: the staging budget (docs/async.md section 5), side by side in one run:
+``save_async`` of an N MiB state (fp32 tensors of N/64 MiB each, on local disk, durable; with
+``--layout ranks`` a store of ``layout="ranks"``: the collective save in a world of one, format
+v2, its rank's items streamed into one rank file per group) with no budget and with
 ``staging_bytes`` N/4 and N/16, each in a fresh process (so that nothing another variant
 allocated is reused), reporting that process's peak extra host memory during the save (RSS
 sampled every 2 ms by a thread, and the ``ru_maxrss`` high-water mark, both against the RSS
@@ -48,7 +50,8 @@ def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def child(size_mib: int, budget: int | None, root: str) -> dict[str, Any]:
+def child(size_mib: int, budget: int | None, root: str, layout: str = "files"
+          ) -> dict[str, Any]:
     """One variant, in this (fresh) process."""
     import torch
 
@@ -59,7 +62,7 @@ def child(size_mib: int, budget: int | None, root: str) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     state = {"model": {f"layer{i}.weight": torch.rand(per, generator=g) for i in range(n)},
              "trainer": {"step": 0}}
-    store = ckptfs.open(root)
+    store = ckptfs.open(root, layout=layout)
     # warm-up: imports, thread pools, hashers (not the state's staging)
     store.save_async(0, {"w": torch.ones(1024)}, staging_bytes=budget).result()
     store.delete(0)
@@ -103,7 +106,8 @@ def child(size_mib: int, budget: int | None, root: str) -> dict[str, Any]:
     return out
 
 
-def run_budget(size_mib: int, repeats: int, root: str | None) -> dict[str, Any]:
+def run_budget(size_mib: int, repeats: int, root: str | None, layout: str = "files"
+               ) -> dict[str, Any]:
     budgets: list[int | None] = [None, size_mib * MIB // 4, size_mib * MIB // 16]
     runs: dict[str, list[dict[str, Any]]] = {str(b): [] for b in budgets}
     with tempfile.TemporaryDirectory(prefix="ckptfs-budget-bench-", dir=root) as tmp:
@@ -112,7 +116,7 @@ def run_budget(size_mib: int, repeats: int, root: str | None) -> dict[str, Any]:
             for k, b in enumerate(order):
                 where = f"{tmp}/r{r}-{k}"
                 cmd = [sys.executable, "-m", "benchmarks.async_save", "_child", str(size_mib),
-                       "none" if b is None else str(b), where]
+                       "none" if b is None else str(b), where, layout]
                 res = subprocess.run(cmd, capture_output=True, text=True, check=True,
                                      cwd=Path(__file__).resolve().parents[1])
                 runs[str(b)].append(json.loads(res.stdout.strip().splitlines()[-1]))
@@ -134,11 +138,13 @@ def run_budget(size_mib: int, repeats: int, root: str | None) -> dict[str, Any]:
             "within_bound": None if b is None else max(
                 max(x["peak_extra_rss"], x["maxrss_delta"]) for x in rs) <= b + OVERHEAD})
     return {"size_mib": size_mib, "repeats": repeats, "overhead_bytes": OVERHEAD,
+            "layout": layout,
             "loadavg": os.getloadavg(), "summary": summary, "runs": runs}
 
 
 def report(res: dict[str, Any]) -> str:
-    lines = [f"save_async of {res['size_mib']} MiB on local disk (durable), "
+    lines = [f"save_async of {res['size_mib']} MiB on local disk (durable, layout "
+             f"{res.get('layout', 'files')!r}), "
              f"{res['repeats']} run(s) per variant, each in a fresh process; load average "
              f"{', '.join(f'{x:.2f}' for x in res['loadavg'])}",
              "first save in the process (buffers allocated), then a second one (reused):",
@@ -163,10 +169,12 @@ def main_budget(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mib", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layout", choices=("files", "ranks"), default="files",
+                   help="the store's layout (ranks: the collective save, format v2)")
     p.add_argument("--root", help="directory for the checkpoints (default: $TMPDIR)")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
-    res = run_budget(a.size_mib, a.repeats, a.root)
+    res = run_budget(a.size_mib, a.repeats, a.root, a.layout)
     print(report(res))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
@@ -176,7 +184,9 @@ def main_budget(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_child"]:
         size, budget, root = argv[1:4]
-        print(json.dumps(child(int(size), None if budget == "none" else int(budget), root)))
+        layout = argv[4] if len(argv) > 4 else "files"
+        print(json.dumps(child(int(size), None if budget == "none" else int(budget), root,
+                               layout)))
         return 0
     if argv[:1] == ["budget"]:
         return main_budget(argv[1:])
