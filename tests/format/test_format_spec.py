@@ -231,6 +231,33 @@ def test_by_hand_checker_rejects_sharded_tampering(tmp_path: Path) -> None:
         ckptfs.open(str(root)).load(20)
 
 
+@pytest.mark.sharded
+def test_by_hand_checker_accepts_several_rank_files_per_rank(tmp_path: Path) -> None:
+    """A collective async save streamed through a staging budget writes one rank file per
+    staged group (§8.3: ``rank-R/data-K``): the checker verifies every one; a flipped byte in
+    one of the later files is refused by both."""
+    root = tmp_path / "run"
+    store = ckptfs.open(str(root), layout="ranks")
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(32, 64, generator=g) for i in range(8)},
+             "trainer": {"step": 4}}
+    info = store.save_async(4, state, staging_bytes=24 * 1024).result(timeout=60)
+    rank_files = [f.path for f in info.manifest.files if f.path.startswith("rank-")]
+    assert len(rank_files) >= 4 and "rank-00000/data-3.safetensors" in rank_files
+    done = run_checker(tmp_path, root)
+    assert done.returncode == 0, done.stderr
+    assert f"step 4: committed, sharded by 1 ranks, {len(rank_files) + 1} files verified" \
+        in done.stdout
+    path = root / StepPaths(4).file(info.attempt, "rank-00000/data-3.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 1
+    path.write_bytes(bytes(data))
+    done = run_checker(tmp_path, root)
+    assert done.returncode != 0 and "rank-00000/data-3.safetensors: chunk at" in done.stderr
+    with pytest.raises(ckptfs.CorruptCheckpointError, match="rank-00000/data-3"):
+        store.load(4)
+
+
 # -- format v2: the spec's tables and the checker's rules are the code's ------------------------
 
 def _checker_namespace() -> dict[str, Any]:
