@@ -101,6 +101,7 @@ from ckptfs.protocol.resolve import (
     storage_url,
 )
 from ckptfs.storage.base import (
+    BatchedSync,
     EmptyDirRemoval,
     ServerChecksums,
     Storage,
@@ -131,6 +132,12 @@ FLUSH_STEP = 64 * 1024 * 1024
 #: a durable save of a 64 KiB state: 2.8-3.3 ms with its files written in turn, 5.3-6.0 ms by
 #: two threads, whose concurrent fsyncs also slowed the commit's own).
 SERIAL_WRITE_BYTES = 4 * 1024 * 1024
+
+#: A file of at most this many bytes that the committing writer writes itself is not fsynced
+#: when written: its fsync joins the commit's one step with ``MANIFEST.json``'s and the
+#: directories' (`ckptfs.storage.base.BatchedSync`, all at once), before the marker.  Larger
+#: files are fsynced as they are written (their tail flush overlaps the other files' writes).
+DEFERRED_SYNC_BYTES = 4 * 1024 * 1024
 
 #: The most bytes a save's parallel streaming writes may hold in buffers at once (object
 #: stores: each open stream holds ``capabilities.stream_buffer_bytes``, its part buffers).  A
@@ -335,6 +342,12 @@ class Attempt:
         self.sync = durable and caps.fsync
         self.committed: CheckpointInfo | None = None
         self._outcome_unknown = False
+        #: This writer commits the attempt and the storage syncs in one step
+        #: (`DEFERRED_SYNC_BYTES`): set by `open`, never for a joined attempt (its files are
+        #: another process's, which commits).  Its small files written and not yet fsynced.
+        self.batched = False
+        self._unsynced: list[str] = []
+        self._unsynced_lock = threading.Lock()
         #: The store's whole-object checksums, computed while writing each file (docs/
         #: remote-verify.md); none where the store keeps none.
         self.store_checksums: tuple[str, ...] = (
@@ -352,6 +365,7 @@ class Attempt:
         check_step(step)
         new_hasher(algorithm)  # unknown/missing algorithm: fail before writing
         att = cls(storage, step, new_attempt_name(), algorithm=algorithm, durable=durable)
+        att.batched = att.sync and supports(storage, BatchedSync)
         att.refuse_if_committed()
         storage.makedirs(att.write_dir)  # its entries are made durable by commit()
         return att
@@ -414,17 +428,22 @@ class Attempt:
         holds meanwhile stay alive (a copy's slices are buffers of their own: a copy passes a
         small lead, a save's chunks are views of the tensors and cost nothing)."""
         path = self.file_path(relpath)
+        defer = self.batched and 0 <= size <= DEFERRED_SYNC_BYTES
         written, digest, piece_digests, checksums = retry_call(
             self.storage, "write", path,
-            lambda: self._write_once(path, size, chunks, pieces, hash_lead))
+            lambda: self._write_once(path, size, chunks, pieces, hash_lead, defer))
         if size >= 0 and written != size:
             raise CorruptCheckpointError(
                 f"{storage_url(self.storage, path)}: {written} bytes were streamed, {size} "
                 "were planned or declared", step=self.step, path=path)
+        if defer:
+            with self._unsynced_lock:
+                self._unsynced.append(relpath)
         return WrittenFile(relpath, written, digest, tuple(piece_digests), checksums)
 
     def _write_once(self, path: str, size: int, chunks: Chunks, pieces: Sequence[int] | None,
-                    hash_lead: int) -> tuple[int, str, list[str], tuple[tuple[str, str], ...]]:
+                    hash_lead: int, defer: bool = False
+                    ) -> tuple[int, str, list[str], tuple[tuple[str, str], ...]]:
         hasher: Hasher | PieceHasher = new_hasher(self.algorithm) if pieces is None \
             else PieceHasher(self.algorithm, list(pieces))
         # The store's checksums ride on the digest's pass (one read of each slice of memory).
@@ -445,7 +464,8 @@ class Attempt:
                 del chunk
             if self.sync:
                 flush.finish()
-                f.fsync()  # type: ignore[attr-defined]
+                if not defer:  # else in the commit's one step (`DEFERRED_SYNC_BYTES`)
+                    f.fsync()  # type: ignore[attr-defined]
         checksums = tuple((name, h.hexdigest()) for name, h in extra.items())
         if isinstance(hasher, PieceHasher):
             return written, "", hasher.digests(), checksums
@@ -562,21 +582,39 @@ class Attempt:
 
     def _place(self, mbytes: bytes, relpaths: Iterable[str]) -> None:
         """``MANIFEST.json`` written, the attempt renamed into place (local disk), and every
-        directory entry leading to its files ``relpaths`` (those on this node) durable."""
-        self.storage.write_bytes(f"{self.write_dir}/{MANIFEST_NAME}", mbytes)
+        directory entry leading to its files ``relpaths`` (those on this node) durable, with
+        the data of the files whose fsync was left to this step (`batched`)."""
+        manifest_path = f"{self.write_dir}/{MANIFEST_NAME}"
+        if self.batched:
+            retry_call(self.storage, "write", manifest_path,
+                       lambda: self._write_unsynced(manifest_path, mbytes))
+        else:
+            self.storage.write_bytes(manifest_path, mbytes)
         if self.write_dir != self.final_dir:
             self.storage.rename_dir(self.write_dir, self.final_dir)
         if self.sync:
             # Every entry leading to this attempt's files, durable before the marker: its
             # files in its directory, the directory (renamed) in the step's, the step's in
             # checkpoints/, checkpoints/ in the run root (it may have just been created).
-            # Done here, once each, after the data: on a journaling filesystem the first
-            # fsync commits every entry made so far and the others find nothing left.
-            # A rank's ``rank-00003/`` first (deepest first), whoever wrote its files.
-            for sub in subdirectories(relpaths):
-                self.storage.sync_dir(f"{self.final_dir}/{sub}")
-            for d in (self.final_dir, self.paths.dir, CHECKPOINTS_DIR, ""):
-                self.storage.sync_dir(d)
+            # Done here, once each, after the data.  A rank's ``rank-00003/`` first (deepest
+            # first), whoever wrote its files.  Batched: all at once, with the data of this
+            # writer's small files and of the manifest (a journaling filesystem commits them
+            # together); else one after the other (the first fsync commits every entry made
+            # so far and the others find nothing left).
+            dirs = [f"{self.final_dir}/{sub}" for sub in subdirectories(relpaths)]
+            dirs += [self.final_dir, self.paths.dir, CHECKPOINTS_DIR, ""]
+            if self.batched:
+                with self._unsynced_lock:
+                    files = [f"{self.final_dir}/{p}" for p in (*self._unsynced, MANIFEST_NAME)]
+                self.storage.sync_paths(files, dirs)  # type: ignore[attr-defined]
+            else:
+                for d in dirs:
+                    self.storage.sync_dir(d)
+
+    def _write_unsynced(self, path: str, data: bytes) -> None:
+        """A whole small document, its fsync left to `_place`'s one step."""
+        with self.storage.open_write(path) as f:
+            f.write(data)
 
     def retire(self, manifest: Manifest, written: Iterable[str]) -> None:
         """Place ``manifest`` (a format with references) and the files ``written`` of this

@@ -14,7 +14,7 @@ weaker guarantee instead of pretending.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -268,6 +268,21 @@ class ServerChecksums(Protocol):
 
 
 @runtime_checkable
+class BatchedSync(Protocol):
+    """Make several written files and directories durable in one step: their fsyncs run at
+    once (a journaling filesystem commits them together), instead of one after the other.
+    A commit that owns its files leaves each small file's fsync to this one step before its
+    marker (`ckptfs.protocol.commit.Attempt`); without it, each file is fsynced as it is
+    written and each directory with ``sync_dir``."""
+
+    def sync_paths(self, files: Sequence[str], dirs: Sequence[str]) -> None:
+        """Make the data of each of ``files`` (written and closed) and the entries of each of
+        ``dirs`` durable: when it returns, every one is; a failure of any is raised (the
+        others still ran).  A no-op where ``not capabilities.fsync``."""
+        ...
+
+
+@runtime_checkable
 class DeclaresCapabilities(Protocol):
     """A storage whose class has the members of several optional capabilities but offers only
     some of them on a given backend (the fsspec adapter: local files only on local disk,
@@ -280,7 +295,8 @@ class DeclaresCapabilities(Protocol):
 
 #: Every optional capability, for wrappers and the conformance suite.
 OPTIONAL_CAPABILITIES: tuple[type, ...] = (RangedRead, LocalFiles, Retrying, ModifiedTimes,
-                                           EmptyDirRemoval, MultipartUploads, ServerChecksums)
+                                           EmptyDirRemoval, MultipartUploads, ServerChecksums,
+                                           BatchedSync)
 
 
 def supports(storage: Storage, capability: type) -> bool:
@@ -489,6 +505,11 @@ class StorageWrapper:
     def server_checksum(self, path: str) -> StoredChecksum | None:
         self.require(ServerChecksums)
         return self.inner.server_checksum(self.inner_path(path))  # type: ignore[attr-defined, no-any-return]
+
+    def sync_paths(self, files: Sequence[str], dirs: Sequence[str]) -> None:
+        self.require(BatchedSync)
+        self.inner.sync_paths([self.inner_path(p) for p in files],  # type: ignore[attr-defined]
+                              [self.inner_path(d) for d in dirs])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"

@@ -38,13 +38,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from datetime import datetime
 from typing import Any, BinaryIO, TypeVar, cast
 
 from ckptfs.errors import SaveDeadlineError
 from ckptfs.storage.base import (
+    BatchedSync,
     EmptyDirRemoval,
     Entry,
     ModifiedTimes,
@@ -319,6 +320,11 @@ class DeadlineStorage(StorageWrapper):
 
     def sync_dir(self, path: str) -> None:
         self._call("fsync", path, lambda: self.inner.sync_dir(path))
+
+    def sync_paths(self, files: Sequence[str], dirs: Sequence[str]) -> None:
+        self.require(BatchedSync)
+        sync = super().sync_paths
+        self._call("fsync", (list(files) + list(dirs) + [""])[0], lambda: sync(files, dirs))
 
     # -- optional capabilities (offered where the inner storage offers them) -------------------
 

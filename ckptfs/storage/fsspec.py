@@ -24,7 +24,7 @@ import urllib.parse
 import urllib.request
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime, timezone
 from typing import Any, BinaryIO, TypeVar, cast
@@ -50,6 +50,7 @@ from ckptfs.storage.backends import (
     spec_for,
 )
 from ckptfs.storage.base import (
+    BatchedSync,
     Capabilities,
     CapabilityUnavailableError,
     EmptyDirRemoval,
@@ -68,6 +69,7 @@ from ckptfs.storage.classify import error_chain as error_chain
 from ckptfs.storage.classify import is_precondition_failure as is_precondition_failure
 from ckptfs.storage.classify import permanent_advice
 from ckptfs.storage.classify import status_code as status_code
+from ckptfs.storage.syncs import sync_all
 
 log = logging.getLogger("ckptfs.storage")
 
@@ -149,7 +151,8 @@ class FsspecStorage:
                                  (EmptyDirRemoval, self.capabilities.real_directories),
                                  (ModifiedTimes, bool(self.spec.mtime_keys)),
                                  (MultipartUploads, has_multipart_api(fs)),
-                                 (ServerChecksums, self._checksum_api() is not None))
+                                 (ServerChecksums, self._checksum_api() is not None),
+                                 (BatchedSync, self.capabilities.fsync))
             if has)
         if probe and self.spec.probe_on_open:
             self.probe(probe_timeout)
@@ -559,6 +562,17 @@ class FsspecStorage:
             return
         with self._errors("fsync", path):
             _fsync_dir(self.full(path))
+
+    def sync_paths(self, files: Sequence[str], dirs: Sequence[str]) -> None:
+        """Every path's fsync at once (`ckptfs.storage.syncs`); the first failure raised as
+        the typed error of that path's fsync, once all are done."""
+        if not self.capabilities.fsync:
+            return
+        failed = sync_all([self.full(p) for p in files], [self.full(d) for d in dirs])
+        if failed:
+            full, exc = failed[0]
+            with self._errors("fsync", self.rel(full)):
+                raise exc
 
     # -- optional capabilities (ckptfs.storage.base) ------------------------------------------
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from datetime import datetime
 from typing import BinaryIO, TypeVar
@@ -50,6 +50,7 @@ from ckptfs.errors import (
     StorageNotFoundError,
 )
 from ckptfs.storage.base import (
+    BatchedSync,
     EmptyDirRemoval,
     Entry,
     ModifiedTimes,
@@ -211,6 +212,11 @@ class RetryingStorage(StorageWrapper):
 
     def sync_dir(self, path: str) -> None:
         self._retry("fsync", path, lambda: self.inner.sync_dir(path))
+
+    def sync_paths(self, files: Sequence[str], dirs: Sequence[str]) -> None:
+        self.require(BatchedSync)
+        sync = super().sync_paths
+        self._retry("fsync", (list(files) + list(dirs) + [""])[0], lambda: sync(files, dirs))
 
     # -- optional capabilities (offered where the inner storage offers them) -------------------
 

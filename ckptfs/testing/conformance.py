@@ -46,6 +46,7 @@ from ckptfs.protocol.copy import copy_step
 from ckptfs.protocol.store import CheckpointStore
 from ckptfs.storage.base import (
     OPTIONAL_CAPABILITIES,
+    BatchedSync,
     EmptyDirRemoval,
     LocalFiles,
     ModifiedTimes,
@@ -589,6 +590,21 @@ def _use_server_checksums(inner: Storage, wrapper: Storage, scratch: str, prefix
         assert stored.hexdigest == h.hexdigest(), (stored, h.hexdigest())
 
 
+def _use_batched_sync(inner: Storage, wrapper: Storage, scratch: str, prefix: str) -> None:
+    """Files written through the wrapper and their directories are synced through it in one
+    step; a file that is not there is a typed error naming it, the others still synced."""
+    syncs = cast(BatchedSync, wrapper)
+    with wrapper.open_write(f"{scratch}/sync/a.bin") as f:
+        f.write(b"a")
+    with wrapper.open_write(f"{scratch}/sync/b.bin") as f:
+        f.write(b"b")
+    syncs.sync_paths([f"{scratch}/sync/a.bin", f"{scratch}/sync/b.bin"],
+                     [f"{scratch}/sync", scratch])
+    with pytest.raises((StorageError, FileNotFoundError), match=r"missing\.bin"):
+        syncs.sync_paths([f"{scratch}/sync/a.bin", f"{scratch}/sync/missing.bin"], [])
+    assert wrapper.read_bytes(f"{scratch}/sync/b.bin") == b"b"
+
+
 _USES: dict[type, Callable[[Storage, Storage, str, str], None]] = {
     RangedRead: _use_ranged_read,
     LocalFiles: _use_local_files,
@@ -597,6 +613,7 @@ _USES: dict[type, Callable[[Storage, Storage, str, str], None]] = {
     EmptyDirRemoval: _use_empty_dir_removal,
     MultipartUploads: _use_multipart_uploads,
     ServerChecksums: _use_server_checksums,
+    BatchedSync: _use_batched_sync,
 }
 
 

@@ -32,7 +32,7 @@ import os
 import random
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -40,6 +40,7 @@ from typing import Any, BinaryIO, Literal, cast
 
 from ckptfs.errors import StorageError
 from ckptfs.storage.base import (
+    BatchedSync,
     EmptyDirRemoval,
     Entry,
     LocalFiles,
@@ -391,6 +392,21 @@ class FaultyStorage(StorageWrapper):
         self._simple("sync_dir", path, lambda: self.inner.sync_dir(path),
                      lambda m: m.sync_dir(path))
 
+    def sync_paths(self, files: Sequence[str], dirs: Sequence[str]) -> None:
+        """One call (one crash point): every path made durable at once, in the model too."""
+        self.require(BatchedSync)
+        files, dirs = list(files), list(dirs)
+
+        def model(m: PowerCutModel) -> None:
+            for f in files:
+                m.sync_file(f)
+            for d in dirs:
+                m.sync_dir(d)
+
+        self._simple("sync_paths", (files + dirs + [""])[0],
+                     lambda: self.inner.sync_paths(files, dirs),  # type: ignore[attr-defined]
+                     model)
+
     # -- optional capabilities (offered where ``inner`` offers them) ----------------------------
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
@@ -599,6 +615,15 @@ class PowerCutModel:
     def sync_dir(self, path: str) -> None:
         d = self._dir(self._split(path))
         d.durable = dict(d.entries)
+
+    def sync_file(self, path: str) -> None:
+        """The file's data is durable from now on (its entry only once its parent is
+        synced)."""
+        parts = self._split(path)
+        node = self._dir(parts[:-1]).entries.get(parts[-1])
+        if not isinstance(node, _File):
+            raise FileNotFoundError(path)
+        node.durable = node.data
 
     def durable_tree(self, lost_data: str = "empty") -> dict[str, bytes | None]:
         """Path -> contents (``None`` for a directory) of what survives a power cut."""

@@ -6,6 +6,7 @@ writer that skips an fsync, or the sweep would prove nothing."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import paths
@@ -65,6 +66,11 @@ class _SkipSync(FaultyStorage):
         if self.skip_root_sync and path == "":
             return
         super().sync_dir(path)
+
+    def sync_paths(self, files: Sequence[str], dirs: Sequence[str]) -> None:
+        # the commit's one step (BatchedSync): the same fsync forgotten there
+        super().sync_paths([] if self.skip_file_fsync else files,
+                           [d for d in dirs if not (self.skip_root_sync and d == "")])
 
     def _commit(self, path: str, data: bytes, fsync: bool) -> None:
         super()._commit(path, data, fsync and not self.skip_file_fsync)
@@ -179,3 +185,89 @@ def test_power_cut_after_every_call_on_every_path(local_backend: Backend,
     sweep = sweep_power_cuts(local_backend, path=path)
     assert sweep.tried == 2 * (sweep.counters["calls_per_save"] + 1)
     paths.check_violations(sweep.violations)
+
+
+def test_every_file_is_fsynced_before_the_marker_with_one_batched_step(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit's one step (BatchedSync, local disk): the small files the writer did not
+    fsync when it wrote them, MANIFEST.json and the directories are fsynced at once, and every
+    file of the attempt is fsynced before the marker is linked into place (real fsyncs,
+    recorded by path; not the model)."""
+    from ckptfs.protocol import commit
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.storage.fsspec import FsspecStorage
+
+    events: list[tuple[str, str]] = []
+    fds: dict[int, str] = {}
+    real_open, real_fsync, real_link = os.open, os.fsync, os.link
+
+    def open_(path: Any, flags: int, *a: Any, **k: Any) -> int:
+        fd = real_open(path, flags, *a, **k)
+        fds[fd] = os.path.abspath(os.fspath(path))
+        return fd
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        events.append(("fsync", fds.get(fd, "?")))
+
+    def link(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+        real_link(src, dst, *a, **k)
+        events.append(("link", os.path.abspath(os.fspath(dst))))
+
+    steps: list[tuple[list[str], list[str]]] = []
+    real_sync = FsspecStorage.sync_paths
+
+    def sync_paths(self: FsspecStorage, files: Sequence[str], dirs: Sequence[str]) -> None:
+        steps.append((list(files), list(dirs)))
+        real_sync(self, files, dirs)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(FsspecStorage, "sync_paths", sync_paths)
+    store = CheckpointStore(FsspecStorage(f"file://{tmp_path / 'run'}"))
+    info = store.save(1, state_for(1))
+    assert len(steps) == 1
+    files, dirs = steps[0]
+    assert {f.rsplit("/", 1)[1] for f in files} == {"MANIFEST.json"} | {
+        f.path for f in info.manifest.files if f.size <= commit.DEFERRED_SYNC_BYTES}
+    assert "" in dirs and "checkpoints" in dirs
+    marker = next(i for i, (kind, p) in enumerate(events)
+                  if kind == "link" and p.endswith("/COMPLETE"))
+    attempt = str(tmp_path / "run" / "checkpoints" / "step-000000000001" / info.attempt)
+    synced = {p for kind, p in events[:marker] if kind == "fsync"}
+    for f in [*info.manifest.files, "MANIFEST.json"]:
+        name = f if isinstance(f, str) else f.path
+        assert f"{attempt}/{name}" in synced, f"{name} was not fsynced before the marker"
+    assert attempt in synced and str(tmp_path / "run") in synced
+    assert CheckpointStore(FsspecStorage(f"file://{tmp_path / 'run'}")).verify(1).ok
+
+
+def test_a_failed_fsync_in_the_batched_step_commits_nothing(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fsync of the commit's one step that fails (EIO) is the save's typed error naming the
+    file; no marker, the attempt discarded, the other paths' fsyncs still ran."""
+    import errno
+
+    from ckptfs.errors import StorageError
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.storage import syncs
+    from ckptfs.storage.fsspec import FsspecStorage
+
+    real = syncs.fsync_path
+    ran: list[str] = []
+
+    def failing(full: str, directory: bool) -> None:
+        ran.append(full)
+        if full.endswith("MANIFEST.json"):
+            raise OSError(errno.EIO, "Input/output error", full)
+        real(full, directory)
+
+    monkeypatch.setattr(syncs, "fsync_path", failing)
+    store = CheckpointStore(FsspecStorage(f"file://{tmp_path / 'run'}"))
+    with pytest.raises(StorageError, match=r"MANIFEST\.json"):
+        store.save(1, state_for(1))
+    assert len(ran) >= 6  # the files and directories of the step, all tried
+    assert store.steps() == [] and store.latest() is None
+    step_dir = tmp_path / "run" / "checkpoints" / "step-000000000001"
+    assert not step_dir.exists() or os.listdir(step_dir) == []

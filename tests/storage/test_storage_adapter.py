@@ -31,6 +31,7 @@ from ckptfs.errors import (
 from ckptfs.storage.backends import BACKENDS, S3_CONFIG, capability_table, merge_options, spec_for
 from ckptfs.storage.base import (
     OPTIONAL_CAPABILITIES,
+    BatchedSync,
     CapabilityUnavailableError,
     EmptyDirRemoval,
     LocalFiles,
@@ -92,7 +93,7 @@ def test_unknown_protocol_is_conservative() -> None:
 
 
 @pytest.mark.parametrize("name,offered", [
-    ("local", {RangedRead, LocalFiles, EmptyDirRemoval, ModifiedTimes}),
+    ("local", {RangedRead, LocalFiles, EmptyDirRemoval, ModifiedTimes, BatchedSync}),
     ("memory", {RangedRead, ModifiedTimes}),
     ("s3", {RangedRead, ModifiedTimes, MultipartUploads, ServerChecksums}),
 ])
