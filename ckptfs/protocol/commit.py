@@ -583,9 +583,10 @@ class Attempt:
     def _place(self, mbytes: bytes, relpaths: Iterable[str]) -> None:
         """``MANIFEST.json`` written, the attempt renamed into place (local disk), and every
         directory entry leading to its files ``relpaths`` (those on this node) durable, with
-        the data of the files whose fsync was left to this step (`batched`)."""
+        the data of the files whose fsync was left to this step (`batched`: the manifest's
+        too)."""
         manifest_path = f"{self.write_dir}/{MANIFEST_NAME}"
-        if self.batched:
+        if self.batched:  # its fsync in the one step below
             retry_call(self.storage, "write", manifest_path,
                        lambda: self._write_unsynced(manifest_path, mbytes))
         else:

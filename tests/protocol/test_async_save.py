@@ -1091,7 +1091,7 @@ def test_exit_completes_a_pending_save_and_says_so(local_backend: Backend) -> No
 def test_exit_reports_an_uncollected_failure(local_backend: Backend) -> None:
     code = CHILD_PRELUDE.format(url=local_backend.url) + """
     def hook(op, path):
-        if op == "write_bytes" and path.endswith("MANIFEST.json"):
+        if op in ("write_bytes", "open_write") and path.endswith("MANIFEST.json"):
             raise OSError("disk on fire")
     store = CheckpointStore(FaultyStorage(open_store(url).storage, hook=hook))
     store.save_async(8, {"w": torch.ones(10)})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -256,6 +256,13 @@ class _Recording(FsspecStorage):
         self.events.append(("sync", path))
         super().sync_dir(path)
 
+    def sync_paths(self, files: Sequence[str], dirs: Sequence[str]) -> None:
+        # the commit's one step (BatchedSync): recorded as its directories' syncs, in order,
+        # then its files' (the data of the small files it did not fsync when written)
+        self.events.extend(("sync", d) for d in dirs)
+        self.events.extend(("sync-file", f) for f in files)
+        super().sync_paths(files, dirs)
+
     def rename_dir(self, src: str, dst: str) -> None:
         self.events.append(("rename", dst))
         super().rename_dir(src, dst)
@@ -276,4 +283,8 @@ def test_commit_syncs_every_directory_once_after_the_rename_before_the_marker(
     assert storage.events[:1] == [("rename", info.paths.attempt_dir(info.attempt))]
     assert storage.events[1:5] == [("sync", info.paths.attempt_dir(info.attempt)),
                                    ("sync", step_dir), ("sync", "checkpoints"), ("sync", "")]
-    assert storage.events[5:] == [("create", info.paths.marker), ("sync", step_dir)]
+    attempt = info.paths.attempt_dir(info.attempt)
+    assert storage.events[5:8] == [("sync-file", f"{attempt}/state.msgpack"),
+                                   ("sync-file", f"{attempt}/tensors-00000.safetensors"),
+                                   ("sync-file", f"{attempt}/MANIFEST.json")]
+    assert storage.events[8:] == [("create", info.paths.marker), ("sync", step_dir)]
