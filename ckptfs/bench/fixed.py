@@ -157,8 +157,10 @@ def interleave(variants: Mapping[str, Callable[[int], Any]], rounds: int, warmup
     above the RSS before it (the mark is taken outside the timer).  What a call returns is
     released before the next variant runs.
 
-    Before each call, a garbage collection (untimed), so that none falls inside the timer on
-    one side only.  The objects alive when the rounds start (torch's and the libraries',
+    Before each call, a garbage collection and an ``os.sync()`` (both untimed), so that none
+    falls inside the timer on one side only: without the sync, what a variant left unsynced
+    (DCP's renames and directory entries, a save without fsyncs) is written by the next
+    variant's first fsync, and a durable save pays for the others' writes.  The objects alive when the rounds start (torch's and the libraries',
     ~170,000) are frozen first (`gc.freeze`): a full collection over them took 0.13 s here, 50 s
     of the tiny part's 55 s, and no call frees any of them."""
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -170,6 +172,8 @@ def interleave(variants: Mapping[str, Callable[[int], Any]], rounds: int, warmup
             for name, fn in variants.items():
                 i += 1
                 gc.collect()
+                if hasattr(os, "sync"):
+                    os.sync()
                 mark = rss_mark() if rss is not None else None
                 t0 = time.perf_counter()
                 out = fn(i)
