@@ -87,10 +87,10 @@ QUICK = {"tiny_rounds": 3, "load_size": 1 * MiB, "load_rounds": 2, "fresh_size":
          "fresh_rounds": 1, "inplace_size": 2 * MiB, "inplace_rounds": 1, "inplace_loads": 2}
 #: Decoder layers of the in-place load's FSDP2 model (as ``benchmarks/sharded.py``).
 INPLACE_LAYERS = 8
-DURABILITY = ("durability: ckptfs fsyncs its 2 files, MANIFEST.json, 4 directories, the marker "
-              "and its directory (9 fsyncs); DCP (sync_files=True) its file and .metadata (2), "
-              "no directory: a power cut can lose its rename; '+ its 2 directory fsyncs' adds "
-              "them")
+DURABILITY = ("durability: ckptfs fsyncs its 2 files, MANIFEST.json and 4 directories at once, "
+              "then the marker and its directory (9 fsyncs in 3 waits); DCP (sync_files=True) "
+              "its file and .metadata (2), no directory: a power cut can lose its rename; '+ its "
+              "2 directory fsyncs' adds them")
 
 FRESH_CHILD = r'''
 import json, sys, time
@@ -160,9 +160,10 @@ def interleave(variants: Mapping[str, Callable[[int], Any]], rounds: int, warmup
     Before each call, a garbage collection and an ``os.sync()`` (both untimed), so that none
     falls inside the timer on one side only: without the sync, what a variant left unsynced
     (DCP's renames and directory entries, a save without fsyncs) is written by the next
-    variant's first fsync, and a durable save pays for the others' writes.  The objects alive when the rounds start (torch's and the libraries',
-    ~170,000) are frozen first (`gc.freeze`): a full collection over them took 0.13 s here, 50 s
-    of the tiny part's 55 s, and no call frees any of them."""
+    variant's first fsync, and a durable save pays for the others' writes.  The objects alive
+    when the rounds start (torch's and the libraries', ~170,000) are frozen first
+    (`gc.freeze`): a full collection over them took 0.13 s here, 50 s of the tiny part's 55 s,
+    and no call frees any of them."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     i = 0
     gc.collect()
