@@ -33,6 +33,7 @@ collective that itself fails (a peer died) raises the process group's error, as 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from typing import Any, ClassVar
 
@@ -59,6 +60,8 @@ from ckptfs.protocol.sharded_io import ShardedWriter
 from ckptfs.protocol.sharded_plan import SavePlanner
 
 __all__ = ["RESEND", "SaveRounds", "drive_save"]
+
+log = logging.getLogger("ckptfs")
 
 
 class SaveRounds(Rounds):
@@ -163,6 +166,12 @@ class SaveRounds(Rounds):
                 return {"info": info.to_doc() if isinstance(info, CheckpointInfo) else None}
             except BaseException as exc:
                 failures = {self.rank: self.failed(exc)["error"]}
+        else:  # a rank's write failed: every write has ended, nothing will commit
+            try:
+                self.writer.abandon()
+            except Exception as exc:  # the failures matter, not the clean-up's
+                log.warning("discarding the failed attempt of step %d: %s", self.writer.step,
+                            exc)
         return failures_doc(failures)
 
     def result(self, outcome: Any) -> CheckpointInfo | None:

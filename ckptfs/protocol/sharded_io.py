@@ -555,6 +555,14 @@ class ShardedWriter(StorageWriter):
                 self.memory.rank_index, self.memory.rank_versions = None, {}
                 self.memory.rank_resume = False
 
+    def abandon(self) -> None:
+        """The coordinator, once every rank's write ended and one failed: the attempt it
+        opened is discarded (what the ranks wrote into it on storage the coordinator shares;
+        on node-local storage, its own node's), as one process's failed save discards its
+        own.  No marker was or will be created for it."""
+        if self._attempt is not None:
+            self._attempt.abandon()
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's hook (a plain ``dcp.save``): the commit (`_commit`) of ``metadata``."""
         self._commit(metadata, results)

@@ -132,6 +132,38 @@ def test_a_rank_tensor_larger_than_the_budget_is_written_unstaged(
     assert_state_equal(store.load(1), expected)
 
 
+def test_a_failed_rank_file_write_stops_the_collective_stream(memory_backend: Backend) -> None:
+    """A rank file's write fails in the middle of a streamed collective save (every retry):
+    staging stops, the future raises the typed error naming the rank and the file, no marker,
+    every slab region is given back, and the next streamed save commits."""
+    from ckptfs.errors import ShardedSaveError, StorageError
+
+    opened: list[str] = []
+    fail = [True]
+
+    def hook(op: str, path: str) -> None:
+        if op == "open_write" and "/rank-00000/data-" in path:
+            opened.append(path)
+            if fail[0] and path.endswith("/data-3.safetensors"):
+                raise StorageError(f"injected failure writing {path}")
+
+    store = CheckpointStore(FaultyStorage(memory_backend.open().storage, hook=hook),
+                            layout="ranks")
+    state = big_state(8 * BUDGET, seed=5)
+    fut = store.save_async(1, state, staging_bytes=BUDGET)
+    with pytest.raises(ShardedSaveError, match=r"rank 0.*data-3\.safetensors.*injected"):
+        fut.result(timeout=120)
+    assert store.async_stats.streamed == 1
+    assert store.all_steps() == []
+    assert store.async_stats.pool.live_bytes == 0
+    assert any(p.endswith("/data-2.safetensors") for p in opened)  # it had streamed on
+    fail[0] = False
+    store.save_async(2, state, staging_bytes=BUDGET).result(timeout=120)
+    assert store.async_stats.streamed == 2 and store.all_steps() == [2]
+    assert_state_equal(store.load(2), state)
+    assert store.async_stats.pool.live_bytes == 0
+
+
 # -- two gloo ranks -------------------------------------------------------------------------
 
 def two_rank_state(rank: int, mesh: Any, diverge: bool) -> dict[str, Any]:

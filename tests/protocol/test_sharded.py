@@ -158,6 +158,8 @@ def job_save_w2(rank: int, world: int, backends: list[tuple[str, dict[str, Any]]
     else:
         out["failure"] = None
     out["latest_after_failure"] = ckptfs.open(backends[0][0], **backends[0][1]).latest().step
+    # ... and the coordinator discarded the attempt rank 0 wrote its file into
+    out["left_after_failure"] = 11 in ckptfs.open(backends[0][0], **backends[0][1]).all_steps()
     # A bad value on one rank only: every rank fails before anything is written.
     bad = dict(state, extra={"x": object()}) if rank == 0 else state
     try:
@@ -222,6 +224,7 @@ def test_sharded_save_load_any_world_size(local_backend: Backend, s3_backend: Ba
         name, text, ranks = r["failure"]
         assert name == "ShardedSaveError" and ranks == [1] and "injected failure" in text
         assert r["latest_after_failure"] == 12
+        assert not r["left_after_failure"], "the failed attempt's files were left behind"
         assert "rank(s) [0]" in r["bad_value"] and "object" in r["bad_value"]
     assert not local_backend.raw_fs.exists(local_backend._p(StepPaths(11).marker))
     assert not local_backend.raw_fs.exists(local_backend._p(StepPaths(13).dir))
