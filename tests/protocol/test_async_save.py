@@ -686,12 +686,13 @@ def test_leaving_with_on_an_exception_keeps_that_exception(
 
 
 class FailingStorage:
-    """Delegates to ``inner``; the manifest write of the first ``fail`` saves fails with a
-    StorageError (an ordinary Exception, unlike SimulatedCrash)."""
+    """Delegates to ``inner``; the manifest write (a whole document, or streamed) of the first
+    ``fail`` saves fails with a StorageError (an ordinary Exception, unlike SimulatedCrash)."""
 
     def __init__(self, inner: Storage, fail: int = 1) -> None:
         self.inner = inner
         self.fail = fail
+        self._failing: set[str] = set()
         self.url = inner.url
         self.capabilities = inner.capabilities
 
@@ -700,6 +701,16 @@ class FailingStorage:
             self.fail -= 1
             raise StorageError(f"{path}: injected failure")
         self.inner.write_bytes(path, data)
+
+    def open_write(self, path: str) -> Any:
+        # a durable save on local disk streams its manifest (its fsync in the commit's step),
+        # under the commit's retries: every retry of a failing save's manifest fails too
+        if path.endswith("MANIFEST.json") and (path in self._failing or self.fail > 0):
+            if path not in self._failing:
+                self.fail -= 1
+                self._failing.add(path)
+            raise StorageError(f"{path}: injected failure")
+        return self.inner.open_write(path)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -29,14 +29,15 @@ from ckptfs.testing.reliability.paths import V1, WritePath
 class _Gate:
     """Pause one writer before a given call until an event is set (deterministic races)."""
 
-    def __init__(self, op: str, step: int) -> None:
-        self.op = op
+    def __init__(self, ops: tuple[str, ...], step: int, suffix: str = "") -> None:
+        self.ops = ops
+        self.suffix = suffix
         self.step_dir = StepPaths(step).dir
         self.reached = threading.Event()
         self.release = threading.Event()
 
     def __call__(self, op: str, path: str) -> None:
-        if op == self.op and path.startswith(self.step_dir):
+        if op in self.ops and path.startswith(self.step_dir) and path.endswith(self.suffix):
             self.reached.set()
             if not self.release.wait(120):
                 raise TimeoutError("gate never released")
@@ -73,7 +74,7 @@ def sweep_zombie(backend: Backend) -> Sweep:
         step = 11 if first == "new" else 12
         scenario = f"same step {step}, {first} writer commits first"
         sweep.tried += 1
-        gate = _Gate("create_exclusive", step)
+        gate = _Gate(("create_exclusive",), step)
         late_is_zombie = first == "new"
         late = store_on(FaultyStorage(raw_storage(backend), hook=gate))
         late_state = zombie_state(step) if late_is_zombie else state_for(step)
@@ -244,12 +245,16 @@ def sweep_prune_during_save(backend: Backend) -> Sweep:
     base = store_on(raw_storage(backend))
     for s in (1, 2, 3):
         base.save(s, state_for(s))
-    for where in ("create_exclusive", "write_bytes"):
+    # before the marker; before the manifest (a whole document, or streamed where the
+    # commit fsyncs it in its one step: local disk)
+    for where, ops, suffix in (("create_exclusive", ("create_exclusive",), ""),
+                               ("the manifest's write", ("write_bytes", "open_write"),
+                                "/MANIFEST.json")):
         scenario = f"prune + gc while the save of the next step waits before {where}"
         sweep.tried += 1
         resumed = max(base.steps())
         step = resumed + 1
-        gate = _Gate(where, step)
+        gate = _Gate(ops, step, suffix)
         writer = store_on(FaultyStorage(raw_storage(backend), hook=gate))
         t, errors = _run(lambda: writer.save(step, state_for(step)))  # noqa: B023
         gate.reached.wait(120)
