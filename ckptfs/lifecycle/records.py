@@ -151,10 +151,17 @@ class RecordLog:
         # Never answer "no record" because the generations listed were pruned meanwhile: the
         # caller would rewrite generation 1 (pruned, so its create succeeds) and an update would
         # be lost.  List again instead; a record that keeps changing for this long is an error.
+        # Nor because one listing came back without them: a listing is not a snapshot (a
+        # generation created while it runs may be missed, one pruned meanwhile skipped, so a
+        # listing can miss every one), so "nothing" is only believed when listed twice.
+        empty = 0
         for _ in range(100):
             vanished, rec = self._read_listed()
-            if not vanished:
+            if vanished:
+                continue
+            if rec is not None or empty >= 1:
                 return rec
+            empty += 1
         raise StorageError(
             f"{self.storage.url}/{self.dir}: every generation listed was pruned before it could "
             "be read, 100 times in a row; too many writers are updating this record at once")
@@ -206,7 +213,13 @@ class RecordLog:
         except CheckpointExistsError as exc:
             raise CheckpointExistsError(conflict) from exc
         mine = Record(gen, dict(doc), self._path(gen), dict(lineage))
-        if max(self._generations(), default=gen) > gen and not self._in_history(mine, own):
+        newest = max(self._generations(), default=gen)
+        if newest <= gen:
+            # "Nothing newer" from one listing is not believed: a listing is not a snapshot
+            # (`read`), and one that missed the newer generations (created or pruned while it
+            # ran) would let a re-created number stand.  A second listing must agree.
+            newest = max(self._generations(), default=gen)
+        if newest > gen and not self._in_history(mine, own):
             try:
                 self.storage.delete(self._path(gen))
             except Exception:  # best effort: readers take the newest generation anyway
@@ -231,9 +244,19 @@ class RecordLog:
     def _in_history(self, mine: Record, own: str) -> bool:
         """Whether generation ``mine`` (just created with id ``own``, newer ones listed) is
         the one the newest generation was built on, rather than a pruned number re-created."""
-        newest = self.read()
-        if newest is None or newest.generation <= mine.generation:
-            return True  # the newer ones were withdrawn meanwhile: this one is the newest
+        # A newer generation was listed, so the newest is newer than this one from then on (the
+        # newest is never deleted: a prune keeps it, a withdrawal removes only a re-created
+        # number below it).  A read that says otherwise came from a listing that missed the
+        # newer ones (a listing is not a snapshot: `read`): read again.
+        for _ in range(100):
+            newest = self.read()
+            if newest is not None and newest.generation > mine.generation:
+                break
+        else:
+            raise RecordOutcomeUnknownError(
+                f"{self.storage.url}/{mine.path}: newer generations were listed after this "
+                "write, then 100 listings in a row did not show them: whether it took effect "
+                "is unknown; re-read the record before writing again")
         if mine.generation in newest.lineage:
             return newest.lineage[mine.generation] == own
         if len(newest.lineage) >= LINEAGE:
