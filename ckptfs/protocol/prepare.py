@@ -156,7 +156,9 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
         from ckptfs.protocol.sharded_io import FileStream
 
         parts, groups = streaming
-        prep.planner.digest_replicas_now(prep.view)  # it plans before every group is staged
+        # the planner runs before every group is staged: the digests from the caller's tensors
+        prep.planner.digest_replicas_now((name, parts.tensors[i], like)
+                                         for name, i, like in parts.places())
         group_of = parts.groups_of(groups)
 
         def over_stream(tensors: Any, hint: Hint | None, gate: FileGate | None = None
@@ -182,14 +184,15 @@ def stream_groups(prep: Any, budget: int) -> tuple[Split, list[tuple[int, ...]]]
     caller's tensors, as a save that cannot stream (logged)."""
     if not prep.writer.can_stream:
         return None
-    parts = split(prep.view)
-    if staged_size(parts.tensors) <= budget:
+    sized = split(prep.view, copy_values=False)  # its values are copied only if it streams
+    if staged_size(sized.tensors) <= budget:
         return None
     try:
-        return parts, fit_groups(parts.tensors, [key_str(k) for k in parts.keys], budget)
+        groups = fit_groups(sized.tensors, [key_str(k) for k in sized.keys], budget)
     except StagingBudgetError as exc:
         log.warning("%s; this rank's part of the collective save is not staged", exc)
         return None
+    return split(prep.view), groups  # the same walk, the same tensors in the same order
 
 
 def save_deadline(store: CheckpointStore, step: int, collective: bool, process_group: Any

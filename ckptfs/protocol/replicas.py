@@ -28,9 +28,10 @@ import torch
 
 from ckptfs.errors import ReplicaMismatchError, UnsupportedValueError
 from ckptfs.format.serialize import cpu_contiguous, tensor_memoryview
+from ckptfs.protocol.collective import is_dtensor
 
-__all__ = ["check_divergent_keys", "check_replicas", "is_divergent", "replica_digests",
-           "tensor_digest", "view_digests"]
+__all__ = ["check_divergent_keys", "check_replicas", "compared", "digests_of", "is_divergent",
+           "replica_digests", "tensor_digest"]
 
 #: A tensor not in host memory is hashed through host copies of at most this many bytes.
 _HOST_BLOCK = 64 << 20
@@ -84,15 +85,14 @@ def replica_digests(items: Sequence[Any], state: dict[str, Any],
     over a mesh dimension; 0 elsewhere).  ``state``: the flattened state (the objects by
     name); ``lookup``: the planner's ``lookup_object``; ``divergent``: key prefixes meant to
     differ between ranks (not hashed); ``known``: the digests taken earlier by name
-    (`view_digests`), used instead of reading the objects."""
+    (`digests_of`), used instead of reading the objects."""
     from torch.distributed.checkpoint.planner import WriteItemType
 
     skip = tuple(divergent)
     out: list[int] = []
     for item in items:
         fqn = item.index.fqn
-        if item.type == WriteItemType.BYTE_IO or is_divergent(fqn, skip) or not (
-                item.type == WriteItemType.TENSOR or _replicated_shard(state.get(fqn))):
+        if item.type == WriteItemType.BYTE_IO or not compared(fqn, state.get(fqn), skip):
             out.append(0)
             continue
         if known is not None:
@@ -103,37 +103,30 @@ def replica_digests(items: Sequence[Any], state: dict[str, Any],
     return out
 
 
-def view_digests(view: Mapping[str, Any], divergent: Iterable[str] = ()) -> dict[str, int]:
-    """`replica_digests`'s digests by DCP name (the key path joined with ``"."``, as DCP
-    flattens the view), taken from a DCP view's objects before planning (what the planner's
-    ``lookup_object`` gives for a tensor item: the tensor, or a DTensor's local shard; the
-    same digest whichever way it is taken)."""
-    from ckptfs.torch_compat import dtensor_local
+def compared(fqn: str, obj: Any, divergent: Sequence[str]) -> bool:
+    """Whether the object ``obj`` named ``fqn`` is hashed for the replica comparison: a plain
+    tensor (every rank may hold it), or a DTensor whose shard is replicated over a mesh
+    dimension, unless it is under one of the ``divergent`` prefixes."""
+    if not isinstance(obj, torch.Tensor) or is_divergent(fqn, divergent):
+        return False
+    return not is_dtensor(obj) or _replicated_shard(obj)
 
+
+def digests_of(places: Iterable[tuple[str, torch.Tensor, Any]],
+               divergent: Iterable[str] = ()) -> dict[str, int]:
+    """`replica_digests`'s digests by name, taken before planning from each place of a
+    tensor (``(DCP name, local tensor, its DTensor or None)``: `ckptfs.protocol.snapshot.
+    Split.places`), each distinct tensor hashed once (the planner's ``lookup_object`` gives
+    the same tensor: the plain one, or the DTensor's local shard)."""
     skip = tuple(divergent)
     out: dict[str, int] = {}
-
-    def walk(obj: Any, fqn: str) -> None:
-        if isinstance(obj, Mapping):
-            for k, v in obj.items():
-                walk(v, f"{fqn}.{k}" if fqn else str(k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, f"{fqn}.{i}" if fqn else str(i))
-        elif isinstance(obj, torch.Tensor) and not is_divergent(fqn, skip):
-            if _is_dtensor(obj):
-                if not _replicated_shard(obj):
-                    return
-                obj = dtensor_local(obj)
-            out[fqn] = tensor_digest(obj)
-
-    walk(view, "")
+    done: dict[int, int] = {}
+    for name, local, like in places:
+        if compared(name, local if like is None else like, skip):
+            if id(local) not in done:
+                done[id(local)] = tensor_digest(local)
+            out[name] = done[id(local)]
     return out
-
-
-def _is_dtensor(obj: Any) -> bool:
-    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return cls is not None and isinstance(obj, cls)
 
 
 def check_divergent_keys(keys: Any) -> tuple[str, ...]:

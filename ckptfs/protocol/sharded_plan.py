@@ -87,14 +87,14 @@ class SavePlanner(DefaultSavePlanner):
         #: Replica digests taken before planning, by name (`digest_replicas_now`).
         self._known: dict[str, int] | None = None
 
-    def digest_replicas_now(self, view: Mapping[str, Any]) -> None:
-        """Take the replica digests of ``view`` now, from its objects, instead of while
-        planning: an async save streamed through its staging budget plans over copies that
-        are not all staged yet (`ckptfs.protocol.replicas.view_digests`)."""
+    def digest_replicas_now(self, places: Iterable[tuple[str, torch.Tensor, Any]]) -> None:
+        """Take the replica digests now, from the caller's tensors at their ``places``
+        (`ckptfs.protocol.replicas.digests_of`), instead of while planning: an async save
+        streamed through its staging budget plans over copies not all staged yet."""
         if self._divergent is not None and _several_ranks():
-            from ckptfs.protocol.replicas import view_digests
+            from ckptfs.protocol.replicas import digests_of
 
-            self._known = view_digests(view, self._divergent)
+            self._known = digests_of(places, self._divergent)
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
                        is_coordinator: bool = False) -> None:

@@ -32,6 +32,7 @@ torch.distributed).  See docs/async.md.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,30 +103,34 @@ class Split:
         rebuilt around its copy with the same spec."""
         return _fill(self.tree, tensors)
 
-    def groups_of(self, groups: list[tuple[int, ...]]) -> dict[str, int]:
-        """For a DCP view split into ``groups`` of tensor indices: the DCP name of each place
-        of a tensor (its key path joined with ``"."``, as DCP flattens a state) -> the group
-        holding that tensor."""
-        where = {i: k for k, members in enumerate(groups) for i in members}
-        out: dict[str, int] = {}
+    def places(self) -> Iterator[tuple[str, int, Any]]:
+        """Every place of a tensor in the tree: its DCP name (the key path joined with
+        ``"."``, as DCP flattens a state), the index of its tensor in `tensors`, and the
+        DTensor it is the local shard of (None for a plain tensor)."""
 
-        def walk(v: Any, path: tuple[Any, ...]) -> None:
+        def walk(v: Any, path: tuple[Any, ...]) -> Iterator[tuple[str, int, Any]]:
             if isinstance(v, _Slot):
-                out[".".join(str(p) for p in path)] = where[v.index]
+                yield ".".join(str(p) for p in path), v.index, v.like
             elif type(v) is dict:
                 for k, x in v.items():
-                    walk(x, (*path, k))
+                    yield from walk(x, (*path, k))
             elif type(v) in (list, tuple):
                 for i, x in enumerate(v):
-                    walk(x, (*path, i))
+                    yield from walk(x, (*path, i))
 
-        walk(self.tree, ())
-        return out
+        return walk(self.tree, ())
+
+    def groups_of(self, groups: list[tuple[int, ...]]) -> dict[str, int]:
+        """For a DCP view split into ``groups`` of tensor indices: the DCP name of each place
+        of a tensor (`places`) -> the group holding that tensor."""
+        where = {i: k for k, members in enumerate(groups) for i in members}
+        return {name: where[i] for name, i, _ in self.places()}
 
 
-def split(value: Any) -> Split:
+def split(value: Any, *, copy_values: bool = True) -> Split:
     """``value`` taken apart (`Split`): nothing of the caller's objects is left in its tree
-    but the tensors it lists (module docstring: values copied, containers rebuilt)."""
+    but the tensors it lists (module docstring: values copied, containers rebuilt).
+    ``copy_values=False``: values left as they are (to size what a snapshot would stage)."""
     tensors: list[torch.Tensor] = []
     keys: list[tuple[Any, ...]] = []
     index: dict[tuple[Any, ...], int] = {}
@@ -155,7 +160,7 @@ def split(value: Any) -> Split:
             return [walk(x, (*path, i)) for i, x in enumerate(v)]
         if type(v) is tuple:
             return tuple(walk(x, (*path, i)) for i, x in enumerate(v))
-        if type(v) in _IMMUTABLE:
+        if type(v) in _IMMUTABLE or not copy_values:
             return v
         return own_copy(v, ".".join(str(p) for p in path))
 

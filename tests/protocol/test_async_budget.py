@@ -109,6 +109,19 @@ class Accounting:
         monkeypatch.setattr(staging.StagingPool, "occupy", occupy)
 
 
+def stream_and_mutate(store: CheckpointStore, state: dict[str, Any]) -> tuple[Any, Any]:
+    """``save_async`` of ``state`` within `BUDGET`, the state mutated right after the call
+    returned; the committed info and the store's stats, checked: streamed, within the budget."""
+    fut = store.save_async(1, state, staging_bytes=BUDGET)
+    mutate(state)  # right after the call returned
+    info = fut.result(timeout=120)
+    stats = store.async_stats
+    assert stats.streamed == 1 and stats.unstaged == 0
+    assert 0 < stats.staging_peak_live_bytes <= BUDGET
+    assert stats.staging_peak_bytes <= BUDGET
+    return info, stats
+
+
 @pytest.mark.parametrize("where", ["memory", "local"])
 def test_state_8x_the_budget_streams_and_loads_bit_exact(
         where: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,13 +131,7 @@ def test_state_8x_the_budget_streams_and_loads_bit_exact(
     state = big_state(8 * BUDGET)
     assert tensor_bytes(state) >= 8 * BUDGET
     expected = clone(state)
-    fut = store.save_async(1, state, staging_bytes=BUDGET)
-    mutate(state)  # right after the call returned
-    info = fut.result(timeout=120)
-    stats = store.async_stats
-    assert stats.streamed == 1 and stats.unstaged == 0
-    assert 0 < stats.staging_peak_live_bytes <= BUDGET
-    assert stats.staging_peak_bytes <= BUDGET
+    info, stats = stream_and_mutate(store, state)
     assert len(acct.samples) >= 16  # one region per tensor file: the slab reused many times
     assert max(s[0] for s in acct.samples) <= BUDGET
     assert stats.pool.live_bytes == 0  # all given back

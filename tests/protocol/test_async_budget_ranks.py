@@ -26,6 +26,7 @@ from test_async_budget import (
     big_state,
     clone,
     mutate,
+    stream_and_mutate,
 )
 
 import ckptfs
@@ -51,13 +52,7 @@ def test_ranks_layout_8x_the_budget_streams_and_loads_bit_exact(
     store = ckptfs.open(backend.open().url, layout="ranks")
     state = big_state(8 * BUDGET)
     expected = clone(state)
-    fut = store.save_async(1, state, staging_bytes=BUDGET)
-    mutate(state)  # right after the call returned
-    info = fut.result(timeout=120)
-    stats = store.async_stats
-    assert stats.streamed == 1 and stats.unstaged == 0
-    assert 0 < stats.staging_peak_live_bytes <= BUDGET
-    assert stats.staging_peak_bytes <= BUDGET
+    info, stats = stream_and_mutate(store, state)
     assert len(acct.samples) >= 16 and max(s[0] for s in acct.samples) <= BUDGET
     assert stats.pool.live_bytes == 0
     assert is_sharded(info.manifest)

@@ -99,11 +99,13 @@ def test_power_cut_after_every_call_of_a_delete(local_backend: Backend) -> None:
     assert sweep.violations == []
 
 
-def _record_dir_durability(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """Record, in order, every directory created (``mkdir``) and every directory fsynced."""
+def _record_durability(monkeypatch: pytest.MonkeyPatch, *, files: bool = False
+                       ) -> list[tuple[str, str]]:
+    """Record, in order, every directory created (``mkdir``), every directory fsynced and,
+    with ``files``, every file fsynced and every ``link`` (its new name), by absolute path."""
     events: list[tuple[str, str]] = []
     fds: dict[int, str] = {}
-    real_open, real_mkdir, real_fsync = os.open, os.mkdir, os.fsync
+    real_open, real_mkdir, real_fsync, real_link = os.open, os.mkdir, os.fsync, os.link
 
     def mkdir(path: Any, *a: Any, **k: Any) -> None:
         real_mkdir(path, *a, **k)
@@ -116,12 +118,18 @@ def _record_dir_durability(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, s
 
     def fsync(fd: int) -> None:
         real_fsync(fd)
-        if fd in fds and os.path.isdir(fds[fd]):
+        if fd in fds and (files or os.path.isdir(fds[fd])):
             events.append(("fsync", fds[fd]))
+
+    def link(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+        real_link(src, dst, *a, **k)
+        events.append(("link", os.path.abspath(os.fspath(dst))))
 
     monkeypatch.setattr(os, "mkdir", mkdir)
     monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "fsync", fsync)
+    if files:
+        monkeypatch.setattr(os, "link", link)
     return events
 
 
@@ -143,7 +151,7 @@ def test_a_brand_new_run_root_is_durable(tmp_path: Any, monkeypatch: pytest.Monk
     from ckptfs.storage.fsspec import FsspecStorage
 
     root = tmp_path / "new" / "deeper" / "run"
-    events = _record_dir_durability(monkeypatch)
+    events = _record_durability(monkeypatch)
     CheckpointStore(FsspecStorage(f"file://{root}")).save(1, state_for(1))
     created = [p for kind, p in events if kind == "mkdir"]
     assert str(tmp_path / "new") in created and str(root / "checkpoints") in created
@@ -157,7 +165,7 @@ def test_a_record_in_a_new_directory_is_durable(tmp_path: Any,
     from ckptfs.storage.fsspec import FsspecStorage
 
     storage = FsspecStorage(f"file://{tmp_path / 'run'}")
-    events = _record_dir_durability(monkeypatch)
+    events = _record_durability(monkeypatch)
     storage.create_exclusive("lifecycle/best/gen-000000000001.json", b"{}")
     assert len([e for e in events if e[0] == "mkdir"]) == 3
     assert _entries_not_made_durable(events) == []
@@ -197,23 +205,7 @@ def test_every_file_is_fsynced_before_the_marker_with_one_batched_step(
     from ckptfs.protocol.store import CheckpointStore
     from ckptfs.storage.fsspec import FsspecStorage
 
-    events: list[tuple[str, str]] = []
-    fds: dict[int, str] = {}
-    real_open, real_fsync, real_link = os.open, os.fsync, os.link
-
-    def open_(path: Any, flags: int, *a: Any, **k: Any) -> int:
-        fd = real_open(path, flags, *a, **k)
-        fds[fd] = os.path.abspath(os.fspath(path))
-        return fd
-
-    def fsync(fd: int) -> None:
-        real_fsync(fd)
-        events.append(("fsync", fds.get(fd, "?")))
-
-    def link(src: Any, dst: Any, *a: Any, **k: Any) -> None:
-        real_link(src, dst, *a, **k)
-        events.append(("link", os.path.abspath(os.fspath(dst))))
-
+    events = _record_durability(monkeypatch, files=True)
     steps: list[tuple[list[str], list[str]]] = []
     real_sync = FsspecStorage.sync_paths
 
@@ -221,9 +213,6 @@ def test_every_file_is_fsynced_before_the_marker_with_one_batched_step(
         steps.append((list(files), list(dirs)))
         real_sync(self, files, dirs)
 
-    monkeypatch.setattr(os, "open", open_)
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "link", link)
     monkeypatch.setattr(FsspecStorage, "sync_paths", sync_paths)
     store = CheckpointStore(FsspecStorage(f"file://{tmp_path / 'run'}"))
     info = store.save(1, state_for(1))
