@@ -80,3 +80,26 @@ def test_corruption_matrix_on_every_path(where: str, path: paths.WritePath,
                                          request: pytest.FixtureRequest) -> None:
     backend: Backend = request.getfixturevalue(f"{where}_backend")
     check_matrix(corruption_matrix(backend, path=path), path.at(backend), path)
+
+
+@pytest.mark.parametrize("path", paths.params(["v1", "v3"]))
+def test_corruption_matrix_read_in_spans(local_backend: Backend, path: paths.WritePath,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same matrix with every tensor file of more than 32 bytes read in spans of 16, 3 at
+    a time (ckptfs/protocol/spans.py: a large file's spans are read by several threads and
+    hashed in order; the sweeps' stores read on one thread): every damage detected and named
+    as when a file is read in one stream."""
+    from ckptfs.protocol import reader, spans
+
+    reads: list[int] = []
+    opened = spans.SpanReads.__enter__
+
+    def counted(self: spans.SpanReads) -> spans.SpanReads:
+        reads.append(len(self.spans))
+        return opened(self)
+
+    monkeypatch.setattr(spans, "SPAN_BYTES", 16)
+    monkeypatch.setattr(reader, "windows_of", lambda sizes, threads: [3] * len(sizes))
+    monkeypatch.setattr(spans.SpanReads, "__enter__", counted)
+    check_matrix(corruption_matrix(local_backend, path=path), path.at(local_backend), path)
+    assert reads and max(reads) > 2
