@@ -492,8 +492,7 @@ def load_full(storage: Storage, info: CheckpointInfo, *, verify: bool = True,
         from ckptfs.protocol.rank_metadata import expand
         info = expand(storage, info)
     check_listing(storage, info)
-    reader = ShardedReader(storage, info.step, verify=verify, threads=threads,
-                           fills_own_tensors=True)
+    reader = ShardedReader(storage, info.step, verify=verify, threads=threads)
     reader.info = info
     reader.listing_checked = True
     document = reader.load_document()

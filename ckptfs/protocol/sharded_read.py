@@ -15,7 +15,6 @@ import dataclasses
 import io
 import logging
 import os
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as CFuture
@@ -138,9 +137,6 @@ def read_document(storage: Storage, info: CheckpointInfo, *, verify: bool = True
 
 #: A cooperative load's exchange round: at most this many bytes read plus received per rank.
 ROUND_BYTES = 4 * MAX_RANGE
-#: A run of chunks read for the caller's targets (through a reused buffer) is at most this
-#: long (a longer chunk alone): each reading thread's buffer holds one run.
-STAGED_RANGE = 16 * 1024 * 1024
 #: Chunks several ranks need are read by each of them when sharing would spare at most this
 #: many bytes, a small part of the load (`plan_group_reads`): the exchange rounds cost more.
 NEGLIGIBLE_SHARED = 4 * 1024 * 1024
@@ -169,9 +165,9 @@ class ShardedReader(StorageReader):
        then copies bytes into a tensor (same dtype only: never converted, every target's dtype
        checked before a byte is read) or decodes a value.  A chunk that is exactly a target's
        contiguous region (an FSDP shard loaded into the same sharding; every chunk of a full
-       load) is placed there by the reading thread (`_direct`, `_fetch`): a full load's own
-       tensors are read into and checked there; the caller's through a buffer the thread
-       reuses, copied in once verified (the caller's tensors never see unverified bytes).
+       load) is read straight into it by the reading thread and checked there (`_direct`,
+       `_fetch`); a load that fails zeroes those targets, so none is left holding bytes that
+       were not verified.
     """
 
     #: Whether chunks several ranks need are read once and sent to the others (with `peers`);
@@ -184,19 +180,13 @@ class ShardedReader(StorageReader):
 
     def __init__(self, storage: Storage, step: int | None = None, *, verify: bool = True,
                  threads: int | None = None, allow_rollback: bool = False,
-                 fills_own_tensors: bool = False, regions: Regions | None = None) -> None:
+                 regions: Regions | None = None) -> None:
         super().__init__()
         self.storage = storage
         self.step = None if step is None else check_step(step)
         self.verify = verify
         self.threads = threads or default_threads()
         self.allow_rollback = allow_rollback
-        #: The planner's tensors are the load's own, returned only once every chunk read is
-        #: verified (a full load): chunks are then read straight into them and verified there,
-        #: on the reading threads.  Never for the caller's tensors, which see only verified
-        #: bytes: a chunk is read into a buffer the reading thread reuses, and copied in there
-        #: once verified (`_fetch`).
-        self.fills_own_tensors = fills_own_tensors
         #: What this rank's load wants (names -> boxes, `ckptfs.protocol.rank_metadata`):
         #: of a format v5 checkpoint it reads only the metadata of the ranks holding those
         #: (None: everything).
@@ -386,18 +376,25 @@ class ShardedReader(StorageReader):
         else:  # DCP drives the load (ckptfs.dcp.Reader): every rank plans it alike
             shared = self._share(peers, manifest, keys) if peers is not None else None
         dests = {k: t for k, (_, t) in direct.items()}
-        if shared is not None:
-            assert peers is not None
-            self._read_shared(peers, shared, planner, manifest, keys, groups, headers, direct,
-                              dests)
-            fut: Future[None] = Future()
-            fut.set_result(None)
-            return fut
-        for views in self._fetch(manifest, keys, dests):
-            for key, view in views:
-                self._use(planner, manifest, groups, headers, key, view,
-                          direct.get(key) if key in dests else None)
-        fut = Future()
+        try:
+            if shared is not None:
+                assert peers is not None
+                self._read_shared(peers, shared, planner, manifest, keys, groups, headers,
+                                  direct, dests)
+            else:
+                for views in self._fetch(manifest, keys, dests):
+                    for key, view in views:
+                        self._use(planner, manifest, groups, headers, key, view,
+                                  direct.get(key) if key in dests else None)
+        except BaseException:
+            # The chunks read straight into a target (`_direct`) are checked there: a failed
+            # load (a digest, a read, a header that disagrees with dcp.msgpack) leaves none
+            # of them holding bytes that were not all verified and used.  Every read in flight
+            # has ended: the reading pool is joined as the error leaves `_fetch`.
+            for t in dests.values():
+                _flat_bytes(t).zero_()
+            raise
+        fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
@@ -600,61 +597,32 @@ class ShardedReader(StorageReader):
                dests: dict[Key, torch.Tensor]) -> Iterator[list[tuple[Key, memoryview]]]:
         """Coalesce adjacent chunks into ranged reads, run them on a pool (at most ``threads``
         in flight beyond the one being applied), yield each verified run's chunk views.  A
-        chunk with a target in ``dests`` (`_direct`) ends up there, its view being the
-        target's memory: a full load's own tensors (`fills_own_tensors`) are read into and
-        verified there; the caller's get the bytes only once verified, read into a buffer of
-        the reading thread's, reused from chunk to chunk (a fresh buffer per read costs a page
-        fault per page, more than the copy), then copied in on that thread.  The other chunks
-        of a run are read into buffers of their own."""
-        stage = not self.fills_own_tensors
+        chunk with a target in ``dests`` (`_direct`: a full load's own tensors, or the
+        caller's tensors of ``load(into=)`` whose region is exactly that chunk) is read
+        straight into the target's memory and verified there: one pass over the bytes, no
+        buffer and no second copy (a failed load zeroes those targets: `read_data`).  The
+        other chunks of a run are read into buffers of their own."""
         runs: list[list[Key]] = []
-        staged: list[bool] = []  # whether each run holds a chunk staged through a buffer
         for key in keys:
             last = runs[-1][-1] if runs else None
-            here = stage and key in dests
-            limit = STAGED_RANGE if here or (staged and staged[-1]) else MAX_RANGE
             if (last is not None and last[0] == key[0] and last[1] + last[2] == key[1]
-                    and key[1] + key[2] - runs[-1][0][1] <= limit):
+                    and key[1] + key[2] - runs[-1][0][1] <= MAX_RANGE):
                 runs[-1].append(key)
-                staged[-1] = staged[-1] or here
             else:
                 runs.append([key])
-                staged.append(here)
         info = self.resolve()
-        local = threading.local()
-
-        def scratch(n: int) -> torch.Tensor:
-            buf: torch.Tensor | None = getattr(local, "buf", None)
-            if buf is None or buf.numel() < n:
-                buf = local.buf = torch.empty(n, dtype=torch.uint8)
-            return buf[:n]
 
         def fetch(run: list[Key]) -> list[tuple[Key, memoryview]]:
             path, start = run[0][0], run[0][1]
             entry = manifest.chunked(path)
             if any(k in dests for k in run):
-                into: list[torch.Tensor] = []
-                buf = scratch(sum(k[2] for k in run if k in dests)) if stage else None
-                pos = 0
-                for k in run:
-                    if k not in dests:
-                        into.append(torch.empty(k[2], dtype=torch.uint8))
-                    elif buf is None:
-                        into.append(_flat_bytes(dests[k]))
-                    else:
-                        into.append(buf[pos:pos + k[2]])
-                        pos += k[2]
+                into = [_flat_bytes(dests[k]) if k in dests
+                        else torch.empty(k[2], dtype=torch.uint8) for k in run]
                 bufs = [(_stored_chunk(info, entry, k), tensor_memoryview(b))
                         for k, b in zip(run, into, strict=True)]
                 read_chunks_into(self.storage, info, entry, start, bufs, verify=self.verify)
-                out: list[tuple[Key, memoryview]] = []
-                for k, b, (_, v) in zip(run, into, bufs, strict=True):
-                    if k in dests:
-                        if buf is not None and k[2]:  # verified: only now into the target
-                            _flat_bytes(dests[k]).copy_(b)
-                        v = tensor_memoryview(dests[k])
-                    out.append((k, v))
-                return out
+                return [(k, tensor_memoryview(dests[k]) if k in dests else v)
+                        for k, (_, v) in zip(run, bufs, strict=True)]
             length = run[-1][1] + run[-1][2] - start
             view = self.read_run(entry, start, length)
             return [(k, view[k[1] - start:k[1] - start + k[2]]) for k in run]

@@ -1,9 +1,9 @@
 """The fast paths of the sharded (format v2) save and load keep every
 guarantee: a full load reads chunks straight into its own tensors and still verifies each one
 before returning (on local disk and through a ranged read elsewhere), a load into the caller's
-tensors never lets an unverified byte into them, a durable write flushes large files in the
-background without losing an fsync error, and the commit's directory fsyncs, moved after the
-data, all still happen before the marker."""
+tensors reads straight into them and never leaves an unverified byte there, a durable write
+flushes large files in the background without losing an fsync error, and the commit's
+directory fsyncs, moved after the data, all still happen before the marker."""
 
 from __future__ import annotations
 
@@ -118,11 +118,14 @@ def test_full_load_through_a_ranged_read_refuses_a_flipped_byte(
         store.load(1)
 
 
-def test_load_into_the_callers_tensors_never_sees_unverified_bytes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``load(into=...)`` fills the caller's tensors only from verified buffers (never reads
-    a chunk into their memory: into a buffer, copied in once verified): after a failed load,
-    the tensor whose chunk was corrupt still holds what it held."""
+@pytest.mark.parametrize("damage", ["flip", "short"])
+def test_load_into_reads_into_the_callers_tensors_and_zeroes_a_failed_chunk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str) -> None:
+    """``load(into=...)`` reads each chunk that is exactly a target's region straight into the
+    caller's tensor (one pass, no buffer, no second copy) and verifies it there; a chunk whose
+    digest check or read fails has its target zeroed before the error is raised: after a
+    failed load no target holds bytes that were not verified (neither the damaged ones nor
+    what it held before)."""
     root = tmp_path / "run"
     store = ckptfs.open(str(root))
     state = _state()
@@ -131,13 +134,23 @@ def test_load_into_the_callers_tensors_never_sees_unverified_bytes(
     into = {"model": {k: torch.full_like(v, 0) for k, v in state["model"].items()},
             "trainer": {"step": 0, "names": []}}
     store.load(1, into=into)
-    assert _inside(seen, into["model"].values()) == []
+    assert _inside(seen, [into["model"]["w"]]) != []  # read into the caller's memory
     assert torch.equal(into["model"]["w"], state["model"]["w"])
-    _flip(root, 1, info.attempt, "model.w")
+    if damage == "flip":
+        _flip(root, 1, info.attempt, "model.w")
+    else:  # the file cut inside w's chunk after the listing: the positional read comes short
+        real = sharded_read.read_chunks_into
+
+        def cut(*args: Any, **kwargs: Any) -> None:
+            path = attempt_dir(root, 1, info.attempt) / RANK_FILE
+            path.write_bytes(path.read_bytes()[:args[4][0][0].offset + 3])
+            real(*args, **kwargs)
+
+        monkeypatch.setattr(sharded_read, "read_chunks_into", cut)
     into["model"]["w"].fill_(-1.0)
-    with pytest.raises(CorruptCheckpointError, match="digest"):
+    with pytest.raises(CorruptCheckpointError, match="digest" if damage == "flip" else "short"):
         store.load(1, into=into)
-    assert bool((into["model"]["w"] == -1.0).all())
+    assert not into["model"]["w"].any()  # zeroed: not -1, not the damaged bytes
 
 
 def test_direct_read_refuses_a_short_file_and_a_link(tmp_path: Path) -> None:
