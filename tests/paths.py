@@ -10,11 +10,13 @@ an incremental store: format v3), ``async-v2`` / ``async-v4``
 (``save_async`` of DTensors on a one-rank mesh under a one-rank gloo group: the collective
 async save, plain and incremental), ``async-v2s`` (``save_async`` of a store of
 ``layout="ranks"`` streamed through a staging budget the state exceeds: several rank files),
-``cp`` / ``cp-v2`` (a save into a scratch root, then
-``ckptfs cp``'s ``copy_step``), ``cp-v3`` / ``cp-v4`` (the same from an incremental source kept
-for the run root, so that copies reference earlier copies), ``replica-v1`` / ``replica-v3``
-(the remote copy of a two-tier store: ``ckptfs.tiered(local, store)``, ``save``,
-``wait_replicated``; the store under test is the remote tier), ``replica-v2`` / ``replica-v4``
+``async-v3s`` (``save_async`` of an incremental store through such a budget: its reuse decided
+before the call returns, only the tensors it writes streamed), ``cp`` / ``cp-v2`` (a save into
+a scratch root, then ``ckptfs cp``'s ``copy_step``), ``cp-v3`` / ``cp-v4`` (the same from an
+incremental source kept for the run root, so that copies reference earlier copies),
+``replica-v1`` / ``replica-v3`` (the remote copy of a two-tier store:
+``ckptfs.tiered(local, store)``, ``save``, ``wait_replicated``; the store under test is the
+remote tier), ``replica-v2`` / ``replica-v4``
 (the same for the collective save under a one-rank process group: a sharded step replicated,
 plain and incremental), ``sub`` (``store.save`` through
 the sub-storage of artifacts and the Lightning integration; ``path.at(backend)`` is then the
@@ -68,6 +70,7 @@ from ckptfs.testing.reliability.paths import (
     ASYNC_V2,
     ASYNC_V2S,
     ASYNC_V3,
+    ASYNC_V3S,
     ASYNC_V4,
     ASYNC_V5,
     CP,
@@ -91,8 +94,8 @@ from ckptfs.testing.reliability.paths import (
     WritePath,
 )
 
-__all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V2S", "ASYNC_V3", "ASYNC_V4", "ASYNC_V5", "CP", "CP_V2",
-           "CP_V3", "CP_V4", "CP_V5", "DEFECTS", "EVERY", "PATHS", "RANKS", "REPLICAS",
+__all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V2S", "ASYNC_V3", "ASYNC_V3S", "ASYNC_V4", "ASYNC_V5", "CP",
+           "CP_V2", "CP_V3", "CP_V4", "CP_V5", "DEFECTS", "EVERY", "PATHS", "RANKS", "REPLICAS",
            "REPLICA_V1", "REPLICA_V2", "REPLICA_V3", "REPLICA_V4", "REPLICA_V5", "SUB", "V1", "V2",
            "V2X2", "V3", "V4", "V4X2", "V5", "KnownDefect",
            "SubBackend", "WritePath",

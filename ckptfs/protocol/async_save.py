@@ -35,7 +35,8 @@ interleave with the next one's.  The staging pool keeps one buffer per tensor of
 snapshot(s), so a run that saves the same shapes allocates nothing after its first save.  Extra
 memory is one copy of the state's tensors per save in flight (``max_in_flight``, default 1),
 held until `close`; with a staging budget (``staging_bytes``) at most that many bytes, a larger
-single-process state streamed through them (`ckptfs.protocol.staging.Stream`: the call
+single-process state (format v1, or v3: only what it writes) streamed through them
+(`ckptfs.protocol.staging.Stream`: the call
 returns once its last part is copied, the earlier parts written).
 
 At interpreter exit (before ``concurrent.futures`` stops accepting work, so the commit can still
@@ -236,10 +237,10 @@ class AsyncSaver:
         (`ckptfs.protocol.prepare.prepare`, its collectives on `collective_group`), the
         snapshot of what it reads (`ckptfs.protocol.snapshot.take`), then that save over the
         snapshot on the store's thread (`_Job`).  With a staging budget (``staging_bytes``)
-        smaller than what the save reads, a save of format v1 or v2 is streamed through it
-        (`_stream`); any other (incremental, per-rank metadata) is written from the caller's
-        objects, and this call returns once it is done (`_unstaged`): docs/async.md
-        section 5."""
+        smaller than what the save reads, a save of format v1, v2 or v3 is streamed through
+        it (`_stream`); a sharded incremental (v4) or per-rank metadata (v5) save is written
+        from the caller's objects, and this call returns once it is done (`_unstaged`):
+        docs/async.md section 5."""
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         check_budget(staging_bytes)
@@ -315,17 +316,17 @@ class AsyncSaver:
             raise
 
     def _unstaged(self, fut: SaveFuture, prepared: Prepared, budget: int | None) -> None:
-        """A save over its staging budget that cannot be streamed (an incremental store, a
+        """A save over its staging budget that cannot be streamed (a sharded incremental or a
         per-rank metadata save, a rank holding a tensor larger than the budget): nothing is
         staged; the save runs over the caller's own objects on the store's thread, and this
         call waits until it is done (committed or failed)."""
         level = logging.INFO if self._warned_unstaged else logging.WARNING
         self._warned_unstaged = True
         log.log(level, "save_async(step %d) at %s: what it must copy exceeds staging_bytes=%s "
-                "and this %s save cannot stream through a budget (docs/async.md section 5): "
-                "it is written from the caller's tensors, and save_async returns once it is "
-                "done", fut.step, self.url, budget,
-                "collective" if prepared.collective else "incremental")
+                "and this collective save (sharded incremental, per-rank metadata, or a "
+                "tensor larger than the budget on this rank) cannot stream through it "
+                "(docs/async.md section 5): it is written from the caller's tensors, and "
+                "save_async returns once it is done", fut.step, self.url, budget)
         job = _Job(self, fut, prepared.over(prepared.reads, None), lambda: None)
         del prepared
         self._enqueue(job, fut)

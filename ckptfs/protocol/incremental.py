@@ -396,6 +396,66 @@ def write_plan(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, 
     return save_incremental(storage, step, plan, meta, opts)
 
 
+@dataclass(frozen=True)
+class Decided:
+    """An incremental save's reuse, decided before its bytes are copied (`decide_now`):
+    ``plan`` laid out over the tensors it writes (the others ``external``, in the files of
+    ``references``), ``protector`` the checkpoint it references (None: it references
+    nothing), ``reused`` each referenced tensor's stored copy (by the plan's index)."""
+
+    plan: StatePlan
+    references: tuple[Reference, ...]
+    protector: tuple[int, str] | None
+    reused: dict[int, Stored]
+
+
+def decide_now(storage: Storage, plan: StatePlan, opts: SaveOptions) -> Decided:
+    """The reuse stage of an incremental save run now, over the caller's tensors (an async
+    save streamed through its staging budget decides before it returns, so that only the
+    tensors it writes are staged): the same decision as `save_incremental`'s."""
+    memory = opts.reuse
+    if memory is None:
+        raise ValueError("decide_now: the options hold no reuse memory")
+    index = reuse_index(storage, memory, opts.algorithm, sharded=False)
+    reused = find_reuse(plan, index, memory, opts.algorithm, opts.workers, storage) \
+        if index is not None else {}
+    refs, external = references_for(reused)
+    laid = relayout(plan, external) if reused or plan.external else plan
+    return Decided(laid, tuple(refs), index.protector if refs and index is not None else None,
+                   reused)
+
+
+def write_decided(storage: Storage, step: int, plan: StatePlan, decided: Decided,
+                  meta: Mapping[str, Any], opts: SaveOptions, *, gate: FileGate | None = None
+                  ) -> CheckpointInfo:
+    """Commit ``plan`` (``decided.plan``, or it laid out again over the same tensors: an async
+    save's files fitted to its budget) with ``decided``'s references, each of ``plan.files``
+    written inside ``gate``.  Not written again in full if the checkpoint it references is
+    deleted before the marker (`ProtectorGoneError`, the reuse memory forgotten so that the
+    next save indexes the run again): the tensors it references were not copied, and the
+    caller may have changed them since."""
+    memory = opts.reuse
+    assert memory is not None
+    try:
+        info = save_plan(storage, step, plan, meta, opts,
+                         feats=frozenset({CHUNKED, REFERENCES}),
+                         references=decided.references,
+                         protectors=[decided.protector] if decided.protector else (),
+                         gate=gate)
+    except ProtectorGoneError as exc:
+        with memory.lock:
+            memory.index = None
+        raise ProtectorGoneError(
+            f"{exc}; this save referenced tensors it did not copy (save_async streamed through "
+            "its staging budget), so it was not written again in full: save the step again "
+            "(the next save references only what is committed then)") from exc
+    _remember(memory, plan, info, decided.reused)
+    if decided.references:
+        log.info("step %d at %s: %d of %d bytes written, the rest referenced from %d files",
+                 step, storage.url, info.bytes_written, info.bytes, len(decided.references))
+    return info
+
+
 def _save(storage: Storage, step: int, plan: StatePlan, meta: Mapping[str, Any],
           opts: SaveOptions, memory: ReuseMemory, index: ReuseIndex | None) -> CheckpointInfo:
     reused = find_reuse(plan, index, memory, opts.algorithm, opts.workers, storage) \
@@ -435,11 +495,13 @@ def _remember(memory: ReuseMemory, plan: StatePlan, info: CheckpointInfo,
 
 
 __all__ = [
+    "Decided",
     "Indexer",
     "Item",
     "ProtectorGoneError",
     "ReuseIndex",
     "ReuseMemory",
+    "decide_now",
     "decide_reuse",
     "find_reuse",
     "index_of",
@@ -448,5 +510,6 @@ __all__ = [
     "references_for",
     "reuse_index",
     "save_incremental",
+    "write_decided",
     "write_plan",
 ]

@@ -43,7 +43,7 @@ from ckptfs.format.layout import check_step
 from ckptfs.format.serialize import StatePlan, key_str
 from ckptfs.protocol.collective import find_dtensor, is_distributed, wants_sharded_save
 from ckptfs.protocol.commit import FileGate, check_plan, plan_single_process
-from ckptfs.protocol.incremental import write_plan
+from ckptfs.protocol.incremental import Decided, decide_now, write_decided, write_plan
 from ckptfs.protocol.resolve import CheckpointInfo
 from ckptfs.protocol.snapshot import Split, split
 from ckptfs.protocol.staging import fit_files, fit_groups, staged_size
@@ -99,10 +99,12 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     thread, its collectives on the group this gives.  ``staging_bytes``: an async save's
     staging budget; a save whose tensors exceed it is laid out to be streamed through it and
     says so (``streamed``): one process (format v1) in smaller files
-    (`ckptfs.protocol.staging.fit_files`), a collective save of format v2 in groups of the
+    (`ckptfs.protocol.staging.fit_files`), an incremental one (format v3) likewise once its
+    reuse is decided here, over the caller's tensors (`ckptfs.protocol.incremental.decide_now`:
+    only the tensors it writes are staged), a collective save of format v2 in groups of the
     view's tensors, one rank file per group (`ckptfs.protocol.staging.fit_groups`); a tensor
-    larger than the budget is refused.  An incremental (v3, v4) or per-rank (v5) save is not
-    streamed (``streamed`` None)."""
+    larger than the budget is refused.  A sharded incremental (v4) or per-rank (v5) save is
+    not streamed (``streamed`` None)."""
     check_step(step)
     opts = store.options
     collective = store.layout == RANKS or wants_sharded_save(state, process_group)
@@ -110,8 +112,12 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
     if not collective:
         plan, meta = plan_or_refuse(state, metadata, store.shard_bytes)
         streamed = None
-        if (staging_bytes is not None and not opts.incremental
-                and staged_size(plan.tensors) > staging_bytes):
+        decided: Decided | None = None
+        if staging_bytes is not None and staged_size(plan.tensors) > staging_bytes:
+            check_plan(step, plan, meta, opts.algorithm)  # before any hash or read
+            if opts.incremental:  # only what it writes is staged: reuse decided now
+                decided = decide_now(storage, plan, opts)
+                plan = decided.plan
             plan = fit_files(plan, staging_bytes)
             streamed = [(), *(tf.members for tf in plan.tensor_files)]  # plan.files' order
         check_plan(step, plan, meta, opts.algorithm)
@@ -120,6 +126,9 @@ def prepare(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
         def over_plan(tensors: Any, hint: Hint | None, gate: FileGate | None = None
                       ) -> Callable[[], CheckpointInfo]:
             staged = plan if tensors is plan.tensors else plan.rebind(tensors)
+            if decided is not None:
+                return lambda: write_decided(storage, step, staged, decided, meta, opts,
+                                             gate=gate)
             return lambda: write_plan(storage, step, staged, meta, opts, gate=gate)
 
         return Prepared(step, False, plan.tensors, over_plan, streamed)

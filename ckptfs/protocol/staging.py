@@ -422,13 +422,15 @@ class Stream:
         slab = pool.slab(budget, budget, any(_needs_pinned(t) for t in tensors))
         self.offsets = pool.place(sizes)
         self.sizes = sizes
-        views: list[torch.Tensor | None] = [None] * len(tensors)
+        # A tensor no file holds (an incremental save's reused ones: its stored copy is
+        # referenced) is never read by the write: a placeholder of its dtype and shape, no
+        # memory, nothing copied.
+        views = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
         for members, at in zip(self.files, self.offsets, strict=True):
             for i in members:
                 views[i] = _view(slab, at, tensors[i])
                 at += _aligned(_nbytes(tensors[i]))
-        assert all(v is not None for v in views)
-        self.views: list[torch.Tensor] = views  # type: ignore[assignment]
+        self.views: list[torch.Tensor] = views
         self._cond = threading.Condition()
         self._staged = [not f for f in self.files]
         self._region: list[int | None] = [None] * len(self.files)

@@ -2,9 +2,9 @@
 budget streams through it (a part copied, written, its buffer reused for the next part); the
 staging code's own accounting (``StagingPool.live_bytes`` and the bytes it holds) never exceeds
 the budget; the call returns once the last part is copied, and the checkpoint holds the values
-at the call; a tensor larger than the budget is refused by name; a save that cannot stream
-(incremental) is written from the caller's tensors and the call returns when it is done (the
-collective saves: test_async_budget_ranks.py).  On ``memory://`` and local disk."""
+at the call; a tensor larger than the budget is refused by name (an incremental store's:
+test_async_budget_incremental.py; the collective saves: test_async_budget_ranks.py).  On
+``memory://`` and local disk."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-import ckptfs
 from ckptfs.errors import AsyncSaveError, StagingBudgetError, StorageError
 from ckptfs.format.serialize import plan_state
 from ckptfs.protocol import staging
@@ -307,25 +306,6 @@ def test_two_saves_in_flight_share_the_budget(memory_backend: Backend,
     assert_state_equal(store.load(1), ea)
     assert_state_equal(store.load(2), eb)
     assert store.async_stats.staging_peak_live_bytes <= BUDGET
-
-
-def test_incremental_store_over_the_budget_is_written_from_the_state(
-        local_backend: Backend) -> None:
-    """An incremental store's save reads every tensor before writing (its reuse stage): it
-    cannot stream, so over the budget nothing is staged and the call returns once it is
-    committed."""
-    store = ckptfs.open(local_backend.open().url, incremental=True)
-    state = big_state(4 * BUDGET)
-    fut = store.save_async(1, state, staging_bytes=BUDGET)
-    assert fut.done()
-    assert fut.result().step == 1
-    stats = store.async_stats
-    assert stats.unstaged == 1 and stats.staging_peak_bytes == 0
-    assert_state_equal(store.load(1), state)
-    # within the budget it is the usual snapshot
-    fut = store.save_async(2, state, staging_bytes=8 * BUDGET)
-    fut.result(timeout=120)
-    assert stats.unstaged == 1 and 0 < stats.staging_peak_bytes <= 8 * BUDGET
 
 
 def test_cuda_branch_streams_through_a_pinned_slab(monkeypatch: pytest.MonkeyPatch,

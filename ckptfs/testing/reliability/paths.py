@@ -29,6 +29,9 @@ exactly what the single-process save gives it:
            one) with a staging budget the state's tensors exceed (`streamed_budget`): streamed
            group by group, its rank's items in several rank files (``data-0``, ``data-1``, ...)
 ``async-v3`` ``save_async`` on an incremental store (format v3), saving what ``v3`` saves
+``async-v3s`` the same with a staging budget the state's tensors exceed (`streamed_budget`):
+           the reuse decided before the call returns, the tensors it writes streamed through
+           the budget in several files, the referenced ones never copied
 ``async-v4`` the collective async save on an incremental store (its reuse memory kept as
            for ``v4``)
 ``cp-v3``  ``ckptfs cp`` of a format v3 step: the source is a scratch root kept for the run
@@ -179,8 +182,9 @@ class WritePath:
             return save_v3(store, step, state, metadata=metadata)
         if self.name == "v4":
             return save_v4(store, step, state, metadata=metadata)
-        if self.name == "async-v3":
-            return save_async_v3(store, step, state, metadata=metadata)
+        if self.name in ("async-v3", "async-v3s"):
+            return save_async_v3(store, step, state, metadata=metadata,
+                                 streamed=self.name == "async-v3s")
         if self.name in ("async-v2", "async-v4"):
             return save_async_sharded(store, step, state, metadata=metadata,
                                       incremental=self.name == "async-v4")
@@ -255,12 +259,16 @@ def incremental_store(store: CheckpointStore) -> CheckpointStore:
 
 
 def save_async_v3(store: CheckpointStore, step: int, state: Mapping[str, Any], *,
-                  metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+                  metadata: Mapping[str, Any] | None = None,
+                  streamed: bool = False) -> CheckpointInfo:
     """``save_async`` on an incremental store (format v3), as `save_v3` opens it, waited
-    for; the store's background thread is closed afterwards."""
+    for; the store's background thread is closed afterwards.  ``streamed``: within
+    `streamed_budget` (docs/async.md section 5)."""
     incremental = incremental_store(store)
+    budget = streamed_budget(state) if streamed else None
     try:
-        return incremental.save_async(step, state, metadata=metadata).result()
+        return incremental.save_async(step, state, metadata=metadata,
+                                      staging_bytes=budget).result()
     finally:
         incremental.close()
 
@@ -522,6 +530,7 @@ V4 = WritePath("v4", 4, references=True)
 ASYNC_V2 = WritePath("async-v2", 2)
 ASYNC_V2S = WritePath("async-v2s", 2)
 ASYNC_V3 = WritePath("async-v3", 3, references=True)
+ASYNC_V3S = WritePath("async-v3s", 3, references=True)
 ASYNC_V4 = WritePath("async-v4", 4, references=True)
 CP_V3 = WritePath("cp-v3", 3, references=True)
 CP_V4 = WritePath("cp-v4", 4, references=True)
@@ -536,7 +545,8 @@ REPLICA_V5 = WritePath("replica-v5", 5)
 
 #: Every in-process write path, by name.
 WRITE_PATHS: dict[str, WritePath] = {p.name: p for p in (
-    V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V2S, ASYNC_V3, ASYNC_V4, CP_V3, CP_V4,
+    V1, V2, ASYNC, CP, CP_V2, SUB, V3, V4, ASYNC_V2, ASYNC_V2S, ASYNC_V3, ASYNC_V3S, ASYNC_V4,
+    CP_V3, CP_V4,
     REPLICA_V1, REPLICA_V3, REPLICA_V2, REPLICA_V4, V5, ASYNC_V5, CP_V5, REPLICA_V5)}
 
 
