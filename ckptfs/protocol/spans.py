@@ -74,7 +74,7 @@ def windows_of(sizes: Sequence[int], threads: int) -> list[int]:
     each at once)."""
     ways = max(1, min(threads, processors()))
     total = sum(sizes)
-    if ways == 1 or total <= 0:
+    if ways == 1 or total <= 0 or not hasattr(os, "preadv"):  # no positional reads: streams
         return [1] * len(sizes)
     return [max(1, min(ways, -(-size * ways // total))) for size in sizes]
 
