@@ -45,6 +45,7 @@ attempt that readers skip and garbage collection removes.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -776,12 +777,43 @@ def plan_single_process(state: Mapping[str, Any], *, metadata: Mapping[str, Any]
     return plan, meta
 
 
+#: The layouts whose placeholder manifest `check_plan` accepted in this process (the last
+#: `_PASSED_KEEP`): a run saves the same layout at every step, and the verdict depends on
+#: nothing else (`_plan_key`).  The commit checks every manifest it commits all the same.
+_PASSED: dict[Any, None] = {}
+_PASSED_KEEP = 64
+_PASSED_LOCK = threading.Lock()
+
+
+def _plan_key(step: int, plan: StatePlan, meta: Mapping[str, Any], algorithm: str) -> Any:
+    """Everything the verdict of `check_plan` depends on: the files (paths, sizes), the
+    metadata, the algorithm, and the widths of what varies in length (the step number, the
+    writer's pid); the attempt's name and time are of fixed length.  None: not keyable (the
+    check runs)."""
+    try:
+        meta_text = json.dumps(meta, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    return (algorithm, len(str(step)), meta_text, socket.gethostname(),
+            len(str(os.getpid())), tuple((pf.path, pf.size) for pf in plan.files))
+
+
 def check_plan(step: int, plan: StatePlan, meta: Mapping[str, Any], algorithm: str) -> None:
     """`Attempt.check` of a planned v1 save, without opening an attempt (an async save
-    checks on the caller's thread, before it returns)."""
+    checks on the caller's thread, before it returns); a layout this process checked
+    already (`_PASSED`) is not checked again."""
+    key = _plan_key(step, plan, meta, algorithm)
+    with _PASSED_LOCK:
+        if key is not None and key in _PASSED:
+            return
     check_manifest(v1_manifest(step, new_attempt_name(), algorithm, meta, now_text(),
                                [(pf.path, pf.size, placeholder_digest(algorithm))
                                 for pf in plan.files]), writer_identity())
+    if key is not None:
+        with _PASSED_LOCK:
+            _PASSED[key] = None
+            while len(_PASSED) > _PASSED_KEEP:
+                del _PASSED[next(iter(_PASSED))]
 
 
 def v1_manifest(step: int, attempt: str, algorithm: str, meta: Mapping[str, Any],
