@@ -380,9 +380,13 @@ def preallocate(slots: list[TensorSlot], by_path: dict[str, FileEntry]
             for d in s.shape:
                 n *= d
             need += n
-        if need <= entry.size:
+        if need > entry.size:
+            continue
+        try:
             out[file] = {name: torch.empty(s.shape, dtype=CODE_DTYPES[s.dtype])
                          for name, s in mine.items()}
+        except (RuntimeError, OverflowError, TypeError, ValueError):  # a dimension torch
+            continue  # cannot hold (with another of size 0): the header decides, checked first
     return out
 
 

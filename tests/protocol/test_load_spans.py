@@ -193,6 +193,8 @@ def test_a_state_document_declaring_more_than_its_file_allocates_nothing_first()
     huge = [TensorSlot(entry.path, "w", "F32", (1 << 40, 1 << 20))]
     fits = [TensorSlot(entry.path, "w", "F32", (16, 16))]
     assert reader.preallocate(huge, {entry.path: entry}) == {}
+    empty_but_wide = [TensorSlot(entry.path, "w", "F32", (0, 1 << 63))]  # 0 bytes, no int64
+    assert reader.preallocate(empty_but_wide, {entry.path: entry}) == {}
     got = reader.preallocate(fits, {entry.path: entry})
     assert tuple(got[entry.path]["w"].shape) == (16, 16)
 
