@@ -4,6 +4,7 @@ tests/storage/test_backend_*.py); local and memory need nothing."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 # gcsfs makes a failing gRPC call on every open against an emulator unless this is set before
 # it is imported (see docs/backends.md).
@@ -38,6 +39,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _torch_determinism_restored() -> Iterator[None]:
+    """A test that turns torch's deterministic algorithms on (Lightning's
+    ``Trainer(deterministic=True)`` does, globally) leaves them as they were for the next
+    test: with them on, ``torch.empty`` fills new memory on OpenMP threads, and a later test's
+    forked child then hangs in libgomp (seen in CI's torch 2.6 matrix)."""
+    import torch
+
+    on = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    if (torch.are_deterministic_algorithms_enabled() != on
+            or torch.is_deterministic_algorithms_warn_only_enabled() != warn_only):
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
+
+
 @pytest.fixture
 def local_backend(tmp_path) -> Backend:  # type: ignore[no-untyped-def]
     return Backend("local", f"file://{tmp_path}/{unique_name()}")
@@ -53,8 +70,6 @@ def memory_backend() -> Backend:
 # reset before each test that uses it, stopped in the context manager's ``finally``.  A server
 # that cannot start fails the tests that need it (never a silent skip): the README's set-up
 # installs all of them.
-
-from collections.abc import Iterator  # noqa: E402
 
 from ckptfs.testing import servers  # noqa: E402
 
