@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -215,33 +215,53 @@ def _pread_into(storage: Storage, local: str, start: int, views: list[memoryview
     (``preadv``: the kernel copies straight into them).  ``O_NOFOLLOW``: a file replaced by a
     link after the listing is refused."""
     where = storage_url(storage, src.location)
+    fd = open_no_follow(local, where, step=src.step, path=src.location,
+                        missing=lambda: src.missing(where))
     try:
-        fd = os.open(local, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        want = sum(len(v) for v in views)
+        try:
+            got = pread_views(fd, views, start)
+        except OSError as exc:
+            raise StorageError(f"read {where} failed: {exc}") from exc
+        if got < want:
+            raise src.short(where, start, got, want)
+    finally:
+        os.close(fd)
+
+
+def open_no_follow(local: str, where: str, *, step: int | None, path: str,
+                   missing: Callable[[], BaseException]) -> int:
+    """The local file ``local`` (of the checkpoint file ``where``) opened for reading with
+    ``O_NOFOLLOW``: ``missing()`` if it is not there, `UnsafeCheckpointError` if it is a
+    symbolic link (replaced after the listing), `StorageError` otherwise."""
+    try:
+        return os.open(local, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
-        raise src.missing(where) from None
+        raise missing() from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafeCheckpointError(
                 f"{where} is a symbolic link; a checkpoint may not contain links. Refusing to "
-                "read it", step=src.step, path=src.location) from None
+                "read it", step=step, path=path) from None
         raise StorageError(f"{where}: cannot open: {exc}") from exc
-    try:
-        pos = start
-        todo = [v for v in views if len(v)]
-        while todo:
-            try:
-                n = os.preadv(fd, todo[:_IOV_MAX], pos)
-            except OSError as exc:
-                raise StorageError(f"read {where} failed: {exc}") from exc
-            if n <= 0:
-                raise src.short(where, start, pos - start, sum(len(v) for v in views))
-            pos += n
-            while todo and n >= len(todo[0]):
-                n -= len(todo.pop(0))
-            if n:
-                todo[0] = todo[0][n:]
-    finally:
-        os.close(fd)
+
+
+def pread_views(fd: int, views: Sequence[memoryview], pos: int) -> int:
+    """Read the consecutive ``views`` full from ``fd`` at ``pos`` (``preadv``, at most
+    `_IOV_MAX` buffers a call); the bytes read: fewer where the file ends.  ``OSError`` as
+    raised."""
+    done = 0
+    todo = [v for v in views if len(v)]
+    while todo:
+        n = os.preadv(fd, todo[:_IOV_MAX], pos + done)
+        if n <= 0:
+            break
+        done += n
+        while todo and n >= len(todo[0]):
+            n -= len(todo.pop(0))
+        if n:
+            todo[0] = todo[0][n:]
+    return done
 
 
 #: Buffers per ``preadv`` call (Linux's IOV_MAX).

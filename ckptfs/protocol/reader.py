@@ -9,7 +9,6 @@ returned.  Nothing is unpickled: the tree is msgpack, the tensors safetensors.
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap as _mmap
 import os
@@ -59,6 +58,7 @@ from ckptfs.protocol.chunks import (
     StoredChunks,
     check_chunk,
     check_streamed,
+    open_no_follow,
     read_chunk,
     read_run,
 )
@@ -408,17 +408,10 @@ def map_file_verified(storage: Storage, info: CheckpointInfo, entry: FileEntry, 
     if not supports(storage, LocalFiles):
         raise LoadOptionError(f"{where}: this storage has no local files to map")
     local = cast(LocalFiles, storage).local_path(path)
-    try:
-        fd = os.open(local, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: listed in the manifest but missing",
-                                     step=info.step, path=path) from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeCheckpointError(
-                f"{where} is a symbolic link; a checkpoint may not contain links. Refusing to "
-                "read it", step=info.step, path=path) from None
-        raise StorageError(f"{where}: cannot open for mapping: {exc}") from exc
+    fd = open_no_follow(local, where, step=info.step, path=path,
+                        missing=lambda: CorruptCheckpointError(
+                            f"{where}: listed in the manifest but missing", step=info.step,
+                            path=path))
     try:
         size = os.fstat(fd).st_size
         if size != entry.size:

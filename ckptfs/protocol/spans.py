@@ -23,13 +23,13 @@ one stream.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
-from ckptfs.errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
+from ckptfs.errors import CorruptCheckpointError, StorageError
+from ckptfs.protocol.chunks import open_no_follow, pread_views
+from ckptfs.storage.syncs import KeptPool
 
 __all__ = ["SPAN_BYTES", "SpanReads", "cut", "windows_of"]
 
@@ -38,22 +38,7 @@ SPAN_BYTES = 4 * 1024 * 1024
 #: The pool's threads (spans of the files a load reads at once).
 WORKERS = 8
 
-_POOL: list[ThreadPoolExecutor] = []
-_LOCK = threading.Lock()
-
-
-def _forget_pool() -> None:  # in a forked child: the parent's threads are not there
-    _POOL.clear()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _pool() -> ThreadPoolExecutor:
-    with _LOCK:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(WORKERS, thread_name_prefix="ckptfs-span"))
-        return _POOL[0]
+_POOL = KeptPool(WORKERS, "ckptfs-span")
 
 
 def processors() -> int:
@@ -101,29 +86,6 @@ def cut(views: Sequence[memoryview], start: int, span: int
     return out
 
 
-#: Buffers of one ``preadv`` at most (POSIX's IOV_MAX is at least 16; Linux's 1,024).
-_IOV = 1024
-
-
-def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Read ``views`` full from ``fd`` at ``offset``, consecutive; the bytes read (fewer:
-    the file ended)."""
-    got = 0
-    i = 0
-    while i < len(views):
-        n = os.preadv(fd, views[i:i + _IOV], offset + got)
-        if n == 0:
-            return got
-        got += n
-        while i < len(views) and n >= len(views[i]):  # the buffers read full
-            n -= len(views[i])
-            i += 1
-        if n:  # one read in part: the rest of it next
-            views = [views[i][n:], *views[i + 1:]]
-            i = 0
-    return got
-
-
 class SpanReads:
     """The spans of one local file (`cut`), read by the pool, ``window`` at a time in file
     order: `wait` ``(k)`` is whether span ``k`` was read full (and hands the next one to the
@@ -139,18 +101,11 @@ class SpanReads:
         self.futures: list[Future[int]] = []
 
     def __enter__(self) -> SpanReads:
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            self.fd = os.open(self.local, flags)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{self.where}: listed in the manifest but missing",
-                                         step=self.step, path=self.path) from None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise UnsafeCheckpointError(
-                    f"{self.where} is a symbolic link; a checkpoint may not contain links. "
-                    "Refusing to read it", step=self.step, path=self.path) from None
-            raise StorageError(f"{self.where}: cannot open: {exc}") from exc
+        where, step, path = self.where, self.step, self.path
+        self.fd = open_no_follow(self.local, where, step=step, path=path,
+                                 missing=lambda: CorruptCheckpointError(
+                                     f"{where}: listed in the manifest but missing",
+                                     step=step, path=path))
         for _ in range(min(self.window, len(self.spans))):
             self._submit()
         return self
@@ -158,7 +113,7 @@ class SpanReads:
     def _submit(self) -> None:
         assert self.fd is not None
         offset, views = self.spans[len(self.futures)]
-        self.futures.append(_pool().submit(_pread_all, self.fd, views, offset))
+        self.futures.append(_POOL.get().submit(pread_views, self.fd, views, offset))
 
     def wait(self, k: int) -> bool:
         """Whether span ``k`` was read full; a read error as `StorageError`."""

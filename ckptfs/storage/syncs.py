@@ -15,27 +15,33 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["fsync_path", "sync_all"]
+__all__ = ["KeptPool", "fsync_path", "sync_all"]
 
 #: The pool's threads: fsyncs in flight at once (a commit has a handful of paths).
 WORKERS = 8
 
-_POOL: list[ThreadPoolExecutor] = []
-_LOCK = threading.Lock()
+class KeptPool:
+    """A thread pool kept for the process (made on first use) and made again in a forked
+    child, whose copy of the parent's pool has no threads: `get`."""
+
+    def __init__(self, workers: int, prefix: str) -> None:
+        self.workers, self.prefix = workers, prefix
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def get(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.prefix)
+            return self._pool
 
 
-def _forget_pool() -> None:  # in a forked child: the parent's threads are not there
-    _POOL.clear()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _pool() -> ThreadPoolExecutor:
-    with _LOCK:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(WORKERS, thread_name_prefix="ckptfs-fsync"))
-        return _POOL[0]
+_POOL = KeptPool(WORKERS, "ckptfs-fsync")
 
 
 def fsync_path(full: str, directory: bool) -> None:
@@ -59,7 +65,7 @@ def sync_all(files: Sequence[str], dirs: Sequence[str]) -> list[tuple[str, BaseE
             return [(paths[0][0], exc)]
         return []
     futures: list[tuple[str, Future[None]]] = [
-        (p, _pool().submit(fsync_path, p, d)) for p, d in paths]
+        (p, _POOL.get().submit(fsync_path, p, d)) for p, d in paths]
     failed: list[tuple[str, BaseException]] = []
     for p, fut in futures:
         error = fut.exception()

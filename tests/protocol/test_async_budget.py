@@ -73,15 +73,20 @@ def tensor_bytes(state: Any) -> int:
     return plan_state(state).tensor_bytes
 
 
-def mutate(state: dict[str, Any]) -> None:
+def mutate_tensors(tensors: dict[str, Any]) -> None:
+    """Every tensor of ``tensors`` changed in place (each kind as it can be)."""
     with torch.no_grad():
-        for t in state["model"].values():
+        for t in tensors.values():
             if t.dtype == torch.bool:
                 t.logical_not_()
             elif t.is_conj():
                 t.mul_(0)
             elif t.numel():
                 t.add_(1)
+
+
+def mutate(state: dict[str, Any]) -> None:
+    mutate_tensors(state["model"])
     state["np"][0][:] = -1
     state["trainer"]["step"] = -1
 

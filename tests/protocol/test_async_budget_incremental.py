@@ -11,8 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from test_async_budget import BUDGET, Accounting, assert_state_equal, big_state, clone
+from test_async_budget import (
+    BUDGET,
+    Accounting,
+    assert_state_equal,
+    big_state,
+    clone,
+    mutate_tensors,
+)
 
 import ckptfs
 from ckptfs.format.layout import StepPaths
@@ -28,14 +34,7 @@ def _state(frozen: dict[str, Any], step: int) -> dict[str, Any]:
 
 
 def _mutate_head(state: dict[str, Any]) -> None:
-    with torch.no_grad():
-        for t in state["head"].values():
-            if t.dtype == torch.bool:
-                t.logical_not_()
-            elif t.is_conj():
-                t.mul_(0)
-            elif t.numel():
-                t.add_(1)
+    mutate_tensors(state["head"])
     state["trainer"]["step"] = -1
 
 
