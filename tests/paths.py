@@ -24,8 +24,11 @@ sub-storage view of the backend), ``v5`` (the collective save on one rank of a s
 with ``metadata_layout="per-rank"``: format v5, whose rank files and index documents are
 found through the table, not listed in the manifest), ``async-v5`` / ``cp-v5`` /
 ``replica-v5`` (``save_async``, ``ckptfs cp`` and the two-tier remote copy of such a
-checkpoint), ``v2x2`` / ``v4x2`` (the collective
-save on two gloo ranks, plain and incremental, local disk only: slow).
+checkpoint), ``v2x2`` / ``v4x2`` / ``v5x2`` (the collective
+save on two gloo ranks, plain, incremental and with per-rank metadata, local disk only: slow),
+``replica-v5x2`` (the remote copy of a two-tier store on two gloo ranks with per-rank metadata,
+each rank's local tier its own directory, its "node's disk": the replica copies each node's
+files from that node).
 The in-process ones live in :mod:`ckptfs.testing.reliability.paths` (the sweeps use them too).
 :data:`EVERY` names the in-process cells, :data:`RANKS` the two-rank ones.
 
@@ -94,35 +97,87 @@ from ckptfs.testing.reliability.paths import (
     WritePath,
 )
 
-__all__ = ["ASYNC", "ASYNC_V2", "ASYNC_V2S", "ASYNC_V3", "ASYNC_V3S", "ASYNC_V4", "ASYNC_V5", "CP",
-           "CP_V2", "CP_V3", "CP_V4", "CP_V5", "DEFECTS", "EVERY", "PATHS", "RANKS", "REPLICAS",
-           "REPLICA_V1", "REPLICA_V2", "REPLICA_V3", "REPLICA_V4", "REPLICA_V5", "SUB", "V1", "V2",
-           "V2X2", "V3", "V4", "V4X2", "V5", "KnownDefect",
-           "SubBackend", "WritePath",
-           "assert_not_committed", "check_violations", "copy_into_scratch", "every_file",
-           "known_defect",
-           "params", "read", "reads_of"]
+__all__ = [
+    "ASYNC",
+    "ASYNC_V2",
+    "ASYNC_V2S",
+    "ASYNC_V3",
+    "ASYNC_V3S",
+    "ASYNC_V4",
+    "ASYNC_V5",
+    "CP",
+    "CP_V2",
+    "CP_V3",
+    "CP_V4",
+    "CP_V5",
+    "DEFECTS",
+    "EVERY",
+    "PATHS",
+    "RANKS",
+    "REPLICAS",
+    "REPLICA_V1",
+    "REPLICA_V2",
+    "REPLICA_V3",
+    "REPLICA_V4",
+    "REPLICA_V5",
+    "REPLICA_V5X2",
+    "SUB",
+    "V1",
+    "V2",
+    "V2X2",
+    "V3",
+    "V4",
+    "V4X2",
+    "V5",
+    "V5X2",
+    "KnownDefect",
+    "SubBackend",
+    "WritePath",
+    "assert_not_committed",
+    "check_violations",
+    "copy_into_scratch",
+    "every_file",
+    "known_defect",
+    "params",
+    "read",
+    "reads_of",
+]
 
 
 # -- two ranks ---------------------------------------------------------------------------------
 
 
 def rank_save(rank: int, world: int, url: str, saves: list[tuple[int, Any, Any]],
-              incremental: bool = False) -> list[tuple[str, str] | None]:
+              incremental: bool = False, per_rank: bool = False, nodes: str | None = None
+              ) -> list[tuple[str, str] | None]:
     """On each gloo rank: ``store.save(step, state, metadata=)`` (collective: format v2; v4
-    with ``incremental``) for each ``(step, state, metadata)``; ``state`` may be a list with
-    one state per rank.  Returns, per save, ``None`` or (error class, message)."""
+    with ``incremental``; v5 with ``per_rank``) for each ``(step, state, metadata)``;
+    ``state`` may be a list with one state per rank.  ``nodes``: the save goes to a two-tier
+    store whose local tier is each rank's own directory under ``nodes`` (its "node's disk")
+    and whose remote tier is ``url``, and is replicated there before the outcome.  Returns,
+    per save, ``None`` or (error class, message)."""
     import ckptfs
 
     out: list[tuple[str, str] | None] = []
-    store = ckptfs.open(url, retries=0, incremental=incremental)
-    for step, state, metadata in saves:
-        mine = state[rank] if isinstance(state, list) else state
-        try:
-            store.save(step, mine, metadata=metadata)
-            out.append(None)
-        except Exception as exc:
-            out.append((type(exc).__name__, str(exc)))
+    layout = "per-rank" if per_rank else None
+    if nodes is None:
+        store = ckptfs.open(url, retries=0, incremental=incremental, metadata_layout=layout)
+    else:
+        store = ckptfs.tiered(ckptfs.open(f"{nodes}/node-{rank}", retries=0,
+                                          incremental=incremental, metadata_layout=layout),
+                              ckptfs.open(url, retries=0), max_attempts=1)
+    try:
+        for step, state, metadata in saves:
+            mine = state[rank] if isinstance(state, list) else state
+            try:
+                store.save(step, mine, metadata=metadata)
+                if nodes is not None:
+                    store.wait_replicated(timeout=120)
+                out.append(None)
+            except Exception as exc:
+                out.append((type(exc).__name__, str(exc)))
+    finally:
+        store.close()
     return out
 
 
@@ -137,12 +192,13 @@ def reraise(name: str, message: str) -> BaseException:
 
 
 def run_saves(url: str, saves: list[tuple[int, Any, Any]], world: int = 2,
-              timeout: float = 240, incremental: bool = False
-              ) -> list[tuple[str, str] | None]:
+              timeout: float = 240, incremental: bool = False, per_rank: bool = False,
+              nodes: str | None = None) -> list[tuple[str, str] | None]:
     """:func:`rank_save` on ``world`` ranks; per save, the outcome every rank agrees on (an
     :class:`AssertionError` when the ranks disagree about the error class)."""
     try:
-        results = run_ranks(rank_save, world, url, saves, incremental, timeout=timeout)
+        results = run_ranks(rank_save, world, url, saves, incremental, per_rank, nodes,
+                            timeout=timeout)
     except RankFailure as exc:  # a rank died outside store.save
         raise AssertionError(str(exc)) from None
     agreed: list[tuple[str, str] | None] = []
@@ -163,25 +219,47 @@ class RanksPath(WritePath):
     one wrote only as a resumed job's first save does."""
 
     world: int = 2
+    #: The two-tier store's remote copy: each rank saves to its own node's directory (kept
+    #: for the run root under test, so each save replicates after the earlier ones), the
+    #: store under test is the remote tier.
+    replica: bool = False
 
     def save(self, store: CheckpointStore, step: int, state: Mapping[str, Any], *,
              metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+        nodes = _nodes_for(store.url) if self.replica else None
         (outcome,) = run_saves(store.url, [(step, dict(state), metadata)], self.world,
-                               incremental=self.references)
+                               incremental=self.references, per_rank=self.format_version == 5,
+                               nodes=nodes)
         if outcome is not None:
             raise reraise(*outcome)
         return read_committed(store.storage, step)
 
 
+_NODES: dict[str, str] = {}
+
+
+def _nodes_for(url: str) -> str:
+    """The directory holding each rank's local tier for the run root ``url`` (one per run
+    root, kept for the session)."""
+    import tempfile
+
+    if url not in _NODES:
+        _NODES[url] = tempfile.mkdtemp(prefix="ckptfs-nodes-")
+    return _NODES[url]
+
+
 V2X2 = RanksPath("v2x2", 2)
 V4X2 = RanksPath("v4x2", 4, references=True)
+V5X2 = RanksPath("v5x2", 5)
+REPLICA_V5X2 = RanksPath("replica-v5x2", 5, replica=True)
 
 #: Every write path, by name.
-PATHS: dict[str, WritePath] = {**WRITE_PATHS, V2X2.name: V2X2, V4X2.name: V4X2}
+PATHS: dict[str, WritePath] = {**WRITE_PATHS, **{p.name: p for p in (V2X2, V4X2, V5X2,
+                                                                        REPLICA_V5X2)}}
 #: The in-process cells (every hardening test runs through these), the two-rank ones (slow:
 #: local disk only) and the two-tier remote copies (few cases by default).
 EVERY: list[str] = list(WRITE_PATHS)
-RANKS: list[str] = [V2X2.name, V4X2.name]
+RANKS: list[str] = [V2X2.name, V4X2.name, V5X2.name, REPLICA_V5X2.name]
 REPLICAS: list[str] = [REPLICA_V1.name, REPLICA_V3.name, REPLICA_V2.name, REPLICA_V4.name,
                        REPLICA_V5.name]
 

@@ -15,7 +15,8 @@ The features:
   ``references``).
 - ``"rank-metadata"``: the sharded metadata split so that each loading rank reads only what
   it needs (a tensor spec, a table of rank files in blocks, one index document per rank;
-  docs/protocol.md §9.7).  Only with ``"sharded"``, not yet with ``"references"``.
+  docs/protocol.md §9.7).  Only with ``"sharded"``, not yet with ``"references"``; on
+  shared storage and on each node's own disk (a two-tier store's local tier) alike.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ RANK_METADATA = "rank-metadata"
 #: The metadata layouts of a sharded save (a store's ``metadata_layout=``): ``"per-rank"``
 #: writes the ``rank-metadata`` feature (format v5); None one ``dcp.msgpack`` (v2, v4);
 #: ``"auto"`` (the default) ``"per-rank"`` for a save of at least `PER_RANK_MIN_WORLD` ranks
-#: where the store allows it (neither incremental nor per-node storage), else None.
+#: where the store allows it (not incremental: no version names per-rank metadata with
+#: references yet), else None.
 PER_RANK = "per-rank"
 AUTO = "auto"
 METADATA_LAYOUTS = (AUTO, PER_RANK, None)
@@ -65,14 +67,12 @@ def check_layout(layout: Any) -> str:
     return layout
 
 
-def metadata_layout_for(layout: str | None, world: int, *, incremental: bool,
-                        node_local: bool) -> str | None:
+def metadata_layout_for(layout: str | None, world: int, *, incremental: bool) -> str | None:
     """The layout a save of ``world`` ranks writes for the store's ``metadata_layout``
     (`AUTO` decided here; any other name as given)."""
     if layout != AUTO:
         return layout
-    return PER_RANK if world >= PER_RANK_MIN_WORLD and not incremental and not node_local \
-        else None
+    return PER_RANK if world >= PER_RANK_MIN_WORLD and not incremental else None
 
 #: Format v2, the sharded layout (docs/protocol.md §8).
 SHARDED_FORMAT_VERSION = 2

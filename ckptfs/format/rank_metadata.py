@@ -273,17 +273,30 @@ def decode_index(data: bytes | bytearray | memoryview, row: RankRow, *, where: s
     chunk at 0, the items in file order tiling the file after it to ``size`` (the row's file
     size), each item's length its dtype and shape's, no (name, offsets) twice, and the chunk
     list's digest the row's file digest."""
-    if len(data) > MAX_RANK_INDEX_BYTES:  # pragma: no cover - checked before reading
-        raise CorruptCheckpointError(f"{where}: larger than {MAX_RANK_INDEX_BYTES} B")
+    index = decode_own_index(data, row.rank, where=where, file_size=row.file_size,
+                             algorithm=row.file_digest.split(":", 1)[0])
+    if chunk_list_digest(index.algorithm, index.chunks) != row.file_digest:
+        raise CorruptCheckpointError(
+            f"{where}: the chunk list of {index.file} does not match the digest of its row")
+    return index
+
+
+def decode_own_index(data: bytes | bytearray | memoryview, rank: int, *, where: str,
+                     file_size: int | None = None, algorithm: str | None = None) -> RankIndex:
+    """Rank ``rank``'s index document by `decode_index`'s rules, without its row (what a
+    rank's node can check of its own part: the table is on the coordinator's node), or with
+    the row's ``file_size`` and ``algorithm``; its chunk list's digest is not checked
+    here."""
     raw, bad = _document(data, where, INDEX_SCHEMA, INDEX_KEYS, "rank index")
     algo = raw["algorithm"]
-    if raw["rank"] != row.rank or not _is_int(raw["rank"]):
-        raise bad(f"names rank {raw['rank']!r:.20}, its row is rank {row.rank}: another "
+    if raw["rank"] != rank or not _is_int(raw["rank"]):
+        raise bad(f"names rank {raw['rank']!r:.20}, its row is rank {rank}: another "
                   "rank's index")
-    if raw["file"] != rank_file_name(row.rank) or raw["size"] != row.file_size:
+    size = raw["size"] if file_size is None else file_size
+    if raw["file"] != rank_file_name(rank) or raw["size"] != size or not _is_int(size):
         raise bad(f"describes {raw['file']!r:.80} of {raw['size']!r:.20} B, the row "
-                  f"{rank_file_name(row.rank)} of {row.file_size} B")
-    if algo not in ALGORITHMS or not row.file_digest.startswith(f"{algo}:"):
+                  f"{rank_file_name(rank)} of {size!r:.20} B")
+    if algo not in ALGORITHMS or (algorithm is not None and algo != algorithm):
         raise bad(f"algorithm {algo!r:.40}")
     width = digest_width(algo) * 2
 
@@ -321,13 +334,9 @@ def decode_index(data: bytes | bytearray | memoryview, row: RankRow, *, where: s
         seen.add((fqn, key))
         items.append(IndexItem(fqn, key, code, shp, off, length, hexd(dg)))
         pos += length
-    if pos != row.file_size:
-        raise bad(f"its items end at {pos}, the file is {row.file_size} B")
-    index = RankIndex(row.rank, row.file_size, algo, header, tuple(items))
-    if chunk_list_digest(algo, index.chunks) != row.file_digest:
-        raise CorruptCheckpointError(
-            f"{where}: the chunk list of {index.file} does not match the digest of its row")
-    return index
+    if pos != size:
+        raise bad(f"its items end at {pos}, the file is {size} B")
+    return RankIndex(rank, size, algo, header, tuple(items))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -97,7 +97,6 @@ from ckptfs.errors import (
     CorruptCheckpointError,
     ReplicationError,
     StorageError,
-    UnsupportedValueError,
 )
 from ckptfs.format.content import same_content as same_content  # shared: cp, tiers, walk
 from ckptfs.format.hashing import ALGORITHMS
@@ -378,6 +377,10 @@ class StepCopier:
                 except Exception as exc:
                     mine, sent = exc, self._failure(step, exc)
             plan = self._bcast(sent)
+            view: CheckpointInfo | None = None
+            if plan["status"] == "expand":  # format v5 over the nodes: every rank's index
+                view, mine, sent = self._expand(step, reuse, plan)
+                plan = self._bcast(sent)
             if plan["status"] != "copy":
                 return self._outcome(plan, mine)
             part: _Part | None = None
@@ -385,7 +388,7 @@ class StepCopier:
             def copy_part() -> dict[str, Any]:
                 nonlocal part
                 source = self._plan.source if self._plan is not None \
-                    else CheckpointInfo.from_doc(plan["source"])
+                    else view if view is not None else CheckpointInfo.from_doc(plan["source"])
                 part = self._copy_files(source, str(plan["attempt"]), progress)
                 return part.doc()
 
@@ -465,6 +468,43 @@ class StepCopier:
             self._abandon()
             return self._settle(info, exc)
 
+    def _expand(self, step: int, reuse: bool, plan: Mapping[str, Any]
+                ) -> tuple[CheckpointInfo | None, BaseException | None, Any]:
+        """Every rank, for a format v5 source whose files are on the ranks' nodes: the view
+        with every rank's files (`expand_over`: this node's attempt settled first, so its index
+        is at the committed path), then the coordinator's plan over it (what it broadcasts);
+        an error is the coordinator's outcome, the same on every rank."""
+        from ckptfs.protocol.rank_metadata import expand_over  # imports DCP: v5 only
+
+        source = CheckpointInfo.from_doc(plan["source"])
+        view: CheckpointInfo | None = None
+        mine: BaseException | None = None
+        sent: Any = None
+        try:
+            settle_node_attempt(self.src, step, source.attempt, durable=self.durable)
+        except Exception as exc:  # the expansion names the index it cannot read
+            log.warning("rank %d: could not settle its files of step %d at %s: %s", self.rank,
+                        step, self.src.url, exc)
+        try:
+            view = expand_over(self.src, source, self.group, self.rank)
+        except Exception as exc:
+            mine = exc
+            if self.coordinator:
+                sent = self._failure(step, exc)
+            return None, mine, sent
+        if self.coordinator:
+            try:
+                sent = self._plan_copy(view, reuse)
+            except CheckpointExistsError as exc:
+                self._abandon()
+                try:
+                    sent = self._settle(view, exc)
+                except Exception as exc2:
+                    mine, sent = exc2, self._failure(step, exc2)
+            except Exception as exc:
+                mine, sent = exc, self._failure(step, exc)
+        return view, mine, sent
+
     def _settle(self, source: CheckpointInfo, exc: CheckpointExistsError) -> dict[str, Any]:
         """A writer committed the step at the destination first: "identical" if it holds
         the same content (`settle_lost_race`), else ``exc`` is raised again."""
@@ -495,14 +535,13 @@ class StepCopier:
         # they are copied.  Files on other nodes are listed there, by their ranks.
         if has_rank_metadata(manifest):
             # Format v5: the files to copy are every rank file and index document the table
-            # names (read and checked through it: `expand`), besides the manifest's own.
-            if not self.holds_all(manifest):
-                raise UnsupportedValueError(
-                    f"{info.url}: step {step} has per-rank metadata (format v5), whose rank "
-                    "files a sharded replica cannot copy yet: copy it in one process "
-                    "('ckptfs cp'), or save with the default metadata layout")
-            from ckptfs.protocol.rank_metadata import expand  # imports DCP: v5 only
+            # names (read and checked through it: `expand`), besides the manifest's own; on
+            # the nodes of a sharded replica, expanded by every rank together first
+            # (`expand_over`, in `_copy`), here already.
+            from ckptfs.protocol.rank_metadata import expand, is_expanded  # DCP: v5 only
 
+            if not self.holds_all(manifest) and not is_expanded(info):
+                return {"status": "expand", "source": info.to_doc()}
             info = expand(self.src, info)
             manifest = info.manifest
         if self.holds_all(manifest):

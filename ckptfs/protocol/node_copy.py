@@ -32,6 +32,7 @@ while gathering them (`describe`/`carried`), and DCP gathers the errors of its o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -52,12 +53,14 @@ from ckptfs.format.incremental import references_of
 from ckptfs.format.layout import StepPaths
 from ckptfs.format.manifest import Manifest
 from ckptfs.format.sharded import METADATA_NAME, ChunkedFileEntry
+from ckptfs.format.versions import has_rank_metadata
 from ckptfs.protocol.chunks import entry_location, read_chunks
 from ckptfs.protocol.copy import own_files, settle_node_attempt
 from ckptfs.protocol.copy_io import committed_at
 from ckptfs.protocol.formats import VerifyReport
 from ckptfs.protocol.group import Group, carried, decode_bytes, describe, encode_bytes
 from ckptfs.protocol.listing import list_attempt, problems
+from ckptfs.protocol.rank_metadata import expand_over, own_rank_files
 from ckptfs.protocol.resolve import CheckpointInfo, list_step_dirs
 from ckptfs.protocol.sharded import load_into
 from ckptfs.protocol.sharded_read import ShardedReader
@@ -155,7 +158,9 @@ class NodeReader(ShardedReader):
             if len(out) == length:
                 return memoryview(bytes(out))
         if self.remote_info is not None:
-            rentry = self.remote_info.manifest.chunked(entry.path)
+            rentry = entry  # format v5: rank files are not in its manifest (same content)
+            if not has_rank_metadata(self.remote_info.manifest):
+                rentry = self.remote_info.manifest.chunked(entry.path)  # v4: its references
             return read_chunks(self.remote, self.remote_info, rentry, start, length,
                                verify=self.verify)
         raise LocalCopyUnavailable(f"{info.url}: {entry.path} is on no node and not at "
@@ -240,8 +245,10 @@ def _facts(local: Storage, remote: Storage, info: CheckpointInfo) -> list[Any]:
     on a failure, the error."""
     try:
         manifest = info.manifest
-        entry = manifest.chunked(METADATA_NAME)
-        doc = bytes(read_chunks(local, info, entry, 0, entry.size, verify=True))
+        doc = b""  # format v5: every rank's documents, gathered (`expand_over`)
+        if not has_rank_metadata(manifest):
+            entry = manifest.chunked(METADATA_NAME)
+            doc = bytes(read_chunks(local, info, entry, 0, entry.size, verify=True))
         there = None
         try:
             there = committed_at(remote, info.step)
@@ -271,9 +278,16 @@ def load_node_copy(local: Storage, remote: Storage, info: CheckpointInfo, into: 
     held: set[str] = set()
     try:
         settle_node_attempt(local, info.step, info.attempt, durable=durable)
-        held = node_holdings(local, info)
     except Exception as exc:
         error = describe(exc)
+    if has_rank_metadata(info.manifest):  # format v5: every rank's files, from every node
+        info = expand_over(local, info, group, group.ranks[group.rank],
+                           remote=None if there is None else (remote, there))
+    if error is None:
+        try:
+            held = node_holdings(local, info)
+        except Exception as exc:
+            error = describe(exc)
     gathered = group.all_gather([sorted(held), error])
     for _, e in gathered:
         if e is not None:
@@ -293,10 +307,17 @@ def verify_node_copy(storage: Storage, info: CheckpointInfo, rank: int,
     """The quick verify of this node's part of the local copy ``info`` of a sharded step: the
     listing checks (links, missing, resized) of the files this node holds, its rank files (and
     on the coordinator's node ``dcp.msgpack``, besides the marker and manifest the read
-    checked); the other nodes' files are not visible from here.  This is what retention asks
+    checked; format v5: its index document, decoded, and the rank file it describes, the
+    coordinator's node also the spec and the table's blocks); the other nodes' files are not
+    visible from here.  This is what retention asks
     of the newest step before it deletes older local copies (their remote copies stay the
     fallbacks)."""
     mine = own_files(info.manifest, rank, coordinator)
+    if has_rank_metadata(info.manifest):  # format v5: its own index says what it holds
+        extra = own_rank_files(storage, info, rank)
+        info = dataclasses.replace(info, manifest=dataclasses.replace(
+            info.manifest, files=(*info.manifest.files, *extra)))
+        mine += extra
     found = problems(info, list_attempt(storage, info), files=mine)
     report = VerifyReport(info.step, info.attempt, info.url, "quick")
     report.problems = [p.text for p in found]

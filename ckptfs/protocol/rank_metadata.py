@@ -28,9 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
+from ckptfs.errors import (
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
 from ckptfs.format.entries import Chunk, ChunkedFileEntry, RankTable, chunk_list_digest, make_entry
 from ckptfs.format.features import CHUNKED, METADATA_LAYOUTS, RANK_METADATA, SHARDED
+from ckptfs.format.hashing import digest_bytes
 from ckptfs.format.layout import CHECKPOINTS_DIR, rank_file_name
 from ckptfs.format.limits import MAX_METADATA_BYTES, MAX_RANK_INDEX_BYTES
 from ckptfs.format.manifest import Manifest, check_document_size
@@ -50,6 +55,7 @@ from ckptfs.format.rank_metadata import (
     build_document,
     decode_block,
     decode_index,
+    decode_own_index,
     decode_spec,
     encode_block,
     encode_index,
@@ -62,8 +68,9 @@ from ckptfs.format.rank_metadata import (
 from ckptfs.format.serialize import dtype_code
 from ckptfs.format.sharded_metadata import DcpDocument
 from ckptfs.format.versions import has_rank_metadata
-from ckptfs.protocol.chunks import read_chunks
+from ckptfs.protocol.chunks import StoredChunks, check_chunk, read_chunks
 from ckptfs.protocol.commit import Attempt, now_text, placeholder_digest
+from ckptfs.protocol.group import Group, carried, decode_bytes, describe, encode_bytes
 from ckptfs.protocol.listing import check_written
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import Storage
@@ -150,6 +157,9 @@ class PerRankSave:
                  rows_per_block: int = DEFAULT_ROWS_PER_BLOCK) -> None:
         self.storage, self.step = storage, step
         self.algorithm, self.durable = opts.algorithm, opts.durable
+        #: Each rank writes to its own node's storage (a two-tier store's local tier): the
+        #: coordinator sees only its own files, each rank checked its own before reporting.
+        self.node_local = opts.node_local
         self.metadata, self.tree, self.rows_per_block = dict(metadata), tree, rows_per_block
 
     # -- the coordinator, before any rank writes -------------------------------------------
@@ -231,6 +241,11 @@ class PerRankSave:
                            durable=self.durable)
         written = att.write_document(index_name(rank), blob)
         att.sync_file_dir(index_name(rank))  # its file's entry and its own: durable
+        # This rank's own listing: its index is there with its size before it reports it (on
+        # a node-local disk nobody else can see it; `_write_file` checked the rank file).
+        check_written(self.storage, att.write_dir, [(index_name(rank), written.size, rank)],
+                      step=self.step, who=f"rank {rank} sees",
+                      under=index_name(rank).rsplit("/", 1)[0])
         row = RankRow(rank, True, size, chunk_list_digest(self.algorithm, index.chunks),
                       written.size, f"{self.algorithm}:{written.digest}")
         return [WriteResult(MetadataIndex(f"ckptfs-rank-{rank}"), 0,
@@ -263,11 +278,12 @@ class PerRankSave:
 
     # -- the coordinator, once every rank reported -------------------------------------------
     def finish(self, att: Attempt, plan: GlobalPlan, results: list[list[Any]],
-               checkpoint_id: str, *, tree: Any = None) -> CheckpointInfo:
+               checkpoint_id: str, *, tree: Any = None, own_rank: int = 0) -> CheckpointInfo:
         """Write the spec of the global plan ``plan`` and the table blocks, check every file
         is there, commit.
         ``tree``: the state's skeleton merged over every rank (the planner's, once it saw
-        every rank's plan; else the one given at construction).  The spec is decoded by the
+        every rank's plan; else the one given at construction).  ``own_rank``: the
+        coordinator's rank (on node-local storage, the rank whose files it sees).  The spec is decoded by the
         reader's rules before it is written: one a reader would refuse is never committed."""
 
         world = len(results)
@@ -300,12 +316,17 @@ class PerRankSave:
         docs = {SPEC_NAME: att.write_document(SPEC_NAME, blob)}
         for path, data in self._blocks(rows, world).items():
             docs[path] = att.write_document(path, data)
+        # On shared storage every rank's files, as the coordinator sees them (a rank writing
+        # to storage the coordinator does not share is caught); on node-local storage its
+        # own (each rank listed its own before reporting).
+        own = [r for r in rows if r.has_file and (not self.node_local or r.rank == own_rank)]
         files: list[tuple[str, int, int | None]] = [
-            (rank_file_name(r.rank), r.file_size, r.rank) for r in rows if r.has_file]
-        files += [(index_name(r.rank), r.index_size, r.rank) for r in rows if r.has_file]
+            (rank_file_name(r.rank), r.file_size, r.rank) for r in own]
+        files += [(index_name(r.rank), r.index_size, r.rank) for r in own]
         check_written(self.storage, att.write_dir, files, step=self.step,
-                      who="the coordinator sees", hint="; every rank must write to storage "
-                      "the coordinator shares (not a node-local disk)")
+                      who="the coordinator sees", hint="" if self.node_local else
+                      "; every rank must write to storage the coordinator shares (not a "
+                      "node-local disk)")
         manifest = self.manifest(att.name, world, rows, docs, tensor_count=len(tensors))
         return att.commit(manifest, world_size=world)
 
@@ -314,17 +335,16 @@ def per_rank_save(storage: Storage, step: int, opts: SaveOptions,
                   metadata: Mapping[str, Any], tree: Any, layout: str | None
                   ) -> PerRankSave | None:
     """The v5 half of a sharded save for ``metadata_layout=layout`` as the save decided it
-    (`metadata_layout_for`; None: format v2/v4).  Not yet with an incremental store
-    (references) nor per-node storage."""
+    (`metadata_layout_for`; None: format v2/v4), on shared or node-local storage alike.  Not
+    yet with an incremental store (references: a feature set no format version names)."""
     if layout is None:
         return None
     if layout != PER_RANK:  # pragma: no cover - the store checked the name
         raise UnsupportedValueError(f"metadata_layout {layout!r:.40}: one of "
                                     f"{', '.join(map(repr, METADATA_LAYOUTS))}")
-    if opts.incremental or opts.node_local:
+    if opts.incremental:
         raise UnsupportedValueError(
-            f"metadata_layout={PER_RANK!r} is not supported yet with incremental=True or a "
-            "two-tier store's per-node storage")
+            f"metadata_layout={PER_RANK!r} is not supported yet with incremental=True")
     return PerRankSave(storage, step, opts, metadata, tree)
 
 
@@ -435,6 +455,90 @@ def expand(storage: Storage, info: CheckpointInfo) -> CheckpointInfo:
     return read_partial(storage, info, None, full=True)[0]
 
 
+def own_rank_files(storage: Storage, info: CheckpointInfo, rank: int
+                   ) -> list[ChunkedFileEntry]:
+    """Format v5 on the node of ``rank`` (which does not hold the table: the coordinator's
+    node does): its index document (read, bounded, decoded by the index's rules) and the rank
+    file it describes, as entries to list (`ckptfs.protocol.listing.problems`); none for a
+    rank without a file.  The digests are checked where the table is read (a load, a copy)."""
+    path = f"{info.path}/{index_name(rank)}"
+    where = storage_url(storage, path)
+    try:
+        with storage.open_read(path) as f:
+            data = f.read(MAX_RANK_INDEX_BYTES + 1)
+    except FileNotFoundError:
+        return []
+    if len(data) > MAX_RANK_INDEX_BYTES:
+        raise UnsafeCheckpointError(f"{where}: larger than {MAX_RANK_INDEX_BYTES} B",
+                                    step=info.step, path=path)
+    index = decode_own_index(data, rank, where=where)
+    hexd = digest_bytes(index.algorithm, data).split(":", 1)[1]
+    return [make_entry(index_name(rank), len(data), index.algorithm, [Chunk(0, len(data), hexd)],
+                       rank),
+            make_entry(index.file, index.size, index.algorithm, index.chunks, rank)]
+
+
+def is_expanded(info: CheckpointInfo) -> bool:
+    """Whether ``info`` is a view `read_partial` made (its rank files in its manifest)."""
+    return id(info.manifest) in _DOCUMENTS
+
+
+def expand_over(storage: Storage, info: CheckpointInfo, group: Group, rank: int, *,
+                remote: tuple[Storage, CheckpointInfo] | None = None) -> CheckpointInfo:
+    """`expand` on every rank of ``group`` when the checkpoint's files are spread over the
+    ranks' nodes (a two-tier store's local copy, docs/tiers.md "Sharded"): the coordinator
+    reads the manifest's own documents (the spec, the table's blocks: its node's), each rank
+    its own index document (``rank``: its global rank, the one its files are named by), and
+    the group gathers them; every rank then decodes the same bytes by `read_partial`'s rules
+    (each index checked against its row before it is decoded) into the same view.  Each
+    rank receives every rank's index: what a node copy's load and replica need (every rank's
+    files by their rank), O(items) as ``dcp.msgpack`` is for format v2.  ``remote``: another
+    copy of the same checkpoint (a two-tier store's remote copy, the same content), from
+    which a document on no node (a lost node's) is read.  An error is raised on every rank
+    (the gather carries it), the coordinator's first."""
+    if not has_rank_metadata(info.manifest) or id(info.manifest) in _DOCUMENTS:
+        return info
+    mine: dict[str, str] = {}
+    error: dict[str, Any] | None = None
+    try:
+        if group.coordinator:
+            for entry in info.manifest.files:
+                if isinstance(entry, ChunkedFileEntry) and entry.rank is None:
+                    data = _bounded(storage, info, entry, MAX_METADATA_BYTES, None)
+                    mine[entry.path] = encode_bytes(data)
+        try:  # at most one byte past the bound: the row's size and digest decide
+            with storage.open_read(f"{info.path}/{index_name(rank)}") as f:
+                mine[index_name(rank)] = encode_bytes(f.read(MAX_RANK_INDEX_BYTES + 1))
+        except FileNotFoundError:
+            pass  # a rank without a file (or its node lost): the rows decide
+    except Exception as exc:
+        error = describe(exc)
+    gathered = group.all_gather([mine, error])
+    for _, err in gathered:
+        if err is not None:
+            raise carried(err, CorruptCheckpointError)
+    held = {p: decode_bytes(d) for docs, _ in gathered for p, d in docs.items()}
+
+    def read(entry: ChunkedFileEntry, start: int, length: int) -> memoryview:
+        """The verified bytes of a whole document (its one chunk checked here)."""
+        src = StoredChunks.of_entry(info, entry)
+        where = storage_url(storage, src.location)
+        data = held.get(entry.path)
+        if data is None and remote is not None:
+            return read_chunks(remote[0], remote[1], entry, start, length)
+        if data is None:
+            raise src.corrupt(f"{where}: on no rank's node (a lost node, or a rank of the "
+                              "save that is not in this group)")
+        if len(data) != entry.size:
+            raise src.corrupt(f"{where}: {len(data)} B, the checkpoint declares {entry.size} B")
+        view = memoryview(data)
+        for chunk in entry.chunks:
+            check_chunk(storage, src, chunk, view[chunk.offset:chunk.offset + chunk.length])
+        return view[start:start + length]
+
+    return read_partial(storage, info, None, read=read, full=True)[0]
+
+
 def document_of(storage: Storage, info: CheckpointInfo, read: Read | None = None
                 ) -> DcpDocument:
     """The document of a v5 view made by `read_partial` / `expand` (else every rank's)."""
@@ -489,6 +593,9 @@ __all__ = [
     "check_rank_files",
     "document_of",
     "expand",
+    "expand_over",
+    "is_expanded",
+    "own_rank_files",
     "per_rank_save",
     "read_partial",
 ]

@@ -216,7 +216,7 @@ class ShardedWriter(StorageWriter):
         self.per_rank: PerRankSave | None = None
         metadata_layout = metadata_layout_for(
             opts.metadata_layout, _world_size() if world is None else world,
-            incremental=opts.incremental, node_local=opts.node_local)
+            incremental=opts.incremental)
         if metadata_layout is not None:  # imported for format v5 only
             from ckptfs.protocol.rank_metadata import per_rank_save
             self.per_rank = per_rank_save(self.storage, self.step, opts, self.metadata, tree,
@@ -584,7 +584,8 @@ class ShardedWriter(StorageWriter):
                 if self._global is None:
                     raise UnsupportedValueError("a per-rank save is driven by ckptfs's rounds")
                 self.info = self.per_rank.finish(att, self._global, results,
-                                                 self.checkpoint_id, tree=self.tree)
+                                                 self.checkpoint_id, tree=self.tree,
+                                                 own_rank=self.rank)
             else:
                 if metadata is None:
                     if self._global is None:  # pragma: no cover - finish_table sets it

@@ -80,12 +80,11 @@ def test_auto_picks_per_rank_metadata_for_a_large_world_where_allowed() -> None:
     )
 
     big, small = PER_RANK_MIN_WORLD, PER_RANK_MIN_WORLD - 1
-    assert metadata_layout_for(AUTO, big, incremental=False, node_local=False) == PER_RANK
-    assert metadata_layout_for(AUTO, small, incremental=False, node_local=False) is None
-    assert metadata_layout_for(AUTO, big, incremental=True, node_local=False) is None
-    assert metadata_layout_for(AUTO, big, incremental=False, node_local=True) is None
-    assert metadata_layout_for(None, big, incremental=False, node_local=False) is None
-    assert metadata_layout_for(PER_RANK, 2, incremental=False, node_local=False) == PER_RANK
+    assert metadata_layout_for(AUTO, big, incremental=False) == PER_RANK
+    assert metadata_layout_for(AUTO, small, incremental=False) is None
+    assert metadata_layout_for(AUTO, big, incremental=True) is None
+    assert metadata_layout_for(None, big, incremental=False) is None
+    assert metadata_layout_for(PER_RANK, 2, incremental=False) == PER_RANK
     assert ckptfs.open("memory://auto-layout").metadata_layout == AUTO  # the default
 
 

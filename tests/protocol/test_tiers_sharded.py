@@ -606,3 +606,84 @@ def test_one_rank_group_saves_dtensors_on_two_tiers(tmp_path: Path) -> None:
     assert remote.verify(2).ok
     assert_state_equal(remote.load(1), plain1)
     assert_state_equal(remote.load(2), plain2)
+
+
+def job_per_rank(rank: int, world: int, root: str) -> Any:
+    """Per-rank metadata (format v5) on node-local tiers: each node holds its rank file and
+    its index document, the coordinator's node the spec, the table and the commit; the
+    replica copies each node's files from that node (the ranks' indexes gathered to list them)
+    and commits a v5 step at the remote; the local copy loads spread over the nodes, a lost
+    node's index and rank file come from the remote copy; a quick verify checks each node's
+    own part; a node's damaged index fails the load of the local copy, and the remote copy
+    stands in (logged)."""
+    import torch.distributed as dist
+
+    records = LogRecords()
+    logging.getLogger("ckptfs").addHandler(records)
+    local, remote = f"{root}/node-{rank}", f"{root}/remote"
+    model, opt, mesh = _model(world)
+    store = ckptfs.tiered(ckptfs.open(local, metadata_layout="per-rank"), remote)
+    assert store.node_local
+    plains = {}
+    for step in (1, 2):
+        state = _train_state(model, opt, step)
+        info = store.save(step, state)
+        assert info.manifest.format_version == 5, info.manifest.format_version
+        plains[step] = _frozen(to_plain(state))
+    state = _train_state(model, opt, 3)
+    assert store.save_async(3, state).result(timeout=120).manifest.format_version == 5
+    plains[3] = _frozen(to_plain(state))
+    status = store.wait_replicated(timeout=60)
+    assert status.lag_steps == 0 and sorted(status.steps) == [1, 2, 3], status
+    assert store.verify(3, quick=True).ok  # this node's part of the local copy
+    mine = list(Path(local).glob(f"checkpoints/step-*3/*/rank-{rank:05d}/*"))
+    assert len(mine) == 2, mine  # its rank file and its index document, on its own node
+
+    # The local copy, spread over the nodes (the remote out of reach).
+    dist.barrier()
+    if rank == 0:
+        Path(remote).rename(f"{remote}-away")
+    dist.barrier()
+    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
+    assert_state_equal(_load_step(store, plains[1], mesh, 1), plains[1])
+    dist.barrier()
+    if rank == 0:
+        Path(f"{remote}-away").rename(remote)
+    dist.barrier()
+    assert not [m for m in records.messages if "fails" in m], records.messages
+
+    # Node 1 damaged: its index of step 3 flipped (the same size). The local copy fails its
+    # check on every rank and the remote copy stands in, bit-exact.
+    if rank == 1:
+        f = next(Path(local).glob("checkpoints/step-*3/*/rank-00001/index.msgpack"))
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    dist.barrier()
+    before = len(records.messages)
+    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
+    logged = records.messages[before:]
+    assert any("using the remote copy of step 3" in m for m in logged), logged
+
+    # Node 1 lost (a replaced node): its index and rank file come from the remote copy.
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(local)
+    dist.barrier()
+    assert_state_equal(_load_step(store, plains[2], mesh, 2), plains[2])
+    store.close()
+    return plains if rank == 0 else None
+
+
+def test_per_rank_metadata_on_node_local_tiers(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    plains = run_ranks(job_per_rank, 2, root, timeout=240)[0]
+    remote = ckptfs.open(f"{root}/remote")
+    assert remote.steps() == [1, 2, 3]
+    for step in (1, 2, 3):
+        info = remote.info(step)
+        assert info.manifest.format_version == 5
+        assert info.marker.writer.get("copied_from", "").startswith(f"{root}/node-0")
+        assert remote.verify(step).ok
+        assert_state_equal(remote.load(step), plains[step])  # 2 -> 1, bit-exact
+    assert not list((Path(root) / "node-0").glob("checkpoints/*/*/rank-00001"))
