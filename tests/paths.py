@@ -241,10 +241,13 @@ _NODES: dict[str, str] = {}
 def _nodes_for(url: str) -> str:
     """The directory holding each rank's local tier for the run root ``url`` (one per run
     root, kept for the session)."""
+    import atexit
+    import shutil
     import tempfile
 
     if url not in _NODES:
         _NODES[url] = tempfile.mkdtemp(prefix="ckptfs-nodes-")
+        atexit.register(shutil.rmtree, _NODES[url], True)  # removed when the worker exits
     return _NODES[url]
 
 
