@@ -52,6 +52,7 @@ TESTS=(
   tests/protocol/test_sharded.py tests/protocol/test_sharded_backends.py
   tests/protocol/test_sharded_cells.py tests/protocol/test_sharded_perf.py
   tests/protocol/test_sharded_ranks.py tests/protocol/test_rank_metadata_sharded.py
+  tests/protocol/test_rank_metadata_nodes.py
   tests/protocol/test_incremental_sharded.py tests/protocol/test_tiers_sharded.py
   tests/protocol/test_save_rounds.py tests/protocol/test_plan_tiling.py
   tests/protocol/test_group.py tests/protocol/test_cooperative_load.py

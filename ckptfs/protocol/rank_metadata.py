@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ckptfs.errors import (
     CorruptCheckpointError,
+    StorageError,
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
@@ -68,12 +71,18 @@ from ckptfs.format.rank_metadata import (
 from ckptfs.format.serialize import dtype_code
 from ckptfs.format.sharded_metadata import DcpDocument
 from ckptfs.format.versions import has_rank_metadata
-from ckptfs.protocol.chunks import StoredChunks, check_chunk, read_chunks
+from ckptfs.protocol.chunks import (
+    StoredChunks,
+    check_chunk,
+    open_no_follow,
+    pread_views,
+    read_chunks,
+)
 from ckptfs.protocol.commit import Attempt, now_text, placeholder_digest
 from ckptfs.protocol.group import Group, carried, decode_bytes, describe, encode_bytes
 from ckptfs.protocol.listing import check_written
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
-from ckptfs.storage.base import Storage
+from ckptfs.storage.base import LocalFiles, Storage, supports
 
 if TYPE_CHECKING:
     from ckptfs.protocol.global_plan import GlobalPlan
@@ -283,8 +292,9 @@ class PerRankSave:
         is there, commit.
         ``tree``: the state's skeleton merged over every rank (the planner's, once it saw
         every rank's plan; else the one given at construction).  ``own_rank``: the
-        coordinator's rank (on node-local storage, the rank whose files it sees).  The spec is decoded by the
-        reader's rules before it is written: one a reader would refuse is never committed."""
+        coordinator's rank (on node-local storage, the rank whose files it sees).  The spec
+        is decoded by the reader's rules before it is written: one a reader would refuse is
+        never committed."""
 
         world = len(results)
         rows = [RankRow.empty(r, self.algorithm) for r in range(world)]
@@ -455,6 +465,42 @@ def expand(storage: Storage, info: CheckpointInfo) -> CheckpointInfo:
     return read_partial(storage, info, None, full=True)[0]
 
 
+def _read_own_index(storage: Storage, info: CheckpointInfo, rank: int) -> bytes | None:
+    """The bytes of rank ``rank``'s index document as this node holds them, before any
+    listing: at most one byte past `MAX_RANK_INDEX_BYTES` (the caller bounds it), None when
+    it is not there.  On local disk a link is refused (`UnsafeCheckpointError`) and so is
+    anything but a regular file (a FIFO would block the read)."""
+    path = f"{info.path}/{index_name(rank)}"
+    where = storage_url(storage, path)
+    if not supports(storage, LocalFiles):
+        try:
+            with storage.open_read(path) as f:
+                return bytes(f.read(MAX_RANK_INDEX_BYTES + 1))
+        except FileNotFoundError:
+            return None
+    local = cast(LocalFiles, storage).local_path(path)
+    try:
+        st = os.lstat(local)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StorageError(f"{where}: cannot read: {exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeCheckpointError(f"{where} is not a regular file (a link, a FIFO, a "
+                                    "directory); refusing to read it", step=info.step,
+                                    path=path)
+    fd = open_no_follow(local, where, step=info.step, path=path,
+                        missing=lambda: FileNotFoundError(where))
+    try:
+        buf = bytearray(min(st.st_size, MAX_RANK_INDEX_BYTES) + 1)
+        got = pread_views(fd, [memoryview(buf)], 0)
+    except OSError as exc:
+        raise StorageError(f"{where}: cannot read: {exc}") from exc
+    finally:
+        os.close(fd)
+    return bytes(buf[:got])
+
+
 def own_rank_files(storage: Storage, info: CheckpointInfo, rank: int
                    ) -> list[ChunkedFileEntry]:
     """Format v5 on the node of ``rank`` (which does not hold the table: the coordinator's
@@ -463,10 +509,8 @@ def own_rank_files(storage: Storage, info: CheckpointInfo, rank: int
     rank without a file.  The digests are checked where the table is read (a load, a copy)."""
     path = f"{info.path}/{index_name(rank)}"
     where = storage_url(storage, path)
-    try:
-        with storage.open_read(path) as f:
-            data = f.read(MAX_RANK_INDEX_BYTES + 1)
-    except FileNotFoundError:
+    data = _read_own_index(storage, info, rank)
+    if data is None:
         return []
     if len(data) > MAX_RANK_INDEX_BYTES:
         raise UnsafeCheckpointError(f"{where}: larger than {MAX_RANK_INDEX_BYTES} B",
@@ -504,13 +548,11 @@ def expand_over(storage: Storage, info: CheckpointInfo, group: Group, rank: int,
         if group.coordinator:
             for entry in info.manifest.files:
                 if isinstance(entry, ChunkedFileEntry) and entry.rank is None:
-                    data = _bounded(storage, info, entry, MAX_METADATA_BYTES, None)
-                    mine[entry.path] = encode_bytes(data)
-        try:  # at most one byte past the bound: the row's size and digest decide
-            with storage.open_read(f"{info.path}/{index_name(rank)}") as f:
-                mine[index_name(rank)] = encode_bytes(f.read(MAX_RANK_INDEX_BYTES + 1))
-        except FileNotFoundError:
-            pass  # a rank without a file (or its node lost): the rows decide
+                    doc = _bounded(storage, info, entry, MAX_METADATA_BYTES, None)
+                    mine[entry.path] = encode_bytes(doc)
+        own = _read_own_index(storage, info, rank)  # the row's size and digest decide
+        if own is not None:  # else a rank without a file (or its node lost): the rows decide
+            mine[index_name(rank)] = encode_bytes(own)
     except Exception as exc:
         error = describe(exc)
     gathered = group.all_gather([mine, error])
