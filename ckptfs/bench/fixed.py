@@ -53,6 +53,7 @@ measured with ``PYTHONPATH=<checkout>`` (its child processes import the same che
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -150,6 +151,16 @@ def tiny_state() -> dict[str, Any]:
             "trainer": {"step": 1, "epoch": 0, "lr": 1e-4, "loss": 0.42}}
 
 
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing), so that no timed call starts on pages an earlier call freed (`interleave`)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def interleave(variants: Mapping[str, Callable[[int], Any]], rounds: int, warmup: int = 2,
                rss: dict[str, list[int]] | None = None) -> dict[str, list[float]]:
     """Each variant once per round, in turn (``warmup`` untimed rounds first); the seconds of
@@ -163,7 +174,15 @@ def interleave(variants: Mapping[str, Callable[[int], Any]], rounds: int, warmup
     variant's first fsync, and a durable save pays for the others' writes.  The objects alive
     when the rounds start (torch's and the libraries', ~170,000) are frozen first
     (`gc.freeze`): a full collection over them took 0.13 s here, 50 s of the tiny part's 55 s,
-    and no call frees any of them."""
+    and no call frees any of them.
+
+    And the C heap trimmed (`trim_heap`, untimed): what one variant freed is given back to the
+    system instead of being the next variant's ready memory.  Without it the variant run
+    right after ckptfs's load reused the 52 MiB of pages ckptfs's result had just freed,
+    while ckptfs (after DCP's in-place load, which frees little) faulted its own in: alone in
+    a loop, ckptfs and ``torch.load`` each faulted the whole state in every time and took the
+    same 37 ms, interleaved ``torch.load`` took 15 ms right after ckptfs.  A resumed job loads
+    into fresh memory, as every variant now does."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     i = 0
     gc.collect()
@@ -175,6 +194,7 @@ def interleave(variants: Mapping[str, Callable[[int], Any]], rounds: int, warmup
                 gc.collect()
                 if hasattr(os, "sync"):
                     os.sync()
+                trim_heap()
                 mark = rss_mark() if rss is not None else None
                 t0 = time.perf_counter()
                 out = fn(i)
