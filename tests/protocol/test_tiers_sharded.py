@@ -481,8 +481,9 @@ def test_sharded_save_async_on_two_tiers(tmp_path: Path) -> None:
         assert_state_equal(remote.load(step), plains[step])
 
 
-def job_manager(rank: int, world: int, root: str) -> Any:
-    """A CheckpointManager on a sharded two-tier store: local retention works on every node
+def job_manager(rank: int, world: int, root: str, layout: str | None = None) -> Any:
+    """A CheckpointManager on a sharded two-tier store (``layout``: its metadata layout, None
+    or ``"per-rank"``, format v2 or v5): local retention works on every node
     (the coordinator's quick verify checks the files its node holds; the other nodes remove
     their files of the steps it deleted), after each save and in ``mgr.prune()`` on every
     rank.  A new job's manager restores bit-exact (its walk reads the remote tier, the one
@@ -508,8 +509,9 @@ def job_manager(rank: int, world: int, root: str) -> Any:
             raise StorageError(f"{op} {path}: injected outage")
 
     model, opt, _mesh = _model(world)
-    store = ckptfs.tiered(local, CheckpointStore(FaultyStorage(ckptfs.open(remote).storage,
-                                                               hook=hook)), retry_max_s=0.5)
+    store = ckptfs.tiered(ckptfs.open(local, metadata_layout=layout),
+                          CheckpointStore(FaultyStorage(ckptfs.open(remote).storage, hook=hook)),
+                          retry_max_s=0.5)
     mgr = ckptfs.CheckpointManager(store, keep_last=1)
     errors = []
 
@@ -540,9 +542,10 @@ def job_manager(rank: int, world: int, root: str) -> Any:
 
     def restored() -> bool:
         model3, opt3, _ = _model(world)
-        again = ckptfs.tiered(local, remote)
+        again = ckptfs.tiered(ckptfs.open(local, metadata_layout=layout), remote)
         nxt = ckptfs.CheckpointManager(again, keep_last=1).restore_latest(model=model3,
                                                                           optimizer=opt3)
+        assert again.info(nxt - 1).manifest.format_version == (5 if layout else 2)
         again.close()
         return nxt == 7 and all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in
                                 zip(model.parameters(), model3.parameters(), strict=True))
@@ -556,8 +559,10 @@ def job_manager(rank: int, world: int, root: str) -> Any:
     return out
 
 
-def test_manager_retention_and_restore_on_sharded_tiers(tmp_path: Path) -> None:
-    for rank, got in enumerate(run_ranks(job_manager, 2, str(tmp_path), timeout=240)):
+@pytest.mark.parametrize("layout", [None, "per-rank"])
+def test_manager_retention_and_restore_on_sharded_tiers(tmp_path: Path, layout: str | None
+                                                        ) -> None:
+    for rank, got in enumerate(run_ranks(job_manager, 2, str(tmp_path), layout, timeout=240)):
         assert got["errors"] == [], (rank, got["errors"])  # the prune was never refused
         assert got["node_steps"] == [[3], [4, 5], [5]], (rank, got)  # every node, not node 0
         assert got["pruned"] == [4], (rank, got)  # mgr.prune(): the same report on every rank
