@@ -532,8 +532,9 @@ def expand_over(storage: Storage, info: CheckpointInfo, group: Group, rank: int,
     """`expand` on every rank of ``group`` when the checkpoint's files are spread over the
     ranks' nodes (a two-tier store's local copy, docs/tiers.md "Sharded"): the coordinator
     reads the manifest's own documents (the spec, the table's blocks: its node's), each rank
-    its own index document (``rank``: its global rank, the one its files are named by), and
-    the group gathers them; every rank then decodes the same bytes by `read_partial`'s rules
+    its own index document (``rank``: its global rank, the one its files are named by; an
+    index missing there is looked for on every node in a second round), and the group
+    gathers them; every rank then decodes the same bytes by `read_partial`'s rules
     (each index checked against its row before it is decoded) into the same view.  Each
     rank receives every rank's index: what a node copy's load and replica need (every rank's
     files by their rank), O(items) as ``dcp.msgpack`` is for format v2.  ``remote``: another
@@ -542,24 +543,30 @@ def expand_over(storage: Storage, info: CheckpointInfo, group: Group, rank: int,
     (the gather carries it), the coordinator's first."""
     if not has_rank_metadata(info.manifest) or id(info.manifest) in _DOCUMENTS:
         return info
-    mine: dict[str, str] = {}
-    error: dict[str, Any] | None = None
-    try:
-        if group.coordinator:
-            for entry in info.manifest.files:
-                if isinstance(entry, ChunkedFileEntry) and entry.rank is None:
-                    doc = _bounded(storage, info, entry, MAX_METADATA_BYTES, None)
-                    mine[entry.path] = encode_bytes(doc)
-        own = _read_own_index(storage, info, rank)  # the row's size and digest decide
-        if own is not None:  # else a rank without a file (or its node lost): the rows decide
-            mine[index_name(rank)] = encode_bytes(own)
-    except Exception as exc:
-        error = describe(exc)
-    gathered = group.all_gather([mine, error])
-    for _, err in gathered:
-        if err is not None:
-            raise carried(err, CorruptCheckpointError)
-    held = {p: decode_bytes(d) for docs, _ in gathered for p, d in docs.items()}
+    def gather(ranks: list[int], own_docs: bool) -> dict[str, bytes]:
+        """Every rank's documents: the indexes of ``ranks`` its node holds, and with
+        ``own_docs`` on the coordinator the manifest's own documents."""
+        mine: dict[str, str] = {}
+        error: dict[str, Any] | None = None
+        try:
+            if own_docs and group.coordinator:
+                for entry in info.manifest.files:
+                    if isinstance(entry, ChunkedFileEntry) and entry.rank is None:
+                        doc = _bounded(storage, info, entry, MAX_METADATA_BYTES, None)
+                        mine[entry.path] = encode_bytes(doc)
+            for r in ranks:  # the row's size and digest decide; absent: the rows decide
+                data = _read_own_index(storage, info, r)
+                if data is not None:
+                    mine[index_name(r)] = encode_bytes(data)
+        except Exception as exc:
+            error = describe(exc)
+        gathered = group.all_gather([mine, error])
+        for _, err in gathered:
+            if err is not None:
+                raise carried(err, CorruptCheckpointError)
+        return {p: decode_bytes(d) for docs, _ in gathered for p, d in docs.items()}
+
+    held = gather([rank], True)
 
     def read(entry: ChunkedFileEntry, start: int, length: int) -> memoryview:
         """The verified bytes of a whole document (its one chunk checked here)."""
@@ -578,6 +585,14 @@ def expand_over(storage: Storage, info: CheckpointInfo, group: Group, rank: int,
             check_chunk(storage, src, chunk, view[chunk.offset:chunk.offset + chunk.length])
         return view[start:start + length]
 
+    # An index not on its own rank's node (a job started again with its ranks on other
+    # nodes): every node looks for the missing ones, found by the rows every rank decodes
+    # alike (the same bytes), so every rank takes this second round or none does.
+    rows = read_rows(storage, info, set(range(info.manifest.world_size)), read)
+    missing = [r for r, row in sorted(rows.items())
+               if row.has_file and index_name(r) not in held]
+    if missing:
+        held.update(gather(missing, False))
     return read_partial(storage, info, None, read=read, full=True)[0]
 
 

@@ -128,3 +128,11 @@ def test_a_nodes_own_part_is_listed_from_its_index(tmp_path: Path) -> None:
     assert [p.kind for p in found] == ["size"], found
     with pytest.raises(CorruptCheckpointError, match="size differs"):
         ckptfs.open(str(tmp_path / "run")).verify(1, quick=True)
+
+
+def test_an_index_on_another_ranks_node_is_found(tmp_path: Path) -> None:
+    """A job started again with its ranks on other nodes: this process is rank 5 now, its node
+    holds rank 0's files; the second round finds rank 0's index here."""
+    store, info = _saved(tmp_path / "run")
+    view = expand_over(store.storage, info, WorldOfOne(), 5)
+    assert _files(view) == _files(expand(store.storage, info))
