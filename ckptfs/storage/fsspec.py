@@ -40,6 +40,7 @@ from ckptfs.errors import (
     StorageAccessError,
     StorageError,
     StorageNotFoundError,
+    UnsafeCheckpointError,
 )
 from ckptfs.storage.backends import (
     EXTRAS,
@@ -273,6 +274,9 @@ class FsspecStorage:
 
     def read_bytes(self, path: str) -> bytes:
         with self._errors("read", path):
+            if self._local:
+                with os.fdopen(self._open_local(path), "rb") as f:
+                    return f.read()
             return cast(bytes, self.fs.cat_file(self.full(path), **self.spec.cat_options))
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
@@ -280,12 +284,48 @@ class FsspecStorage:
         if length <= 0:
             return b""
         with self._errors("read", path):
+            if self._local:
+                fd = self._open_local(path)
+                try:
+                    out = bytearray()
+                    while len(out) < length:
+                        got = os.pread(fd, length - len(out), start + len(out))
+                        if not got:
+                            break
+                        out += got
+                    return bytes(out)
+                finally:
+                    os.close(fd)
             return cast(bytes, self.fs.cat_file(self.full(path), start=start, end=start + length))
+
+    def _open_local(self, path: str) -> int:
+        """A local file opened for reading (a descriptor), refused unless it is a regular
+        file: a FIFO in a run root (which a read would wait on forever), a directory, a device
+        or a socket is `UnsafeCheckpointError` naming it.  The open never waits
+        (``O_NONBLOCK``, cleared once the file is known to be regular)."""
+        nonblock = getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(self.full(path), os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0))
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if \
+                    stat.S_ISDIR(mode) else "a device or a socket"
+                raise UnsafeCheckpointError(
+                    f"read {self.describe(path)}: {kind}, not a regular file; a checkpoint "
+                    "holds only regular files. Refusing to read it", path=path)
+            if nonblock:
+                os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
         with self._errors("read", path):
-            if self.spec.shared_read_handles:
+            if self._local:
+                f: Any = os.fdopen(self._open_local(path), "rb")
+            elif self.spec.shared_read_handles:
                 f = io.BytesIO(self.fs.cat_file(self.full(path)))
             else:
                 f = self.fs.open(self.full(path), "rb", **self.spec.read_options)
