@@ -37,6 +37,7 @@ from ckptfs.errors import (
     BackendUnavailableError,
     CheckpointExistsError,
     CkptfsError,
+    CorruptCheckpointError,
     StorageAccessError,
     StorageError,
     StorageNotFoundError,
@@ -301,10 +302,16 @@ class FsspecStorage:
     def _open_local(self, path: str) -> int:
         """A local file opened for reading (a descriptor), refused unless it is a regular
         file: a FIFO in a run root (which a read would wait on forever), a directory, a device
-        or a socket is `UnsafeCheckpointError` naming it.  The open never waits
+        or a socket is `UnsafeCheckpointError` naming it; a path through something that is not
+        a directory, `CorruptCheckpointError`.  The open never waits
         (``O_NONBLOCK``, cleared once the file is known to be regular)."""
         nonblock = getattr(os, "O_NONBLOCK", 0)
-        fd = os.open(self.full(path), os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fd = os.open(self.full(path), os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0))
+        except NotADirectoryError:  # a directory of the layout replaced by a file or a FIFO
+            raise CorruptCheckpointError(
+                f"read {self.describe(path)}: a directory on its path is not a directory (a "
+                "file or a FIFO in its place)", path=path) from None
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):

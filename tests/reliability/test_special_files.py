@@ -109,3 +109,29 @@ def test_a_special_file_is_refused_not_waited_on(tmp_path: Path, fmt: str, rel: 
             assert isinstance(exc, CorruptCheckpointError) or "rank(s) [0]" in str(exc), \
                 (how, exc)
         assert rel.rsplit("/", 1)[-1] in str(exc), (how, exc)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file"])
+def test_an_attempt_directory_that_is_not_one_is_corrupt_and_rolled_back(tmp_path: Path,
+                                                                        kind: str) -> None:
+    """The attempt the newest marker names is a FIFO or a file: typed, naming it, and the
+    rollback reads take the step before."""
+    import shutil
+
+    store = ckptfs.open(str(tmp_path / "run"))
+    store.save(1, _state())
+    info = store.save(2, _state())
+    attempt = tmp_path / "run" / info.path
+    shutil.rmtree(attempt)
+    if kind == "fifo":
+        os.mkfifo(attempt)
+    else:
+        attempt.write_bytes(b"not a directory")
+    for how in ("latest", "load"):
+        exc = _bounded(lambda how=how: getattr(ckptfs.open(str(tmp_path / "run")), how)(),
+                       attempt if kind == "fifo" else None)
+        assert isinstance(exc, CorruptCheckpointError), (how, exc)
+        assert info.attempt in str(exc), exc
+    again = ckptfs.open(str(tmp_path / "run"))
+    assert torch.equal(again.load(allow_rollback=True)["w"], _state()["w"])
+    assert again.latest(allow_rollback=True).step == 1
