@@ -282,7 +282,8 @@ def load_node_copy(local: Storage, remote: Storage, info: CheckpointInfo, into: 
         error = describe(exc)
     if has_rank_metadata(info.manifest):  # format v5: every rank's files, from every node
         info = expand_over(local, info, group, group.ranks[group.rank],
-                           remote=None if there is None else (remote, there))
+                           remote=None if there is None else (remote, there),
+                           missing=LocalCopyUnavailable)  # a lost node: not corruption
     if error is None:
         try:
             held = node_holdings(local, info)

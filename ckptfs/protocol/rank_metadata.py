@@ -528,7 +528,8 @@ def is_expanded(info: CheckpointInfo) -> bool:
 
 
 def expand_over(storage: Storage, info: CheckpointInfo, group: Group, rank: int, *,
-                remote: tuple[Storage, CheckpointInfo] | None = None) -> CheckpointInfo:
+                remote: tuple[Storage, CheckpointInfo] | None = None,
+                missing: Callable[[str], Exception] | None = None) -> CheckpointInfo:
     """`expand` on every rank of ``group`` when the checkpoint's files are spread over the
     ranks' nodes (a two-tier store's local copy, docs/tiers.md "Sharded"): the coordinator
     reads the manifest's own documents (the spec, the table's blocks: its node's), each rank
@@ -539,7 +540,8 @@ def expand_over(storage: Storage, info: CheckpointInfo, group: Group, rank: int,
     rank receives every rank's index: what a node copy's load and replica need (every rank's
     files by their rank), O(items) as ``dcp.msgpack`` is for format v2.  ``remote``: another
     copy of the same checkpoint (a two-tier store's remote copy, the same content), from
-    which a document on no node (a lost node's) is read.  An error is raised on every rank
+    which a document on no node (a lost node's) is read; else such a document is
+    ``missing(message)`` (default `CorruptCheckpointError`).  An error is raised on every rank
     (the gather carries it), the coordinator's first."""
     if not has_rank_metadata(info.manifest) or id(info.manifest) in _DOCUMENTS:
         return info
@@ -576,8 +578,9 @@ def expand_over(storage: Storage, info: CheckpointInfo, group: Group, rank: int,
         if data is None and remote is not None:
             return read_chunks(remote[0], remote[1], entry, start, length)
         if data is None:
-            raise src.corrupt(f"{where}: on no rank's node (a lost node, or a rank of the "
-                              "save that is not in this group)")
+            text = (f"{where}: on no rank's node (a lost node, or a rank of the save that is "
+                    "not in this group)")
+            raise src.corrupt(text) if missing is None else missing(text)
         if len(data) != entry.size:
             raise src.corrupt(f"{where}: {len(data)} B, the checkpoint declares {entry.size} B")
         view = memoryview(data)
@@ -589,10 +592,10 @@ def expand_over(storage: Storage, info: CheckpointInfo, group: Group, rank: int,
     # nodes): every node looks for the missing ones, found by the rows every rank decodes
     # alike (the same bytes), so every rank takes this second round or none does.
     rows = read_rows(storage, info, set(range(info.manifest.world_size)), read)
-    missing = [r for r, row in sorted(rows.items())
-               if row.has_file and index_name(r) not in held]
-    if missing:
-        held.update(gather(missing, False))
+    absent = [r for r, row in sorted(rows.items())
+              if row.has_file and index_name(r) not in held]
+    if absent:
+        held.update(gather(absent, False))
     return read_partial(storage, info, None, read=read, full=True)[0]
 
 

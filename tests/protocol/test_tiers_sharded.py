@@ -619,15 +619,27 @@ def job_per_rank(rank: int, world: int, root: str) -> Any:
     replica copies each node's files from that node (the ranks' indexes gathered to list them)
     and commits a v5 step at the remote; the local copy loads spread over the nodes, a lost
     node's index and rank file come from the remote copy; a quick verify checks each node's
-    own part; a node's damaged index fails the load of the local copy, and the remote copy
-    stands in (logged)."""
+    own part; a step whose node is lost before it reached the remote is skipped for the
+    one before (logged, not corruption); a node's damaged index fails the load of the local
+    copy, and the remote copy stands in (logged)."""
     import torch.distributed as dist
 
     records = LogRecords()
     logging.getLogger("ckptfs").addHandler(records)
+    from ckptfs.protocol.store import CheckpointStore
+    from ckptfs.testing.faults import FaultyStorage
+
     local, remote = f"{root}/node-{rank}", f"{root}/remote"
+    down = {"now": False}
+
+    def hook(op: str, path: str) -> None:
+        if down["now"]:
+            raise StorageError(f"{op} {path}: injected outage")
+
     model, opt, mesh = _model(world)
-    store = ckptfs.tiered(ckptfs.open(local, metadata_layout="per-rank"), remote)
+    store = ckptfs.tiered(ckptfs.open(local, metadata_layout="per-rank"),
+                          CheckpointStore(FaultyStorage(ckptfs.open(remote).storage, hook=hook)),
+                          retry_max_s=0.5)
     assert store.node_local
     plains = {}
     for step in (1, 2):
@@ -656,6 +668,24 @@ def job_per_rank(rank: int, world: int, root: str) -> Any:
         Path(f"{remote}-away").rename(remote)
     dist.barrier()
     assert not [m for m in records.messages if "fails" in m], records.messages
+
+    # Step 4 saved while the remote is down, then node 1's files of it lost: the local copy
+    # cannot serve (its index is on no node, and the remote has no copy): not corruption, the
+    # walk goes on to step 3 (logged).
+    down["now"] = True
+    store.save(4, _train_state(model, opt, 4))
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(next(Path(local).glob("checkpoints/step-*4")))
+    dist.barrier()
+    before = len(records.messages)
+    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
+    logged = records.messages[before:]
+    assert any("step 4" in m and "on no rank's node" in m for m in logged), logged
+    if rank == 0:  # the walk's coordinator decides and says so
+        assert any("trying the next older step" in m for m in logged), logged
+    down["now"] = False
+    dist.barrier()
 
     # Node 1 damaged: its index of step 3 flipped (the same size). The local copy fails its
     # check on every rank and the remote copy stands in, bit-exact.
