@@ -27,7 +27,10 @@ node's disk (docs/tiers.md "Sharded").  One step, on every rank::
                   remapped to the destination's own bytes (format v3: `_plan_referencing`; v4:
                   `references_at`), each chunk reused there read and checked first; opens the
                   destination attempt (Attempt.open) and checks the manifest it will commit
-    broadcast     the plan: the source checkpoint and the attempt name (or the outcome)
+    broadcast     the plan: the source checkpoint and the attempt name (or the outcome); for
+                  a format v5 source whose files lie on the ranks' nodes, first "expand":
+                  every rank gathers every rank's index (`expand_over`), the coordinator plans
+                  over that view, and the plan is broadcast then
     every rank    copies the files it holds (a world of one: all of them; a rank of a sharded
                   store: its own rank files, the coordinator also dcp.msgpack and anything
                   rank-less) with `copy_file` (hashed while written, compared with the source
