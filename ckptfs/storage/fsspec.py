@@ -37,11 +37,9 @@ from ckptfs.errors import (
     BackendUnavailableError,
     CheckpointExistsError,
     CkptfsError,
-    CorruptCheckpointError,
     StorageAccessError,
     StorageError,
     StorageNotFoundError,
-    UnsafeCheckpointError,
 )
 from ckptfs.storage.backends import (
     EXTRAS,
@@ -71,6 +69,7 @@ from ckptfs.storage.classify import error_chain as error_chain
 from ckptfs.storage.classify import is_precondition_failure as is_precondition_failure
 from ckptfs.storage.classify import permanent_advice
 from ckptfs.storage.classify import status_code as status_code
+from ckptfs.storage.local_files import link_or_create, open_regular, read_at
 from ckptfs.storage.syncs import sync_all
 
 log = logging.getLogger("ckptfs.storage")
@@ -275,7 +274,7 @@ class FsspecStorage:
 
     def read_bytes(self, path: str) -> bytes:
         with self._errors("read", path):
-            if self._local:
+            if self._local:  # never waits on a FIFO (`ckptfs.storage.local_files`)
                 with os.fdopen(self._open_local(path), "rb") as f:
                     return f.read()
             return cast(bytes, self.fs.cat_file(self.full(path), **self.spec.cat_options))
@@ -288,44 +287,13 @@ class FsspecStorage:
             if self._local:
                 fd = self._open_local(path)
                 try:
-                    out = bytearray()
-                    while len(out) < length:
-                        got = os.pread(fd, length - len(out), start + len(out))
-                        if not got:
-                            break
-                        out += got
-                    return bytes(out)
+                    return read_at(fd, start, length)
                 finally:
                     os.close(fd)
             return cast(bytes, self.fs.cat_file(self.full(path), start=start, end=start + length))
 
     def _open_local(self, path: str) -> int:
-        """A local file opened for reading (a descriptor), refused unless it is a regular
-        file: a FIFO in a run root (which a read would wait on forever), a directory, a device
-        or a socket is `UnsafeCheckpointError` naming it; a path through something that is not
-        a directory, `CorruptCheckpointError`.  The open never waits
-        (``O_NONBLOCK``, cleared once the file is known to be regular)."""
-        nonblock = getattr(os, "O_NONBLOCK", 0)
-        try:
-            fd = os.open(self.full(path), os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0))
-        except NotADirectoryError:  # a directory of the layout replaced by a file or a FIFO
-            raise CorruptCheckpointError(
-                f"read {self.describe(path)}: a directory on its path is not a directory (a "
-                "file or a FIFO in its place)", path=path) from None
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if \
-                    stat.S_ISDIR(mode) else "a device or a socket"
-                raise UnsafeCheckpointError(
-                    f"read {self.describe(path)}: {kind}, not a regular file; a checkpoint "
-                    "holds only regular files. Refusing to read it", path=path)
-            if nonblock:
-                os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return open_regular(self.full(path), self.describe(path), path)
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
@@ -549,29 +517,11 @@ class FsspecStorage:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            self._link_or_create(tmp, full, data)
+            link_or_create(tmp, full, data)
         finally:
             with suppress(FileNotFoundError):
                 os.unlink(tmp)
         self.sync_dir(os.path.dirname(path))
-
-    @staticmethod
-    def _link_or_create(tmp: str, full: str, data: bytes) -> None:
-        try:
-            os.link(tmp, full)
-        except OSError as exc:
-            if exc.errno == errno.EEXIST:
-                raise FileExistsError(errno.EEXIST, "exists", full) from None
-            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
-            # A filesystem without hard links: fall back to O_EXCL (can leave a partial marker
-            # on a crash mid-write; the reader then reports it as corrupt, never as committed).
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
     def delete(self, path: str) -> None:
         with self._errors("delete", path), suppress(FileNotFoundError):
