@@ -460,11 +460,14 @@ class StepCopier:
             return list(manifest.files) if self.coordinator else []
         return own_files(manifest, self.rank, self.coordinator)
 
-    def _plan_step(self, step: int, reuse: bool) -> dict[str, Any]:
-        """The coordinator's part before any file is copied (module docstring); the step
+    def _plan_step(self, step: int, reuse: bool, info: CheckpointInfo | None = None
+                   ) -> dict[str, Any]:
+        """The coordinator's part before any file is copied (module docstring), of the
+        committed ``step`` (or of ``info``, its view with every rank's files); the step
         committed at the destination meanwhile (``Attempt.open`` refused) is settled as a lost
         marker race."""
-        info = read_committed(self.src, step)
+        if info is None:
+            info = read_committed(self.src, step)
         try:
             return self._plan_copy(info, reuse)
         except CheckpointExistsError as exc:
@@ -497,13 +500,7 @@ class StepCopier:
             return None, mine, sent
         if self.coordinator:
             try:
-                sent = self._plan_copy(view, reuse)
-            except CheckpointExistsError as exc:
-                self._abandon()
-                try:
-                    sent = self._settle(view, exc)
-                except Exception as exc2:
-                    mine, sent = exc2, self._failure(step, exc2)
+                sent = self._plan_step(step, reuse, view)
             except Exception as exc:
                 mine, sent = exc, self._failure(step, exc)
         return view, mine, sent

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import stat
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -71,18 +70,13 @@ from ckptfs.format.rank_metadata import (
 from ckptfs.format.serialize import dtype_code
 from ckptfs.format.sharded_metadata import DcpDocument
 from ckptfs.format.versions import has_rank_metadata
-from ckptfs.protocol.chunks import (
-    StoredChunks,
-    check_chunk,
-    open_no_follow,
-    pread_views,
-    read_chunks,
-)
+from ckptfs.protocol.chunks import StoredChunks, check_chunk, read_chunks
 from ckptfs.protocol.commit import Attempt, now_text, placeholder_digest
 from ckptfs.protocol.group import Group, carried, decode_bytes, describe, encode_bytes
 from ckptfs.protocol.listing import check_written
 from ckptfs.protocol.resolve import CheckpointInfo, storage_url
 from ckptfs.storage.base import LocalFiles, Storage, supports
+from ckptfs.storage.local_files import open_regular, read_at
 
 if TYPE_CHECKING:
     from ckptfs.protocol.global_plan import GlobalPlan
@@ -469,36 +463,28 @@ def _read_own_index(storage: Storage, info: CheckpointInfo, rank: int) -> bytes 
     """The bytes of rank ``rank``'s index document as this node holds them, before any
     listing: at most one byte past `MAX_RANK_INDEX_BYTES` (the caller bounds it), None when
     it is not there.  On local disk a link is refused (`UnsafeCheckpointError`) and so is
-    anything but a regular file (a FIFO would block the read)."""
+    anything but a regular file (a FIFO would block the read): `open_regular`."""
     path = f"{info.path}/{index_name(rank)}"
-    where = storage_url(storage, path)
     if not supports(storage, LocalFiles):
         try:
             with storage.open_read(path) as f:
                 return bytes(f.read(MAX_RANK_INDEX_BYTES + 1))
         except FileNotFoundError:
             return None
-    local = cast(LocalFiles, storage).local_path(path)
+    where = storage_url(storage, path)
     try:
-        st = os.lstat(local)
+        fd = open_regular(cast(LocalFiles, storage).local_path(path), where, path,
+                          follow=False, step=info.step)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise StorageError(f"{where}: cannot read: {exc}") from exc
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafeCheckpointError(f"{where} is not a regular file (a link, a FIFO, a "
-                                    "directory); refusing to read it", step=info.step,
-                                    path=path)
-    fd = open_no_follow(local, where, step=info.step, path=path,
-                        missing=lambda: FileNotFoundError(where))
     try:
-        buf = bytearray(min(st.st_size, MAX_RANK_INDEX_BYTES) + 1)
-        got = pread_views(fd, [memoryview(buf)], 0)
+        return read_at(fd, 0, min(os.fstat(fd).st_size, MAX_RANK_INDEX_BYTES) + 1)
     except OSError as exc:
         raise StorageError(f"{where}: cannot read: {exc}") from exc
     finally:
         os.close(fd)
-    return bytes(buf[:got])
 
 
 def own_rank_files(storage: Storage, info: CheckpointInfo, rank: int

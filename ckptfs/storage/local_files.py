@@ -19,27 +19,39 @@ from ckptfs.errors import CorruptCheckpointError, UnsafeCheckpointError
 __all__ = ["link_or_create", "open_regular", "read_at"]
 
 
-def open_regular(local: str, where: str, path: str) -> int:
-    """The local file ``local`` (``where``: how errors name it; ``path``: its storage path)
-    opened for reading, as a descriptor: a FIFO, a directory, a device or a socket is
-    `UnsafeCheckpointError`; a path through something that is not a directory (a directory of
-    the layout replaced by a file or a FIFO), `CorruptCheckpointError`; a missing file,
+def open_regular(local: str, where: str, path: str, *, follow: bool = True,
+                 step: int | None = None) -> int:
+    """The local file ``local`` (``where``: how errors name it; ``path``: its storage path;
+    ``step``: the checkpoint's, if known) opened for reading, as a descriptor: a FIFO, a
+    directory, a device or a socket is `UnsafeCheckpointError`, and so is a symbolic link
+    without ``follow``; a path through something that is not a directory (a directory of the
+    layout replaced by a file or a FIFO), `CorruptCheckpointError`; a missing file,
     ``FileNotFoundError`` as raised.  ``O_NONBLOCK`` is cleared once the file is known to be
     regular."""
     nonblock = getattr(os, "O_NONBLOCK", 0)
+    flags = os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(local, os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(local, flags)
     except NotADirectoryError:
         raise CorruptCheckpointError(f"read {where}: a directory on its path is not a directory "
-                                     "(a file or a FIFO in its place)", path=path) from None
+                                     "(a file or a FIFO in its place)", step=step,
+                                     path=path) from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP or follow:
+            raise
+        raise UnsafeCheckpointError(f"read {where} is not a regular file (a symbolic link); a "
+                                    "checkpoint holds only regular files. Refusing to read it",
+                                    step=step, path=path) from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) \
                 else "a device or a socket"
-            raise UnsafeCheckpointError(f"read {where}: {kind}, not a regular file; a checkpoint "
-                                        "holds only regular files. Refusing to read it",
-                                        path=path)
+            raise UnsafeCheckpointError(f"read {where} is not a regular file ({kind}); a "
+                                        "checkpoint holds only regular files. Refusing to read "
+                                        "it", step=step, path=path)
         if nonblock:
             os.set_blocking(fd, True)
     except BaseException:

@@ -95,6 +95,24 @@ def _load_into(store: Any, plain: Any, mesh: Any, **kw: Any) -> Any:
     return to_plain(into)
 
 
+def _flip_last_byte(root: str, pattern: str) -> None:
+    """The last byte of the one file under ``root`` matching ``pattern`` flipped (a file of the
+    same size whose bytes are not the committed ones)."""
+    f = next(Path(root).glob(pattern))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def _load_logged(records: LogRecords, store: Any, plain: Any, mesh: Any,
+                 expect: Any = None) -> list[str]:
+    """``load(into=)`` of ``store`` bit-exact with ``expect`` (default ``plain``, the state
+    whose shapes the targets take); what the load logged."""
+    before = len(records.messages)
+    assert_state_equal(_load_into(store, plain, mesh), plain if expect is None else expect)
+    return records.messages[before:]
+
+
 def job_replicate(rank: int, world: int, root: str) -> Any:
     import torch.distributed as dist
 
@@ -150,14 +168,9 @@ def job_replicate(rank: int, world: int, root: str) -> Any:
     # A corrupt local file (same size): the local copy fails its digest check, the remote copy
     # is loaded, and the log says so (on every rank).
     if rank == 0:
-        f = next(Path(local).glob("checkpoints/step-*3/*/rank-00000/data-0.safetensors"))
-        data = bytearray(f.read_bytes())
-        data[-1] ^= 0xFF
-        f.write_bytes(bytes(data))
+        _flip_last_byte(local, "checkpoints/step-*3/*/rank-00000/data-0.safetensors")
     dist.barrier()
-    before = len(records.messages)
-    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
-    logged = records.messages[before:]
+    logged = _load_logged(records, store, plains[3], mesh)
     assert any("the local copy of step 3 at" in m and "fails" in m for m in logged), logged
     assert any("using the remote copy of step 3" in m for m in logged), logged
 
@@ -169,10 +182,7 @@ def job_replicate(rank: int, world: int, root: str) -> Any:
     with pytest.raises(ReplicationError, match="CheckpointExistsError"):
         store.wait_replicated(timeout=60)
     if rank == 0:
-        f = next(Path(local).glob("checkpoints/step-*4/*/rank-00000/data-0.safetensors"))
-        data = bytearray(f.read_bytes())
-        data[-1] ^= 0xFF
-        f.write_bytes(bytes(data))
+        _flip_last_byte(local, "checkpoints/step-*4/*/rank-00000/data-0.safetensors")
     dist.barrier()
     with pytest.raises(ckptfs.TierMismatchError, match="not the same checkpoint"):
         _load_into(store, plains[3], mesh)
@@ -280,10 +290,8 @@ def job_failing_rank(rank: int, world: int, root: str) -> Any:
         for d in Path(local).glob("checkpoints/step-*3"):
             shutil.rmtree(d)
     dist.barrier()
-    before = len(records.messages)
-    assert_state_equal(_load_into(store, plains[3], mesh), plains[2])
-    assert any("step 3 cannot be loaded" in m for m in records.messages[before:]), \
-        records.messages[before:]
+    logged = _load_logged(records, store, plains[3], mesh, expect=plains[2])
+    assert any("step 3 cannot be loaded" in m for m in logged), logged
     store.close()
     dist.barrier()
 
@@ -592,10 +600,7 @@ def job_one_rank(rank: int, world: int, root: str) -> Any:
     assert status.lag_steps == 0 and sorted(status.steps) == [1, 2], status
     assert_state_equal(_load_into(store, plain2, mesh), plain2)
     assert_state_equal(_load_step(store, plain1, mesh, 1), plain1)
-    f = next(Path(f"{root}/local").glob("checkpoints/step-*2/*/rank-00000/data-0.safetensors"))
-    data = bytearray(f.read_bytes())
-    data[-1] ^= 0xFF
-    f.write_bytes(bytes(data))
+    _flip_last_byte(f"{root}/local", "checkpoints/step-*2/*/rank-00000/data-0.safetensors")
     assert_state_equal(_load_into(store, plain2, mesh), plain2)  # the remote copy
     assert any("using the remote copy of step 2" in m for m in records.messages), \
         records.messages
@@ -678,9 +683,7 @@ def job_per_rank(rank: int, world: int, root: str) -> Any:
     if rank == 1:
         shutil.rmtree(next(Path(local).glob("checkpoints/step-*4")))
     dist.barrier()
-    before = len(records.messages)
-    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
-    logged = records.messages[before:]
+    logged = _load_logged(records, store, plains[3], mesh)
     assert any("step 4" in m and "on no rank's node" in m for m in logged), logged
     if rank == 0:  # the walk's coordinator decides and says so
         assert any("trying the next older step" in m for m in logged), logged
@@ -690,14 +693,9 @@ def job_per_rank(rank: int, world: int, root: str) -> Any:
     # Node 1 damaged: its index of step 3 flipped (the same size). The local copy fails its
     # check on every rank and the remote copy stands in, bit-exact.
     if rank == 1:
-        f = next(Path(local).glob("checkpoints/step-*3/*/rank-00001/index.msgpack"))
-        data = bytearray(f.read_bytes())
-        data[-1] ^= 0xFF
-        f.write_bytes(bytes(data))
+        _flip_last_byte(local, "checkpoints/step-*3/*/rank-00001/index.msgpack")
     dist.barrier()
-    before = len(records.messages)
-    assert_state_equal(_load_into(store, plains[3], mesh), plains[3])
-    logged = records.messages[before:]
+    logged = _load_logged(records, store, plains[3], mesh)
     assert any("using the remote copy of step 3" in m for m in logged), logged
 
     # Node 1 lost (a replaced node): its index and rank file come from the remote copy.
